@@ -1,0 +1,325 @@
+//! The lease API under `/_fence/`: decode, call the lease store, encode.
+//!
+//! | Method and path | |
+//! | --- | --- |
+//! | `POST /_fence/leases/{name}` | acquire |
+//! | `POST /_fence/leases/{name}/renew` | renew |
+//! | `DELETE /_fence/leases/{name}` | release |
+//! | `GET /_fence/leases/{name}`, `GET /_fence/leases` | inspect, list |
+//! | `GET /_fence/livez`, `GET /_fence/readyz` | health |
+//! | `GET /_fence/metrics` | Prometheus text |
+//! | `GET`/`POST /_fence/clock` | manual clock only |
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{HeaderValue, CONTENT_TYPE};
+use http::{Method, Request, Response, StatusCode};
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::body::{self, Body};
+use crate::clock::ClockKind;
+use crate::error::Problem;
+use crate::fence::{credentials, FENCING_LEASE_ID, FENCING_TOKEN};
+use crate::lease::{is_valid_lease_name, Acquired, LeaseStore, View};
+use crate::route::decode_path;
+
+/// The path prefix fencegate keeps for itself.
+pub const PREFIX: &str = "/_fence/";
+
+/// Largest JSON body the lease API reads.
+const MAX_API_BODY_BYTES: usize = 64 * 1024;
+
+/// The lease API's state.
+#[derive(Clone, Debug)]
+pub struct Api {
+    leases: LeaseStore,
+    require_lease_id: bool,
+    draining: Arc<AtomicBool>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AcquireBody {
+    holder: String,
+    ttl_ms: serde_json::Value,
+    #[serde(default)]
+    wait_ms: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RenewBody {
+    #[serde(default)]
+    ttl_ms: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AdvanceBody {
+    advance_ms: u64,
+}
+
+/// Reads a TTL: any JSON number that is not a u64 is out of bounds
+/// (`invalid-ttl`); anything else is not a TTL at all (`invalid-request`).
+fn ttl_from_json(value: &serde_json::Value, leases: &LeaseStore) -> Result<u64, Problem> {
+    let limits = leases.limits();
+    match value {
+        serde_json::Value::Number(n) => n
+            .as_u64()
+            .ok_or_else(|| Problem::invalid_ttl(limits.min_ttl_ms, limits.max_ttl_ms)),
+        _ => Err(Problem::invalid_request(
+            "ttl_ms must be a number of milliseconds",
+        )),
+    }
+}
+
+async fn read_json<T: serde::de::DeserializeOwned>(
+    body: Body,
+    optional: bool,
+) -> Result<Option<T>, Problem> {
+    let bytes = match body::collect(body, MAX_API_BODY_BYTES).await {
+        Ok(bytes) => bytes,
+        Err(body::ReadError::TooLarge) => {
+            return Err(Problem::payload_too_large(MAX_API_BODY_BYTES as u64))
+        }
+        Err(body::ReadError::Failed(_)) => {
+            return Err(Problem::invalid_request("the body could not be read"))
+        }
+    };
+    if optional && bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(None);
+    }
+    serde_json::from_slice(&bytes).map(Some).map_err(|e| {
+        Problem::invalid_request(format!("the body is not valid JSON for this call: {e}"))
+    })
+}
+
+fn json_response(status: StatusCode, value: &serde_json::Value) -> Response<Body> {
+    let mut res = Response::new(body::full(Bytes::from(value.to_string())));
+    *res.status_mut() = status;
+    res.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    res
+}
+
+fn view_json(name: &str, v: &View) -> serde_json::Value {
+    json!({
+        "lease": name,
+        "state": v.state.as_str(),
+        "holder": v.holder,
+        "token": v.token,
+        "expires_in_ms": v.expires_in_ms,
+        "transitions": v.transitions,
+    })
+}
+
+fn grant_response(name: &str, granted: &Acquired, acquire: bool) -> Response<Body> {
+    let mut body = json!({
+        "lease": name,
+        "holder": granted.holder,
+        "token": granted.token,
+        "ttl_ms": granted.ttl_ms,
+        "expires_in_ms": granted.expires_in_ms,
+    });
+    let status = if acquire {
+        body["lease_id"] = json!(granted.lease_id.expose());
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    let mut res = json_response(status, &body);
+    res.headers_mut()
+        .insert(FENCING_TOKEN, HeaderValue::from(granted.token));
+    if acquire {
+        if let Ok(id) = HeaderValue::from_str(granted.lease_id.expose()) {
+            res.headers_mut().insert(FENCING_LEASE_ID, id);
+        }
+    }
+    res
+}
+
+impl Api {
+    pub fn new(leases: LeaseStore, require_lease_id: bool, draining: Arc<AtomicBool>) -> Self {
+        Self {
+            leases,
+            require_lease_id,
+            draining,
+        }
+    }
+
+    /// Answers a request whose path starts with [`PREFIX`].
+    pub async fn handle(&self, req: Request<Body>) -> Response<Body> {
+        match self.route(req).await {
+            Ok(res) => res,
+            Err(problem) => problem.into_response(),
+        }
+    }
+
+    async fn route(&self, req: Request<Body>) -> Result<Response<Body>, Problem> {
+        let path = req.uri().path().to_owned();
+        let segments = decode_path(&path).map_err(|bad| Problem::invalid_request(bad.0))?;
+        let segments: Vec<&str> = segments.iter().map(|s| s.as_ref()).collect();
+        let method = req.method().clone();
+        match (segments.get(1..).unwrap_or_default(), method) {
+            (["leases"], Method::GET) => Ok(self.list()),
+            (["leases", name], Method::POST) => self.acquire(name, req).await,
+            (["leases", name], Method::GET) => self.inspect(name),
+            (["leases", name], Method::DELETE) => self.release(name, &req),
+            (["leases", name, "renew"], Method::POST) => self.renew(name, req).await,
+            (["livez"], Method::GET | Method::HEAD) => {
+                Ok(json_response(StatusCode::OK, &json!({"status": "live"})))
+            }
+            (["readyz"], Method::GET | Method::HEAD) => Ok(self.readyz()),
+            (["metrics"], Method::GET) => Ok(self.metrics()),
+            (["clock"], Method::GET) => self.clock(None),
+            (["clock"], Method::POST) => {
+                let body: AdvanceBody = read_json(req.into_body(), false)
+                    .await?
+                    .expect("required body");
+                self.clock(Some(body.advance_ms))
+            }
+            (
+                ["leases"]
+                | ["leases", _]
+                | ["leases", _, "renew"]
+                | ["livez"]
+                | ["readyz"]
+                | ["metrics"]
+                | ["clock"],
+                _,
+            ) => Err(Problem::method_not_allowed()),
+            _ => Err(Problem::not_found()),
+        }
+    }
+
+    fn name<'a>(&self, name: &'a str) -> Result<&'a str, Problem> {
+        if is_valid_lease_name(name) {
+            Ok(name)
+        } else {
+            Err(Problem::invalid_lease_name(name))
+        }
+    }
+
+    async fn acquire(&self, name: &str, req: Request<Body>) -> Result<Response<Body>, Problem> {
+        let name = self.name(name)?;
+        let body: AcquireBody = read_json(req.into_body(), false)
+            .await?
+            .expect("required body");
+        let ttl_ms = ttl_from_json(&body.ttl_ms, &self.leases)?;
+        let granted = self
+            .leases
+            .acquire(name, &body.holder, ttl_ms, body.wait_ms.unwrap_or(0))
+            .await
+            .map_err(|e| Problem::acquire_failed(name, e))?;
+        Ok(grant_response(name, &granted, true))
+    }
+
+    async fn renew(&self, name: &str, req: Request<Body>) -> Result<Response<Body>, Problem> {
+        let name = self.name(name)?;
+        let (parts, body) = req.into_parts();
+        let (token, lease_id) =
+            credentials(&parts.headers, self.require_lease_id).map_err(|p| p.lease(name))?;
+        let body: RenewBody = read_json(body, true).await?.unwrap_or_default();
+        let ttl_ms = body
+            .ttl_ms
+            .as_ref()
+            .map(|v| ttl_from_json(v, &self.leases))
+            .transpose()?;
+        let renewed = self
+            .leases
+            .renew(name, token, lease_id, ttl_ms)
+            .map_err(|e| Problem::renew_failed(name, e))?;
+        tracing::debug!(
+            lease = name,
+            token,
+            ttl_ms = renewed.ttl_ms,
+            "lease renewed"
+        );
+        Ok(grant_response(name, &renewed, false))
+    }
+
+    fn release(&self, name: &str, req: &Request<Body>) -> Result<Response<Body>, Problem> {
+        let name = self.name(name)?;
+        let (token, lease_id) =
+            credentials(req.headers(), self.require_lease_id).map_err(|p| p.lease(name))?;
+        self.leases
+            .release(name, token, lease_id)
+            .map_err(|r| Problem::rejected(name, r))?;
+        tracing::info!(lease = name, token, "lease released");
+        let mut res = Response::new(body::empty());
+        *res.status_mut() = StatusCode::NO_CONTENT;
+        Ok(res)
+    }
+
+    fn inspect(&self, name: &str) -> Result<Response<Body>, Problem> {
+        let name = self.name(name)?;
+        let view = self
+            .leases
+            .inspect(name)
+            .ok_or_else(|| Problem::unknown_lease(name))?;
+        Ok(json_response(StatusCode::OK, &view_json(name, &view)))
+    }
+
+    fn list(&self) -> Response<Body> {
+        let leases: Vec<serde_json::Value> = self
+            .leases
+            .list()
+            .iter()
+            .map(|(name, view)| view_json(name, view))
+            .collect();
+        json_response(StatusCode::OK, &json!({ "leases": leases }))
+    }
+
+    fn readyz(&self) -> Response<Body> {
+        if self.draining.load(Ordering::Acquire) {
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "draining",
+                "fencegate is shutting down",
+            )
+            .into_response()
+        } else if !self.leases.is_ready() {
+            Problem::store_unavailable("the lease store cannot persist grants").into_response()
+        } else {
+            json_response(StatusCode::OK, &json!({"status": "ready"}))
+        }
+    }
+
+    fn metrics(&self) -> Response<Body> {
+        let text = format!(
+            "# HELP fencegate_leases_held Leases with a live term.\n\
+             # TYPE fencegate_leases_held gauge\n\
+             fencegate_leases_held {}\n",
+            self.leases.held_count()
+        );
+        let mut res = Response::new(body::full(text));
+        res.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        );
+        res
+    }
+
+    fn clock(&self, advance_ms: Option<u64>) -> Result<Response<Body>, Problem> {
+        let clock = self.leases.clock();
+        if clock.kind() != ClockKind::Manual {
+            return Err(Problem::new(
+                StatusCode::NOT_FOUND,
+                "not-found",
+                "the clock endpoint exists only with --clock manual",
+            ));
+        }
+        let now_ms = match advance_ms {
+            Some(ms) => {
+                let now_ms = clock.advance(ms).unwrap_or_else(|| clock.now_ms());
+                tracing::info!(advance_ms = ms, now_ms, "manual clock advanced");
+                now_ms
+            }
+            None => clock.now_ms(),
+        };
+        Ok(json_response(StatusCode::OK, &json!({ "now_ms": now_ms })))
+    }
+}

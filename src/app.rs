@@ -1,0 +1,245 @@
+//! Composes fencegate into one [`tower::Service`], testable without sockets.
+//!
+//! A request flows, top to bottom:
+//! 1. request id: the client's `X-Request-Id` if sane, else a new one; it is
+//!    echoed on the response and passed to the backend;
+//! 2. limits: the request head (431) and the declared body length (413) are
+//!    checked first, and the body is wrapped so a longer stream fails too;
+//! 3. `/_fence/…` goes to the lease API; everything else to the data path,
+//!    which for `fencegate serve` is the fence in front of the backend.
+//!
+//! Limits come before routing so no part of fencegate ever reads an oversized
+//! request; the fence comes before the backend so a rejected write never
+//! reaches the storage.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::header::{HeaderValue, CONTENT_LENGTH};
+use http::{HeaderMap, Request, Response};
+use http_body_util::Limited;
+use tower::{Layer, Service};
+use tracing::Instrument;
+
+use crate::api::{Api, PREFIX};
+use crate::backend::Backend;
+use crate::body::{self, Body, BoxError};
+use crate::config::Config;
+use crate::error::Problem;
+use crate::fence::{Fence, FenceLayer, FencePolicy};
+use crate::lease::LeaseStore;
+
+/// The request-id header.
+pub const X_REQUEST_ID: &str = "x-request-id";
+
+/// Per-request limits applied before anything else runs.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestLimits {
+    /// Largest request body, in bytes.
+    pub max_body_bytes: u64,
+    /// Largest request head (target plus all header lines), in bytes.
+    pub max_header_bytes: usize,
+}
+
+/// Makes request ids: a random per-process prefix and a counter, so ids are
+/// unique without a syscall per request.
+#[derive(Debug)]
+struct RequestIds {
+    prefix: u64,
+    next: AtomicU64,
+}
+
+impl RequestIds {
+    fn new() -> Self {
+        let mut raw = [0u8; 8];
+        // A predictable prefix only makes ids less unique across processes.
+        let _ = getrandom::fill(&mut raw);
+        Self {
+            prefix: u64::from_le_bytes(raw),
+            next: AtomicU64::new(1),
+        }
+    }
+
+    fn make(&self) -> HeaderValue {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        HeaderValue::from_str(&format!("{:016x}-{n:x}", self.prefix))
+            .expect("hex and '-' are valid header characters")
+    }
+}
+
+/// A client's request id is kept if it is 1-128 visible ASCII characters.
+fn is_sane_request_id(v: &HeaderValue) -> bool {
+    let b = v.as_bytes();
+    (1..=128).contains(&b.len()) && b.iter().all(|c| (0x21..=0x7e).contains(c))
+}
+
+fn head_size<B>(req: &Request<B>) -> usize {
+    let headers: usize = req
+        .headers()
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum();
+    headers + req.uri().to_string().len()
+}
+
+fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+}
+
+/// The whole of fencegate (or of the standalone backend) as one service.
+pub struct App<S> {
+    api: Option<Api>,
+    data: S,
+    limits: RequestLimits,
+    ids: Arc<RequestIds>,
+}
+
+impl<S: Clone> Clone for App<S> {
+    fn clone(&self) -> Self {
+        Self {
+            api: self.api.clone(),
+            data: self.data.clone(),
+            limits: self.limits,
+            ids: self.ids.clone(),
+        }
+    }
+}
+
+/// The service `fencegate serve` runs.
+pub type FencegateApp = App<Fence<Backend>>;
+
+/// Everything [`build`] needs besides the config.
+pub struct Parts {
+    pub leases: LeaseStore,
+    pub backend: Backend,
+    /// Set when shutdown begins; turns `/_fence/readyz` to 503.
+    pub draining: Arc<AtomicBool>,
+}
+
+/// Composes `fencegate serve`: limits → (lease API | fence → backend).
+pub fn build(config: &Config, parts: Parts) -> Result<FencegateApp, String> {
+    let policy = FencePolicy {
+        routes: config.fence.compile_routes()?,
+        leases: parts.leases.clone(),
+        require_lease_id: config.fence.require_lease_id,
+        allow_unrouted_writes: config.fence.allow_unrouted_writes,
+    };
+    let data = FenceLayer::new(policy).layer(parts.backend);
+    let api = Api::new(parts.leases, config.fence.require_lease_id, parts.draining);
+    Ok(App::new(Some(api), data, config.request_limits()))
+}
+
+impl<S> App<S> {
+    /// An app with an optional lease API in front of `data`.
+    pub fn new(api: Option<Api>, data: S, limits: RequestLimits) -> Self {
+        Self {
+            api,
+            data,
+            limits,
+            ids: Arc::new(RequestIds::new()),
+        }
+    }
+}
+
+type BoxResponseFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+impl<S, B> Service<Request<B>> for App<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = BoxResponseFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.data.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let request_id = req
+            .headers()
+            .get(X_REQUEST_ID)
+            .filter(|v| is_sane_request_id(v))
+            .cloned()
+            .unwrap_or_else(|| self.ids.make());
+        let span = tracing::debug_span!("request", id = ?request_id, method = %req.method(), path = %req.uri().path());
+        // Everything generic over the body happens here, synchronously; the
+        // futures below are boxed and concrete.
+        let response: BoxResponseFuture = match self.limit(req) {
+            Err(problem) => Box::pin(std::future::ready(Ok(problem.into_response()))),
+            Ok(mut req) => {
+                req.headers_mut().insert(X_REQUEST_ID, request_id.clone());
+                match &self.api {
+                    Some(api) if req.uri().path().starts_with(PREFIX) => {
+                        let api = api.clone();
+                        Box::pin(async move { Ok(api.handle(req).await) })
+                    }
+                    _ => {
+                        // The standard tower dance: call the instance that was
+                        // polled ready, keep a fresh clone for the next call.
+                        let fresh = self.data.clone();
+                        let mut ready = std::mem::replace(&mut self.data, fresh);
+                        Box::pin(ready.call(req))
+                    }
+                }
+            }
+        };
+        Box::pin(
+            async move {
+                let mut res = response.await?;
+                res.headers_mut().insert(X_REQUEST_ID, request_id);
+                Ok(res)
+            }
+            .instrument(span),
+        )
+    }
+}
+
+impl<S> App<S> {
+    /// Applies the head and body limits; the body comes back boxed and capped.
+    fn limit<B>(&self, req: Request<B>) -> Result<Request<Body>, Problem>
+    where
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        if head_size(&req) > self.limits.max_header_bytes {
+            return Err(Problem::headers_too_large(self.limits.max_header_bytes));
+        }
+        if declared_length(req.headers()).is_some_and(|n| n > self.limits.max_body_bytes) {
+            return Err(Problem::payload_too_large(self.limits.max_body_bytes));
+        }
+        let limit = usize::try_from(self.limits.max_body_bytes).unwrap_or(usize::MAX);
+        Ok(req.map(|b| body::boxed(Limited::new(b, limit))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids() {
+        let ids = RequestIds::new();
+        assert_ne!(ids.make(), ids.make());
+        assert!(is_sane_request_id(&HeaderValue::from_static("abc-123")));
+        assert!(!is_sane_request_id(&HeaderValue::from_static("")));
+        assert!(!is_sane_request_id(&HeaderValue::from_static("a b")));
+        assert!(!is_sane_request_id(
+            &HeaderValue::from_str(&"x".repeat(129)).unwrap()
+        ));
+    }
+}

@@ -1,0 +1,171 @@
+//! The embedded key-value store: the default backend, so `fencegate serve`
+//! works alone, and `fencegate backend` serves it standalone.
+//!
+//! It keeps values in memory, keyed by the request path under `/kv/`: `PUT`
+//! stores the body (and its `Content-Type`), `GET`/`HEAD` return it, `DELETE`
+//! removes it, a missing key is 404. It is for trying fencegate out and for
+//! tests, not the storage you protect in production.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use dashmap::DashMap;
+use http::header::{HeaderValue, ALLOW, CONTENT_LENGTH, CONTENT_TYPE};
+use http::{Method, Request, Response, StatusCode};
+use tower::Service;
+
+use crate::body::{self, Body};
+use crate::error::Problem;
+
+/// The path prefix the embedded store serves.
+pub const KV_PREFIX: &str = "/kv/";
+
+#[derive(Clone, Debug)]
+struct Value {
+    bytes: Bytes,
+    content_type: Option<HeaderValue>,
+}
+
+/// The in-memory store; clones share the same data.
+#[derive(Clone, Debug, Default)]
+pub struct EmbeddedStore {
+    // A sharded map: keys are independent, and no guard lives across an await
+    // (the body is read in full before the insert).
+    values: Arc<DashMap<String, Value>>,
+}
+
+impl EmbeddedStore {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The stored value at `path` (e.g. `/kv/orders/x`), bypassing any fence.
+    /// Tests use it to prove what did or did not reach the storage.
+    pub fn get(&self, path: &str) -> Option<Bytes> {
+        self.values.get(path).map(|v| v.bytes.clone())
+    }
+
+    /// Stores `bytes` at `path` directly, bypassing any fence.
+    pub fn put(&self, path: &str, bytes: impl Into<Bytes>) {
+        self.values.insert(
+            path.to_owned(),
+            Value {
+                bytes: bytes.into(),
+                content_type: None,
+            },
+        );
+    }
+
+    /// How many keys are stored.
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    /// Whether nothing is stored.
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    async fn handle(self, req: Request<Body>) -> Response<Body> {
+        let path = req.uri().path().to_owned();
+        if !path.starts_with(KV_PREFIX) || path.len() == KV_PREFIX.len() {
+            return Problem::new(
+                StatusCode::NOT_FOUND,
+                "not-found",
+                "the embedded store serves /kv/{key}",
+            )
+            .into_response();
+        }
+        match *req.method() {
+            Method::GET | Method::HEAD => {
+                let Some(value) = self.values.get(&path).map(|v| v.clone()) else {
+                    return no_such_key();
+                };
+                let mut res = if req.method() == Method::HEAD {
+                    let mut res = Response::new(body::empty());
+                    res.headers_mut()
+                        .insert(CONTENT_LENGTH, HeaderValue::from(value.bytes.len()));
+                    res
+                } else {
+                    Response::new(body::full(value.bytes))
+                };
+                if let Some(ct) = value.content_type {
+                    res.headers_mut().insert(CONTENT_TYPE, ct);
+                }
+                res
+            }
+            Method::PUT => {
+                let (parts, body) = req.into_parts();
+                let bytes = match body::collect(body, usize::MAX).await {
+                    Ok(bytes) => bytes,
+                    Err(body::ReadError::TooLarge) => {
+                        return Problem::new(
+                            StatusCode::PAYLOAD_TOO_LARGE,
+                            "payload-too-large",
+                            "the body is over the configured limit",
+                        )
+                        .into_response()
+                    }
+                    Err(_) => {
+                        return Problem::invalid_request("the body could not be read")
+                            .into_response()
+                    }
+                };
+                let value = Value {
+                    bytes,
+                    content_type: parts.headers.get(CONTENT_TYPE).cloned(),
+                };
+                let created = self.values.insert(path, value).is_none();
+                let mut res = Response::new(body::empty());
+                *res.status_mut() = if created {
+                    StatusCode::CREATED
+                } else {
+                    StatusCode::NO_CONTENT
+                };
+                res
+            }
+            Method::DELETE => match self.values.remove(&path) {
+                Some(_) => {
+                    let mut res = Response::new(body::empty());
+                    *res.status_mut() = StatusCode::NO_CONTENT;
+                    res
+                }
+                None => no_such_key(),
+            },
+            _ => {
+                let mut res = Problem::method_not_allowed().into_response();
+                res.headers_mut()
+                    .insert(ALLOW, HeaderValue::from_static("GET, HEAD, PUT, DELETE"));
+                res
+            }
+        }
+    }
+}
+
+fn no_such_key() -> Response<Body> {
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        "not-found",
+        "no value is stored at this key",
+    )
+    .into_response()
+}
+
+impl Service<Request<Body>> for EmbeddedStore {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let store = self.clone();
+        Box::pin(async move { Ok(store.handle(req).await) })
+    }
+}

@@ -1,0 +1,76 @@
+//! The one body type that flows through fencegate's services, and helpers.
+
+use bytes::Bytes;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Empty, Full};
+
+/// Any error a body can fail with.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A boxed, streaming HTTP body. Unsync so hyper's incoming body and the
+/// upstream client's bodies both fit without copying.
+pub type Body = UnsyncBoxBody<Bytes, BoxError>;
+
+/// A body of exactly these bytes.
+pub fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
+
+/// An empty body.
+pub fn empty() -> Body {
+    Empty::new().map_err(|never| match never {}).boxed_unsync()
+}
+
+/// Boxes any body with byte chunks.
+pub fn boxed<B>(body: B) -> Body
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    body.map_err(Into::into).boxed_unsync()
+}
+
+/// Whether `err` (or its source chain) is a body-limit overflow.
+pub fn is_length_limit(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = cur {
+        if e.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
+}
+
+/// Why a body could not be read in full.
+#[derive(Debug)]
+pub enum ReadError {
+    /// The body is longer than the limit.
+    TooLarge,
+    /// The stream failed (client gone, bad framing).
+    Failed(BoxError),
+}
+
+/// Reads a whole body of at most `limit` bytes. A limit already imposed
+/// upstream (the app's body limit) reports as [`ReadError::TooLarge`] too.
+pub async fn collect(mut body: Body, limit: usize) -> Result<Bytes, ReadError> {
+    let mut buf = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            if is_length_limit(&*e) {
+                ReadError::TooLarge
+            } else {
+                ReadError::Failed(e)
+            }
+        })?;
+        if let Ok(data) = frame.into_data() {
+            if buf.len() + data.len() > limit {
+                return Err(ReadError::TooLarge);
+            }
+            buf.extend_from_slice(&data);
+        }
+    }
+    Ok(buf.freeze())
+}

@@ -1,0 +1,186 @@
+//! The proxy's clock: the only place in fencegate that reads time.
+//!
+//! Lease deadlines live on a monotonic millisecond timeline that starts when the
+//! process starts. Wall time is never used for deadlines, so a clock step (NTP,
+//! a VM resume, an operator) cannot shorten or lengthen a term.
+//!
+//! Two clocks share one handle, [`Clock`]:
+//! - the system clock reads tokio's monotonic [`tokio::time::Instant`] (so tests
+//!   that pause tokio's time also pause it);
+//! - the manual clock only moves when [`Clock::advance`] is called, which is how
+//!   tests and `--clock manual` replay a timeline exactly.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// Which kind of clock a [`Clock`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ClockKind {
+    /// Monotonic time since process start.
+    #[default]
+    System,
+    /// Time that only moves when told to (tests, demos, `POST /_fence/clock`).
+    Manual,
+}
+
+impl std::str::FromStr for ClockKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "system" => Ok(Self::System),
+            "manual" => Ok(Self::Manual),
+            other => Err(format!(
+                "unknown clock {other:?} (expected system or manual)"
+            )),
+        }
+    }
+}
+
+/// A cheap, cloneable handle to the proxy's monotonic millisecond clock.
+#[derive(Clone, Debug)]
+pub struct Clock {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+enum Inner {
+    System { origin: Instant },
+    Manual { now_ms: AtomicU64, advanced: Notify },
+}
+
+impl Clock {
+    /// The monotonic system clock, starting at 0 now.
+    pub fn system() -> Self {
+        Self {
+            inner: Arc::new(Inner::System {
+                origin: Instant::now(),
+            }),
+        }
+    }
+
+    /// A manual clock starting at `start_ms`.
+    pub fn manual(start_ms: u64) -> Self {
+        Self {
+            inner: Arc::new(Inner::Manual {
+                now_ms: AtomicU64::new(start_ms),
+                advanced: Notify::new(),
+            }),
+        }
+    }
+
+    /// A clock of the given kind.
+    pub fn new(kind: ClockKind) -> Self {
+        match kind {
+            ClockKind::System => Self::system(),
+            ClockKind::Manual => Self::manual(0),
+        }
+    }
+
+    /// Which kind of clock this is.
+    pub fn kind(&self) -> ClockKind {
+        match &*self.inner {
+            Inner::System { .. } => ClockKind::System,
+            Inner::Manual { .. } => ClockKind::Manual,
+        }
+    }
+
+    /// Milliseconds since the clock's origin. Never goes backwards.
+    pub fn now_ms(&self) -> u64 {
+        match &*self.inner {
+            Inner::System { origin } => {
+                u64::try_from(origin.elapsed().as_millis()).unwrap_or(u64::MAX)
+            }
+            Inner::Manual { now_ms, .. } => now_ms.load(Ordering::Acquire),
+        }
+    }
+
+    /// Moves a manual clock forward by `ms` and returns the new time; `None` for
+    /// the system clock, which cannot be moved.
+    pub fn advance(&self, ms: u64) -> Option<u64> {
+        match &*self.inner {
+            Inner::System { .. } => None,
+            Inner::Manual { now_ms, advanced } => {
+                // fetch_update keeps the clock saturating instead of wrapping.
+                let prev = now_ms
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+                        Some(t.saturating_add(ms))
+                    })
+                    .unwrap_or_else(|t| t);
+                advanced.notify_waiters();
+                Some(prev.saturating_add(ms))
+            }
+        }
+    }
+
+    /// Completes once `now_ms() >= deadline_ms`.
+    pub async fn sleep_until(&self, deadline_ms: u64) {
+        match &*self.inner {
+            Inner::System { origin } => {
+                let at = origin
+                    .checked_add(std::time::Duration::from_millis(deadline_ms))
+                    .unwrap_or_else(|| {
+                        Instant::now() + std::time::Duration::from_secs(86_400 * 365)
+                    });
+                tokio::time::sleep_until(at).await;
+            }
+            Inner::Manual { now_ms, advanced } => loop {
+                // Register interest before checking, so an advance between the
+                // check and the await is not missed.
+                let notified = advanced.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if now_ms.load(Ordering::Acquire) >= deadline_ms {
+                    return;
+                }
+                notified.await;
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn manual_clock_moves_only_when_told() {
+        let clock = Clock::manual(5);
+        assert_eq!(clock.now_ms(), 5);
+        assert_eq!(clock.advance(10), Some(15));
+        assert_eq!(clock.now_ms(), 15);
+        assert_eq!(clock.advance(u64::MAX), Some(u64::MAX));
+        assert_eq!(clock.now_ms(), u64::MAX);
+    }
+
+    #[test]
+    fn system_clock_cannot_be_advanced() {
+        assert_eq!(Clock::system().advance(1), None);
+    }
+
+    #[tokio::test]
+    async fn manual_sleep_wakes_on_advance() {
+        let clock = Clock::manual(0);
+        let waiter = tokio::spawn({
+            let clock = clock.clone();
+            async move { clock.sleep_until(100).await }
+        });
+        tokio::task::yield_now().await;
+        clock.advance(50);
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        clock.advance(50);
+        waiter.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn system_clock_follows_paused_tokio_time() {
+        let clock = Clock::system();
+        let t0 = clock.now_ms();
+        tokio::time::advance(std::time::Duration::from_millis(1500)).await;
+        assert_eq!(clock.now_ms() - t0, 1500);
+    }
+}

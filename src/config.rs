@@ -1,0 +1,420 @@
+//! Typed configuration: built-in defaults, then the TOML file, then
+//! `FENCEGATE_*` environment variables, then command-line flags.
+//!
+//! `config/fencegate.toml` in the repository documents every key with its
+//! default. Environment variables name a key by its path in upper case, with
+//! `__` between a section and its key: `FENCEGATE_LISTEN`,
+//! `FENCEGATE_LIMITS__MAX_BODY_BYTES`. Unknown keys are errors everywhere, so a
+//! typo never silently leaves a default in force.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::app::RequestLimits;
+use crate::backend::UpstreamOptions;
+use crate::clock::ClockKind;
+use crate::lease::LeaseLimits;
+use crate::route::{Route, Routes};
+
+/// Environment variables with the `FENCEGATE_` prefix that are not config keys.
+const NON_CONFIG_ENV: [&str; 3] = ["FENCEGATE_CONFIG", "FENCEGATE_LOG", "FENCEGATE_SERVER"];
+
+/// The whole configuration of `fencegate serve`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Address of the one listener.
+    pub listen: String,
+    /// `embedded`, or the base URL of the HTTP storage to protect.
+    pub upstream: String,
+    /// Where the lease store keeps its journal.
+    pub data_dir: PathBuf,
+    /// `system` (monotonic) or `manual` (moves only via `POST /_fence/clock`).
+    pub clock: ClockKind,
+    pub fence: FenceConfig,
+    pub leases: LeasesConfig,
+    pub limits: LimitsConfig,
+    pub proxy: ProxyConfig,
+}
+
+/// How writes are checked.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FenceConfig {
+    /// Whether fenced requests must carry `Fencing-Lease-Id`.
+    pub require_lease_id: bool,
+    /// Whether writes to paths no route guards are forwarded unchecked.
+    pub allow_unrouted_writes: bool,
+    /// Path patterns and the lease guarding each; the first match wins.
+    pub routes: Vec<RouteConfig>,
+}
+
+/// One route of the config file.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// e.g. `/kv/{lease}`: guards `/kv/orders` and `/kv/orders/…`.
+    pub pattern: String,
+    /// A fixed lease, for patterns without `{lease}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<String>,
+    /// Whether reads on this route need a live term too.
+    #[serde(default)]
+    pub fence_reads: bool,
+}
+
+/// Lease bounds.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LeasesConfig {
+    pub min_ttl_ms: u64,
+    pub max_ttl_ms: u64,
+    pub max_wait_ms: u64,
+}
+
+/// Request and connection limits.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    pub max_body_bytes: u64,
+    pub max_header_bytes: usize,
+    pub max_connections: usize,
+    pub header_read_timeout_ms: u64,
+    pub shutdown_grace_ms: u64,
+}
+
+/// The upstream client.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProxyConfig {
+    pub connect_timeout_ms: u64,
+    pub timeout_ms: u64,
+    pub pool_idle_timeout_ms: u64,
+    pub pool_max_idle: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8080".into(),
+            upstream: "embedded".into(),
+            data_dir: PathBuf::from("./data"),
+            clock: ClockKind::System,
+            fence: FenceConfig::default(),
+            leases: LeasesConfig::default(),
+            limits: LimitsConfig::default(),
+            proxy: ProxyConfig::default(),
+        }
+    }
+}
+
+impl Default for FenceConfig {
+    fn default() -> Self {
+        Self {
+            require_lease_id: true,
+            allow_unrouted_writes: false,
+            routes: vec![RouteConfig {
+                pattern: "/kv/{lease}".into(),
+                lease: None,
+                fence_reads: false,
+            }],
+        }
+    }
+}
+
+impl Default for LeasesConfig {
+    fn default() -> Self {
+        let l = LeaseLimits::default();
+        Self {
+            min_ttl_ms: l.min_ttl_ms,
+            max_ttl_ms: l.max_ttl_ms,
+            max_wait_ms: l.max_wait_ms,
+        }
+    }
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 1024 * 1024,
+            max_header_bytes: 16 * 1024,
+            max_connections: 10_000,
+            header_read_timeout_ms: 10_000,
+            shutdown_grace_ms: 10_000,
+        }
+    }
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        let o = UpstreamOptions::default();
+        Self {
+            connect_timeout_ms: o.connect_timeout_ms,
+            timeout_ms: o.timeout_ms,
+            pool_idle_timeout_ms: o.pool_idle_timeout_ms,
+            pool_max_idle: o.pool_max_idle,
+        }
+    }
+}
+
+/// What the upstream setting names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum UpstreamTarget {
+    Embedded,
+    Http(http::Uri),
+}
+
+/// Command-line overrides, applied last.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    pub listen: Option<String>,
+    pub upstream: Option<String>,
+    pub data_dir: Option<PathBuf>,
+    pub clock: Option<ClockKind>,
+}
+
+impl Config {
+    /// Defaults, then `file` (if any), then the `FENCEGATE_*` variables in
+    /// `env`, then `flags`; validated.
+    pub fn load(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+        flags: &Overrides,
+    ) -> Result<Self, String> {
+        let mut table = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| format!("cannot read config {}: {e}", path.display()))?;
+                text.parse::<toml::Table>()
+                    .map_err(|e| format!("config {}: {e}", path.display()))?
+            }
+            None => toml::Table::new(),
+        };
+        apply_env(&mut table, env)?;
+        let mut config: Config = table
+            .try_into()
+            .map_err(|e: toml::de::Error| format!("config: {}", e.message()))?;
+        if let Some(listen) = &flags.listen {
+            config.listen.clone_from(listen);
+        }
+        if let Some(upstream) = &flags.upstream {
+            config.upstream.clone_from(upstream);
+        }
+        if let Some(dir) = &flags.data_dir {
+            config.data_dir.clone_from(dir);
+        }
+        if let Some(clock) = flags.clock {
+            config.clock = clock;
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks every value, so a bad setting stops the start with a message.
+    pub fn validate(&self) -> Result<(), String> {
+        self.listen_addr()?;
+        self.upstream_target()?;
+        self.fence.compile_routes()?;
+        let l = &self.leases;
+        if l.min_ttl_ms == 0 || l.min_ttl_ms > l.max_ttl_ms {
+            return Err(format!(
+                "leases: need 0 < min_ttl_ms <= max_ttl_ms (got {} and {})",
+                l.min_ttl_ms, l.max_ttl_ms
+            ));
+        }
+        let lim = &self.limits;
+        for (name, value) in [
+            ("limits.max_body_bytes", lim.max_body_bytes),
+            ("limits.max_header_bytes", lim.max_header_bytes as u64),
+            ("limits.max_connections", lim.max_connections as u64),
+            ("limits.header_read_timeout_ms", lim.header_read_timeout_ms),
+            ("proxy.connect_timeout_ms", self.proxy.connect_timeout_ms),
+            ("proxy.timeout_ms", self.proxy.timeout_ms),
+        ] {
+            if value == 0 {
+                return Err(format!("{name} must be greater than 0"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The listener address.
+    pub fn listen_addr(&self) -> Result<SocketAddr, String> {
+        self.listen.parse().map_err(|_| {
+            format!(
+                "listen: {:?} is not an address like 127.0.0.1:8080",
+                self.listen
+            )
+        })
+    }
+
+    /// The backend the upstream setting names.
+    pub fn upstream_target(&self) -> Result<UpstreamTarget, String> {
+        if self.upstream == "embedded" {
+            return Ok(UpstreamTarget::Embedded);
+        }
+        let uri: http::Uri = self
+            .upstream
+            .parse()
+            .map_err(|_| format!("upstream: {:?} is not a URL", self.upstream))?;
+        if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+            return Err(format!(
+                "upstream: {:?} must be `embedded` or an http://host:port URL",
+                self.upstream
+            ));
+        }
+        Ok(UpstreamTarget::Http(uri))
+    }
+
+    /// The lease store's bounds.
+    pub fn lease_limits(&self) -> LeaseLimits {
+        LeaseLimits {
+            min_ttl_ms: self.leases.min_ttl_ms,
+            max_ttl_ms: self.leases.max_ttl_ms,
+            max_wait_ms: self.leases.max_wait_ms,
+        }
+    }
+
+    /// Per-request limits.
+    pub fn request_limits(&self) -> RequestLimits {
+        RequestLimits {
+            max_body_bytes: self.limits.max_body_bytes,
+            max_header_bytes: self.limits.max_header_bytes,
+        }
+    }
+
+    /// The upstream client's options.
+    pub fn upstream_options(&self) -> UpstreamOptions {
+        UpstreamOptions {
+            connect_timeout_ms: self.proxy.connect_timeout_ms,
+            timeout_ms: self.proxy.timeout_ms,
+            pool_idle_timeout_ms: self.proxy.pool_idle_timeout_ms,
+            pool_max_idle: self.proxy.pool_max_idle,
+        }
+    }
+}
+
+impl FenceConfig {
+    /// The compiled route table.
+    pub fn compile_routes(&self) -> Result<Routes, String> {
+        self.routes
+            .iter()
+            .map(|r| Route::new(&r.pattern, r.lease.as_deref(), r.fence_reads))
+            .collect::<Result<Vec<_>, _>>()
+            .map(Routes::new)
+    }
+}
+
+/// Sets `FENCEGATE_SECTION__KEY=value` variables into `table`, typed like the
+/// key's default so `FENCEGATE_LISTEN=8080`-style values stay strings.
+fn apply_env(
+    table: &mut toml::Table,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<(), String> {
+    let defaults = toml::Table::try_from(Config::default()).map_err(|e| e.to_string())?;
+    let mut vars: Vec<(String, String)> = env
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("FENCEGATE_") && !NON_CONFIG_ENV.contains(&k.as_str()))
+        .collect();
+    vars.sort();
+    for (var, raw) in vars {
+        let path: Vec<String> = var["FENCEGATE_".len()..]
+            .split("__")
+            .map(str::to_ascii_lowercase)
+            .collect();
+        let unknown = || format!("{var}: no such setting");
+        let (last, sections) = path.split_last().ok_or_else(unknown)?;
+        let mut default_tbl = &defaults;
+        let mut target = &mut *table;
+        for section in sections {
+            default_tbl = default_tbl
+                .get(section)
+                .and_then(toml::Value::as_table)
+                .ok_or_else(unknown)?;
+            target = target
+                .entry(section.clone())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+                .as_table_mut()
+                .ok_or_else(|| format!("{var}: {section} is not a section in the config file"))?;
+        }
+        let value = match default_tbl.get(last).ok_or_else(unknown)? {
+            toml::Value::Integer(_) => toml::Value::Integer(
+                raw.parse()
+                    .map_err(|_| format!("{var}: {raw:?} is not an integer"))?,
+            ),
+            toml::Value::Boolean(_) => toml::Value::Boolean(
+                raw.parse()
+                    .map_err(|_| format!("{var}: {raw:?} is not true or false"))?,
+            ),
+            toml::Value::String(_) => toml::Value::String(raw),
+            _ => {
+                return Err(format!(
+                    "{var}: this setting can only be set in the config file"
+                ))
+            }
+        };
+        target.insert(last.clone(), value);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let c = Config::load(None, env(&[]), &Overrides::default()).unwrap();
+        assert_eq!(c.listen, "127.0.0.1:8080");
+        assert_eq!(c.upstream_target().unwrap(), UpstreamTarget::Embedded);
+        assert!(c.fence.require_lease_id);
+    }
+
+    #[test]
+    fn env_then_flags_override() {
+        let c = Config::load(
+            None,
+            env(&[
+                ("FENCEGATE_LISTEN", "127.0.0.1:9000"),
+                ("FENCEGATE_LIMITS__MAX_BODY_BYTES", "42"),
+                ("FENCEGATE_FENCE__REQUIRE_LEASE_ID", "false"),
+                ("FENCEGATE_CLOCK", "manual"),
+                ("FENCEGATE_SERVER", "ignored"),
+                ("OTHER", "ignored"),
+            ]),
+            &Overrides {
+                listen: Some("127.0.0.1:9001".into()),
+                ..Overrides::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(c.listen, "127.0.0.1:9001");
+        assert_eq!(c.limits.max_body_bytes, 42);
+        assert!(!c.fence.require_lease_id);
+        assert_eq!(c.clock, ClockKind::Manual);
+    }
+
+    #[test]
+    fn bad_settings_are_refused() {
+        let load = |pairs: &[(&str, &str)]| Config::load(None, env(pairs), &Overrides::default());
+        assert!(load(&[("FENCEGATE_NOPE", "1")])
+            .unwrap_err()
+            .contains("no such setting"));
+        assert!(load(&[("FENCEGATE_LIMITS__NOPE", "1")]).is_err());
+        assert!(load(&[("FENCEGATE_LIMITS__MAX_BODY_BYTES", "lots")]).is_err());
+        assert!(load(&[("FENCEGATE_LISTEN", "nowhere")]).is_err());
+        assert!(load(&[("FENCEGATE_UPSTREAM", "ftp://x")]).is_err());
+        assert!(load(&[("FENCEGATE_CLOCK", "sundial")]).is_err());
+        assert!(load(&[("FENCEGATE_LEASES__MIN_TTL_MS", "0")]).is_err());
+        assert!(load(&[("FENCEGATE_FENCE__ROUTES", "x")]).is_err());
+    }
+}

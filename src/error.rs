@@ -1,0 +1,365 @@
+//! One mapping from errors to HTTP: every error fencegate answers itself is an
+//! RFC 9457 `application/problem+json` document with a stable `reason`.
+//!
+//! Modules return their own typed errors; this is the only place that turns
+//! them into status codes and bodies. Problem details never carry internals
+//! (no lease ids, no upstream addresses, no error chains).
+
+use bytes::Bytes;
+use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::{Response, StatusCode};
+use serde::Serialize;
+
+use crate::body::{self, Body};
+use crate::lease::{AcquireError, Reject, RenewError};
+
+/// Who is at fault for an error, for logs and metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// The request was wrong or not allowed.
+    Client,
+    /// The backend failed or was too slow.
+    Upstream,
+    /// fencegate itself could not do its job (e.g. persist a grant).
+    Proxy,
+}
+
+/// A problem document about to be sent. Boxed, so `Result<_, Problem>` stays
+/// one word wide on the hot path.
+#[derive(Clone, Debug)]
+pub struct Problem(Box<Doc>);
+
+/// The RFC 9457 members.
+#[derive(Clone, Debug, Serialize)]
+struct Doc {
+    #[serde(rename = "type")]
+    type_uri: String,
+    title: &'static str,
+    #[serde(serialize_with = "ser_status")]
+    status: StatusCode,
+    detail: String,
+    reason: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lease: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    current_token: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    holder: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    expires_in_ms: Option<u64>,
+    #[serde(skip)]
+    retry_after_s: Option<u64>,
+}
+
+fn ser_status<S: serde::Serializer>(status: &StatusCode, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u16(status.as_u16())
+}
+
+impl Problem {
+    /// A problem with `status`, stable `reason` and a human `detail`.
+    pub fn new(status: StatusCode, reason: &'static str, detail: impl Into<String>) -> Self {
+        Self(Box::new(Doc {
+            type_uri: format!("urn:fencegate:problem:{reason}"),
+            title: title(reason),
+            status,
+            detail: detail.into(),
+            reason,
+            lease: None,
+            current_token: None,
+            holder: None,
+            expires_in_ms: None,
+            retry_after_s: None,
+        }))
+    }
+
+    /// Names the lease the problem is about.
+    pub fn lease(mut self, lease: &str) -> Self {
+        self.0.lease = Some(lease.to_owned());
+        self
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        self.0.status
+    }
+
+    /// The stable reason.
+    pub fn reason(&self) -> &'static str {
+        self.0.reason
+    }
+
+    /// Who is at fault.
+    pub fn fault(&self) -> Fault {
+        match self.0.status.as_u16() {
+            502 | 504 => Fault::Upstream,
+            500..=599 => Fault::Proxy,
+            _ => Fault::Client,
+        }
+    }
+
+    // Constructors for the contract's rows that have no typed source error.
+
+    pub fn missing_token() -> Self {
+        Self::new(
+            StatusCode::PRECONDITION_REQUIRED,
+            "missing-fencing-token",
+            "a fenced request needs a Fencing-Token header",
+        )
+    }
+
+    pub fn missing_lease_id() -> Self {
+        Self::new(
+            StatusCode::PRECONDITION_REQUIRED,
+            "missing-lease-id",
+            "a fenced request needs a Fencing-Lease-Id header",
+        )
+    }
+
+    pub fn malformed_token(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "malformed-fencing-token", detail)
+    }
+
+    pub fn invalid_lease_name(name: &str) -> Self {
+        // The name is echoed only when it is printable and short.
+        let shown = if name.len() <= 200 && !name.chars().any(char::is_control) {
+            format!("{name:?}")
+        } else {
+            "the name".to_owned()
+        };
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid-lease-name",
+            format!("{shown} is not a lease name: use 1-128 bytes of [A-Za-z0-9._-]"),
+        )
+    }
+
+    pub fn invalid_request(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid-request", detail)
+    }
+
+    pub fn invalid_ttl(min_ttl_ms: u64, max_ttl_ms: u64) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid-ttl",
+            format!("ttl_ms must be between {min_ttl_ms} and {max_ttl_ms} inclusive"),
+        )
+    }
+
+    pub fn unrouted_write() -> Self {
+        Self::new(
+            StatusCode::FORBIDDEN,
+            "unrouted-write",
+            "no route guards this path, and unrouted writes are not allowed",
+        )
+    }
+
+    pub fn payload_too_large(limit: u64) -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload-too-large",
+            format!("the body is over the limit of {limit} bytes"),
+        )
+    }
+
+    pub fn headers_too_large(limit: usize) -> Self {
+        Self::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "headers-too-large",
+            format!("the request headers are over the limit of {limit} bytes"),
+        )
+    }
+
+    pub fn unknown_lease(name: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "unknown-lease",
+            "this lease has never been acquired",
+        )
+        .lease(name)
+    }
+
+    pub fn store_unavailable(detail: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "lease-store-unavailable",
+            detail,
+        )
+    }
+
+    pub fn upstream_error() -> Self {
+        Self::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream-error",
+            "the backend failed to answer",
+        )
+    }
+
+    pub fn upstream_timeout(timeout_ms: u64) -> Self {
+        Self::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream-timeout",
+            format!("the backend did not answer within {timeout_ms} ms"),
+        )
+    }
+
+    pub fn not_found() -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "not-found",
+            "no such fencegate endpoint",
+        )
+    }
+
+    pub fn method_not_allowed() -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method-not-allowed",
+            "this endpoint does not take that method",
+        )
+    }
+
+    /// A refused write, renew or release of `lease`.
+    pub fn rejected(lease: &str, reject: Reject) -> Self {
+        let (status, detail) = match reject {
+            Reject::UnknownToken { .. } => (
+                StatusCode::PRECONDITION_FAILED,
+                "this fencing token was never issued for this lease",
+            ),
+            Reject::StaleToken { .. } => (
+                StatusCode::PRECONDITION_FAILED,
+                "a newer term of this lease exists; this token is stale",
+            ),
+            Reject::LeaseIdMismatch { .. } => (
+                StatusCode::FORBIDDEN,
+                "the lease id does not belong to this term",
+            ),
+            Reject::Released { .. } => (
+                StatusCode::PRECONDITION_FAILED,
+                "this term of the lease was released",
+            ),
+            Reject::Expired { .. } => (
+                StatusCode::PRECONDITION_FAILED,
+                "this term of the lease has expired; acquire it again",
+            ),
+        };
+        let mut p = Self::new(status, reject.reason(), detail).lease(lease);
+        p.0.current_token = Some(reject.current_token());
+        p
+    }
+
+    /// A refused acquire of `lease`.
+    pub fn acquire_failed(lease: &str, err: AcquireError) -> Self {
+        match err {
+            AcquireError::Held(held) => {
+                let mut p = Self::new(
+                    StatusCode::CONFLICT,
+                    "lease-held",
+                    "another holder has a live term of this lease",
+                )
+                .lease(lease);
+                p.0.current_token = Some(held.token);
+                p.0.holder = Some(held.holder);
+                p.0.expires_in_ms = Some(held.expires_in_ms);
+                p.0.retry_after_s = Some(held.expires_in_ms.div_ceil(1000));
+                p
+            }
+            AcquireError::InvalidTtl {
+                min_ttl_ms,
+                max_ttl_ms,
+            } => Self::invalid_ttl(min_ttl_ms, max_ttl_ms),
+            AcquireError::Invalid(detail) => Self::invalid_request(detail),
+            AcquireError::Unavailable(detail) => Self::store_unavailable(detail).lease(lease),
+        }
+    }
+
+    /// A refused renew of `lease`.
+    pub fn renew_failed(lease: &str, err: RenewError) -> Self {
+        match err {
+            RenewError::Rejected(reject) => Self::rejected(lease, reject),
+            RenewError::InvalidTtl {
+                min_ttl_ms,
+                max_ttl_ms,
+            } => Self::invalid_ttl(min_ttl_ms, max_ttl_ms),
+        }
+    }
+
+    /// The HTTP response for this problem.
+    pub fn into_response(self) -> Response<Body> {
+        let json = serde_json::to_vec(&*self.0).unwrap_or_default();
+        let mut res = Response::new(body::full(Bytes::from(json)));
+        *res.status_mut() = self.0.status;
+        res.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(secs) = self.0.retry_after_s {
+            res.headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from(secs));
+        }
+        res
+    }
+}
+
+/// A short title per reason (RFC 9457 `title`: same for every occurrence).
+fn title(reason: &str) -> &'static str {
+    match reason {
+        "missing-fencing-token" => "Missing fencing token",
+        "missing-lease-id" => "Missing lease id",
+        "malformed-fencing-token" => "Malformed fencing token",
+        "invalid-lease-name" => "Invalid lease name",
+        "invalid-ttl" => "Invalid TTL",
+        "invalid-request" => "Invalid request",
+        "stale-fencing-token" => "Stale fencing token",
+        "unknown-fencing-token" => "Unknown fencing token",
+        "lease-expired" => "Lease expired",
+        "lease-released" => "Lease released",
+        "lease-id-mismatch" => "Lease id mismatch",
+        "unrouted-write" => "Unrouted write",
+        "lease-held" => "Lease held",
+        "unauthorized" => "Unauthorized",
+        "payload-too-large" => "Payload too large",
+        "headers-too-large" => "Headers too large",
+        "unknown-lease" => "Unknown lease",
+        "lease-store-unavailable" => "Lease store unavailable",
+        "upstream-error" => "Upstream error",
+        "upstream-timeout" => "Upstream timeout",
+        "not-found" => "Not found",
+        "method-not-allowed" => "Method not allowed",
+        _ => "Error",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lease::Held;
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds() {
+        for (ms, secs) in [(1, "1"), (1000, "1"), (1001, "2"), (3000, "3")] {
+            let res = Problem::acquire_failed(
+                "l",
+                AcquireError::Held(Held {
+                    holder: "B".into(),
+                    token: 2,
+                    expires_in_ms: ms,
+                }),
+            )
+            .into_response();
+            assert_eq!(res.status(), 409);
+            assert_eq!(res.headers()[RETRY_AFTER], secs);
+        }
+    }
+
+    #[test]
+    fn every_reason_has_a_title() {
+        for reason in [
+            "missing-fencing-token",
+            "stale-fencing-token",
+            "lease-store-unavailable",
+            "upstream-timeout",
+        ] {
+            assert_ne!(title(reason), "Error");
+        }
+    }
+}

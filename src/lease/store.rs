@@ -1,0 +1,449 @@
+//! The shared, concurrent handle around the pure lease state machine.
+//!
+//! Leases live in a [`DashMap`] keyed by name: a sharded map, so operations on
+//! different leases rarely contend, and the write hot path is one shard read
+//! lock and one lookup. A shard lock is only ever held for the few
+//! instructions of a state-machine call; it is never held across an `.await`
+//! (persisting a grant and waiting for a lease both happen after the guard is
+//! dropped).
+
+use std::sync::Arc;
+
+use dashmap::DashMap;
+use tokio::sync::Notify;
+
+use super::id::LeaseId;
+use super::machine::{AcquireRefused, Admit, Held, LeaseState, Reject, View};
+use crate::clock::Clock;
+use crate::journal::{GrantRecord, Journal};
+
+/// Bounds the store enforces on every acquire and renew.
+#[derive(Clone, Copy, Debug)]
+pub struct LeaseLimits {
+    /// Shortest TTL accepted, inclusive.
+    pub min_ttl_ms: u64,
+    /// Longest TTL accepted, inclusive.
+    pub max_ttl_ms: u64,
+    /// Longest `wait_ms` accepted on acquire, inclusive.
+    pub max_wait_ms: u64,
+}
+
+impl Default for LeaseLimits {
+    fn default() -> Self {
+        Self {
+            min_ttl_ms: 100,
+            max_ttl_ms: 3_600_000,
+            max_wait_ms: 60_000,
+        }
+    }
+}
+
+/// Longest holder name, in bytes.
+pub const MAX_HOLDER_LEN: usize = 256;
+
+/// A granted term, as the acquirer sees it.
+#[derive(Clone, Debug)]
+pub struct Acquired {
+    pub holder: String,
+    pub token: u64,
+    pub lease_id: LeaseId,
+    pub ttl_ms: u64,
+    pub expires_in_ms: u64,
+}
+
+/// Why an acquire failed.
+#[derive(Debug)]
+pub enum AcquireError {
+    /// Another term is live (after waiting, if asked to).
+    Held(Held),
+    /// The TTL is outside the configured bounds.
+    InvalidTtl { min_ttl_ms: u64, max_ttl_ms: u64 },
+    /// The request is malformed (bad holder, wait too long).
+    Invalid(String),
+    /// The grant could not be made durable, or no token is left to issue.
+    Unavailable(String),
+}
+
+/// Why a renew failed.
+#[derive(Debug)]
+pub enum RenewError {
+    Rejected(Reject),
+    InvalidTtl { min_ttl_ms: u64, max_ttl_ms: u64 },
+}
+
+/// One lease's entry in the map.
+#[derive(Default)]
+struct Slot {
+    state: LeaseState,
+    /// Woken when the lease becomes free early (release, abandoned grant), so
+    /// waiting acquirers retry at once instead of at the old deadline.
+    freed: Arc<Notify>,
+}
+
+struct Shared {
+    leases: DashMap<String, Slot>,
+    clock: Clock,
+    limits: LeaseLimits,
+    journal: Arc<dyn Journal>,
+}
+
+/// The lease store: cheap to clone, shared by the lease API and the fence.
+#[derive(Clone)]
+pub struct LeaseStore {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for LeaseStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseStore")
+            .field("leases", &self.shared.leases.len())
+            .field("limits", &self.shared.limits)
+            .finish()
+    }
+}
+
+impl LeaseStore {
+    /// A store on `clock`, persisting grants to `journal`.
+    pub fn new(clock: Clock, limits: LeaseLimits, journal: Arc<dyn Journal>) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                leases: DashMap::new(),
+                clock,
+                limits,
+                journal,
+            }),
+        }
+    }
+
+    /// The clock deadlines are measured on.
+    pub fn clock(&self) -> &Clock {
+        &self.shared.clock
+    }
+
+    /// The bounds in force.
+    pub fn limits(&self) -> LeaseLimits {
+        self.shared.limits
+    }
+
+    /// Whether grants can currently be persisted.
+    pub fn is_ready(&self) -> bool {
+        self.shared.journal.is_healthy()
+    }
+
+    fn check_ttl(&self, ttl_ms: u64) -> Result<(), (u64, u64)> {
+        let l = self.shared.limits;
+        if (l.min_ttl_ms..=l.max_ttl_ms).contains(&ttl_ms) {
+            Ok(())
+        } else {
+            Err((l.min_ttl_ms, l.max_ttl_ms))
+        }
+    }
+
+    /// Grants a new term of `name` to `holder`, waiting up to `wait_ms` for a
+    /// live term to end. The token is persisted before this returns.
+    ///
+    /// `name` must already be a valid lease name.
+    pub async fn acquire(
+        &self,
+        name: &str,
+        holder: &str,
+        ttl_ms: u64,
+        wait_ms: u64,
+    ) -> Result<Acquired, AcquireError> {
+        self.check_ttl(ttl_ms)
+            .map_err(|(min_ttl_ms, max_ttl_ms)| AcquireError::InvalidTtl {
+                min_ttl_ms,
+                max_ttl_ms,
+            })?;
+        if holder.is_empty()
+            || holder.len() > MAX_HOLDER_LEN
+            || holder.chars().any(char::is_control)
+        {
+            return Err(AcquireError::Invalid(format!(
+                "holder must be 1-{MAX_HOLDER_LEN} bytes without control characters"
+            )));
+        }
+        if wait_ms > self.shared.limits.max_wait_ms {
+            return Err(AcquireError::Invalid(format!(
+                "wait_ms must be at most {}",
+                self.shared.limits.max_wait_ms
+            )));
+        }
+        let clock = &self.shared.clock;
+        let wait_until_ms = clock.now_ms().saturating_add(wait_ms);
+        loop {
+            let lease_id = LeaseId::generate()
+                .map_err(|e| AcquireError::Unavailable(format!("OS RNG failed: {e}")))?;
+            let freed = self
+                .shared
+                .leases
+                .entry(name.to_owned())
+                .or_default()
+                .freed
+                .clone();
+            // Listen before trying, so a release between the attempt and the
+            // wait below still wakes this acquirer.
+            let notified = freed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+
+            let now_ms = clock.now_ms();
+            let (outcome, previous) = {
+                let mut slot = self.shared.leases.entry(name.to_owned()).or_default();
+                let previous = slot.state.term().cloned();
+                let outcome = slot.state.acquire(now_ms, holder, ttl_ms, lease_id.clone());
+                (outcome, previous)
+            };
+            match outcome {
+                Ok(grant) => {
+                    let record = GrantRecord {
+                        lease: name.to_owned(),
+                        token: grant.token,
+                        holder: holder.to_owned(),
+                        ttl_ms,
+                    };
+                    if let Err(err) = self.shared.journal.persist_grant(&record).await {
+                        self.abandon(name, grant.token, previous);
+                        tracing::warn!(lease = name, token = grant.token, error = %err, "grant not persisted; refused");
+                        return Err(AcquireError::Unavailable(
+                            "the lease store cannot persist grants right now".into(),
+                        ));
+                    }
+                    tracing::info!(
+                        lease = name,
+                        token = grant.token,
+                        holder,
+                        ttl_ms,
+                        "lease acquired"
+                    );
+                    return Ok(Acquired {
+                        holder: holder.to_owned(),
+                        token: grant.token,
+                        lease_id,
+                        ttl_ms,
+                        // Time spent persisting counts against the term.
+                        expires_in_ms: grant.deadline_ms.saturating_sub(clock.now_ms()),
+                    });
+                }
+                Err(AcquireRefused::TokensExhausted) => {
+                    return Err(AcquireError::Unavailable(
+                        "every fencing token of this lease has been issued".into(),
+                    ))
+                }
+                Err(AcquireRefused::Held(held)) => {
+                    if now_ms >= wait_until_ms {
+                        return Err(AcquireError::Held(held));
+                    }
+                    let retry_at_ms = now_ms.saturating_add(held.expires_in_ms).min(wait_until_ms);
+                    tokio::select! {
+                        () = &mut notified => {}
+                        () = clock.sleep_until(retry_at_ms) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    fn abandon(&self, name: &str, token: u64, previous: Option<super::machine::Term>) {
+        if let Some(mut slot) = self.shared.leases.get_mut(name) {
+            if slot.state.abandon(token, previous) {
+                slot.freed.notify_waiters();
+            }
+        }
+    }
+
+    /// Extends the live term `token` of `name` by `ttl_ms` (or its last TTL).
+    pub fn renew(
+        &self,
+        name: &str,
+        token: u64,
+        lease_id: Option<&[u8]>,
+        ttl_ms: Option<u64>,
+    ) -> Result<Acquired, RenewError> {
+        if let Some(ttl_ms) = ttl_ms {
+            self.check_ttl(ttl_ms)
+                .map_err(|(min_ttl_ms, max_ttl_ms)| RenewError::InvalidTtl {
+                    min_ttl_ms,
+                    max_ttl_ms,
+                })?;
+        }
+        let now_ms = self.shared.clock.now_ms();
+        let mut slot = self
+            .shared
+            .leases
+            .get_mut(name)
+            .ok_or(RenewError::Rejected(Reject::UnknownToken { current: 0 }))?;
+        let grant = slot
+            .state
+            .renew(now_ms, token, lease_id, ttl_ms)
+            .map_err(RenewError::Rejected)?;
+        let term = slot.state.term().expect("renewed term exists");
+        Ok(Acquired {
+            holder: term.holder.clone(),
+            token,
+            lease_id: term.lease_id.clone(),
+            ttl_ms: grant.ttl_ms,
+            expires_in_ms: grant.deadline_ms - now_ms,
+        })
+    }
+
+    /// Ends the live term `token` of `name`; waiting acquirers retry at once.
+    pub fn release(&self, name: &str, token: u64, lease_id: Option<&[u8]>) -> Result<(), Reject> {
+        let now_ms = self.shared.clock.now_ms();
+        let mut slot = self
+            .shared
+            .leases
+            .get_mut(name)
+            .ok_or(Reject::UnknownToken { current: 0 })?;
+        slot.state.release(now_ms, token, lease_id)?;
+        slot.freed.notify_waiters();
+        Ok(())
+    }
+
+    /// Decides whether a write with `token` may reach the storage now.
+    pub fn check_write(
+        &self,
+        name: &str,
+        token: u64,
+        lease_id: Option<&[u8]>,
+    ) -> Result<Admit, Reject> {
+        let now_ms = self.shared.clock.now_ms();
+        match self.shared.leases.get(name) {
+            Some(slot) => slot.state.check(now_ms, token, lease_id),
+            None => Err(Reject::UnknownToken { current: 0 }),
+        }
+    }
+
+    /// What inspection shows of `name`; `None` if it was never granted.
+    pub fn inspect(&self, name: &str) -> Option<View> {
+        let now_ms = self.shared.clock.now_ms();
+        self.shared.leases.get(name)?.state.view(now_ms)
+    }
+
+    /// Every lease ever granted, sorted by name.
+    pub fn list(&self) -> Vec<(String, View)> {
+        let now_ms = self.shared.clock.now_ms();
+        let mut out: Vec<(String, View)> = self
+            .shared
+            .leases
+            .iter()
+            .filter_map(|e| Some((e.key().clone(), e.value().state.view(now_ms)?)))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// How many leases have a live term now.
+    pub fn held_count(&self) -> usize {
+        let now_ms = self.shared.clock.now_ms();
+        self.shared
+            .leases
+            .iter()
+            .filter(|e| e.value().state.is_held(now_ms))
+            .count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::journal::MemoryJournal;
+
+    fn store(clock: &Clock) -> (LeaseStore, Arc<MemoryJournal>) {
+        let journal = Arc::new(MemoryJournal::default());
+        (
+            LeaseStore::new(clock.clone(), LeaseLimits::default(), journal.clone()),
+            journal,
+        )
+    }
+
+    #[tokio::test]
+    async fn waiting_acquire_wakes_on_release() {
+        let clock = Clock::manual(0);
+        let (leases, _) = store(&clock);
+        let a = leases.acquire("l", "A", 10_000, 0).await.unwrap();
+        let waiter = tokio::spawn({
+            let leases = leases.clone();
+            async move { leases.acquire("l", "B", 1000, 5_000).await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        leases
+            .release("l", a.token, Some(a.lease_id.expose().as_bytes()))
+            .unwrap();
+        let b = waiter.await.unwrap().unwrap();
+        assert_eq!(b.token, 2);
+    }
+
+    #[tokio::test]
+    async fn waiting_acquire_wakes_at_expiry_and_gives_up_at_wait_end() {
+        let clock = Clock::manual(0);
+        let (leases, _) = store(&clock);
+        leases.acquire("l", "A", 1000, 0).await.unwrap();
+        let waiter = tokio::spawn({
+            let leases = leases.clone();
+            async move { leases.acquire("l", "B", 1000, 5_000).await }
+        });
+        tokio::task::yield_now().await;
+        clock.advance(999);
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        clock.advance(1);
+        let b = waiter.await.unwrap().unwrap();
+        assert_eq!((b.token, b.holder.as_str()), (2, "B"));
+
+        // B holds for 1 s; C waits 300 ms and gives up with the holder's details.
+        let waiter = tokio::spawn({
+            let leases = leases.clone();
+            async move { leases.acquire("l", "C", 1000, 300).await }
+        });
+        tokio::task::yield_now().await;
+        clock.advance(300);
+        match waiter.await.unwrap() {
+            Err(AcquireError::Held(h)) => assert_eq!((h.token, h.expires_in_ms), (2, 700)),
+            other => panic!("expected held, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn failed_persist_issues_no_token_and_recovers() {
+        let clock = Clock::manual(0);
+        let (leases, journal) = store(&clock);
+        journal.set_failing(true);
+        assert!(!leases.is_ready());
+        assert!(matches!(
+            leases.acquire("l", "A", 1000, 0).await,
+            Err(AcquireError::Unavailable(_))
+        ));
+        assert_eq!(leases.inspect("l"), None);
+        journal.set_failing(false);
+        assert!(leases.is_ready());
+        let a = leases.acquire("l", "A", 1000, 0).await.unwrap();
+        // The abandoned token 1 is never reused.
+        assert_eq!(a.token, 2);
+    }
+
+    #[tokio::test]
+    async fn bounds_are_inclusive() {
+        let clock = Clock::manual(0);
+        let (leases, _) = store(&clock);
+        assert!(leases.acquire("a", "A", 100, 0).await.is_ok());
+        assert!(leases.acquire("b", "A", 3_600_000, 0).await.is_ok());
+        assert!(matches!(
+            leases.acquire("c", "A", 99, 0).await,
+            Err(AcquireError::InvalidTtl { .. })
+        ));
+        assert!(matches!(
+            leases.acquire("c", "A", 3_600_001, 0).await,
+            Err(AcquireError::InvalidTtl { .. })
+        ));
+        assert!(matches!(
+            leases.acquire("c", "", 1000, 0).await,
+            Err(AcquireError::Invalid(_))
+        ));
+        assert!(matches!(
+            leases.acquire("c", "A", 1000, 60_001).await,
+            Err(AcquireError::Invalid(_))
+        ));
+    }
+}

@@ -1,0 +1,196 @@
+//! Process wiring only: arguments and environment → config → telemetry →
+//! `server::run(…, shutdown)`.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use tokio::net::TcpListener;
+
+use fencegate::app::{self, App, Parts};
+use fencegate::backend::{Backend, EmbeddedStore, Upstream};
+use fencegate::clock::{Clock, ClockKind};
+use fencegate::config::{Config, Overrides, UpstreamTarget};
+use fencegate::journal::MemoryJournal;
+use fencegate::lease::LeaseStore;
+use fencegate::server::{self, ServerOptions};
+
+#[derive(Parser)]
+#[command(
+    name = "fencegate",
+    version,
+    about = "An HTTP reverse proxy that rejects stale writers with lease fencing tokens"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the fencing proxy in front of a backend.
+    Serve {
+        /// TOML config file (see config/fencegate.toml).
+        #[arg(long, env = "FENCEGATE_CONFIG")]
+        config: Option<PathBuf>,
+        /// Listener address, e.g. 127.0.0.1:8080 (port 0 picks a free port).
+        #[arg(long)]
+        listen: Option<String>,
+        /// `embedded` or the http:// base URL of the storage to protect.
+        #[arg(long)]
+        upstream: Option<String>,
+        /// Directory of the lease store.
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        /// `system` (monotonic) or `manual` (moved by POST /_fence/clock).
+        #[arg(long)]
+        clock: Option<ClockKind>,
+    },
+    /// Run the embedded key-value store alone, unfenced.
+    Backend {
+        /// Listener address, e.g. 127.0.0.1:9000.
+        #[arg(long)]
+        listen: String,
+    },
+}
+
+fn init_tracing() {
+    let filter = std::env::var("FENCEGATE_LOG")
+        .or_else(|_| std::env::var("RUST_LOG"))
+        .unwrap_or_else(|_| "info".into());
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}
+
+/// Announces the bound address on stdout, so scripts using port 0 can find it.
+fn announce(what: &str, listener: &TcpListener) -> std::io::Result<()> {
+    let addr = listener.local_addr()?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{what} listening on http://{addr}")?;
+    out.flush()
+}
+
+async fn serve(config: Config) -> Result<(), String> {
+    let clock = Clock::new(config.clock);
+    // Grants are not yet journalled to data_dir: tokens restart at 1 after a
+    // restart. The durable journal plugs in behind the same trait.
+    tracing::warn!("lease store is in memory: fencing tokens do not survive a restart yet");
+    let journal = Arc::new(MemoryJournal::default());
+    let leases = LeaseStore::new(clock, config.lease_limits(), journal);
+    let backend = match config.upstream_target()? {
+        UpstreamTarget::Embedded => Backend::Embedded(EmbeddedStore::new()),
+        UpstreamTarget::Http(uri) => {
+            Backend::Upstream(Box::new(Upstream::new(&uri, &config.upstream_options())?))
+        }
+    };
+    let draining = Arc::new(AtomicBool::new(false));
+    let app = app::build(
+        &config,
+        Parts {
+            leases,
+            backend,
+            draining: draining.clone(),
+        },
+    )?;
+    let listener = TcpListener::bind(config.listen_addr()?)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
+    announce("fencegate", &listener).map_err(|e| e.to_string())?;
+    tracing::info!(upstream = %config.upstream, clock = ?config.clock, "fencegate serving");
+    let options = ServerOptions {
+        max_connections: config.limits.max_connections,
+        header_read_timeout_ms: config.limits.header_read_timeout_ms,
+        max_header_bytes: config.limits.max_header_bytes,
+        shutdown_grace_ms: config.limits.shutdown_grace_ms,
+    };
+    let shutdown = async move {
+        shutdown_signal().await;
+        draining.store(true, Ordering::Release);
+    };
+    server::run(listener, app, options, shutdown)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+async fn backend(listen: String) -> Result<(), String> {
+    let defaults = Config::default();
+    let app = App::new(None, EmbeddedStore::new(), defaults.request_limits());
+    let addr: std::net::SocketAddr = listen
+        .parse()
+        .map_err(|_| format!("{listen:?} is not an address like 127.0.0.1:9000"))?;
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+    announce("fencegate backend", &listener).map_err(|e| e.to_string())?;
+    server::run(listener, app, ServerOptions::default(), shutdown_signal())
+        .await
+        .map_err(|e| e.to_string())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("fencegate: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Serve {
+                config,
+                listen,
+                upstream,
+                data_dir,
+                clock,
+            } => {
+                let flags = Overrides {
+                    listen,
+                    upstream,
+                    data_dir,
+                    clock,
+                };
+                let config = Config::load(config.as_deref(), std::env::vars(), &flags)?;
+                serve(config).await
+            }
+            Command::Backend { listen } => backend(listen).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fencegate: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,250 @@
+//! Routes: which lease guards which path.
+//!
+//! A route pattern is a list of `/`-separated segments: literals, `*` (any one
+//! segment) and `{lease}` (any one segment, naming the guarding lease). A
+//! pattern matches a path whose leading segments match it, so `/kv/{lease}`
+//! guards `/kv/orders` and everything under `/kv/orders/`. A route without
+//! `{lease}` names a fixed lease instead. The first matching route wins.
+//!
+//! Paths are checked before matching: percent-encoding must be well formed and
+//! decode to UTF-8, and no segment may decode to `.`, `..`, or contain `/`,
+//! `\` or NUL. Such paths are refused rather than normalised, because the
+//! backend might normalise them differently and write to another lease's key.
+
+use std::borrow::Cow;
+
+/// One segment of a pattern.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Segment {
+    Literal(String),
+    Any,
+    Lease,
+}
+
+/// Where the lease of a route comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum LeaseSource {
+    /// The segment at this index.
+    Segment(usize),
+    /// Always this lease.
+    Fixed(String),
+}
+
+/// One compiled route.
+#[derive(Clone, Debug)]
+pub struct Route {
+    pattern: String,
+    segments: Vec<Segment>,
+    lease: LeaseSource,
+    /// Whether reads on this route are fenced like writes.
+    pub fence_reads: bool,
+}
+
+/// A path that matched a route.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Matched<'r> {
+    /// The guarding lease (not yet validated as a lease name).
+    pub lease: String,
+    /// The route's pattern, for logs.
+    pub pattern: &'r str,
+    pub fence_reads: bool,
+}
+
+/// A path fencegate refuses to route.
+#[derive(Debug, PartialEq, Eq)]
+pub struct BadPath(pub &'static str);
+
+impl Route {
+    /// Compiles `pattern`; `lease` names a fixed lease for patterns without
+    /// `{lease}`.
+    pub fn new(pattern: &str, lease: Option<&str>, fence_reads: bool) -> Result<Self, String> {
+        let Some(rest) = pattern.strip_prefix('/') else {
+            return Err(format!("route pattern {pattern:?} must start with '/'"));
+        };
+        let segments: Vec<Segment> = rest
+            .split('/')
+            .map(|s| match s {
+                "{lease}" => Segment::Lease,
+                "*" => Segment::Any,
+                lit => Segment::Literal(lit.to_owned()),
+            })
+            .collect();
+        for s in &segments {
+            if let Segment::Literal(lit) = s {
+                if lit.is_empty() || lit.contains(['{', '}']) {
+                    return Err(format!(
+                        "route pattern {pattern:?}: segment {lit:?} is not a literal, '*' or '{{lease}}'"
+                    ));
+                }
+            }
+        }
+        let captures: Vec<usize> = segments
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| **s == Segment::Lease)
+            .map(|(i, _)| i)
+            .collect();
+        let lease = match (captures.as_slice(), lease) {
+            ([i], None) => LeaseSource::Segment(*i),
+            ([], Some(name)) => {
+                if !crate::lease::is_valid_lease_name(name) {
+                    return Err(format!("route {pattern:?}: {name:?} is not a lease name"));
+                }
+                LeaseSource::Fixed(name.to_owned())
+            }
+            ([], None) => {
+                return Err(format!(
+                    "route {pattern:?} has no {{lease}} segment and no fixed lease"
+                ))
+            }
+            (_, _) => {
+                return Err(format!(
+                "route {pattern:?} must name its lease exactly once ({{lease}} or lease = \"…\")"
+            ))
+            }
+        };
+        Ok(Self {
+            pattern: pattern.to_owned(),
+            segments,
+            lease,
+            fence_reads,
+        })
+    }
+
+    fn matches(&self, path: &[Cow<'_, str>]) -> Option<Matched<'_>> {
+        if path.len() < self.segments.len() {
+            return None;
+        }
+        for (seg, part) in self.segments.iter().zip(path) {
+            if let Segment::Literal(lit) = seg {
+                if lit != part {
+                    return None;
+                }
+            }
+        }
+        let lease = match &self.lease {
+            LeaseSource::Segment(i) => path[*i].to_string(),
+            LeaseSource::Fixed(name) => name.clone(),
+        };
+        Some(Matched {
+            lease,
+            pattern: &self.pattern,
+            fence_reads: self.fence_reads,
+        })
+    }
+}
+
+/// The route table, in order.
+#[derive(Clone, Debug, Default)]
+pub struct Routes {
+    routes: Vec<Route>,
+}
+
+impl Routes {
+    pub fn new(routes: Vec<Route>) -> Self {
+        Self { routes }
+    }
+
+    /// The route guarding `raw_path` (as sent, percent-encoded), `Ok(None)` if
+    /// none does, or an error for a path that must not be forwarded at all.
+    pub fn resolve(&self, raw_path: &str) -> Result<Option<Matched<'_>>, BadPath> {
+        let segments = decode_path(raw_path)?;
+        Ok(self.routes.iter().find_map(|r| r.matches(&segments)))
+    }
+}
+
+/// Splits a raw path into decoded segments, refusing anything ambiguous.
+pub fn decode_path(raw_path: &str) -> Result<Vec<Cow<'_, str>>, BadPath> {
+    let Some(rest) = raw_path.strip_prefix('/') else {
+        return Err(BadPath("the path must start with '/'"));
+    };
+    rest.split('/').map(decode_segment).collect()
+}
+
+fn decode_segment(raw: &str) -> Result<Cow<'_, str>, BadPath> {
+    let bytes = raw.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let ok = bytes.len() >= i + 3
+                && bytes[i + 1].is_ascii_hexdigit()
+                && bytes[i + 2].is_ascii_hexdigit();
+            if !ok {
+                return Err(BadPath("the path has a malformed percent-encoding"));
+            }
+            i += 3;
+        } else {
+            i += 1;
+        }
+    }
+    let decoded = percent_encoding::percent_decode_str(raw)
+        .decode_utf8()
+        .map_err(|_| BadPath("the path does not decode to UTF-8"))?;
+    if decoded == "." || decoded == ".." {
+        return Err(BadPath("the path has a '.' or '..' segment"));
+    }
+    if decoded.contains(['/', '\\', '\0']) {
+        return Err(BadPath("a path segment decodes to '/', '\\' or NUL"));
+    }
+    Ok(decoded)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kv() -> Routes {
+        Routes::new(vec![
+            Route::new("/kv/{lease}", None, false).unwrap(),
+            Route::new("/jobs/*/state", Some("jobs"), true).unwrap(),
+        ])
+    }
+
+    fn lease_of(path: &str) -> Option<String> {
+        kv().resolve(path).unwrap().map(|m| m.lease)
+    }
+
+    #[test]
+    fn default_route_guards_the_prefix() {
+        assert_eq!(lease_of("/kv/orders"), Some("orders".into()));
+        assert_eq!(lease_of("/kv/orders/42"), Some("orders".into()));
+        assert_eq!(lease_of("/kv/orders/42/x/y"), Some("orders".into()));
+        assert_eq!(lease_of("/kv/orders/"), Some("orders".into()));
+        assert_eq!(lease_of("/kv/%6Frders/1"), Some("orders".into()));
+        assert_eq!(lease_of("/kv"), None);
+        assert_eq!(lease_of("/kv2/orders"), None);
+        assert_eq!(lease_of("/other/orders"), None);
+        assert_eq!(lease_of("/"), None);
+        assert_eq!(lease_of("/jobs/7/state"), Some("jobs".into()));
+        assert_eq!(lease_of("/jobs/7/other"), None);
+    }
+
+    #[test]
+    fn ambiguous_paths_are_refused() {
+        for bad in [
+            "/kv/../payments/1",
+            "/kv/orders/%2e%2e/x",
+            "/kv/a%2Fb/1",
+            "/kv/orders/%zz",
+            "/kv/orders/%4",
+            "/kv/orders/%ff",
+            "/kv/./x",
+            "/kv/a%00",
+            "/kv/a%5cb",
+            "kv/orders",
+        ] {
+            assert!(kv().resolve(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn bad_patterns_are_refused() {
+        assert!(Route::new("kv/{lease}", None, false).is_err());
+        assert!(Route::new("/kv/{lease}/{lease}", None, false).is_err());
+        assert!(Route::new("/kv", None, false).is_err());
+        assert!(Route::new("/kv/{lease}", Some("x"), false).is_err());
+        assert!(Route::new("/kv/{lea", None, false).is_err());
+        assert!(Route::new("/kv//{lease}", None, false).is_err());
+        assert!(Route::new("/fixed", Some("bad name"), false).is_err());
+    }
+}

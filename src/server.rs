@@ -1,0 +1,117 @@
+//! The accept loop: one HTTP/1.1 listener, connection limits, and graceful
+//! shutdown.
+//!
+//! Shutdown is an input: [`run`] serves until the `shutdown` future completes,
+//! then stops accepting, lets in-flight requests finish for up to the grace
+//! period, and returns.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tower::{Service, ServiceExt};
+
+use crate::body::Body;
+
+/// Connection-level settings.
+#[derive(Clone, Copy, Debug)]
+pub struct ServerOptions {
+    /// Connections served at once; further clients wait in the backlog.
+    pub max_connections: usize,
+    /// Time a client has to send a complete request head.
+    pub header_read_timeout_ms: u64,
+    /// The request-head limit; hyper's read buffer is sized from it.
+    pub max_header_bytes: usize,
+    /// Time in-flight requests get to finish at shutdown.
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        Self {
+            max_connections: 10_000,
+            header_read_timeout_ms: 10_000,
+            max_header_bytes: 16 * 1024,
+            shutdown_grace_ms: 10_000,
+        }
+    }
+}
+
+/// Serves `app` on `listener` until `shutdown` completes.
+pub async fn run<S>(
+    listener: TcpListener,
+    app: S,
+    options: ServerOptions,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()>
+where
+    S: Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_millis(options.header_read_timeout_ms))
+        // Heads between the configured limit and this buffer get fencegate's
+        // 431 problem; larger ones get hyper's bare 431.
+        .max_buf_size((options.max_header_bytes * 4).max(64 * 1024))
+        .keep_alive(true);
+    let graceful = GracefulShutdown::new();
+    let permits = Arc::new(Semaphore::new(options.max_connections));
+    tokio::pin!(shutdown);
+    let local = listener.local_addr()?;
+    tracing::info!(%local, "listening");
+    loop {
+        let permit = tokio::select! {
+            () = &mut shutdown => break,
+            permit = permits.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
+        };
+        let (stream, peer) = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(err) => {
+                    // Usually EMFILE or a reset during the handshake: keep serving.
+                    tracing::warn!(error = %err, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let app = app.clone();
+        let service = service_fn(move |req: Request<Incoming>| app.clone().oneshot(req));
+        let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
+        tokio::spawn(async move {
+            if let Err(err) = conn.await {
+                tracing::debug!(%peer, error = %err, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    let grace = Duration::from_millis(options.shutdown_grace_ms);
+    tracing::info!(
+        grace_ms = options.shutdown_grace_ms,
+        "shutting down; draining connections"
+    );
+    if tokio::time::timeout(grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("grace period over; closing remaining connections");
+    }
+    Ok(())
+}

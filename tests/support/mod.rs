@@ -1,0 +1,292 @@
+//! Shared fixtures: an in-process fencegate on a manual clock, driven either
+//! as a tower service (no sockets) or over real HTTP on a loopback port.
+
+#![allow(dead_code)]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use fencegate::app::{self, FencegateApp, Parts};
+use fencegate::backend::{Backend, EmbeddedStore};
+use fencegate::body::Body;
+use fencegate::clock::{Clock, ClockKind};
+use fencegate::config::Config;
+use fencegate::journal::MemoryJournal;
+use fencegate::lease::LeaseStore;
+use fencegate::server::{self, ServerOptions};
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tower::{Service, ServiceExt};
+
+/// A response, read in full.
+#[derive(Debug)]
+pub struct Resp {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Resp {
+    pub async fn read(
+        res: Response<impl http_body::Body<Data = Bytes, Error = impl std::fmt::Debug>>,
+    ) -> Self {
+        let (parts, body) = res.into_parts();
+        Self {
+            status: parts.status,
+            headers: parts.headers,
+            body: body.collect().await.expect("body").to_bytes(),
+        }
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+    }
+
+    /// The problem's `reason`, checking it is a problem document.
+    pub fn reason(&self) -> String {
+        assert_eq!(
+            self.headers["content-type"], "application/problem+json",
+            "not a problem: {self:?}"
+        );
+        let j = self.json();
+        assert_eq!(j["status"], self.status.as_u16(), "status member: {j}");
+        for member in ["type", "title", "detail"] {
+            assert!(j[member].is_string(), "{member} missing: {j}");
+        }
+        j["reason"].as_str().expect("reason").to_owned()
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// What a client holds after acquiring.
+#[derive(Clone, Debug)]
+pub struct Held {
+    pub token: u64,
+    pub lease_id: String,
+}
+
+impl Held {
+    pub fn headers(&self) -> Vec<(String, String)> {
+        vec![
+            ("fencing-token".into(), self.token.to_string()),
+            ("fencing-lease-id".into(), self.lease_id.clone()),
+        ]
+    }
+}
+
+/// A request under construction.
+pub struct Req {
+    pub method: Method,
+    pub path: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Bytes,
+}
+
+impl Req {
+    pub fn new(method: &str, path: &str) -> Self {
+        Self {
+            method: Method::from_bytes(method.as_bytes()).unwrap(),
+            path: path.into(),
+            headers: Vec::new(),
+            body: Bytes::new(),
+        }
+    }
+
+    pub fn header(mut self, k: &str, v: &str) -> Self {
+        self.headers.push((k.into(), v.into()));
+        self
+    }
+
+    pub fn held(mut self, held: &Held) -> Self {
+        self.headers.extend(held.headers());
+        self
+    }
+
+    pub fn body(mut self, body: impl Into<Bytes>) -> Self {
+        self.body = body.into();
+        self
+    }
+
+    pub fn json(self, v: serde_json::Value) -> Self {
+        self.header("content-type", "application/json")
+            .body(v.to_string())
+    }
+
+    fn build(self, base: &str) -> Request<Full<Bytes>> {
+        let mut b = Request::builder()
+            .method(self.method)
+            .uri(format!("{base}{}", self.path));
+        for (k, v) in &self.headers {
+            b = b.header(k, v);
+        }
+        b.body(Full::new(self.body)).unwrap()
+    }
+}
+
+/// fencegate in-process, on a manual clock, with the embedded store.
+pub struct Harness {
+    pub app: FencegateApp,
+    pub clock: Clock,
+    pub store: EmbeddedStore,
+    pub leases: LeaseStore,
+    pub journal: Arc<MemoryJournal>,
+}
+
+impl Harness {
+    pub fn new() -> Self {
+        Self::with_config(Config {
+            clock: ClockKind::Manual,
+            ..Config::default()
+        })
+    }
+
+    pub fn with_config(config: Config) -> Self {
+        let store = EmbeddedStore::new();
+        Self::with_backend(config, Backend::Embedded(store.clone()), store)
+    }
+
+    pub fn with_backend(config: Config, backend: Backend, store: EmbeddedStore) -> Self {
+        config.validate().unwrap();
+        let clock = Clock::new(config.clock);
+        let journal = Arc::new(MemoryJournal::default());
+        let leases = LeaseStore::new(clock.clone(), config.lease_limits(), journal.clone());
+        let app = app::build(
+            &config,
+            Parts {
+                leases: leases.clone(),
+                backend,
+                draining: Arc::new(AtomicBool::new(false)),
+            },
+        )
+        .unwrap();
+        Self {
+            app,
+            clock,
+            store,
+            leases,
+            journal,
+        }
+    }
+
+    /// Sends `req` through the app as a tower service.
+    pub async fn send(&self, req: Req) -> Resp {
+        let res = self.app.clone().oneshot(req.build("")).await.unwrap();
+        Resp::read(res).await
+    }
+
+    pub async fn acquire(&self, lease: &str, holder: &str, ttl_ms: u64) -> Held {
+        let r = self
+            .send(
+                Req::new("POST", &format!("/_fence/leases/{lease}"))
+                    .json(serde_json::json!({"holder": holder, "ttl_ms": ttl_ms})),
+            )
+            .await;
+        assert_eq!(r.status, 201, "acquire: {}", r.text());
+        held_from(&r)
+    }
+
+    pub fn advance(&self, ms: u64) {
+        self.clock.advance(ms).expect("manual clock");
+    }
+}
+
+pub fn held_from(r: &Resp) -> Held {
+    let j = r.json();
+    Held {
+        token: j["token"].as_u64().unwrap(),
+        lease_id: j["lease_id"].as_str().unwrap().to_owned(),
+    }
+}
+
+/// A server on a loopback port, stopped when dropped.
+pub struct Running {
+    pub addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Running {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops the server and waits for it to finish.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await.unwrap();
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// Serves `app` on 127.0.0.1 at a free port.
+pub async fn spawn<S>(app: S) -> Running
+where
+    S: Service<Request<hyper::body::Incoming>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = oneshot::channel();
+    let options = ServerOptions {
+        shutdown_grace_ms: 1_000,
+        ..ServerOptions::default()
+    };
+    let task = tokio::spawn(async move {
+        server::run(listener, app, options, async {
+            let _ = rx.await;
+        })
+        .await
+        .unwrap();
+    });
+    Running {
+        addr,
+        stop: Some(tx),
+        task: Some(task),
+    }
+}
+
+/// A plain HTTP/1.1 client.
+#[derive(Clone)]
+pub struct HttpClient {
+    base: String,
+    client: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
+}
+
+impl HttpClient {
+    pub fn new(base: &str) -> Self {
+        Self {
+            base: base.to_owned(),
+            client: Client::builder(TokioExecutor::new()).build_http(),
+        }
+    }
+
+    pub async fn send(&self, req: Req) -> Resp {
+        let res = self.client.request(req.build(&self.base)).await.unwrap();
+        Resp::read(res).await
+    }
+}
