@@ -179,12 +179,13 @@ where
         let span = tracing::debug_span!("request", id = ?request_id, method = %req.method(), path = %req.uri().path());
         // Everything generic over the body happens here, synchronously; the
         // futures below are boxed and concrete.
-        let response: BoxResponseFuture = match self.limit(req) {
+        let to_api = self.api.is_some() && req.uri().path().starts_with(PREFIX);
+        let response: BoxResponseFuture = match self.limit(req, !to_api) {
             Err(problem) => Box::pin(std::future::ready(Ok(problem.into_response()))),
             Ok(mut req) => {
                 req.headers_mut().insert(X_REQUEST_ID, request_id.clone());
                 match &self.api {
-                    Some(api) if req.uri().path().starts_with(PREFIX) => {
+                    Some(api) if to_api => {
                         let api = api.clone();
                         Box::pin(async move { Ok(api.handle(req).await) })
                     }
@@ -210,14 +211,18 @@ where
 }
 
 impl<S> App<S> {
-    /// Applies the head and body limits; the body comes back boxed and capped.
-    fn limit<B>(&self, req: Request<B>) -> Result<Request<Body>, Problem>
+    /// Applies the head limit and, for proxied requests, the body limit; the
+    /// body comes back boxed (and capped). The lease API caps its own bodies.
+    fn limit<B>(&self, req: Request<B>, limit_body: bool) -> Result<Request<Body>, Problem>
     where
         B: http_body::Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
         if head_size(&req) > self.limits.max_header_bytes {
             return Err(Problem::headers_too_large(self.limits.max_header_bytes));
+        }
+        if !limit_body {
+            return Ok(req.map(body::boxed));
         }
         if declared_length(req.headers()).is_some_and(|n| n > self.limits.max_body_bytes) {
             return Err(Problem::payload_too_large(self.limits.max_body_bytes));

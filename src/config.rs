@@ -4,8 +4,9 @@
 //! `config/fencegate.toml` in the repository documents every key with its
 //! default. Environment variables name a key by its path in upper case, with
 //! `__` between a section and its key: `FENCEGATE_LISTEN`,
-//! `FENCEGATE_LIMITS__MAX_BODY_BYTES`. Unknown keys are errors everywhere, so a
-//! typo never silently leaves a default in force.
+//! `FENCEGATE_LIMITS__MAX_BODY_BYTES`. Unknown keys in the file are errors, so
+//! a typo never silently leaves a default in force; unknown `FENCEGATE_*`
+//! variables are logged and ignored, since scripts keep their own.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -324,22 +325,22 @@ fn apply_env(
             .split("__")
             .map(str::to_ascii_lowercase)
             .collect();
-        let unknown = || format!("{var}: no such setting");
-        let (last, sections) = path.split_last().ok_or_else(unknown)?;
-        let mut default_tbl = &defaults;
+        let Some(default_value) = lookup(&defaults, &path) else {
+            // Scripts keep their own FENCEGATE_* variables; a typo is still
+            // visible in the log.
+            tracing::warn!(variable = %var, "ignoring environment variable: no such setting");
+            continue;
+        };
+        let (last, sections) = path.split_last().expect("lookup found a key");
         let mut target = &mut *table;
         for section in sections {
-            default_tbl = default_tbl
-                .get(section)
-                .and_then(toml::Value::as_table)
-                .ok_or_else(unknown)?;
             target = target
                 .entry(section.clone())
                 .or_insert_with(|| toml::Value::Table(toml::Table::new()))
                 .as_table_mut()
                 .ok_or_else(|| format!("{var}: {section} is not a section in the config file"))?;
         }
-        let value = match default_tbl.get(last).ok_or_else(unknown)? {
+        let value = match default_value {
             toml::Value::Integer(_) => toml::Value::Integer(
                 raw.parse()
                     .map_err(|_| format!("{var}: {raw:?} is not an integer"))?,
@@ -358,6 +359,16 @@ fn apply_env(
         target.insert(last.clone(), value);
     }
     Ok(())
+}
+
+/// The default value at `path`, if `path` names a setting.
+fn lookup<'a>(defaults: &'a toml::Table, path: &[String]) -> Option<&'a toml::Value> {
+    let (last, sections) = path.split_last()?;
+    let mut table = defaults;
+    for section in sections {
+        table = table.get(section)?.as_table()?;
+    }
+    table.get(last)
 }
 
 #[cfg(test)]
@@ -406,10 +417,8 @@ mod tests {
     #[test]
     fn bad_settings_are_refused() {
         let load = |pairs: &[(&str, &str)]| Config::load(None, env(pairs), &Overrides::default());
-        assert!(load(&[("FENCEGATE_NOPE", "1")])
-            .unwrap_err()
-            .contains("no such setting"));
-        assert!(load(&[("FENCEGATE_LIMITS__NOPE", "1")]).is_err());
+        // Unknown variables are ignored (with a warning): scripts keep their own.
+        assert!(load(&[("FENCEGATE_NOPE", "1"), ("FENCEGATE_LIMITS__NOPE", "1")]).is_ok());
         assert!(load(&[("FENCEGATE_LIMITS__MAX_BODY_BYTES", "lots")]).is_err());
         assert!(load(&[("FENCEGATE_LISTEN", "nowhere")]).is_err());
         assert!(load(&[("FENCEGATE_UPSTREAM", "ftp://x")]).is_err());

@@ -1,0 +1,210 @@
+//! fencegate in front of an HTTP backend over real loopback sockets: what is
+//! forwarded, what is stripped, and the 502/504 problems when the backend
+//! fails.
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+
+use fencegate::app::App;
+use fencegate::backend::{Backend, EmbeddedStore, Upstream};
+use fencegate::body;
+use fencegate::clock::ClockKind;
+use fencegate::config::Config;
+use http::{HeaderMap, Request, Response};
+use support::{spawn, Harness, HttpClient, Req};
+
+fn proxy_to(url: &str, timeout_ms: u64) -> Harness {
+    let mut config = Config {
+        clock: ClockKind::Manual,
+        upstream: url.to_owned(),
+        ..Config::default()
+    };
+    config.proxy.timeout_ms = timeout_ms;
+    config.proxy.connect_timeout_ms = timeout_ms;
+    let upstream = Upstream::new(&url.parse().unwrap(), &config.upstream_options()).unwrap();
+    Harness::with_backend(
+        config,
+        Backend::Upstream(Box::new(upstream)),
+        EmbeddedStore::new(),
+    )
+}
+
+#[tokio::test]
+async fn fenced_writes_reach_a_standalone_backend_and_stale_ones_do_not() {
+    // The standalone backend, as `fencegate backend` serves it.
+    let storage = EmbeddedStore::new();
+    let backend = spawn(App::new(
+        None,
+        storage.clone(),
+        Config::default().request_limits(),
+    ))
+    .await;
+    let h = proxy_to(&backend.url(), 5_000);
+    let proxy = spawn(h.app.clone()).await;
+    let c = HttpClient::new(&proxy.url());
+
+    let a = h.acquire("orders", "A", 1000).await;
+    let r = c
+        .send(Req::new("PUT", "/kv/orders/1").held(&a).body("a"))
+        .await;
+    assert_eq!(r.status, 201);
+    assert_eq!(storage.get("/kv/orders/1").unwrap(), "a");
+    let r = c.send(Req::new("GET", "/kv/orders/1")).await;
+    assert_eq!((r.status.as_u16(), r.text().as_str()), (200, "a"));
+
+    h.advance(1000);
+    let b = h.acquire("orders", "B", 1000).await;
+    let r = c
+        .send(Req::new("PUT", "/kv/orders/1").held(&a).body("stale"))
+        .await;
+    assert_eq!(
+        (r.status.as_u16(), r.reason().as_str()),
+        (412, "stale-fencing-token")
+    );
+    assert_eq!(
+        storage.get("/kv/orders/1").unwrap(),
+        "a",
+        "the stale write reached the backend"
+    );
+    // The same stale write sent straight to the backend lands: that is what
+    // the proxy prevents.
+    let direct = HttpClient::new(&backend.url());
+    let r = direct
+        .send(Req::new("PUT", "/kv/orders/1").held(&a).body("stale"))
+        .await;
+    assert!(r.status.is_success());
+    assert_eq!(storage.get("/kv/orders/1").unwrap(), "stale");
+
+    let r = c
+        .send(Req::new("PUT", "/kv/orders/1").held(&b).body("b"))
+        .await;
+    assert_eq!(r.status, 204);
+    // The backend's own errors pass through unchanged.
+    let r = c.send(Req::new("GET", "/kv/orders/missing")).await;
+    assert_eq!(r.status, 404);
+    proxy.stop().await;
+    backend.stop().await;
+}
+
+/// A backend that records the headers it receives and answers 200.
+async fn recording_backend() -> (support::Running, Arc<Mutex<Vec<HeaderMap>>>) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let svc = tower::service_fn(move |req: Request<hyper::body::Incoming>| {
+        record.lock().unwrap().push(req.headers().clone());
+        async move {
+            let mut res = Response::new(body::full("ok"));
+            res.headers_mut()
+                .insert("connection", "x-upstream-hop".parse().unwrap());
+            res.headers_mut()
+                .insert("x-upstream-hop", "1".parse().unwrap());
+            res.headers_mut().insert("x-kept", "1".parse().unwrap());
+            Ok::<_, std::convert::Infallible>(res)
+        }
+    });
+    (spawn(svc).await, seen)
+}
+
+#[tokio::test]
+async fn lease_id_and_hop_by_hop_headers_are_stripped_and_the_token_travels() {
+    let (backend, seen) = recording_backend().await;
+    let h = proxy_to(&backend.url(), 5_000);
+    let proxy = spawn(h.app.clone()).await;
+    let c = HttpClient::new(&proxy.url());
+    let a = h.acquire("orders", "A", 1000).await;
+
+    let r = c
+        .send(
+            Req::new("PUT", "/kv/orders/1?v=2")
+                .held(&a)
+                .header("connection", "x-hop")
+                .header("x-hop", "secret")
+                .header("x-request-id", "req-42")
+                .header("x-custom", "kept")
+                .body("a"),
+        )
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.headers["x-request-id"], "req-42");
+    assert_eq!(r.headers["x-kept"], "1");
+    assert!(
+        !r.headers.contains_key("x-upstream-hop"),
+        "response hop-by-hop header forwarded"
+    );
+    // A read that carries a lease id does not leak it either.
+    c.send(Req::new("GET", "/kv/orders/1").held(&a)).await;
+
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2);
+    for headers in seen.iter() {
+        assert!(
+            !headers.contains_key("fencing-lease-id"),
+            "lease id forwarded: {headers:?}"
+        );
+        for (_, v) in headers {
+            assert!(!v
+                .as_bytes()
+                .windows(a.lease_id.len())
+                .any(|w| w == a.lease_id.as_bytes()));
+        }
+    }
+    let put = &seen[0];
+    assert_eq!(put["fencing-token"], "1");
+    assert_eq!(put["x-request-id"], "req-42");
+    assert_eq!(put["x-custom"], "kept");
+    assert!(!put.contains_key("x-hop"));
+    assert_eq!(put["host"], backend.addr.to_string());
+    proxy.stop().await;
+    backend.stop().await;
+}
+
+#[tokio::test]
+async fn a_backend_that_is_down_is_502_and_a_silent_one_is_504() {
+    // A port nothing listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let down_url = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let h = proxy_to(&down_url, 5_000);
+    let a = h.acquire("orders", "A", 60_000).await;
+    let r = h
+        .send(Req::new("PUT", "/kv/orders/1").held(&a).body("x"))
+        .await;
+    assert_eq!(
+        (r.status.as_u16(), r.reason().as_str()),
+        (502, "upstream-error")
+    );
+    let r = h.send(Req::new("GET", "/kv/orders/1")).await;
+    assert_eq!(
+        (r.status.as_u16(), r.reason().as_str()),
+        (502, "upstream-error")
+    );
+    // The lease API keeps working while the backend is down.
+    assert_eq!(
+        h.send(Req::new("GET", "/_fence/leases/orders"))
+            .await
+            .status,
+        200
+    );
+
+    // A backend that accepts connections and never answers (upstream timeout,
+    // not a lease deadline: real time is fine here).
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_url = format!("http://{}", silent.local_addr().unwrap());
+    let holder = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((sock, _)) = silent.accept().await {
+            open.push(sock);
+        }
+    });
+    let h = proxy_to(&silent_url, 200);
+    let a = h.acquire("orders", "A", 60_000).await;
+    let r = h
+        .send(Req::new("PUT", "/kv/orders/1").held(&a).body("x"))
+        .await;
+    assert_eq!(
+        (r.status.as_u16(), r.reason().as_str()),
+        (504, "upstream-timeout")
+    );
+    holder.abort();
+}
