@@ -134,7 +134,9 @@ impl Req {
     }
 }
 
-/// fencegate in-process, on a manual clock, with the embedded store.
+/// fencegate in-process, on a manual clock, with the embedded store. Clones
+/// share everything.
+#[derive(Clone)]
 pub struct Harness {
     pub app: FencegateApp,
     pub clock: Clock,

@@ -1,0 +1,166 @@
+//! The lease API's happy paths: waiting acquires, listing, health, metrics and
+//! the manual clock endpoint.
+
+mod support;
+
+use fencegate::config::Config;
+use serde_json::json;
+use support::{held_from, Harness, Req};
+
+fn acquire(holder: &str, ttl_ms: u64, wait_ms: u64) -> Req {
+    Req::new("POST", "/_fence/leases/orders")
+        .json(json!({"holder": holder, "ttl_ms": ttl_ms, "wait_ms": wait_ms}))
+}
+
+#[tokio::test]
+async fn a_waiting_acquire_gets_the_lease_when_it_is_released() {
+    let h = Harness::new();
+    let a = h.acquire("orders", "A", 10_000).await;
+    let waiter = {
+        let app = h.clone();
+        tokio::spawn(async move { app.send(acquire("B", 1000, 5000)).await })
+    };
+    tokio::task::yield_now().await;
+    assert!(!waiter.is_finished());
+    assert_eq!(
+        h.send(Req::new("DELETE", "/_fence/leases/orders").held(&a))
+            .await
+            .status,
+        204
+    );
+    let r = waiter.await.unwrap();
+    assert_eq!(r.status, 201);
+    assert_eq!(held_from(&r).token, 2);
+}
+
+#[tokio::test]
+async fn a_waiting_acquire_gets_the_lease_at_expiry_or_gives_up_with_409() {
+    let h = Harness::new();
+    h.acquire("orders", "A", 1000).await;
+    let spawn_waiter = |wait_ms| {
+        let app = h.clone();
+        tokio::spawn(async move { app.send(acquire("B", 1000, wait_ms)).await })
+    };
+    let short = spawn_waiter(400);
+    let long = spawn_waiter(5000);
+    tokio::task::yield_now().await;
+    h.advance(400);
+    let r = short.await.unwrap();
+    assert_eq!(
+        (r.status.as_u16(), r.reason().as_str()),
+        (409, "lease-held")
+    );
+    assert_eq!(r.headers["retry-after"], "1");
+    assert!(!long.is_finished());
+    h.advance(600);
+    let r = long.await.unwrap();
+    assert_eq!(r.status, 201);
+    assert_eq!(r.json()["holder"], "B");
+}
+
+#[tokio::test]
+async fn list_inspect_and_states() {
+    let h = Harness::new();
+    let b = h.acquire("b-lease", "B", 1000).await;
+    h.acquire("a-lease", "A", 5000).await;
+    h.acquire("c-lease", "C", 500).await;
+    h.send(Req::new("DELETE", "/_fence/leases/b-lease").held(&b))
+        .await;
+    h.advance(500);
+    let list = h.send(Req::new("GET", "/_fence/leases")).await.json();
+    let rows: Vec<(String, String, u64)> = list["leases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| {
+            (
+                l["lease"].as_str().unwrap().into(),
+                l["state"].as_str().unwrap().into(),
+                l["expires_in_ms"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        rows,
+        vec![
+            ("a-lease".into(), "held".into(), 4500),
+            ("b-lease".into(), "released".into(), 0),
+            ("c-lease".into(), "expired".into(), 0)
+        ]
+    );
+}
+
+#[tokio::test]
+async fn health_metrics_and_request_ids() {
+    let h = Harness::new();
+    h.acquire("orders", "A", 1000).await;
+    let r = h.send(Req::new("GET", "/_fence/livez")).await;
+    assert_eq!(r.status, 200);
+    let id = r.headers["x-request-id"].to_str().unwrap().to_owned();
+    assert!(!id.is_empty());
+    assert_ne!(
+        h.send(Req::new("GET", "/_fence/livez")).await.headers["x-request-id"],
+        id.as_str()
+    );
+    let r = h
+        .send(Req::new("GET", "/_fence/readyz").header("x-request-id", "mine-1"))
+        .await;
+    assert_eq!(
+        (
+            r.status.as_u16(),
+            r.headers["x-request-id"].to_str().unwrap()
+        ),
+        (200, "mine-1")
+    );
+    let r = h.send(Req::new("GET", "/_fence/metrics")).await;
+    assert!(r.headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/plain"));
+    assert!(r.text().contains("fencegate_leases_held 1"), "{}", r.text());
+}
+
+#[tokio::test]
+async fn the_clock_endpoint_exists_only_on_the_manual_clock() {
+    let h = Harness::new();
+    assert_eq!(
+        h.send(Req::new("GET", "/_fence/clock")).await.json(),
+        json!({"now_ms": 0})
+    );
+    let r = h
+        .send(Req::new("POST", "/_fence/clock").json(json!({"advance_ms": 250})))
+        .await;
+    assert_eq!(r.json(), json!({"now_ms": 250}));
+    assert_eq!(h.clock.now_ms(), 250);
+
+    let h = Harness::with_config(Config::default());
+    for req in [
+        Req::new("GET", "/_fence/clock"),
+        Req::new("POST", "/_fence/clock").json(json!({"advance_ms": 1})),
+    ] {
+        let r = h.send(req).await;
+        assert_eq!((r.status.as_u16(), r.reason().as_str()), (404, "not-found"));
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_system_clock_expires_terms_on_paused_tokio_time() {
+    let h = Harness::with_config(Config::default());
+    let a = h.acquire("orders", "A", 1000).await;
+    tokio::time::advance(std::time::Duration::from_millis(999)).await;
+    assert_eq!(
+        h.send(Req::new("PUT", "/kv/orders/1").held(&a).body("x"))
+            .await
+            .status,
+        201
+    );
+    tokio::time::advance(std::time::Duration::from_millis(1)).await;
+    let r = h
+        .send(Req::new("PUT", "/kv/orders/1").held(&a).body("y"))
+        .await;
+    assert_eq!(
+        (r.status.as_u16(), r.reason().as_str()),
+        (412, "lease-expired")
+    );
+    assert_eq!(h.store.get("/kv/orders/1").unwrap(), "x");
+}
