@@ -4,71 +4,27 @@
 
 mod support;
 
-use std::fs::File;
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
 use serde_json::json;
+use support::proc::{Proc, TempDir};
 use support::{held_from, HttpClient, Req};
-
-struct Proc {
-    child: Child,
-    url: String,
-    log: PathBuf,
-}
-
-impl Proc {
-    fn start(args: &[&str]) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "fencegate-test-{}-{}",
-            std::process::id(),
-            args.len()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let log = dir.join("stderr.log");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_fencegate"))
-            .args(args)
-            .env("FENCEGATE_LOG", "trace")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let url = line
-            .trim()
-            .rsplit(' ')
-            .next()
-            .filter(|u| u.starts_with("http://"))
-            .unwrap_or_else(|| panic!("no address announced: {line:?}"))
-            .to_owned();
-        Self { child, url, log }
-    }
-
-    fn signal(&self, sig: &str) {
-        let ok = Command::new("kill")
-            .args([sig, &self.child.id().to_string()])
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok);
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 #[tokio::test]
 async fn no_lease_id_in_any_log_line_and_sigterm_exits_cleanly() {
-    let mut p = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--clock", "manual"]);
+    let dir = TempDir::new("binary");
+    let data = dir.path().join("data");
+    let log = dir.path().join("stderr.log");
+    let args = [
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--clock",
+        "manual",
+        "--data-dir",
+        data.to_str().unwrap(),
+    ];
+    let mut p = Proc::start(&args, &log, &[("FENCEGATE_LOG", "trace")]);
     let c = HttpClient::new(&p.url);
     let acquire = |holder: &str| {
         Req::new("POST", "/_fence/leases/orders").json(json!({"holder": holder, "ttl_ms": 1000}))
@@ -120,7 +76,7 @@ async fn no_lease_id_in_any_log_line_and_sigterm_exits_cleanly() {
     let status = p.child.wait().unwrap();
     assert!(status.success(), "exit status after SIGTERM: {status:?}");
 
-    let log = std::fs::read_to_string(&p.log).unwrap();
+    let log = p.log_text();
     assert!(
         log.contains("lease acquired"),
         "trace logging was on: {log}"
@@ -128,7 +84,6 @@ async fn no_lease_id_in_any_log_line_and_sigterm_exits_cleanly() {
     for id in [&a.lease_id, &b.lease_id] {
         assert!(!log.contains(id.as_str()), "a lease id appears in the log");
     }
-    let _ = std::fs::remove_dir_all(p.log.parent().unwrap());
 }
 
 #[tokio::test]

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod proc;
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;
@@ -288,7 +290,45 @@ impl HttpClient {
     }
 
     pub async fn send(&self, req: Req) -> Resp {
-        let res = self.client.request(req.build(&self.base)).await.unwrap();
-        Resp::read(res).await
+        self.try_send(req).await.unwrap()
+    }
+
+    /// Sends `req`; an error if the connection failed or broke.
+    pub async fn try_send(&self, req: Req) -> Result<Resp, String> {
+        let res = self
+            .client
+            .request(req.build(&self.base))
+            .await
+            .map_err(|e| e.to_string())?;
+        let (parts, body) = res.into_parts();
+        let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+        Ok(Resp {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        })
+    }
+}
+
+/// A small seeded PRNG (SplitMix64) for reproducible randomized tests.
+#[derive(Clone, Debug)]
+pub struct SplitMix(u64);
+
+impl SplitMix {
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `range` (the tiny modulo bias does not matter here).
+    pub fn range(&mut self, range: std::ops::Range<u64>) -> u64 {
+        range.start + self.next_u64() % (range.end - range.start)
     }
 }

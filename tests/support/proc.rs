@@ -1,0 +1,112 @@
+//! The real `fencegate` binary as a child process, stopped by its own pid.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A scratch directory under the system temp dir, removed when dropped.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("fencegate-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running `fencegate` process.
+pub struct Proc {
+    pub child: Child,
+    pub url: String,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    /// Starts `fencegate ARGS…` with stderr to `log` and waits for the
+    /// announced address. Panics with the log if it does not start.
+    pub fn start(args: &[&str], log: &Path, env: &[(&str, &str)]) -> Self {
+        match Self::try_start(args, log, env) {
+            Ok(p) => p,
+            Err(msg) => panic!("{msg}"),
+        }
+    }
+
+    /// Like [`Proc::start`], but returns the exit status and log on failure.
+    pub fn try_start(args: &[&str], log: &Path, env: &[(&str, &str)]) -> Result<Self, String> {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_fencegate"));
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(File::options().create(true).append(true).open(log).unwrap());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        match line
+            .trim()
+            .rsplit(' ')
+            .next()
+            .filter(|u| u.starts_with("http://"))
+        {
+            Some(url) => Ok(Self {
+                child,
+                url: url.to_owned(),
+                log: log.to_owned(),
+            }),
+            None => {
+                let status = child.wait().unwrap();
+                Err(format!(
+                    "fencegate did not start ({status}):\n{}",
+                    std::fs::read_to_string(log).unwrap_or_default()
+                ))
+            }
+        }
+    }
+
+    /// Sends a signal (e.g. "-KILL", "-TERM", "-STOP") to the process.
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .expect("the kill command (procps)")
+            .success();
+        assert!(ok, "kill {sig} failed");
+    }
+
+    /// SIGKILL, then reap.
+    pub fn kill9(mut self) -> ExitStatus {
+        self.signal("-KILL");
+        self.child.wait().unwrap()
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
