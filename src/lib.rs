@@ -19,8 +19,8 @@
 //!   paths to the leases that guard them.
 //! - [`backend`]: the embedded key-value store and the HTTP upstream client.
 //! - [`lease`]: the pure lease state machine and the concurrent store around
-//!   it; [`journal`] is its persistence seam; [`clock`] is the only place that
-//!   reads time.
+//!   it; [`journal`] makes grants durable (an fsync'd, checksummed log with
+//!   group commit); [`clock`] is the only place that reads time.
 //! - [`error`]: the one mapping from errors to problem+json; [`body`]: the
 //!   body type shared by all services; [`config`]: typed settings.
 //!

@@ -14,7 +14,7 @@ use fencegate::app::{self, App, Parts};
 use fencegate::backend::{Backend, EmbeddedStore, Upstream};
 use fencegate::clock::{Clock, ClockKind};
 use fencegate::config::{Config, Overrides, UpstreamTarget};
-use fencegate::journal::MemoryJournal;
+use fencegate::journal::{FileJournal, FileJournalOptions};
 use fencegate::lease::LeaseStore;
 use fencegate::server::{self, ServerOptions};
 
@@ -100,11 +100,23 @@ fn announce(what: &str, listener: &TcpListener) -> std::io::Result<()> {
 
 async fn serve(config: Config) -> Result<(), String> {
     let clock = Clock::new(config.clock);
-    // Grants are not yet journalled to data_dir: tokens restart at 1 after a
-    // restart. The durable journal plugs in behind the same trait.
-    tracing::warn!("lease store is in memory: fencing tokens do not survive a restart yet");
-    let journal = Arc::new(MemoryJournal::default());
-    let leases = LeaseStore::new(clock, config.lease_limits(), journal);
+    let stopwatch = Clock::system();
+    let (journal, recovered) = FileJournal::open(&config.data_dir, FileJournalOptions::default())
+        .map_err(|e| e.to_string())?;
+    let recovered_leases = recovered.leases.len();
+    let leases = LeaseStore::restore(
+        clock,
+        config.lease_limits(),
+        Arc::new(journal),
+        recovered.leases,
+    )?;
+    tracing::info!(
+        data_dir = %config.data_dir.display(),
+        leases = recovered_leases,
+        torn_bytes = recovered.torn_bytes,
+        recovery_ms = stopwatch.now_ms(),
+        "lease store recovered"
+    );
     let backend = match config.upstream_target()? {
         UpstreamTarget::Embedded => Backend::Embedded(EmbeddedStore::new()),
         UpstreamTarget::Http(uri) => {

@@ -36,6 +36,19 @@ impl LeaseId {
         Self(text)
     }
 
+    /// The text form as bytes, for the journal.
+    pub fn to_text(&self) -> [u8; LEASE_ID_LEN] {
+        self.0
+    }
+
+    /// An id from its text form (as the journal stores it); `None` unless it
+    /// is 32 lowercase hex digits.
+    pub fn from_text(text: [u8; LEASE_ID_LEN]) -> Option<Self> {
+        text.iter()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b))
+            .then_some(Self(text))
+    }
+
     /// Whether `presented` is this id. Constant time in the content of the id;
     /// only the (public) length can short-circuit.
     pub fn matches(&self, presented: &[u8]) -> bool {
@@ -67,6 +80,13 @@ mod tests {
         assert!(!id.matches("ab".repeat(15).as_bytes()));
         assert!(!id.matches(("ab".repeat(15) + "ac").as_bytes()));
         assert!(!id.matches(b""));
+    }
+
+    #[test]
+    fn text_round_trip() {
+        let id = LeaseId::from_bytes([0x5c; 16]);
+        assert_eq!(LeaseId::from_text(id.to_text()), Some(id));
+        assert_eq!(LeaseId::from_text([b'G'; 32]), None);
     }
 
     #[test]

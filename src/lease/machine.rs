@@ -161,6 +161,24 @@ impl TermState {
 }
 
 impl LeaseState {
+    /// The state of a lease after a restart. A term that was not released is
+    /// held for a full TTL from `now_ms`: it may have been live when the
+    /// process stopped, and nothing can tell for how much longer, so no new
+    /// holder may start until the old one could have finished.
+    pub fn restored(now_ms: u64, last_token: u64, transitions: u64, term: Option<Term>) -> Self {
+        let term = term.map(|mut t| {
+            if !t.released {
+                t.deadline_ms = now_ms.saturating_add(t.ttl_ms);
+            }
+            t
+        });
+        Self {
+            last_token: last_token.max(term.as_ref().map_or(0, |t| t.token)),
+            transitions,
+            term,
+        }
+    }
+
     /// The current (latest) term, live or not.
     pub fn term(&self) -> Option<&Term> {
         self.term.as_ref()
@@ -400,6 +418,33 @@ mod tests {
         );
         assert!(orders.check(14 * S, 3, Some(&c)).is_ok());
         assert_eq!(orders.view(14 * S).unwrap().transitions, 3);
+    }
+
+    #[test]
+    fn restored_terms_are_held_a_full_ttl_from_the_restart() {
+        let term = Term {
+            token: 4,
+            holder: "A".into(),
+            lease_id: id(1),
+            ttl_ms: 500,
+            deadline_ms: 0,
+            released: false,
+        };
+        let mut l = LeaseState::restored(10, 4, 4, Some(term.clone()));
+        assert!(l.check(509, 4, Some(&key(1))).is_ok());
+        assert!(l.acquire(509, "B", 100, id(2)).is_err());
+        assert_eq!(l.acquire(510, "B", 100, id(2)).unwrap().token, 5);
+
+        let released = Term {
+            released: true,
+            ..term
+        };
+        let mut l = LeaseState::restored(10, 9, 4, Some(released));
+        assert_eq!(
+            l.check(10, 4, Some(&key(1))),
+            Err(Reject::Released { current: 4 })
+        );
+        assert_eq!(l.acquire(10, "B", 100, id(2)).unwrap().token, 10);
     }
 
     #[test]

@@ -13,9 +13,9 @@ use dashmap::DashMap;
 use tokio::sync::Notify;
 
 use super::id::LeaseId;
-use super::machine::{AcquireRefused, Admit, Held, LeaseState, Reject, View};
+use super::machine::{AcquireRefused, Admit, Held, LeaseState, Reject, Term, View};
 use crate::clock::Clock;
-use crate::journal::{GrantRecord, Journal};
+use crate::journal::{GrantRecord, Journal, LeaseRecord};
 
 /// Bounds the store enforces on every acquire and renew.
 #[derive(Clone, Copy, Debug)]
@@ -115,6 +115,52 @@ impl LeaseStore {
         }
     }
 
+    /// A store holding the leases a journal recovered: tokens continue above
+    /// every recovered token, and unreleased terms are held for a full TTL
+    /// from now (see [`LeaseState::restored`]).
+    pub fn restore(
+        clock: Clock,
+        limits: LeaseLimits,
+        journal: Arc<dyn Journal>,
+        recovered: Vec<LeaseRecord>,
+    ) -> Result<Self, String> {
+        let store = Self::new(clock, limits, journal);
+        let now_ms = store.shared.clock.now_ms();
+        for lease in recovered {
+            if !super::is_valid_lease_name(&lease.lease) {
+                return Err(format!(
+                    "the journal holds an invalid lease name {:?}",
+                    lease.lease
+                ));
+            }
+            let term = match lease.term {
+                None => None,
+                Some(t) => Some(Term {
+                    token: t.token,
+                    holder: t.holder,
+                    lease_id: LeaseId::from_text(t.lease_id).ok_or_else(|| {
+                        format!(
+                            "the journal holds a malformed lease id for {:?}",
+                            lease.lease
+                        )
+                    })?,
+                    ttl_ms: t.ttl_ms,
+                    deadline_ms: 0,
+                    released: t.released,
+                }),
+            };
+            let state = LeaseState::restored(now_ms, lease.last_token, lease.transitions, term);
+            store.shared.leases.insert(
+                lease.lease,
+                Slot {
+                    state,
+                    freed: Arc::default(),
+                },
+            );
+        }
+        Ok(store)
+    }
+
     /// The clock deadlines are measured on.
     pub fn clock(&self) -> &Clock {
         &self.shared.clock
@@ -201,8 +247,9 @@ impl LeaseStore {
                         token: grant.token,
                         holder: holder.to_owned(),
                         ttl_ms,
+                        lease_id: lease_id.to_text(),
                     };
-                    if let Err(err) = self.shared.journal.persist_grant(&record).await {
+                    if let Err(err) = self.shared.journal.persist_grant(record).await {
                         self.abandon(name, grant.token, previous);
                         tracing::warn!(lease = name, token = grant.token, error = %err, "grant not persisted; refused");
                         return Err(AcquireError::Unavailable(
@@ -244,7 +291,7 @@ impl LeaseStore {
         }
     }
 
-    fn abandon(&self, name: &str, token: u64, previous: Option<super::machine::Term>) {
+    fn abandon(&self, name: &str, token: u64, previous: Option<Term>) {
         if let Some(mut slot) = self.shared.leases.get_mut(name) {
             if slot.state.abandon(token, previous) {
                 slot.freed.notify_waiters();
@@ -268,23 +315,35 @@ impl LeaseStore {
                 })?;
         }
         let now_ms = self.shared.clock.now_ms();
-        let mut slot = self
-            .shared
-            .leases
-            .get_mut(name)
-            .ok_or(RenewError::Rejected(Reject::UnknownToken { current: 0 }))?;
-        let grant = slot
-            .state
-            .renew(now_ms, token, lease_id, ttl_ms)
-            .map_err(RenewError::Rejected)?;
-        let term = slot.state.term().expect("renewed term exists");
-        Ok(Acquired {
-            holder: term.holder.clone(),
-            token,
-            lease_id: term.lease_id.clone(),
-            ttl_ms: grant.ttl_ms,
-            expires_in_ms: grant.deadline_ms - now_ms,
-        })
+        let (renewed, ttl_changed) = {
+            let mut slot = self
+                .shared
+                .leases
+                .get_mut(name)
+                .ok_or(RenewError::Rejected(Reject::UnknownToken { current: 0 }))?;
+            let previous_ttl_ms = slot.state.term().map(|t| t.ttl_ms);
+            let grant = slot
+                .state
+                .renew(now_ms, token, lease_id, ttl_ms)
+                .map_err(RenewError::Rejected)?;
+            let term = slot.state.term().expect("renewed term exists");
+            let renewed = Acquired {
+                holder: term.holder.clone(),
+                token,
+                lease_id: term.lease_id.clone(),
+                ttl_ms: grant.ttl_ms,
+                expires_in_ms: grant.deadline_ms - now_ms,
+            };
+            (renewed, previous_ttl_ms != Some(grant.ttl_ms))
+        };
+        // Only a new TTL matters after a restart (the term is then held for a
+        // full TTL), so plain renewals write nothing.
+        if ttl_changed {
+            self.shared
+                .journal
+                .record_renew(name, token, renewed.ttl_ms);
+        }
+        Ok(renewed)
     }
 
     /// Ends the live term `token` of `name`; waiting acquirers retry at once.
@@ -297,6 +356,8 @@ impl LeaseStore {
             .ok_or(Reject::UnknownToken { current: 0 })?;
         slot.state.release(now_ms, token, lease_id)?;
         slot.freed.notify_waiters();
+        drop(slot);
+        self.shared.journal.record_release(name, token);
         Ok(())
     }
 

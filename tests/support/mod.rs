@@ -125,7 +125,7 @@ impl Req {
             .body(v.to_string())
     }
 
-    fn build(self, base: &str) -> Request<Full<Bytes>> {
+    pub fn build(self, base: &str) -> Request<Full<Bytes>> {
         let mut b = Request::builder()
             .method(self.method)
             .uri(format!("{base}{}", self.path));

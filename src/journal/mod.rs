@@ -3,15 +3,22 @@
 //! A token must be durable before it is returned to a client. The lease store
 //! calls [`Journal::persist_grant`] after the state machine grants a term and
 //! before answering; if the journal fails, the grant is abandoned and the
-//! client gets 503 `lease-store-unavailable` (fail closed).
+//! client gets 503 `lease-store-unavailable` (fail closed). Renewals that
+//! change the TTL and releases are recorded lazily.
 //!
-//! This module knows records and bytes, not lease rules. [`MemoryJournal`] keeps
-//! nothing across restarts; the durable journal in the data directory plugs in
-//! behind the same trait.
+//! This module knows records and bytes, not lease rules: [`file`] is the
+//! durable journal in the data directory, [`record`] its on-disk format, and
+//! [`MemoryJournal`] keeps nothing (for tests of the layers above).
+
+pub mod file;
+pub mod record;
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
+
+pub use file::{FileJournal, FileJournalOptions, Recovered};
+pub use record::{LeaseRecord, TermRecord};
 
 /// What must survive a restart for one grant.
 #[derive(Clone, Debug)]
@@ -20,6 +27,8 @@ pub struct GrantRecord {
     pub token: u64,
     pub holder: String,
     pub ttl_ms: u64,
+    /// The lease id's text form, so the holder can renew after a restart.
+    pub lease_id: [u8; 32],
 }
 
 /// Why a record could not be persisted.
@@ -34,20 +43,26 @@ impl std::fmt::Display for JournalError {
 
 impl std::error::Error for JournalError {}
 
-/// A boxed future, as returned by [`Journal`] methods.
-pub type JournalFuture<'a> = Pin<Box<dyn Future<Output = Result<(), JournalError>> + Send + 'a>>;
+/// A boxed future, as returned by [`Journal::persist_grant`].
+pub type JournalFuture = Pin<Box<dyn Future<Output = Result<(), JournalError>> + Send>>;
 
-/// Where grants are made durable.
+/// Where lease state is made durable.
 pub trait Journal: Send + Sync + 'static {
-    /// Completes once `record` is durable, or fails if it cannot be made so.
-    fn persist_grant<'a>(&'a self, record: &'a GrantRecord) -> JournalFuture<'a>;
+    /// Completes once `record` is durable (fsync'd), or fails if it cannot be.
+    fn persist_grant(&self, record: GrantRecord) -> JournalFuture;
+
+    /// Records that term `token` of `lease` now has TTL `ttl_ms` (lazy).
+    fn record_renew(&self, lease: &str, token: u64, ttl_ms: u64);
+
+    /// Records that term `token` of `lease` was released (lazy).
+    fn record_release(&self, lease: &str, token: u64);
 
     /// Whether the journal can currently persist (drives `/_fence/readyz`).
     fn is_healthy(&self) -> bool;
 }
 
 /// A journal that keeps nothing; it can be told to fail, to exercise the
-/// fail-closed path.
+/// fail-closed path of the layers above.
 #[derive(Debug, Default)]
 pub struct MemoryJournal {
     failing: AtomicBool,
@@ -61,7 +76,7 @@ impl MemoryJournal {
 }
 
 impl Journal for MemoryJournal {
-    fn persist_grant<'a>(&'a self, _record: &'a GrantRecord) -> JournalFuture<'a> {
+    fn persist_grant(&self, _record: GrantRecord) -> JournalFuture {
         let failing = self.failing.load(Ordering::Acquire);
         Box::pin(async move {
             if failing {
@@ -71,6 +86,10 @@ impl Journal for MemoryJournal {
             }
         })
     }
+
+    fn record_renew(&self, _lease: &str, _token: u64, _ttl_ms: u64) {}
+
+    fn record_release(&self, _lease: &str, _token: u64) {}
 
     fn is_healthy(&self) -> bool {
         !self.failing.load(Ordering::Acquire)

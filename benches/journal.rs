@@ -1,0 +1,187 @@
+//! Durable lease-store benchmark: acquires per second with 1, 16 and 64
+//! concurrent clients (every grant fsync'd before it is returned; concurrent
+//! grants share fsyncs), renewals per second, and recovery time of 100,000
+//! leases.
+//!
+//!     cargo bench --bench journal             # full run (about 10 s)
+//!     cargo bench --bench journal -- --quick  # smoke run
+//!
+//! The journal lives under the build's target directory, on the same disk as
+//! a default `./data`. Ratios are measured side by side in one run; the
+//! machines are shared and noisy, so compare ratios rather than absolutes.
+
+#![allow(clippy::disallowed_methods)] // a benchmark measures wall time
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fencegate::clock::Clock;
+use fencegate::journal::{FileJournal, FileJournalOptions, GrantRecord, Journal};
+use fencegate::lease::{LeaseLimits, LeaseStore};
+
+fn scratch(tag: &str) -> PathBuf {
+    let dir =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("bench-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn open_store(dir: &Path) -> LeaseStore {
+    let (journal, recovered) =
+        FileJournal::open(dir, FileJournalOptions::default()).expect("journal");
+    LeaseStore::restore(
+        Clock::system(),
+        LeaseLimits::default(),
+        Arc::new(journal),
+        recovered.leases,
+    )
+    .expect("restore")
+}
+
+/// Durable acquires per second with `clients` concurrent clients, each
+/// acquiring fresh leases one after another for `duration`.
+async fn acquires_per_second(clients: usize, duration: Duration) -> (f64, u64) {
+    let dir = scratch(&format!("acquire-{clients}"));
+    let store = open_store(&dir);
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..clients)
+        .map(|c| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let mut n = 0u64;
+                while start.elapsed() < duration {
+                    store
+                        .acquire(&format!("c{c}-{n}"), "bench", 60_000, 0)
+                        .await
+                        .expect("acquire");
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.expect("task");
+    }
+    let rate = total as f64 / start.elapsed().as_secs_f64();
+    drop(store);
+    let _ = std::fs::remove_dir_all(&dir);
+    (rate, total)
+}
+
+/// Renewals per second on one lease (no fsync: renewals are not journalled
+/// unless their TTL changes).
+async fn renews_per_second(duration: Duration) -> f64 {
+    let dir = scratch("renew");
+    let store = open_store(&dir);
+    let held = store
+        .acquire("r", "bench", 60_000, 0)
+        .await
+        .expect("acquire");
+    let id = held.lease_id.expose().as_bytes().to_vec();
+    let start = Instant::now();
+    let mut n = 0u64;
+    while start.elapsed() < duration {
+        for _ in 0..1000 {
+            store
+                .renew("r", held.token, Some(&id), None)
+                .expect("renew");
+        }
+        n += 1000;
+    }
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    let _ = std::fs::remove_dir_all(&dir);
+    rate
+}
+
+/// Milliseconds to reopen a journal of `leases` granted leases and rebuild
+/// the lease store from it.
+async fn recovery_ms(leases: usize) -> (f64, u64) {
+    let dir = scratch("recovery");
+    {
+        let (journal, _) = FileJournal::open(&dir, FileJournalOptions::default()).expect("journal");
+        let journal = Arc::new(journal);
+        // Write in concurrent chunks so group commit keeps the set-up short.
+        let chunks: Vec<_> = (0..64)
+            .map(|c| {
+                let journal = journal.clone();
+                tokio::spawn(async move {
+                    for i in (c..leases).step_by(64) {
+                        let record = GrantRecord {
+                            lease: format!("lease-{i:07}"),
+                            token: 1 + i as u64 % 7,
+                            holder: format!("holder-{}", i % 100),
+                            ttl_ms: 30_000,
+                            lease_id: [b'a'; 32],
+                        };
+                        journal.persist_grant(record).await.expect("persist");
+                    }
+                })
+            })
+            .collect();
+        for c in chunks {
+            c.await.expect("chunk");
+        }
+    }
+    let bytes =
+        std::fs::metadata(dir.join(fencegate::journal::file::JOURNAL_FILE)).map_or(0, |m| m.len());
+    // The writer thread lets go of the directory lock once it has drained.
+    let start = loop {
+        let start = Instant::now();
+        match FileJournal::open(&dir, FileJournalOptions::default()) {
+            Ok((journal, recovered)) => {
+                assert_eq!(recovered.leases.len(), leases);
+                let store = LeaseStore::restore(
+                    Clock::system(),
+                    LeaseLimits::default(),
+                    Arc::new(journal),
+                    recovered.leases,
+                )
+                .expect("restore");
+                assert!(store.inspect("lease-0000000").is_some());
+                break start;
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(5)),
+        }
+    };
+    let ms = start.elapsed().as_secs_f64() * 1000.0;
+    let _ = std::fs::remove_dir_all(&dir);
+    (ms, bytes)
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let duration = Duration::from_millis(if quick { 200 } else { 2000 });
+    let recovery_leases = if quick { 10_000 } else { 100_000 };
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        println!(
+            "durable acquires (each fsync'd before it returns; {:?} per point)",
+            duration
+        );
+        println!(
+            "{:>8} {:>12} {:>10} {:>8}",
+            "clients", "acquires/s", "acquires", "vs 1"
+        );
+        let mut base = None;
+        for clients in [1, 16, 64] {
+            let (rate, total) = acquires_per_second(clients, duration).await;
+            let base = *base.get_or_insert(rate);
+            println!(
+                "{clients:>8} {rate:>12.0} {total:>10} {:>7.1}x",
+                rate / base
+            );
+        }
+        println!(
+            "renewals/s (one lease, in memory): {:.0}",
+            renews_per_second(duration).await
+        );
+        let (ms, bytes) = recovery_ms(recovery_leases).await;
+        println!(
+            "recovery of {recovery_leases} leases ({:.1} MiB journal): {ms:.0} ms",
+            bytes as f64 / 1048576.0
+        );
+    });
+}

@@ -1,0 +1,435 @@
+//! Journal records and their framing on disk.
+//!
+//! A journal file starts with an 8-byte header, [`FILE_MAGIC`], followed by
+//! frames:
+//!
+//! ```text
+//! 0xF7 | payload length: u32 LE | CRC-32 of payload: u32 LE | payload
+//! ```
+//!
+//! A payload is a kind byte followed by the kind's fields: integers are
+//! little-endian u64, strings a length (u8 for lease names, u16 for holders)
+//! and UTF-8 bytes, lease ids their 32-byte text form.
+
+use bytes::{Buf, BufMut};
+
+/// The first bytes of every journal file (format version 1).
+pub const FILE_MAGIC: &[u8; 8] = b"FGJRNL01";
+/// The first byte of every frame.
+pub const FRAME_MAGIC: u8 = 0xF7;
+/// Bytes of a frame before its payload.
+pub const FRAME_HEADER: usize = 9;
+/// Largest payload accepted when reading (a record is far smaller).
+pub const MAX_PAYLOAD: usize = 64 * 1024;
+
+const KIND_GRANT: u8 = 1;
+const KIND_RENEW: u8 = 2;
+const KIND_RELEASE: u8 = 3;
+const KIND_STATE: u8 = 4;
+const KIND_NOOP: u8 = 5;
+
+/// The latest term of a lease, as the journal knows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TermRecord {
+    pub token: u64,
+    pub holder: String,
+    pub ttl_ms: u64,
+    /// The lease id's text form, so the holder can renew after a restart.
+    pub lease_id: [u8; 32],
+    pub released: bool,
+}
+
+/// Everything the journal keeps of one lease.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LeaseRecord {
+    pub lease: String,
+    /// The highest token ever made durable for this lease.
+    pub last_token: u64,
+    /// How many terms were granted.
+    pub transitions: u64,
+    pub term: Option<TermRecord>,
+}
+
+/// One entry of the journal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Record {
+    /// A term was granted (always fsync'd before the token is returned).
+    Grant {
+        lease: String,
+        token: u64,
+        holder: String,
+        ttl_ms: u64,
+        lease_id: [u8; 32],
+    },
+    /// A term was renewed with a different TTL.
+    Renew {
+        lease: String,
+        token: u64,
+        ttl_ms: u64,
+    },
+    /// A term was released.
+    Release { lease: String, token: u64 },
+    /// A lease's whole state, written by compaction.
+    State(LeaseRecord),
+    /// Carries nothing; written by the health probe.
+    Noop,
+}
+
+/// Why bytes are not a record.
+#[derive(Debug, PartialEq, Eq)]
+pub struct DecodeError(pub &'static str);
+
+impl Record {
+    /// Folds this record into the lease's state.
+    pub fn apply(&self, state: &mut LeaseRecord) {
+        match self {
+            Record::Grant {
+                token,
+                holder,
+                ttl_ms,
+                lease_id,
+                ..
+            } => {
+                state.last_token = state.last_token.max(*token);
+                state.transitions += 1;
+                state.term = Some(TermRecord {
+                    token: *token,
+                    holder: holder.clone(),
+                    ttl_ms: *ttl_ms,
+                    lease_id: *lease_id,
+                    released: false,
+                });
+            }
+            Record::Renew { token, ttl_ms, .. } => {
+                if let Some(term) = state.term.as_mut().filter(|t| t.token == *token) {
+                    term.ttl_ms = *ttl_ms;
+                }
+            }
+            Record::Release { token, .. } => {
+                if let Some(term) = state.term.as_mut().filter(|t| t.token == *token) {
+                    term.released = true;
+                }
+            }
+            Record::State(s) => *state = s.clone(),
+            Record::Noop => {}
+        }
+    }
+
+    /// The lease the record is about (`None` for [`Record::Noop`]).
+    pub fn lease(&self) -> Option<&str> {
+        match self {
+            Record::Grant { lease, .. }
+            | Record::Renew { lease, .. }
+            | Record::Release { lease, .. } => Some(lease),
+            Record::State(s) => Some(&s.lease),
+            Record::Noop => None,
+        }
+    }
+
+    /// Appends the framed record to `out`.
+    pub fn encode_frame(&self, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.put_u8(FRAME_MAGIC);
+        out.put_u32_le(0);
+        out.put_u32_le(0);
+        self.encode_payload(out);
+        let payload = &out[start + FRAME_HEADER..];
+        let len = u32::try_from(payload.len()).expect("records are small");
+        let crc = crc32fast::hash(payload);
+        out[start + 1..start + 5].copy_from_slice(&len.to_le_bytes());
+        out[start + 5..start + 9].copy_from_slice(&crc.to_le_bytes());
+    }
+
+    fn encode_payload(&self, out: &mut Vec<u8>) {
+        match self {
+            Record::Grant {
+                lease,
+                token,
+                holder,
+                ttl_ms,
+                lease_id,
+            } => {
+                out.put_u8(KIND_GRANT);
+                put_name(out, lease);
+                out.put_u64_le(*token);
+                out.put_u64_le(*ttl_ms);
+                put_holder(out, holder);
+                out.put_slice(lease_id);
+            }
+            Record::Renew {
+                lease,
+                token,
+                ttl_ms,
+            } => {
+                out.put_u8(KIND_RENEW);
+                put_name(out, lease);
+                out.put_u64_le(*token);
+                out.put_u64_le(*ttl_ms);
+            }
+            Record::Release { lease, token } => {
+                out.put_u8(KIND_RELEASE);
+                put_name(out, lease);
+                out.put_u64_le(*token);
+            }
+            Record::State(s) => {
+                out.put_u8(KIND_STATE);
+                put_name(out, &s.lease);
+                out.put_u64_le(s.last_token);
+                out.put_u64_le(s.transitions);
+                match &s.term {
+                    None => out.put_u8(0),
+                    Some(t) => {
+                        out.put_u8(if t.released { 2 } else { 1 });
+                        out.put_u64_le(t.token);
+                        out.put_u64_le(t.ttl_ms);
+                        put_holder(out, &t.holder);
+                        out.put_slice(&t.lease_id);
+                    }
+                }
+            }
+            Record::Noop => out.put_u8(KIND_NOOP),
+        }
+    }
+
+    /// Decodes one payload (without its frame).
+    pub fn decode_payload(mut buf: &[u8]) -> Result<Self, DecodeError> {
+        let kind = get_u8(&mut buf)?;
+        let record = match kind {
+            KIND_GRANT => Record::Grant {
+                lease: get_name(&mut buf)?,
+                token: get_u64(&mut buf)?,
+                ttl_ms: get_u64(&mut buf)?,
+                holder: get_holder(&mut buf)?,
+                lease_id: get_id(&mut buf)?,
+            },
+            KIND_RENEW => Record::Renew {
+                lease: get_name(&mut buf)?,
+                token: get_u64(&mut buf)?,
+                ttl_ms: get_u64(&mut buf)?,
+            },
+            KIND_RELEASE => Record::Release {
+                lease: get_name(&mut buf)?,
+                token: get_u64(&mut buf)?,
+            },
+            KIND_STATE => {
+                let lease = get_name(&mut buf)?;
+                let last_token = get_u64(&mut buf)?;
+                let transitions = get_u64(&mut buf)?;
+                let term = match get_u8(&mut buf)? {
+                    0 => None,
+                    tag @ (1 | 2) => Some(TermRecord {
+                        token: get_u64(&mut buf)?,
+                        ttl_ms: get_u64(&mut buf)?,
+                        holder: get_holder(&mut buf)?,
+                        lease_id: get_id(&mut buf)?,
+                        released: tag == 2,
+                    }),
+                    _ => return Err(DecodeError("bad term tag")),
+                };
+                Record::State(LeaseRecord {
+                    lease,
+                    last_token,
+                    transitions,
+                    term,
+                })
+            }
+            KIND_NOOP => Record::Noop,
+            _ => return Err(DecodeError("unknown record kind")),
+        };
+        if buf.has_remaining() {
+            return Err(DecodeError("trailing bytes in record"));
+        }
+        Ok(record)
+    }
+}
+
+/// The outcome of reading one frame at the start of `buf`.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Frame {
+    /// A valid record and the frame's total length.
+    Record(Record, usize),
+    /// Not a valid frame here.
+    Invalid(&'static str),
+}
+
+/// Reads the frame at the start of `buf`.
+pub fn read_frame(buf: &[u8]) -> Frame {
+    if buf.len() < FRAME_HEADER {
+        return Frame::Invalid("short frame header");
+    }
+    if buf[0] != FRAME_MAGIC {
+        return Frame::Invalid("bad frame magic");
+    }
+    let len = u32::from_le_bytes(buf[1..5].try_into().expect("4 bytes")) as usize;
+    let crc = u32::from_le_bytes(buf[5..9].try_into().expect("4 bytes"));
+    if len > MAX_PAYLOAD {
+        return Frame::Invalid("frame length out of range");
+    }
+    let Some(payload) = buf.get(FRAME_HEADER..FRAME_HEADER + len) else {
+        return Frame::Invalid("frame runs past the end of the file");
+    };
+    if crc32fast::hash(payload) != crc {
+        return Frame::Invalid("checksum mismatch");
+    }
+    match Record::decode_payload(payload) {
+        Ok(record) => Frame::Record(record, FRAME_HEADER + len),
+        Err(DecodeError(why)) => Frame::Invalid(why),
+    }
+}
+
+fn put_name(out: &mut Vec<u8>, s: &str) {
+    let len = u8::try_from(s.len()).expect("lease names are at most 128 bytes");
+    out.put_u8(len);
+    out.put_slice(s.as_bytes());
+}
+
+fn put_holder(out: &mut Vec<u8>, s: &str) {
+    let len = u16::try_from(s.len()).expect("holders are at most 256 bytes");
+    out.put_u16_le(len);
+    out.put_slice(s.as_bytes());
+}
+
+fn get_u8(buf: &mut &[u8]) -> Result<u8, DecodeError> {
+    if buf.remaining() < 1 {
+        return Err(DecodeError("truncated record"));
+    }
+    Ok(buf.get_u8())
+}
+
+fn get_u64(buf: &mut &[u8]) -> Result<u64, DecodeError> {
+    if buf.remaining() < 8 {
+        return Err(DecodeError("truncated record"));
+    }
+    Ok(buf.get_u64_le())
+}
+
+fn get_str(buf: &mut &[u8], len: usize) -> Result<String, DecodeError> {
+    if buf.remaining() < len {
+        return Err(DecodeError("truncated record"));
+    }
+    let s = std::str::from_utf8(&buf[..len])
+        .map_err(|_| DecodeError("string is not UTF-8"))?
+        .to_owned();
+    buf.advance(len);
+    Ok(s)
+}
+
+fn get_name(buf: &mut &[u8]) -> Result<String, DecodeError> {
+    let len = usize::from(get_u8(buf)?);
+    get_str(buf, len)
+}
+
+fn get_holder(buf: &mut &[u8]) -> Result<String, DecodeError> {
+    if buf.remaining() < 2 {
+        return Err(DecodeError("truncated record"));
+    }
+    let len = usize::from(buf.get_u16_le());
+    get_str(buf, len)
+}
+
+fn get_id(buf: &mut &[u8]) -> Result<[u8; 32], DecodeError> {
+    if buf.remaining() < 32 {
+        return Err(DecodeError("truncated record"));
+    }
+    let mut id = [0u8; 32];
+    buf.copy_to_slice(&mut id);
+    Ok(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn samples() -> Vec<Record> {
+        vec![
+            Record::Grant {
+                lease: "orders".into(),
+                token: 7,
+                holder: "worker-1".into(),
+                ttl_ms: 5000,
+                lease_id: [b'a'; 32],
+            },
+            Record::Renew {
+                lease: "orders".into(),
+                token: 7,
+                ttl_ms: 9000,
+            },
+            Record::Release {
+                lease: "orders".into(),
+                token: 7,
+            },
+            Record::State(LeaseRecord {
+                lease: "x".repeat(128),
+                last_token: u64::MAX,
+                transitions: 3,
+                term: Some(TermRecord {
+                    token: u64::MAX,
+                    holder: "h".repeat(256),
+                    ttl_ms: 100,
+                    lease_id: [b'f'; 32],
+                    released: true,
+                }),
+            }),
+            Record::State(LeaseRecord {
+                lease: "empty".into(),
+                ..LeaseRecord::default()
+            }),
+            Record::Noop,
+        ]
+    }
+
+    #[test]
+    fn frames_round_trip() {
+        let mut buf = Vec::new();
+        for r in samples() {
+            r.encode_frame(&mut buf);
+        }
+        let mut at = 0;
+        for want in samples() {
+            match read_frame(&buf[at..]) {
+                Frame::Record(got, len) => {
+                    assert_eq!(got, want);
+                    at += len;
+                }
+                Frame::Invalid(why) => panic!("{why} at {at}"),
+            }
+        }
+        assert_eq!(at, buf.len());
+    }
+
+    #[test]
+    fn every_single_byte_flip_or_cut_is_detected() {
+        let mut frame = Vec::new();
+        samples()[0].encode_frame(&mut frame);
+        for i in 0..frame.len() {
+            let mut bad = frame.clone();
+            bad[i] ^= 0x01;
+            assert!(matches!(read_frame(&bad), Frame::Invalid(_)), "flip at {i}");
+            assert!(
+                matches!(read_frame(&frame[..i]), Frame::Invalid(_)),
+                "cut at {i}"
+            );
+        }
+    }
+
+    #[test]
+    fn folding_follows_the_terms() {
+        let mut s = LeaseRecord::default();
+        for r in &samples()[..3] {
+            r.apply(&mut s);
+        }
+        let t = s.term.clone().unwrap();
+        assert_eq!(
+            (s.last_token, s.transitions, t.ttl_ms, t.released),
+            (7, 1, 9000, true)
+        );
+        // A renew or release of another token changes nothing.
+        Record::Renew {
+            lease: "orders".into(),
+            token: 6,
+            ttl_ms: 1,
+        }
+        .apply(&mut s);
+        assert_eq!(s.term.unwrap().ttl_ms, 9000);
+    }
+}
