@@ -331,10 +331,23 @@ async fn a_torn_tail_is_cut_and_acknowledged_grants_survive() {
     p.kill9();
     let journal = data.join("journal.log");
     let len = std::fs::metadata(&journal).unwrap().len();
-    // Append half of a copy of the last record: a write torn by power loss.
+    // A grant that was being written when the power went: its record is
+    // truncated mid-way, and it was never acknowledged.
+    let mut frame = Vec::new();
+    fencegate::journal::record::Record::Grant {
+        lease: "unacked".into(),
+        token: 1,
+        holder: "Z".into(),
+        ttl_ms: 5000,
+        lease_id: [b'0'; 32],
+    }
+    .encode_frame(&mut frame);
     let bytes = std::fs::read(&journal).unwrap();
-    let torn: Vec<u8> = bytes[bytes.len() - 40..bytes.len() - 10].to_vec();
-    std::fs::write(&journal, [bytes.clone(), torn].concat()).unwrap();
+    std::fs::write(
+        &journal,
+        [bytes.clone(), frame[..frame.len() / 2].to_vec()].concat(),
+    )
+    .unwrap();
 
     let p = Proc::start(&args, &log, &[]);
     let c = HttpClient::new(&p.url);
@@ -348,6 +361,8 @@ async fn a_torn_tail_is_cut_and_acknowledged_grants_survive() {
         len,
         "the torn tail was cut"
     );
+    let r = c.send(Req::new("GET", "/_fence/leases/unacked")).await;
+    assert_eq!(r.status, 404, "the torn grant was recovered");
     for (i, held) in tokens.iter().enumerate() {
         let r = c
             .send(Req::new("PUT", &format!("/kv/l{i}/x")).held(held).body("x"))
