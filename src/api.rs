@@ -289,11 +289,29 @@ impl Api {
     }
 
     fn metrics(&self) -> Response<Body> {
+        let h = self.leases.handover_stats();
+        let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
         let text = format!(
             "# HELP fencegate_leases_held Leases with a live term.\n\
              # TYPE fencegate_leases_held gauge\n\
-             fencegate_leases_held {}\n",
-            self.leases.held_count()
+             fencegate_leases_held {}\n\
+             # HELP fencegate_writes_in_flight Admitted writes not yet finished at the backend.\n\
+             # TYPE fencegate_writes_in_flight gauge\n\
+             fencegate_writes_in_flight {}\n\
+             # HELP fencegate_barrier_waits_total Writes that waited for an earlier term's writes to finish.\n\
+             # TYPE fencegate_barrier_waits_total counter\n\
+             fencegate_barrier_waits_total {}\n\
+             # HELP fencegate_barrier_wait_milliseconds_total Time writes spent waiting at the handover barrier.\n\
+             # TYPE fencegate_barrier_wait_milliseconds_total counter\n\
+             fencegate_barrier_wait_milliseconds_total {}\n\
+             # HELP fencegate_barrier_timeouts_total Writes refused because an earlier term's writes did not finish in time.\n\
+             # TYPE fencegate_barrier_timeouts_total counter\n\
+             fencegate_barrier_timeouts_total {}\n",
+            self.leases.held_count(),
+            load(&h.inflight),
+            load(&h.barrier_waits),
+            load(&h.barrier_wait_ms),
+            load(&h.barrier_timeouts),
         );
         let mut res = Response::new(body::full(text));
         res.headers_mut().insert(

@@ -126,14 +126,26 @@ pub struct Parts {
 
 /// Composes `fencegate serve`: limits → (lease API | fence → backend).
 pub fn build(config: &Config, parts: Parts) -> Result<FencegateApp, String> {
+    build_with(config, parts.leases, parts.draining, parts.backend)
+}
+
+/// [`build`] with any backend service (tests put instrumented backends here).
+pub fn build_with<S>(
+    config: &Config,
+    leases: LeaseStore,
+    draining: Arc<AtomicBool>,
+    backend: S,
+) -> Result<App<Fence<S>>, String> {
     let policy = FencePolicy {
         routes: config.fence.compile_routes()?,
-        leases: parts.leases.clone(),
+        leases: leases.clone(),
         require_lease_id: config.fence.require_lease_id,
         allow_unrouted_writes: config.fence.allow_unrouted_writes,
+        admit: config.admit_options(),
+        upstream_timeout_ms: config.proxy.timeout_ms,
     };
-    let data = FenceLayer::new(policy).layer(parts.backend);
-    let api = Api::new(parts.leases, config.fence.require_lease_id, parts.draining);
+    let data = FenceLayer::new(policy).layer(backend);
+    let api = Api::new(leases, config.fence.require_lease_id, draining);
     Ok(App::new(Some(api), data, config.request_limits()))
 }
 

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::app::RequestLimits;
 use crate::backend::UpstreamOptions;
 use crate::clock::ClockKind;
-use crate::lease::LeaseLimits;
+use crate::lease::{AdmitOptions, LeaseLimits};
 use crate::route::{Route, Routes};
 
 /// Environment variables with the `FENCEGATE_` prefix that are not config keys.
@@ -48,6 +48,12 @@ pub struct FenceConfig {
     pub require_lease_id: bool,
     /// Whether writes to paths no route guards are forwarded unchecked.
     pub allow_unrouted_writes: bool,
+    /// A write needs more than this much of its term left to be admitted.
+    pub admission_margin_ms: u64,
+    /// How long a write whose outcome is unknown still counts as in flight.
+    pub settle_ms: u64,
+    /// The handover barrier; off only to demonstrate what it prevents.
+    pub drain_barrier: bool,
     /// Path patterns and the lease guarding each; the first match wins.
     pub routes: Vec<RouteConfig>,
 }
@@ -64,6 +70,9 @@ pub struct RouteConfig {
     /// Whether reads on this route need a live term too.
     #[serde(default)]
     pub fence_reads: bool,
+    /// This route's upstream deadline (default: `proxy.timeout_ms`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
 }
 
 /// Lease bounds.
@@ -116,10 +125,14 @@ impl Default for FenceConfig {
         Self {
             require_lease_id: true,
             allow_unrouted_writes: false,
+            admission_margin_ms: 0,
+            settle_ms: 1_000,
+            drain_barrier: true,
             routes: vec![RouteConfig {
                 pattern: "/kv/{lease}".into(),
                 lease: None,
                 fence_reads: false,
+                timeout_ms: None,
             }],
         }
     }
@@ -286,6 +299,16 @@ impl Config {
         }
     }
 
+    /// How the fence admits writes.
+    pub fn admit_options(&self) -> AdmitOptions {
+        AdmitOptions {
+            margin_ms: self.fence.admission_margin_ms,
+            barrier: self.fence.drain_barrier,
+            max_wait_ms: self.proxy.timeout_ms,
+            settle_ms: self.fence.settle_ms,
+        }
+    }
+
     /// The upstream client's options.
     pub fn upstream_options(&self) -> UpstreamOptions {
         UpstreamOptions {
@@ -302,7 +325,16 @@ impl FenceConfig {
     pub fn compile_routes(&self) -> Result<Routes, String> {
         self.routes
             .iter()
-            .map(|r| Route::new(&r.pattern, r.lease.as_deref(), r.fence_reads))
+            .map(|r| {
+                if r.timeout_ms == Some(0) {
+                    return Err(format!(
+                        "route {:?}: timeout_ms must be greater than 0",
+                        r.pattern
+                    ));
+                }
+                Route::new(&r.pattern, r.lease.as_deref(), r.fence_reads)
+                    .map(|route| route.with_timeout_ms(r.timeout_ms))
+            })
             .collect::<Result<Vec<_>, _>>()
             .map(Routes::new)
     }

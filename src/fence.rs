@@ -8,19 +8,28 @@
 //! never reaches the inner service. `Fencing-Lease-Id` is removed from every
 //! request before it goes on; `Fencing-Token` is passed on so backends that
 //! can compare tokens may do so.
+//!
+//! Admission also enforces the handover guarantee: an admitted write counts
+//! as in flight until its response body is complete (or, if its outcome is
+//! unknown, until the settle time has passed), and the first write of a newer
+//! term waits until no write of an older term is in flight. So the backend
+//! never receives a write of term t after one of a later term.
 
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use futures_util::future::{Either, Ready};
-use http::{HeaderMap, Method, Request, Response};
+use std::future::Future;
+use std::pin::Pin;
+
+use http::{HeaderMap, HeaderValue, Method, Request, Response};
+use http_body::Body as _;
 use tower::{Layer, Service};
 
 use crate::body::Body;
 use crate::error::Problem;
-use crate::lease::{is_valid_lease_name, LeaseStore};
-use crate::route::Routes;
+use crate::lease::{is_valid_lease_name, AdmitError, AdmitOptions, LeaseStore, WriteGuard};
+use crate::route::{RouteTimeout, Routes};
 
 /// The header that carries the fencing token.
 pub const FENCING_TOKEN: &str = "fencing-token";
@@ -36,6 +45,10 @@ pub struct FencePolicy {
     pub require_lease_id: bool,
     /// Whether writes to paths no route guards are forwarded unchecked.
     pub allow_unrouted_writes: bool,
+    /// Margin, barrier and settle time of write admission.
+    pub admit: AdmitOptions,
+    /// Upstream deadline of routes without their own.
+    pub upstream_timeout_ms: u64,
 }
 
 /// Whether `method` changes state at the backend. Everything but the safe
@@ -104,41 +117,73 @@ pub fn credentials(
     Ok((token, lease_id))
 }
 
+/// What the fence decided before any waiting.
+enum Decision {
+    /// Not fenced (a read, or an allowed unrouted write): forward as it is.
+    Pass,
+    /// Refused before the lease store was asked.
+    Reject(Problem),
+    /// A fenced request: admit it through the lease store.
+    Fenced {
+        lease: String,
+        token: u64,
+        lease_id: Option<HeaderValue>,
+        max_wait_ms: u64,
+    },
+}
+
 impl FencePolicy {
-    /// Decides whether `req` may go on to the backend.
-    pub fn admit(&self, req: &Request<Body>) -> Result<(), Problem> {
-        let matched = self
-            .routes
-            .resolve(req.uri().path())
-            .map_err(|bad| Problem::invalid_request(bad.0))?;
+    /// Routes `req` and checks its headers; removes `Fencing-Lease-Id` (a
+    /// credential for fencegate only) and records the route's upstream
+    /// deadline on the request.
+    fn decide(&self, req: &mut Request<Body>) -> Decision {
+        let matched = match self.routes.resolve(req.uri().path()) {
+            Ok(matched) => matched,
+            Err(bad) => return Decision::Reject(Problem::invalid_request(bad.0)),
+        };
         let write = is_write(req.method());
         let Some(route) = matched else {
+            req.headers_mut().remove(FENCING_LEASE_ID);
             if write && !self.allow_unrouted_writes {
-                return Err(Problem::unrouted_write());
+                return Decision::Reject(Problem::unrouted_write());
             }
-            return Ok(());
+            return Decision::Pass;
         };
+        let timeout_ms = route.timeout_ms.unwrap_or(self.upstream_timeout_ms);
+        req.extensions_mut().insert(RouteTimeout(timeout_ms));
         if !write && !route.fence_reads {
-            return Ok(());
+            req.headers_mut().remove(FENCING_LEASE_ID);
+            return Decision::Pass;
         }
-        let lease = route.lease.as_str();
-        if !is_valid_lease_name(lease) {
-            return Err(Problem::invalid_lease_name(lease));
+        let lease = route.lease;
+        if !is_valid_lease_name(&lease) {
+            return Decision::Reject(Problem::invalid_lease_name(&lease));
         }
-        let (token, lease_id) =
-            credentials(req.headers(), self.require_lease_id).map_err(|p| p.lease(lease))?;
-        match self.leases.check_write(lease, token, lease_id) {
-            Ok(_) => {
-                tracing::debug!(lease, token, method = %req.method(), "write admitted");
-                Ok(())
-            }
-            Err(reject) => {
-                tracing::info!(lease, token, reason = reject.reason(), method = %req.method(), "write rejected");
-                Err(Problem::rejected(lease, reject))
-            }
+        let token = match credentials(req.headers(), self.require_lease_id) {
+            Ok((token, _)) => token,
+            Err(p) => return Decision::Reject(p.lease(&lease)),
+        };
+        Decision::Fenced {
+            lease,
+            token,
+            lease_id: req.headers_mut().remove(FENCING_LEASE_ID),
+            max_wait_ms: timeout_ms,
+        }
+    }
+
+    fn admit_options(&self, max_wait_ms: u64) -> AdmitOptions {
+        AdmitOptions {
+            max_wait_ms,
+            ..self.admit
         }
     }
 }
+
+/// Set by a backend on a response it made up because the request's outcome
+/// at the storage is unknown (connection lost, upstream timeout): the write
+/// then keeps counting as in flight for the settle time.
+#[derive(Clone, Copy, Debug)]
+pub struct OutcomeUnknown;
 
 /// Builds [`Fence`] services around a backend.
 #[derive(Clone, Debug)]
@@ -164,33 +209,157 @@ impl<S> Layer<S> for FenceLayer {
     }
 }
 
-/// A service that forwards only admitted requests to `S`.
+/// A service that forwards only admitted requests to `S`, and keeps each
+/// admitted write counted as in flight until its response is complete.
 #[derive(Clone, Debug)]
 pub struct Fence<S> {
     policy: Arc<FencePolicy>,
     inner: S,
 }
 
+type BoxResponseFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
 impl<S> Service<Request<Body>> for Fence<S>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
 {
     type Response = Response<Body>;
     type Error = Infallible;
-    type Future = Either<S::Future, Ready<Result<Response<Body>, Infallible>>>;
+    type Future = BoxResponseFuture;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, mut req: Request<Body>) -> Self::Future {
-        match self.policy.admit(&req) {
-            Ok(()) => {
-                // The lease id is a credential for fencegate only.
-                req.headers_mut().remove(FENCING_LEASE_ID);
-                Either::Left(self.inner.call(req))
+        let decision = self.policy.decide(&mut req);
+        // Call the instance that was polled ready; keep a clone for next time.
+        let fresh = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, fresh);
+        match decision {
+            Decision::Pass => Box::pin(inner.call(req)),
+            Decision::Reject(problem) => Box::pin(std::future::ready(Ok(problem.into_response()))),
+            Decision::Fenced {
+                lease,
+                token,
+                lease_id,
+                max_wait_ms,
+            } => {
+                let policy = self.policy.clone();
+                // Boxed outside the async block, so the block holds no
+                // generic future type (which keeps it provably Send).
+                let mut forward =
+                    move |req: Request<Body>| -> BoxResponseFuture { Box::pin(inner.call(req)) };
+                Box::pin(async move {
+                    let options = policy.admit_options(max_wait_ms);
+                    let presented = lease_id.as_ref().map(HeaderValue::as_bytes);
+                    let admitted = match policy
+                        .leases
+                        .admit_write(&lease, token, presented, options)
+                        .await
+                    {
+                        Ok(admitted) => admitted,
+                        Err(AdmitError::Rejected(reject)) => {
+                            tracing::info!(lease, token, reason = reject.reason(), method = %req.method(), "write rejected");
+                            return Ok(Problem::rejected(&lease, reject).into_response());
+                        }
+                        Err(AdmitError::DrainTimeout {
+                            older_token,
+                            waited_ms,
+                        }) => {
+                            tracing::warn!(
+                                lease,
+                                token,
+                                older_token,
+                                waited_ms,
+                                "write refused: an earlier term's writes did not finish in time"
+                            );
+                            return Ok(Problem::new(
+                                http::StatusCode::GATEWAY_TIMEOUT,
+                                "upstream-timeout",
+                                "writes of an earlier term of this lease are still unfinished at the backend",
+                            )
+                            .lease(&lease)
+                            .into_response());
+                        }
+                    };
+                    tracing::debug!(lease, token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted");
+                    let res = forward(req).await?;
+                    if res.extensions().get::<OutcomeUnknown>().is_some() {
+                        // Dropping the guard unfinished keeps the write counted
+                        // for the settle time.
+                        drop(admitted.guard);
+                        return Ok(res);
+                    }
+                    Ok(res.map(|b| GuardedBody::wrap(b, admitted.guard)))
+                })
             }
-            Err(problem) => Either::Right(futures_util::future::ready(Ok(problem.into_response()))),
+        }
+    }
+}
+
+/// A response body that finishes its write's guard when the body ends.
+struct GuardedBody {
+    inner: Body,
+    guard: Option<WriteGuard>,
+}
+
+impl GuardedBody {
+    fn wrap(inner: Body, guard: WriteGuard) -> Body {
+        if inner.is_end_stream() {
+            guard.finish();
+            return inner;
+        }
+        crate::body::boxed(Self {
+            inner,
+            guard: Some(guard),
+        })
+    }
+}
+
+impl http_body::Body for GuardedBody {
+    type Data = bytes::Bytes;
+    type Error = crate::body::BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => {
+                if let Some(guard) = self.guard.take() {
+                    guard.finish();
+                }
+            }
+            Poll::Ready(Some(Err(_))) => {
+                // The response broke off: the outcome is unknown.
+                drop(self.guard.take());
+            }
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for GuardedBody {
+    fn drop(&mut self) {
+        if let Some(guard) = self.guard.take() {
+            if self.inner.is_end_stream() {
+                guard.finish();
+            }
         }
     }
 }

@@ -38,6 +38,8 @@ pub struct Route {
     lease: LeaseSource,
     /// Whether reads on this route are fenced like writes.
     pub fence_reads: bool,
+    /// The route's own upstream deadline, if it has one.
+    pub timeout_ms: Option<u64>,
 }
 
 /// A path that matched a route.
@@ -48,7 +50,13 @@ pub struct Matched<'r> {
     /// The route's pattern, for logs.
     pub pattern: &'r str,
     pub fence_reads: bool,
+    pub timeout_ms: Option<u64>,
 }
+
+/// A request extension: the upstream deadline of the request's route, in
+/// milliseconds. The upstream client answers 504 when it passes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RouteTimeout(pub u64);
 
 /// A path fencegate refuses to route.
 #[derive(Debug, PartialEq, Eq)]
@@ -108,7 +116,14 @@ impl Route {
             segments,
             lease,
             fence_reads,
+            timeout_ms: None,
         })
+    }
+
+    /// Gives the route its own upstream deadline.
+    pub fn with_timeout_ms(mut self, timeout_ms: Option<u64>) -> Self {
+        self.timeout_ms = timeout_ms;
+        self
     }
 
     fn matches(&self, path: &[Cow<'_, str>]) -> Option<Matched<'_>> {
@@ -130,6 +145,7 @@ impl Route {
             lease,
             pattern: &self.pattern,
             fence_reads: self.fence_reads,
+            timeout_ms: self.timeout_ms,
         })
     }
 }

@@ -563,6 +563,7 @@ async fn fixed_lease_routes_and_fenced_reads() {
             pattern: "/kv/secret".into(),
             lease: Some("vault".into()),
             fence_reads: true,
+            timeout_ms: None,
         },
     );
     let h = Harness::with_config(config);

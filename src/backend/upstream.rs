@@ -17,6 +17,8 @@ use tower::Service;
 
 use crate::body::{self, Body};
 use crate::error::Problem;
+use crate::fence::OutcomeUnknown;
+use crate::route::RouteTimeout;
 
 /// How the upstream client behaves.
 #[derive(Clone, Debug)]
@@ -50,7 +52,7 @@ pub struct Upstream {
     authority: http::uri::Authority,
     /// The base URL's path without a trailing slash ("" for the root).
     prefix: String,
-    timeout: Duration,
+    /// Deadline of requests without a route deadline.
     timeout_ms: u64,
 }
 
@@ -108,7 +110,6 @@ impl Upstream {
             scheme: http::uri::Scheme::HTTP,
             authority,
             prefix: base.path().trim_end_matches('/').to_owned(),
-            timeout: Duration::from_millis(options.timeout_ms),
             timeout_ms: options.timeout_ms,
         })
     }
@@ -138,7 +139,13 @@ impl Upstream {
         strip_hop_by_hop(req.headers_mut());
         // The client sets Host from the upstream URL.
         req.headers_mut().remove(HOST);
-        match tokio::time::timeout(self.timeout, self.client.request(req)).await {
+        let timeout_ms = req
+            .extensions()
+            .get::<RouteTimeout>()
+            .map_or(self.timeout_ms, |t| t.0);
+        match tokio::time::timeout(Duration::from_millis(timeout_ms), self.client.request(req))
+            .await
+        {
             Ok(Ok(res)) => {
                 let (mut parts, incoming) = res.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
@@ -146,14 +153,23 @@ impl Upstream {
             }
             Ok(Err(err)) => {
                 tracing::warn!(upstream = %self.authority, error = %err, "upstream request failed");
-                Problem::upstream_error().into_response()
+                outcome_unknown(Problem::upstream_error().into_response())
             }
             Err(_) => {
-                tracing::warn!(upstream = %self.authority, timeout_ms = self.timeout_ms, "upstream timed out");
-                Problem::upstream_timeout(self.timeout_ms).into_response()
+                // Dropping the request future closes its connection, so it is
+                // never reused.
+                tracing::warn!(upstream = %self.authority, timeout_ms, "upstream timed out");
+                outcome_unknown(Problem::upstream_timeout(timeout_ms).into_response())
             }
         }
     }
+}
+
+/// Marks a response fencegate made up for a request whose fate at the
+/// backend is unknown.
+fn outcome_unknown(mut res: Response<Body>) -> Response<Body> {
+    res.extensions_mut().insert(OutcomeUnknown);
+    res
 }
 
 impl Service<Request<Body>> for Upstream {

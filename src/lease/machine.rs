@@ -279,6 +279,23 @@ impl LeaseState {
         })
     }
 
+    /// [`LeaseState::check`] for a write, which must also have more than
+    /// `margin_ms` of its term left (the admission margin; 0 admits a write
+    /// until the deadline). A write inside the margin is refused as expired.
+    pub fn check_write(
+        &self,
+        now_ms: u64,
+        margin_ms: u64,
+        token: u64,
+        lease_id: Option<&[u8]>,
+    ) -> Result<Admit, Reject> {
+        let admit = self.check(now_ms, token, lease_id)?;
+        if now_ms.saturating_add(margin_ms) >= admit.deadline_ms {
+            return Err(Reject::Expired { current: token });
+        }
+        Ok(admit)
+    }
+
     /// Extends the live term to `now_ms + ttl_ms` (the term's TTL if `None`).
     pub fn renew(
         &mut self,
@@ -445,6 +462,20 @@ mod tests {
             Err(Reject::Released { current: 4 })
         );
         assert_eq!(l.acquire(10, "B", 100, id(2)).unwrap().token, 10);
+    }
+
+    #[test]
+    fn admission_margin_refuses_writes_late_in_the_term() {
+        let mut l = LeaseState::default();
+        l.acquire(0, "A", 1000, id(1)).unwrap();
+        assert!(l.check_write(899, 100, 1, None).is_ok());
+        assert_eq!(
+            l.check_write(900, 100, 1, None),
+            Err(Reject::Expired { current: 1 })
+        );
+        assert!(l.check_write(999, 0, 1, None).is_ok());
+        // Renewals are not subject to the margin.
+        assert!(l.renew(950, 1, None, None).is_ok());
     }
 
     #[test]

@@ -1,13 +1,18 @@
-//! Leases: the pure state machine ([`machine`]), lease ids ([`id`]) and the
-//! concurrent handle the rest of the proxy shares ([`store`]).
+//! Leases: the pure state machine ([`machine`]), lease ids ([`id`]), writes in
+//! flight by term ([`inflight`]) and the concurrent handle the rest of the
+//! proxy shares ([`store`]).
 
 pub mod id;
+pub mod inflight;
 pub mod machine;
 pub mod store;
 
 pub use id::LeaseId;
 pub use machine::{Admit, Grant, Held, LeaseState, Reject, TermState, View};
-pub use store::{AcquireError, Acquired, LeaseLimits, LeaseStore, RenewError};
+pub use store::{
+    AcquireError, Acquired, AdmitError, AdmitOptions, Admitted, LeaseLimits, LeaseStore,
+    RenewError, WriteGuard,
+};
 
 /// Longest lease name, in bytes.
 pub const MAX_LEASE_NAME_LEN: usize = 128;

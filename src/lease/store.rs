@@ -7,12 +7,16 @@
 //! (persisting a grant and waiting for a lease both happen after the guard is
 //! dropped).
 
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use dashmap::DashMap;
+use tokio::sync::futures::OwnedNotified;
 use tokio::sync::Notify;
 
 use super::id::LeaseId;
+use super::inflight::Inflight;
 use super::machine::{AcquireRefused, Admit, Held, LeaseState, Reject, Term, View};
 use crate::clock::Clock;
 use crate::journal::{GrantRecord, Journal, LeaseRecord};
@@ -75,9 +79,13 @@ pub enum RenewError {
 #[derive(Default)]
 struct Slot {
     state: LeaseState,
-    /// Woken when the lease becomes free early (release, abandoned grant), so
-    /// waiting acquirers retry at once instead of at the old deadline.
-    freed: Arc<Notify>,
+    /// Admitted writes not yet finished, by term.
+    inflight: Inflight,
+    /// Woken when the lease becomes free early (release, abandoned grant) and
+    /// when the last write of a term in flight finishes, so waiting acquirers
+    /// and waiting writes re-check at once. Waiters always re-check, so one
+    /// notifier serves both.
+    changed: Arc<Notify>,
 }
 
 struct Shared {
@@ -85,6 +93,127 @@ struct Shared {
     clock: Clock,
     limits: LeaseLimits,
     journal: Arc<dyn Journal>,
+    stats: HandoverStats,
+}
+
+/// Counters of the handover barrier, for metrics.
+#[derive(Debug, Default)]
+pub struct HandoverStats {
+    /// Writes in flight now, all leases together.
+    pub inflight: AtomicU64,
+    /// Writes that waited for an earlier term's writes to finish.
+    pub barrier_waits: AtomicU64,
+    /// Milliseconds spent waiting, all waits together.
+    pub barrier_wait_ms: AtomicU64,
+    /// Writes refused because earlier writes did not finish in time.
+    pub barrier_timeouts: AtomicU64,
+}
+
+/// How a write is admitted.
+#[derive(Clone, Copy, Debug)]
+pub struct AdmitOptions {
+    /// A write needs more than this much of its term left.
+    pub margin_ms: u64,
+    /// Whether a newer term's writes wait for an older term's to finish.
+    /// Switching it off voids the handover guarantee; it exists so tests can
+    /// show what the barrier prevents.
+    pub barrier: bool,
+    /// Longest wait for an older term's writes (the upstream deadline).
+    pub max_wait_ms: u64,
+    /// How long a write whose outcome is unknown (upstream connection lost,
+    /// upstream timeout, client gone) still counts as in flight.
+    pub settle_ms: u64,
+}
+
+impl Default for AdmitOptions {
+    fn default() -> Self {
+        Self {
+            margin_ms: 0,
+            barrier: true,
+            max_wait_ms: 30_000,
+            settle_ms: 1_000,
+        }
+    }
+}
+
+/// An admitted write: it counts as in flight until the guard is finished
+/// (immediately released) or dropped (released after the settle time).
+#[must_use = "the write counts as in flight until the guard is finished or dropped"]
+pub struct WriteGuard {
+    store: LeaseStore,
+    name: String,
+    token: u64,
+    settle_ms: u64,
+    finished: bool,
+}
+
+/// A write that may go to the backend.
+pub struct Admitted {
+    pub guard: WriteGuard,
+    /// Time spent waiting for an earlier term's writes (0 almost always).
+    pub waited_ms: u64,
+}
+
+/// Why a write was not admitted.
+#[derive(Debug)]
+pub enum AdmitError {
+    Rejected(Reject),
+    /// Writes of an earlier term were still unfinished at the wait limit.
+    DrainTimeout {
+        older_token: u64,
+        waited_ms: u64,
+    },
+}
+
+impl std::fmt::Debug for WriteGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WriteGuard")
+            .field("lease", &self.name)
+            .field("token", &self.token)
+            .finish()
+    }
+}
+
+impl WriteGuard {
+    /// The write is complete (its response was read in full): it stops
+    /// counting as in flight now.
+    pub fn finish(mut self) {
+        self.finished = true;
+    }
+
+    /// The lease the write is under.
+    pub fn lease(&self) -> &str {
+        &self.name
+    }
+
+    /// The write's token.
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+}
+
+impl Drop for WriteGuard {
+    fn drop(&mut self) {
+        let store = self.store.clone();
+        let name = std::mem::take(&mut self.name);
+        let token = self.token;
+        if self.finished || self.settle_ms == 0 {
+            store.write_finished(&name, token);
+            return;
+        }
+        // The outcome is unknown: the backend may still apply the write.
+        // Keep counting it until the settle time has passed.
+        let settle_at_ms = store.clock().now_ms().saturating_add(self.settle_ms);
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move {
+                    store.clock().sleep_until(settle_at_ms).await;
+                    store.write_finished(&name, token);
+                });
+            }
+            Err(_) => store.write_finished(&name, token),
+        }
+    }
 }
 
 /// The lease store: cheap to clone, shared by the lease API and the fence.
@@ -111,6 +240,7 @@ impl LeaseStore {
                 clock,
                 limits,
                 journal,
+                stats: HandoverStats::default(),
             }),
         }
     }
@@ -154,7 +284,7 @@ impl LeaseStore {
                 lease.lease,
                 Slot {
                     state,
-                    freed: Arc::default(),
+                    ..Slot::default()
                 },
             );
         }
@@ -225,7 +355,7 @@ impl LeaseStore {
                 .leases
                 .entry(name.to_owned())
                 .or_default()
-                .freed
+                .changed
                 .clone();
             // Listen before trying, so a release between the attempt and the
             // wait below still wakes this acquirer.
@@ -294,7 +424,7 @@ impl LeaseStore {
     fn abandon(&self, name: &str, token: u64, previous: Option<Term>) {
         if let Some(mut slot) = self.shared.leases.get_mut(name) {
             if slot.state.abandon(token, previous) {
-                slot.freed.notify_waiters();
+                slot.changed.notify_waiters();
             }
         }
     }
@@ -355,24 +485,128 @@ impl LeaseStore {
             .get_mut(name)
             .ok_or(Reject::UnknownToken { current: 0 })?;
         slot.state.release(now_ms, token, lease_id)?;
-        slot.freed.notify_waiters();
+        slot.changed.notify_waiters();
         drop(slot);
         self.shared.journal.record_release(name, token);
         Ok(())
     }
 
-    /// Decides whether a write with `token` may reach the storage now.
-    pub fn check_write(
+    /// Decides whether a write with `token` may reach the storage now, and
+    /// counts it as in flight if so.
+    ///
+    /// The handover barrier: while any write of an older term is in flight,
+    /// a write of a newer term waits (re-checked whenever a term drains, and
+    /// at its own deadline, which still applies). Writes of one term never
+    /// wait for each other.
+    pub async fn admit_write(
         &self,
         name: &str,
         token: u64,
         lease_id: Option<&[u8]>,
-    ) -> Result<Admit, Reject> {
-        let now_ms = self.shared.clock.now_ms();
-        match self.shared.leases.get(name) {
-            Some(slot) => slot.state.check(now_ms, token, lease_id),
-            None => Err(Reject::UnknownToken { current: 0 }),
+        options: AdmitOptions,
+    ) -> Result<Admitted, AdmitError> {
+        let clock = &self.shared.clock;
+        let mut started_ms = None;
+        let mut waiting: Option<Pin<Box<OwnedNotified>>> = None;
+        loop {
+            let now_ms = clock.now_ms();
+            let (older_token, deadline_ms, changed) = {
+                let mut slot = self
+                    .shared
+                    .leases
+                    .get_mut(name)
+                    .ok_or(AdmitError::Rejected(Reject::UnknownToken { current: 0 }))?;
+                let admit: Admit = slot
+                    .state
+                    .check_write(now_ms, options.margin_ms, token, lease_id)
+                    .map_err(AdmitError::Rejected)?;
+                match slot.inflight.older_than(token).filter(|_| options.barrier) {
+                    None => {
+                        slot.inflight.add(token);
+                        drop(slot);
+                        self.shared.stats.inflight.fetch_add(1, Ordering::Relaxed);
+                        let waited_ms = started_ms.map_or(0, |s| now_ms.saturating_sub(s));
+                        if started_ms.is_some() {
+                            self.shared
+                                .stats
+                                .barrier_wait_ms
+                                .fetch_add(waited_ms, Ordering::Relaxed);
+                        }
+                        return Ok(Admitted {
+                            guard: WriteGuard {
+                                store: self.clone(),
+                                name: name.to_owned(),
+                                token,
+                                settle_ms: options.settle_ms,
+                                finished: false,
+                            },
+                            waited_ms,
+                        });
+                    }
+                    Some(older) => (older, admit.deadline_ms, slot.changed.clone()),
+                }
+            };
+            let started = *started_ms.get_or_insert_with(|| {
+                self.shared
+                    .stats
+                    .barrier_waits
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(
+                    lease = name,
+                    token,
+                    older_token,
+                    "write waits for an earlier term's writes"
+                );
+                now_ms
+            });
+            let wait_until_ms = started.saturating_add(options.max_wait_ms);
+            if now_ms >= wait_until_ms {
+                self.shared
+                    .stats
+                    .barrier_timeouts
+                    .fetch_add(1, Ordering::Relaxed);
+                return Err(AdmitError::DrainTimeout {
+                    older_token,
+                    waited_ms: now_ms - started,
+                });
+            }
+            match waiting.take() {
+                // Listen first, then re-check: a drain between the check
+                // above and this registration is then not missed.
+                None => {
+                    let mut notified = Box::pin(changed.notified_owned());
+                    notified.as_mut().enable();
+                    waiting = Some(notified);
+                }
+                Some(notified) => {
+                    // The term's own deadline (less the margin) still applies:
+                    // wake then and let the check above refuse the write.
+                    let wake_ms = deadline_ms
+                        .saturating_sub(options.margin_ms)
+                        .min(wait_until_ms);
+                    tokio::select! {
+                        () = notified => {}
+                        () = clock.sleep_until(wake_ms) => {}
+                    }
+                }
+            }
         }
+    }
+
+    /// Counts one write of `token` finished; wakes waiters if it was the last
+    /// of its term.
+    fn write_finished(&self, name: &str, token: u64) {
+        self.shared.stats.inflight.fetch_sub(1, Ordering::Relaxed);
+        if let Some(mut slot) = self.shared.leases.get_mut(name) {
+            if slot.inflight.remove(token) {
+                slot.changed.notify_waiters();
+            }
+        }
+    }
+
+    /// Counters of the handover barrier.
+    pub fn handover_stats(&self) -> &HandoverStats {
+        &self.shared.stats
     }
 
     /// What inspection shows of `name`; `None` if it was never granted.

@@ -11,11 +11,12 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use fencegate::app::{self, FencegateApp, Parts};
+use fencegate::app::{self, App, Parts};
 use fencegate::backend::{Backend, EmbeddedStore};
 use fencegate::body::Body;
 use fencegate::clock::{Clock, ClockKind};
 use fencegate::config::Config;
+use fencegate::fence::Fence;
 use fencegate::journal::MemoryJournal;
 use fencegate::lease::LeaseStore;
 use fencegate::server::{self, ServerOptions};
@@ -136,11 +137,11 @@ impl Req {
     }
 }
 
-/// fencegate in-process, on a manual clock, with the embedded store. Clones
-/// share everything.
+/// fencegate in-process, on a manual clock, with the embedded store (or
+/// another backend `S`). Clones share everything.
 #[derive(Clone)]
-pub struct Harness {
-    pub app: FencegateApp,
+pub struct Harness<S = Fence<Backend>> {
+    pub app: App<S>,
     pub clock: Clock,
     pub store: EmbeddedStore,
     pub leases: LeaseStore,
@@ -182,7 +183,16 @@ impl Harness {
             journal,
         }
     }
+}
 
+impl<S> Harness<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
     /// Sends `req` through the app as a tower service.
     pub async fn send(&self, req: Req) -> Resp {
         let res = self.app.clone().oneshot(req.build("")).await.unwrap();
@@ -330,5 +340,149 @@ impl SplitMix {
     /// Uniform in `range` (the tiny modulo bias does not matter here).
     pub fn range(&mut self, range: std::ops::Range<u64>) -> u64 {
         range.start + self.next_u64() % (range.end - range.start)
+    }
+}
+
+/// What an instrumented backend saw.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A write reached the backend.
+    Arrive { token: u64, id: String },
+    /// The backend applied it and answered.
+    Finish { token: u64, id: String },
+}
+
+/// Counts the handover violations in a backend's event log: an older term's
+/// write arriving or finishing after a newer term's write arrived.
+pub fn handover_violations(events: &[Event]) -> usize {
+    let mut newest_arrived = 0;
+    let mut violations = 0;
+    for e in events {
+        match e {
+            Event::Arrive { token, .. } => {
+                if *token < newest_arrived {
+                    violations += 1;
+                }
+                newest_arrived = newest_arrived.max(*token);
+            }
+            Event::Finish { token, .. } => {
+                if *token < newest_arrived {
+                    violations += 1;
+                }
+            }
+        }
+    }
+    violations
+}
+
+/// An in-process backend that records arrivals and completions, and holds a
+/// request marked `x-hold: 1` until the test opens its gate (`x-write-id`).
+#[derive(Clone, Default)]
+pub struct HoldingBackend {
+    state: Arc<std::sync::Mutex<HoldState>>,
+    opened: Arc<tokio::sync::Notify>,
+}
+
+#[derive(Default)]
+struct HoldState {
+    events: Vec<Event>,
+    open: std::collections::HashSet<String>,
+}
+
+impl HoldingBackend {
+    pub fn events(&self) -> Vec<Event> {
+        self.state.lock().unwrap().events.clone()
+    }
+
+    pub fn arrived(&self, id: &str) -> bool {
+        self.events()
+            .iter()
+            .any(|e| matches!(e, Event::Arrive { id: i, .. } if i == id))
+    }
+
+    /// Lets the held request `id` (or a future one) finish.
+    pub fn open(&self, id: &str) {
+        self.state.lock().unwrap().open.insert(id.to_owned());
+        self.opened.notify_waiters();
+    }
+}
+
+impl Service<Request<Body>> for HoldingBackend {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Response<Body>, Infallible>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Infallible>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let this = self.clone();
+        let header = |k: &str| {
+            req.headers()
+                .get(k)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let token: u64 = header("fencing-token").parse().unwrap_or(0);
+        let id = header("x-write-id");
+        let hold = header("x-hold") == "1";
+        Box::pin(async move {
+            this.state.lock().unwrap().events.push(Event::Arrive {
+                token,
+                id: id.clone(),
+            });
+            if hold {
+                loop {
+                    let notified = this.opened.notified();
+                    tokio::pin!(notified);
+                    notified.as_mut().enable();
+                    if this.state.lock().unwrap().open.contains(&id) {
+                        break;
+                    }
+                    notified.await;
+                }
+            }
+            this.state
+                .lock()
+                .unwrap()
+                .events
+                .push(Event::Finish { token, id });
+            let mut res = Response::new(fencegate::body::empty());
+            *res.status_mut() = StatusCode::NO_CONTENT;
+            Ok(res)
+        })
+    }
+}
+
+impl Harness<Fence<HoldingBackend>> {
+    /// fencegate on the manual clock in front of a [`HoldingBackend`].
+    pub fn holding(mut config: Config) -> (Self, HoldingBackend) {
+        config.clock = ClockKind::Manual;
+        let backend = HoldingBackend::default();
+        let clock = Clock::new(config.clock);
+        let journal = Arc::new(MemoryJournal::default());
+        let leases = LeaseStore::new(clock.clone(), config.lease_limits(), journal.clone());
+        let app = app::build_with(
+            &config,
+            leases.clone(),
+            Arc::new(AtomicBool::new(false)),
+            backend.clone(),
+        )
+        .unwrap();
+        let h = Harness {
+            app,
+            clock,
+            store: EmbeddedStore::new(),
+            leases,
+            journal,
+        };
+        (h, backend)
     }
 }
