@@ -7,7 +7,10 @@
 //!     cargo bench --bench fence -- --quick  # smoke run
 //!
 //! Modes are interleaved over several rounds and the median is reported, so
-//! machine noise hits every mode alike. Only the public API and environment
+//! machine noise hits every mode alike. For counts that do not drift with
+//! noise, run one mode under callgrind and difference two request counts:
+//!
+//!     valgrind --tool=callgrind target/release/deps/fence-* --only 0 20000 Only the public API and environment
 //! settings are used, so the file also builds against older revisions for
 //! before/after comparisons.
 
@@ -97,8 +100,27 @@ async fn run(mode: &Mode, n: u32) -> f64 {
     start.elapsed().as_nanos() as f64 / f64::from(n)
 }
 
+/// `--only I N`: run mode I once with N requests and print nothing else
+/// (for instruction counts under `valgrind --tool=callgrind`).
+fn only(args: &[String]) -> Option<(usize, u32)> {
+    let i = args.iter().position(|a| a == "--only")?;
+    Some((
+        args.get(i + 1)?.parse().ok()?,
+        args.get(i + 2)?.parse().ok()?,
+    ))
+}
+
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    if let Some((mode, n)) = only(&args) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(run(&modes()[mode], n));
+        return;
+    }
+    let quick = args.iter().any(|a| a == "--quick");
     let (n, rounds) = if quick { (2_000, 1) } else { (200_000, 5) };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

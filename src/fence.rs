@@ -24,6 +24,7 @@ use std::pin::Pin;
 
 use http::{HeaderMap, HeaderValue, Method, Request, Response};
 use http_body::Body as _;
+use pin_project_lite::pin_project;
 use tower::{Layer, Service};
 
 use crate::body::Body;
@@ -149,8 +150,11 @@ impl FencePolicy {
             }
             return Decision::Pass;
         };
+        // Only routes with their own deadline pay for a request extension.
+        if let Some(timeout_ms) = route.timeout_ms {
+            req.extensions_mut().insert(RouteTimeout(timeout_ms));
+        }
         let timeout_ms = route.timeout_ms.unwrap_or(self.upstream_timeout_ms);
-        req.extensions_mut().insert(RouteTimeout(timeout_ms));
         if !write && !route.fence_reads {
             req.headers_mut().remove(FENCING_LEASE_ID);
             return Decision::Pass;
@@ -229,33 +233,50 @@ where
 {
     type Response = Response<Body>;
     type Error = Infallible;
-    type Future = BoxResponseFuture;
+    type Future = FenceFuture<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, mut req: Request<Body>) -> Self::Future {
-        let decision = self.policy.decide(&mut req);
-        // Call the instance that was polled ready; keep a clone for next time.
-        let fresh = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, fresh);
-        match decision {
-            Decision::Pass => Box::pin(inner.call(req)),
-            Decision::Reject(problem) => Box::pin(std::future::ready(Ok(problem.into_response()))),
+        let (lease, token, lease_id, max_wait_ms) = match self.policy.decide(&mut req) {
+            Decision::Pass => return FenceFuture::forward(self.inner.call(req), None),
+            Decision::Reject(problem) => return FenceFuture::ready(problem.into_response()),
             Decision::Fenced {
                 lease,
                 token,
                 lease_id,
                 max_wait_ms,
-            } => {
-                let policy = self.policy.clone();
+            } => (lease, token, lease_id, max_wait_ms),
+        };
+        let options = self.policy.admit_options(max_wait_ms);
+        let presented = lease_id.as_ref().map(HeaderValue::as_bytes);
+        // The common case decides without waiting or allocating.
+        match self
+            .policy
+            .leases
+            .try_admit_write(&lease, token, presented, &options)
+        {
+            Ok(Ok(guard)) => {
+                tracing::debug!(lease, token, method = %req.method(), "write admitted");
+                FenceFuture::forward(self.inner.call(req), Some(guard))
+            }
+            Err(AdmitError::Rejected(reject)) => {
+                FenceFuture::ready(reject_write(&lease, token, &req, reject))
+            }
+            Err(AdmitError::DrainTimeout { .. }) | Ok(Err(_)) => {
+                // A newer term's first write while older writes are in
+                // flight: wait at the barrier. Call the instance that was
+                // polled ready later, and keep a clone for the next call.
+                let fresh = self.inner.clone();
+                let mut inner = std::mem::replace(&mut self.inner, fresh);
                 // Boxed outside the async block, so the block holds no
                 // generic future type (which keeps it provably Send).
                 let mut forward =
                     move |req: Request<Body>| -> BoxResponseFuture { Box::pin(inner.call(req)) };
-                Box::pin(async move {
-                    let options = policy.admit_options(max_wait_ms);
+                let policy = self.policy.clone();
+                FenceFuture::boxed(Box::pin(async move {
                     let presented = lease_id.as_ref().map(HeaderValue::as_bytes);
                     let admitted = match policy
                         .leases
@@ -264,8 +285,7 @@ where
                     {
                         Ok(admitted) => admitted,
                         Err(AdmitError::Rejected(reject)) => {
-                            tracing::info!(lease, token, reason = reject.reason(), method = %req.method(), "write rejected");
-                            return Ok(Problem::rejected(&lease, reject).into_response());
+                            return Ok(reject_write(&lease, token, &req, reject));
                         }
                         Err(AdmitError::DrainTimeout {
                             older_token,
@@ -287,17 +307,82 @@ where
                             .into_response());
                         }
                     };
-                    tracing::debug!(lease, token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted");
+                    tracing::debug!(lease, token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted after the handover barrier");
                     let res = forward(req).await?;
-                    if res.extensions().get::<OutcomeUnknown>().is_some() {
-                        // Dropping the guard unfinished keeps the write counted
-                        // for the settle time.
-                        drop(admitted.guard);
-                        return Ok(res);
-                    }
-                    Ok(res.map(|b| GuardedBody::wrap(b, admitted.guard)))
-                })
+                    Ok(attach_guard(res, Some(admitted.guard)))
+                }))
             }
+        }
+    }
+}
+
+fn reject_write(
+    lease: &str,
+    token: u64,
+    req: &Request<Body>,
+    reject: crate::lease::Reject,
+) -> Response<Body> {
+    tracing::info!(lease, token, reason = reject.reason(), method = %req.method(), "write rejected");
+    Problem::rejected(lease, reject).into_response()
+}
+
+/// Keeps the write counted as in flight until the response body ends, or for
+/// the settle time if the backend's outcome is unknown.
+fn attach_guard(res: Response<Body>, guard: Option<WriteGuard>) -> Response<Body> {
+    let Some(guard) = guard else {
+        return res;
+    };
+    if res.extensions().get::<OutcomeUnknown>().is_some() {
+        // Dropping the guard unfinished keeps the write counted for the
+        // settle time.
+        drop(guard);
+        return res;
+    }
+    res.map(|b| GuardedBody::wrap(b, guard))
+}
+
+pin_project! {
+    /// The future of a [`Fence`] call: an answer the fence made itself, the
+    /// backend's answer (with the write's guard attached), or a write that
+    /// waited at the handover barrier.
+    #[project = FenceFutureProj]
+    pub enum FenceFuture<F> {
+        Ready { res: Option<Response<Body>> },
+        Forward { #[pin] fut: F, guard: Option<WriteGuard> },
+        Boxed { fut: BoxResponseFuture },
+    }
+}
+
+impl<F> FenceFuture<F> {
+    fn ready(res: Response<Body>) -> Self {
+        Self::Ready { res: Some(res) }
+    }
+
+    fn forward(fut: F, guard: Option<WriteGuard>) -> Self {
+        Self::Forward { fut, guard }
+    }
+
+    fn boxed(fut: BoxResponseFuture) -> Self {
+        Self::Boxed { fut }
+    }
+}
+
+impl<F> Future for FenceFuture<F>
+where
+    F: Future<Output = Result<Response<Body>, Infallible>>,
+{
+    type Output = Result<Response<Body>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            FenceFutureProj::Ready { res } => {
+                Poll::Ready(Ok(res.take().expect("polled after completion")))
+            }
+            FenceFutureProj::Forward { fut, guard } => {
+                let res = std::task::ready!(fut.poll(cx))?;
+                Poll::Ready(Ok(attach_guard(res, guard.take())))
+            }
+            FenceFutureProj::Boxed { fut } => fut.as_mut().poll(cx),
         }
     }
 }

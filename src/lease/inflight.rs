@@ -8,6 +8,9 @@
 #[derive(Debug, Default)]
 pub struct Inflight {
     terms: Vec<(u64, u32)>,
+    /// Whether a newer term's write is waiting for a term to drain, so that
+    /// finishing writes only pay for a wake-up when someone listens.
+    waiters: bool,
 }
 
 impl Inflight {
@@ -20,6 +23,11 @@ impl Inflight {
             .max()
     }
 
+    /// Notes that a write waits for an older term to drain.
+    pub fn note_waiter(&mut self) {
+        self.waiters = true;
+    }
+
     /// Counts one more write of `token` in flight.
     pub fn add(&mut self, token: u64) {
         match self.terms.iter_mut().find(|(t, _)| *t == token) {
@@ -28,8 +36,9 @@ impl Inflight {
         }
     }
 
-    /// Counts one write of `token` finished. Returns whether that was the last
-    /// write of its term in flight (so waiting newer writes may go).
+    /// Counts one write of `token` finished. Returns whether waiting writes
+    /// must be woken: that was the last write of its term in flight and a
+    /// write was waiting (waiters that still must wait note themselves again).
     pub fn remove(&mut self, token: u64) -> bool {
         let Some(i) = self.terms.iter().position(|(t, _)| *t == token) else {
             return false;
@@ -37,7 +46,7 @@ impl Inflight {
         self.terms[i].1 -= 1;
         if self.terms[i].1 == 0 {
             self.terms.swap_remove(i);
-            true
+            std::mem::take(&mut self.waiters)
         } else {
             false
         }
@@ -70,11 +79,14 @@ mod tests {
             (Some(3), None, Some(5))
         );
         assert_eq!(f.len(), 3);
-        assert!(!f.remove(3));
-        assert!(f.remove(3));
+        assert!(!f.remove(3), "one write of term 3 is left");
+        assert!(!f.remove(3), "term 3 drained, but nobody waits: no wake-up");
         assert_eq!(f.older_than(5), None);
+        f.add(3);
+        f.note_waiter();
+        assert!(f.remove(3), "term 3 drained with a waiter: wake it");
         assert!(!f.remove(7), "unknown terms are ignored");
-        assert!(f.remove(5));
+        assert!(!f.remove(5), "the waiter was woken already");
         assert!(f.is_empty());
     }
 }

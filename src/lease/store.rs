@@ -9,7 +9,7 @@
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use dashmap::DashMap;
 use tokio::sync::futures::OwnedNotified;
@@ -79,13 +79,32 @@ pub enum RenewError {
 #[derive(Default)]
 struct Slot {
     state: LeaseState,
-    /// Admitted writes not yet finished, by term.
-    inflight: Inflight,
+    /// Shared with the guards of the lease's writes in flight, so finishing a
+    /// write touches only this cell, not the map.
+    cell: Arc<LeaseCell>,
+}
+
+/// The parts of a lease that outlive a map lookup.
+#[derive(Default)]
+struct LeaseCell {
+    /// Admitted writes not yet finished, by term. A plain mutex: it is held
+    /// for a few instructions, never across an await, and is only contended
+    /// by writes of the same lease. Lock order: map shard, then this.
+    inflight: Mutex<Inflight>,
     /// Woken when the lease becomes free early (release, abandoned grant) and
     /// when the last write of a term in flight finishes, so waiting acquirers
     /// and waiting writes re-check at once. Waiters always re-check, so one
     /// notifier serves both.
     changed: Arc<Notify>,
+}
+
+impl LeaseCell {
+    fn inflight(&self) -> std::sync::MutexGuard<'_, Inflight> {
+        // The counts stay consistent even if a holder panicked.
+        self.inflight
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 struct Shared {
@@ -141,7 +160,7 @@ impl Default for AdmitOptions {
 #[must_use = "the write counts as in flight until the guard is finished or dropped"]
 pub struct WriteGuard {
     store: LeaseStore,
-    name: String,
+    cell: Arc<LeaseCell>,
     token: u64,
     settle_ms: u64,
     finished: bool,
@@ -152,6 +171,18 @@ pub struct Admitted {
     pub guard: WriteGuard,
     /// Time spent waiting for an earlier term's writes (0 almost always).
     pub waited_ms: u64,
+}
+
+/// A write that must wait for an earlier term's writes to finish.
+#[derive(Debug)]
+pub struct MustWait {
+    /// The newest earlier term with writes in flight.
+    pub older_token: u64,
+    /// The waiting write's own term deadline.
+    pub deadline_ms: u64,
+    /// When the check ran.
+    pub now_ms: u64,
+    changed: Arc<Notify>,
 }
 
 /// Why a write was not admitted.
@@ -168,7 +199,6 @@ pub enum AdmitError {
 impl std::fmt::Debug for WriteGuard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WriteGuard")
-            .field("lease", &self.name)
             .field("token", &self.token)
             .finish()
     }
@@ -181,11 +211,6 @@ impl WriteGuard {
         self.finished = true;
     }
 
-    /// The lease the write is under.
-    pub fn lease(&self) -> &str {
-        &self.name
-    }
-
     /// The write's token.
     pub fn token(&self) -> u64 {
         self.token
@@ -194,24 +219,24 @@ impl WriteGuard {
 
 impl Drop for WriteGuard {
     fn drop(&mut self) {
-        let store = self.store.clone();
-        let name = std::mem::take(&mut self.name);
         let token = self.token;
         if self.finished || self.settle_ms == 0 {
-            store.write_finished(&name, token);
+            self.store.write_finished(&self.cell, token);
             return;
         }
         // The outcome is unknown: the backend may still apply the write.
         // Keep counting it until the settle time has passed.
+        let store = self.store.clone();
+        let cell = self.cell.clone();
         let settle_at_ms = store.clock().now_ms().saturating_add(self.settle_ms);
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => {
                 rt.spawn(async move {
                     store.clock().sleep_until(settle_at_ms).await;
-                    store.write_finished(&name, token);
+                    store.write_finished(&cell, token);
                 });
             }
-            Err(_) => store.write_finished(&name, token),
+            Err(_) => store.write_finished(&cell, token),
         }
     }
 }
@@ -355,6 +380,7 @@ impl LeaseStore {
                 .leases
                 .entry(name.to_owned())
                 .or_default()
+                .cell
                 .changed
                 .clone();
             // Listen before trying, so a release between the attempt and the
@@ -424,7 +450,7 @@ impl LeaseStore {
     fn abandon(&self, name: &str, token: u64, previous: Option<Term>) {
         if let Some(mut slot) = self.shared.leases.get_mut(name) {
             if slot.state.abandon(token, previous) {
-                slot.changed.notify_waiters();
+                slot.cell.changed.notify_waiters();
             }
         }
     }
@@ -485,14 +511,56 @@ impl LeaseStore {
             .get_mut(name)
             .ok_or(Reject::UnknownToken { current: 0 })?;
         slot.state.release(now_ms, token, lease_id)?;
-        slot.changed.notify_waiters();
+        slot.cell.changed.notify_waiters();
         drop(slot);
         self.shared.journal.record_release(name, token);
         Ok(())
     }
 
-    /// Decides whether a write with `token` may reach the storage now, and
-    /// counts it as in flight if so.
+    /// Decides at once whether a write with `token` may reach the storage
+    /// now: `Ok(Ok(guard))` admits it (and counts it in flight), `Ok(Err(_))`
+    /// means it must wait for an earlier term's writes, `Err` refuses it. The
+    /// hot path: one map lookup, no allocation, no await.
+    pub fn try_admit_write(
+        &self,
+        name: &str,
+        token: u64,
+        lease_id: Option<&[u8]>,
+        options: &AdmitOptions,
+    ) -> Result<Result<WriteGuard, MustWait>, AdmitError> {
+        let now_ms = self.shared.clock.now_ms();
+        let slot = self
+            .shared
+            .leases
+            .get(name)
+            .ok_or(AdmitError::Rejected(Reject::UnknownToken { current: 0 }))?;
+        let admit: Admit = slot
+            .state
+            .check_write(now_ms, options.margin_ms, token, lease_id)
+            .map_err(AdmitError::Rejected)?;
+        let mut inflight = slot.cell.inflight();
+        if let Some(older_token) = inflight.older_than(token).filter(|_| options.barrier) {
+            inflight.note_waiter();
+            return Ok(Err(MustWait {
+                older_token,
+                deadline_ms: admit.deadline_ms,
+                now_ms,
+                changed: slot.cell.changed.clone(),
+            }));
+        }
+        inflight.add(token);
+        drop(inflight);
+        self.shared.stats.inflight.fetch_add(1, Ordering::Relaxed);
+        Ok(Ok(WriteGuard {
+            store: self.clone(),
+            cell: slot.cell.clone(),
+            token,
+            settle_ms: options.settle_ms,
+            finished: false,
+        }))
+    }
+
+    /// [`LeaseStore::try_admit_write`], waiting as long as it allows.
     ///
     /// The handover barrier: while any write of an older term is in flight,
     /// a write of a newer term waits (re-checked whenever a term drains, and
@@ -509,43 +577,20 @@ impl LeaseStore {
         let mut started_ms = None;
         let mut waiting: Option<Pin<Box<OwnedNotified>>> = None;
         loop {
-            let now_ms = clock.now_ms();
-            let (older_token, deadline_ms, changed) = {
-                let mut slot = self
-                    .shared
-                    .leases
-                    .get_mut(name)
-                    .ok_or(AdmitError::Rejected(Reject::UnknownToken { current: 0 }))?;
-                let admit: Admit = slot
-                    .state
-                    .check_write(now_ms, options.margin_ms, token, lease_id)
-                    .map_err(AdmitError::Rejected)?;
-                match slot.inflight.older_than(token).filter(|_| options.barrier) {
-                    None => {
-                        slot.inflight.add(token);
-                        drop(slot);
-                        self.shared.stats.inflight.fetch_add(1, Ordering::Relaxed);
-                        let waited_ms = started_ms.map_or(0, |s| now_ms.saturating_sub(s));
-                        if started_ms.is_some() {
-                            self.shared
-                                .stats
-                                .barrier_wait_ms
-                                .fetch_add(waited_ms, Ordering::Relaxed);
-                        }
-                        return Ok(Admitted {
-                            guard: WriteGuard {
-                                store: self.clone(),
-                                name: name.to_owned(),
-                                token,
-                                settle_ms: options.settle_ms,
-                                finished: false,
-                            },
-                            waited_ms,
-                        });
+            let wait = match self.try_admit_write(name, token, lease_id, &options)? {
+                Ok(guard) => {
+                    let waited_ms = started_ms.map_or(0, |s| clock.now_ms().saturating_sub(s));
+                    if started_ms.is_some() {
+                        self.shared
+                            .stats
+                            .barrier_wait_ms
+                            .fetch_add(waited_ms, Ordering::Relaxed);
                     }
-                    Some(older) => (older, admit.deadline_ms, slot.changed.clone()),
+                    return Ok(Admitted { guard, waited_ms });
                 }
+                Err(wait) => wait,
             };
+            let now_ms = wait.now_ms;
             let started = *started_ms.get_or_insert_with(|| {
                 self.shared
                     .stats
@@ -554,7 +599,7 @@ impl LeaseStore {
                 tracing::debug!(
                     lease = name,
                     token,
-                    older_token,
+                    older_token = wait.older_token,
                     "write waits for an earlier term's writes"
                 );
                 now_ms
@@ -566,7 +611,7 @@ impl LeaseStore {
                     .barrier_timeouts
                     .fetch_add(1, Ordering::Relaxed);
                 return Err(AdmitError::DrainTimeout {
-                    older_token,
+                    older_token: wait.older_token,
                     waited_ms: now_ms - started,
                 });
             }
@@ -574,14 +619,15 @@ impl LeaseStore {
                 // Listen first, then re-check: a drain between the check
                 // above and this registration is then not missed.
                 None => {
-                    let mut notified = Box::pin(changed.notified_owned());
+                    let mut notified = Box::pin(wait.changed.notified_owned());
                     notified.as_mut().enable();
                     waiting = Some(notified);
                 }
                 Some(notified) => {
                     // The term's own deadline (less the margin) still applies:
-                    // wake then and let the check above refuse the write.
-                    let wake_ms = deadline_ms
+                    // wake then and let the check refuse the write.
+                    let wake_ms = wait
+                        .deadline_ms
                         .saturating_sub(options.margin_ms)
                         .min(wait_until_ms);
                     tokio::select! {
@@ -595,12 +641,10 @@ impl LeaseStore {
 
     /// Counts one write of `token` finished; wakes waiters if it was the last
     /// of its term.
-    fn write_finished(&self, name: &str, token: u64) {
+    fn write_finished(&self, cell: &LeaseCell, token: u64) {
         self.shared.stats.inflight.fetch_sub(1, Ordering::Relaxed);
-        if let Some(mut slot) = self.shared.leases.get_mut(name) {
-            if slot.inflight.remove(token) {
-                slot.changed.notify_waiters();
-            }
+        if cell.inflight().remove(token) {
+            cell.changed.notify_waiters();
         }
     }
 
