@@ -73,6 +73,9 @@ pub struct RouteConfig {
     /// This route's upstream deadline (default: `proxy.timeout_ms`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+    /// Replaces the pattern's leading literal segments upstream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream_prefix: Option<String>,
 }
 
 /// Lease bounds.
@@ -103,6 +106,9 @@ pub struct ProxyConfig {
     pub timeout_ms: u64,
     pub pool_idle_timeout_ms: u64,
     pub pool_max_idle: usize,
+    pub preserve_host: bool,
+    pub x_forwarded: bool,
+    pub forwarded: bool,
 }
 
 impl Default for Config {
@@ -133,6 +139,7 @@ impl Default for FenceConfig {
                 lease: None,
                 fence_reads: false,
                 timeout_ms: None,
+                upstream_prefix: None,
             }],
         }
     }
@@ -169,6 +176,9 @@ impl Default for ProxyConfig {
             timeout_ms: o.timeout_ms,
             pool_idle_timeout_ms: o.pool_idle_timeout_ms,
             pool_max_idle: o.pool_max_idle,
+            preserve_host: o.preserve_host,
+            x_forwarded: o.x_forwarded,
+            forwarded: o.forwarded,
         }
     }
 }
@@ -316,6 +326,10 @@ impl Config {
             timeout_ms: self.proxy.timeout_ms,
             pool_idle_timeout_ms: self.proxy.pool_idle_timeout_ms,
             pool_max_idle: self.proxy.pool_max_idle,
+            preserve_host: self.proxy.preserve_host,
+            x_forwarded: self.proxy.x_forwarded,
+            forwarded: self.proxy.forwarded,
+            max_body_bytes: self.limits.max_body_bytes,
         }
     }
 }
@@ -332,7 +346,8 @@ impl FenceConfig {
                         r.pattern
                     ));
                 }
-                Route::new(&r.pattern, r.lease.as_deref(), r.fence_reads)
+                Route::new(&r.pattern, r.lease.as_deref(), r.fence_reads)?
+                    .with_upstream_prefix(r.upstream_prefix.as_deref())
                     .map(|route| route.with_timeout_ms(r.timeout_ms))
             })
             .collect::<Result<Vec<_>, _>>()

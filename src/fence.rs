@@ -150,6 +150,16 @@ impl FencePolicy {
             }
             return Decision::Pass;
         };
+        if let Some(path) = route.upstream_path(req.uri().path(), req.uri().query()) {
+            match path.parse::<http::Uri>() {
+                Ok(uri) => *req.uri_mut() = uri,
+                Err(_) => {
+                    return Decision::Reject(Problem::invalid_request(
+                        "the rewritten path is not a valid URI",
+                    ))
+                }
+            }
+        }
         // Only routes with their own deadline pay for a request extension.
         if let Some(timeout_ms) = route.timeout_ms {
             req.extensions_mut().insert(RouteTimeout(timeout_ms));
@@ -163,6 +173,9 @@ impl FencePolicy {
         if !is_valid_lease_name(&lease) {
             return Decision::Reject(Problem::invalid_lease_name(&lease));
         }
+        if let Err(problem) = self.check_destination(req.headers(), &lease) {
+            return Decision::Reject(problem);
+        }
         let token = match credentials(req.headers(), self.require_lease_id) {
             Ok((token, _)) => token,
             Err(p) => return Decision::Reject(p.lease(&lease)),
@@ -172,6 +185,30 @@ impl FencePolicy {
             token,
             lease_id: req.headers_mut().remove(FENCING_LEASE_ID),
             max_wait_ms: timeout_ms,
+        }
+    }
+
+    /// WebDAV `COPY` and `MOVE` write to their `Destination` too: it must be
+    /// guarded by the same lease as the request path, or a holder of one
+    /// lease could write into another's keys.
+    fn check_destination(&self, headers: &HeaderMap, lease: &str) -> Result<(), Problem> {
+        let Some(dest) = headers.get("destination") else {
+            return Ok(());
+        };
+        let bad = || {
+            Problem::invalid_request(
+                "Destination must be a path guarded by the same lease as the request",
+            )
+            .lease(lease)
+        };
+        let uri: http::Uri = dest
+            .to_str()
+            .ok()
+            .and_then(|d| d.parse().ok())
+            .ok_or_else(bad)?;
+        match self.routes.resolve(uri.path()) {
+            Ok(Some(m)) if m.lease == lease => Ok(()),
+            _ => Err(bad()),
         }
     }
 

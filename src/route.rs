@@ -40,6 +40,8 @@ pub struct Route {
     pub fence_reads: bool,
     /// The route's own upstream deadline, if it has one.
     pub timeout_ms: Option<u64>,
+    /// Replaces the pattern's leading literal segments on the way upstream.
+    upstream_prefix: Option<String>,
 }
 
 /// A path that matched a route.
@@ -51,6 +53,32 @@ pub struct Matched<'r> {
     pub pattern: &'r str,
     pub fence_reads: bool,
     pub timeout_ms: Option<u64>,
+    /// `(literal segments to drop, prefix to put instead)`, if the route
+    /// rewrites paths.
+    pub rewrite: Option<(usize, &'r str)>,
+}
+
+impl Matched<'_> {
+    /// The path and query to send upstream for `raw` (the request's own,
+    /// percent-encoding kept as sent).
+    pub fn upstream_path(&self, raw_path: &str, query: Option<&str>) -> Option<String> {
+        let (drop, prefix) = self.rewrite?;
+        let rest: Vec<&str> = raw_path.split('/').skip(1 + drop).collect();
+        let mut out = String::with_capacity(raw_path.len() + prefix.len());
+        out.push_str(prefix);
+        for seg in rest {
+            out.push('/');
+            out.push_str(seg);
+        }
+        if out.is_empty() {
+            out.push('/');
+        }
+        if let Some(q) = query {
+            out.push('?');
+            out.push_str(q);
+        }
+        Some(out)
+    }
 }
 
 /// A request extension: the upstream deadline of the request's route, in
@@ -117,7 +145,24 @@ impl Route {
             lease,
             fence_reads,
             timeout_ms: None,
+            upstream_prefix: None,
         })
+    }
+
+    /// Makes the route rewrite its leading literal segments to `prefix` on
+    /// the way upstream (`/keys/{lease}` with `/v2/keys`: `/keys/a/b` goes
+    /// upstream as `/v2/keys/a/b`).
+    pub fn with_upstream_prefix(mut self, prefix: Option<&str>) -> Result<Self, String> {
+        if let Some(p) = prefix {
+            if !p.starts_with('/') || p.contains(['?', '#']) {
+                return Err(format!(
+                    "route {:?}: upstream_prefix {p:?} must be a path starting with '/'",
+                    self.pattern
+                ));
+            }
+            self.upstream_prefix = Some(p.trim_end_matches('/').to_owned());
+        }
+        Ok(self)
     }
 
     /// Gives the route its own upstream deadline.
@@ -141,11 +186,17 @@ impl Route {
             LeaseSource::Segment(i) => path[*i].to_string(),
             LeaseSource::Fixed(name) => name.clone(),
         };
+        let literal_prefix = self
+            .segments
+            .iter()
+            .take_while(|s| matches!(s, Segment::Literal(_)))
+            .count();
         Some(Matched {
             lease,
             pattern: &self.pattern,
             fence_reads: self.fence_reads,
             timeout_ms: self.timeout_ms,
+            rewrite: self.upstream_prefix.as_deref().map(|p| (literal_prefix, p)),
         })
     }
 }
@@ -251,6 +302,41 @@ mod tests {
         ] {
             assert!(kv().resolve(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn prefixes_are_rewritten_keeping_the_rest_as_sent() {
+        let routes = Routes::new(vec![
+            Route::new("/keys/{lease}", None, false)
+                .unwrap()
+                .with_upstream_prefix(Some("/v2/keys/"))
+                .unwrap(),
+            Route::new("/root/{lease}", None, false)
+                .unwrap()
+                .with_upstream_prefix(Some("/"))
+                .unwrap(),
+        ]);
+        let m = routes.resolve("/keys/orders/a%20b").unwrap().unwrap();
+        assert_eq!(
+            m.upstream_path("/keys/orders/a%20b", Some("x=1"))
+                .as_deref(),
+            Some("/v2/keys/orders/a%20b?x=1")
+        );
+        let m = routes.resolve("/root/orders").unwrap().unwrap();
+        assert_eq!(
+            m.upstream_path("/root/orders", None).as_deref(),
+            Some("/orders")
+        );
+        assert!(kv()
+            .resolve("/kv/a")
+            .unwrap()
+            .unwrap()
+            .upstream_path("/kv/a", None)
+            .is_none());
+        assert!(Route::new("/k/{lease}", None, false)
+            .unwrap()
+            .with_upstream_prefix(Some("v2"))
+            .is_err());
     }
 
     #[test]

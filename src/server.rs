@@ -20,6 +20,7 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tower::{Service, ServiceExt};
 
+use crate::backend::ClientAddr;
 use crate::body::Body;
 
 /// Connection-level settings.
@@ -92,7 +93,10 @@ where
         };
         let _ = stream.set_nodelay(true);
         let app = app.clone();
-        let service = service_fn(move |req: Request<Incoming>| app.clone().oneshot(req));
+        let service = service_fn(move |mut req: Request<Incoming>| {
+            req.extensions_mut().insert(ClientAddr(peer));
+            app.clone().oneshot(req)
+        });
         let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
         tokio::spawn(async move {
             if let Err(err) = conn.await {

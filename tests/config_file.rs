@@ -31,3 +31,18 @@ fn every_default_key_is_documented_in_the_shipped_file() {
         }
     }
 }
+
+#[test]
+fn every_example_config_loads() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/examples");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            Config::load(Some(&path), Vec::new(), &Overrides::default())
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            seen += 1;
+        }
+    }
+    assert!(seen >= 3, "only {seen} examples");
+}

@@ -564,6 +564,7 @@ async fn fixed_lease_routes_and_fenced_reads() {
             lease: Some("vault".into()),
             fence_reads: true,
             timeout_ms: None,
+            upstream_prefix: None,
         },
     );
     let h = Harness::with_config(config);

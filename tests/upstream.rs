@@ -15,11 +15,16 @@ use http::{HeaderMap, Request, Response};
 use support::{spawn, Harness, HttpClient, Req};
 
 fn proxy_to(url: &str, timeout_ms: u64) -> Harness {
+    proxy_with(url, timeout_ms, |_| {})
+}
+
+fn proxy_with(url: &str, timeout_ms: u64, tweak: impl FnOnce(&mut Config)) -> Harness {
     let mut config = Config {
         clock: ClockKind::Manual,
         upstream: url.to_owned(),
         ..Config::default()
     };
+    tweak(&mut config);
     config.proxy.timeout_ms = timeout_ms;
     config.proxy.connect_timeout_ms = timeout_ms;
     let upstream = Upstream::new(&url.parse().unwrap(), &config.upstream_options()).unwrap();
@@ -155,8 +160,80 @@ async fn lease_id_and_hop_by_hop_headers_are_stripped_and_the_token_travels() {
     assert_eq!(put["x-custom"], "kept");
     assert!(!put.contains_key("x-hop"));
     assert_eq!(put["host"], backend.addr.to_string());
+    assert_eq!(put["x-forwarded-for"], "127.0.0.1");
+    assert_eq!(put["x-forwarded-proto"], "http");
+    assert_eq!(put["x-forwarded-host"], proxy.addr.to_string());
+    assert!(!put.contains_key("forwarded"));
     proxy.stop().await;
     backend.stop().await;
+}
+
+#[tokio::test]
+async fn host_and_forwarding_headers_are_configurable() {
+    let (backend, seen) = recording_backend().await;
+    let h = proxy_with(&backend.url(), 5_000, |c| {
+        c.proxy.preserve_host = true;
+        c.proxy.x_forwarded = false;
+        c.proxy.forwarded = true;
+    });
+    let proxy = spawn(h.app.clone()).await;
+    let c = HttpClient::new(&proxy.url());
+    c.send(Req::new("GET", "/kv/orders/1").header("x-forwarded-for", "10.9.8.7"))
+        .await;
+    let seen = seen.lock().unwrap().clone();
+    let get = &seen[0];
+    assert_eq!(
+        get["host"],
+        proxy.addr.to_string(),
+        "the client's Host is kept"
+    );
+    assert_eq!(
+        get["x-forwarded-for"], "10.9.8.7",
+        "passed on untouched when off"
+    );
+    assert_eq!(
+        get["forwarded"],
+        format!("for=127.0.0.1;proto=http;host=\"{}\"", proxy.addr)
+    );
+    proxy.stop().await;
+    backend.stop().await;
+}
+
+#[tokio::test]
+async fn a_backend_that_resets_connections_is_502_and_the_proxy_keeps_serving() {
+    let resetting = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", resetting.local_addr().unwrap());
+    let acceptor = tokio::spawn(async move {
+        while let Ok((sock, _)) = resetting.accept().await {
+            // SO_LINGER 0: close with a RST instead of a FIN (a zero linger
+            // does not block on drop).
+            #[allow(deprecated)]
+            let _ = sock.set_linger(Some(std::time::Duration::ZERO));
+            drop(sock);
+        }
+    });
+    let h = proxy_to(&url, 5_000);
+    let proxy = spawn(h.app.clone()).await;
+    let c = HttpClient::new(&proxy.url());
+    let a = h.acquire("orders", "A", 60_000).await;
+    for _ in 0..3 {
+        let r = c
+            .send(Req::new("PUT", "/kv/orders/1").held(&a).body("x"))
+            .await;
+        assert_eq!(
+            (r.status.as_u16(), r.reason().as_str()),
+            (502, "upstream-error")
+        );
+    }
+    // The proxy itself is fine: the lease API answers on the same listener.
+    let r = c.send(Req::new("GET", "/_fence/leases/orders")).await;
+    assert_eq!(r.status, 200);
+    let r = c
+        .send(Req::new("POST", "/_fence/leases/orders/renew").held(&a))
+        .await;
+    assert_eq!(r.status, 200);
+    acceptor.abort();
+    proxy.stop().await;
 }
 
 #[tokio::test]

@@ -7,7 +7,9 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use http::header::{HeaderName, CONNECTION, HOST};
+use std::net::SocketAddr;
+
+use http::header::{HeaderName, HeaderValue, CONNECTION, FORWARDED, HOST};
 use http::uri::{PathAndQuery, Uri};
 use http::{HeaderMap, Request, Response};
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -31,6 +33,14 @@ pub struct UpstreamOptions {
     pub pool_idle_timeout_ms: u64,
     /// Idle connections kept per upstream.
     pub pool_max_idle: usize,
+    /// Pass the client's `Host` header on instead of the upstream's.
+    pub preserve_host: bool,
+    /// Add `X-Forwarded-For`, `X-Forwarded-Proto` and `X-Forwarded-Host`.
+    pub x_forwarded: bool,
+    /// Add an RFC 7239 `Forwarded` header.
+    pub forwarded: bool,
+    /// The request body limit, for the 413 of a stream cut off at it.
+    pub max_body_bytes: u64,
 }
 
 impl Default for UpstreamOptions {
@@ -40,6 +50,10 @@ impl Default for UpstreamOptions {
             timeout_ms: 30_000,
             pool_idle_timeout_ms: 90_000,
             pool_max_idle: 64,
+            preserve_host: false,
+            x_forwarded: true,
+            forwarded: false,
+            max_body_bytes: 1024 * 1024,
         }
     }
 }
@@ -54,7 +68,19 @@ pub struct Upstream {
     prefix: String,
     /// Deadline of requests without a route deadline.
     timeout_ms: u64,
+    preserve_host: bool,
+    x_forwarded: bool,
+    forwarded: bool,
+    max_body_bytes: u64,
 }
+
+/// A request extension: the address of the client connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClientAddr(pub SocketAddr);
+
+const X_FORWARDED_FOR: &str = "x-forwarded-for";
+const X_FORWARDED_PROTO: &str = "x-forwarded-proto";
+const X_FORWARDED_HOST: &str = "x-forwarded-host";
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1).
 const HOP_BY_HOP: [&str; 8] = [
@@ -111,6 +137,10 @@ impl Upstream {
             authority,
             prefix: base.path().trim_end_matches('/').to_owned(),
             timeout_ms: options.timeout_ms,
+            preserve_host: options.preserve_host,
+            x_forwarded: options.x_forwarded,
+            forwarded: options.forwarded,
+            max_body_bytes: options.max_body_bytes,
         })
     }
 
@@ -128,6 +158,42 @@ impl Upstream {
             .build()
     }
 
+    /// Tells the upstream who the client is, as configured. An existing
+    /// `X-Forwarded-For` is extended, as the header's convention is.
+    fn add_forwarded(&self, req: &mut Request<Body>) {
+        let Some(ClientAddr(peer)) = req.extensions().get::<ClientAddr>().copied() else {
+            return;
+        };
+        let host = req.headers().get(HOST).cloned();
+        let headers = req.headers_mut();
+        if self.x_forwarded {
+            let xff = match headers.get(X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+                Some(prior) => format!("{prior}, {}", peer.ip()),
+                None => peer.ip().to_string(),
+            };
+            if let Ok(v) = HeaderValue::from_str(&xff) {
+                headers.insert(X_FORWARDED_FOR, v);
+            }
+            headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+            if let Some(host) = host.clone() {
+                headers.insert(X_FORWARDED_HOST, host);
+            }
+        }
+        if self.forwarded {
+            let node = match peer.ip() {
+                std::net::IpAddr::V4(ip) => ip.to_string(),
+                std::net::IpAddr::V6(ip) => format!("\"[{ip}]\""),
+            };
+            let mut value = format!("for={node};proto=http");
+            if let Some(host) = host.as_ref().and_then(|h| h.to_str().ok()) {
+                value.push_str(&format!(";host=\"{host}\""));
+            }
+            if let Ok(v) = HeaderValue::from_str(&value) {
+                headers.append(FORWARDED, v);
+            }
+        }
+    }
+
     async fn forward(self, mut req: Request<Body>) -> Response<Body> {
         match self.target(req.uri()) {
             Ok(uri) => *req.uri_mut() = uri,
@@ -137,8 +203,11 @@ impl Upstream {
             }
         }
         strip_hop_by_hop(req.headers_mut());
-        // The client sets Host from the upstream URL.
-        req.headers_mut().remove(HOST);
+        self.add_forwarded(&mut req);
+        if !self.preserve_host {
+            // The client sets Host from the upstream URL.
+            req.headers_mut().remove(HOST);
+        }
         let timeout_ms = req
             .extensions()
             .get::<RouteTimeout>()
@@ -150,6 +219,11 @@ impl Upstream {
                 let (mut parts, incoming) = res.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
                 Response::from_parts(parts, body::boxed(incoming))
+            }
+            Ok(Err(err)) if body::is_length_limit(&err) => {
+                // The client streamed more than the body limit: the upstream
+                // got a cut-off request, and the connection was dropped.
+                outcome_unknown(Problem::payload_too_large(self.max_body_bytes).into_response())
             }
             Ok(Err(err)) => {
                 tracing::warn!(upstream = %self.authority, error = %err, "upstream request failed");

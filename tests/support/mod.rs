@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod proc;
+pub mod servers;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -1,0 +1,184 @@
+//! Real storage servers for integration tests: nginx with WebDAV and etcd
+//! with its v2 keys API, each started on free loopback ports in a temporary
+//! directory and stopped by its own process id.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use super::proc::TempDir;
+
+/// A free loopback port (bound and released; the window for a clash is tiny).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Finds a program on PATH or in the sbin directories Debian puts servers in.
+/// Panics with the install hint if it is missing: a missing server is a
+/// failed test, never a skipped one.
+fn program(name: &str, package: &str) -> PathBuf {
+    let path = std::env::var("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/usr/bin", "/sbin"].map(PathBuf::from))
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!("{name} is not installed: apt-get install {package} (.ci/run does)")
+        })
+}
+
+/// Waits (bounded, real time: a server starting, not a lease) until `port`
+/// accepts connections.
+async fn wait_for_port(port: u16, child: &mut Child, what: &str, log: &std::path::Path) {
+    for _ in 0..500 {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
+            return;
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!(
+                "{what} exited ({status}): {}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!(
+        "{what} did not listen on {port}: {}",
+        std::fs::read_to_string(log).unwrap_or_default()
+    );
+}
+
+/// A running server process, killed by its pid when dropped.
+pub struct Server {
+    child: Child,
+    pub url: String,
+    /// Where the server keeps its files (nginx's document root for WebDAV).
+    pub root: PathBuf,
+    _dir: TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// nginx serving WebDAV under `/dav/`, in one process (no daemon, no master).
+pub async fn nginx() -> Server {
+    let bin = program("nginx", "nginx");
+    let dir = TempDir::new("nginx");
+    let d = dir.path().to_owned();
+    let root = d.join("www");
+    std::fs::create_dir_all(root.join("dav")).unwrap();
+    let port = free_port();
+    let conf = format!(
+        r#"daemon off;
+master_process off;
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 256; }}
+http {{
+    access_log off;
+    client_body_temp_path {d}/body;
+    proxy_temp_path {d}/proxy;
+    fastcgi_temp_path {d}/fastcgi;
+    uwsgi_temp_path {d}/uwsgi;
+    scgi_temp_path {d}/scgi;
+    client_max_body_size 64m;
+    server {{
+        listen 127.0.0.1:{port};
+        root {root};
+        location /dav/ {{
+            dav_methods PUT DELETE MKCOL COPY MOVE;
+            create_full_put_path on;
+            dav_access user:rw group:r all:r;
+        }}
+    }}
+}}
+"#,
+        d = d.display(),
+        root = root.display(),
+    );
+    std::fs::write(d.join("nginx.conf"), conf).unwrap();
+    let log = d.join("error.log");
+    let mut child = Command::new(bin)
+        .arg("-p")
+        .arg(&d)
+        .arg("-c")
+        .arg(d.join("nginx.conf"))
+        .arg("-e")
+        .arg(&log)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_port(port, &mut child, "nginx", &log).await;
+    Server {
+        child,
+        url: format!("http://127.0.0.1:{port}"),
+        root,
+        _dir: dir,
+    }
+}
+
+/// A single-node etcd with the v2 keys API enabled.
+pub async fn etcd() -> Server {
+    let bin = program("etcd", "etcd-server");
+    let dir = TempDir::new("etcd");
+    let d = dir.path().to_owned();
+    let (client, peer) = (free_port(), free_port());
+    let log = d.join("etcd.log");
+    let mut child = Command::new(bin)
+        .args(["--name", "test", "--data-dir"])
+        .arg(d.join("data"))
+        .args([
+            "--listen-client-urls",
+            &format!("http://127.0.0.1:{client}"),
+            "--advertise-client-urls",
+            &format!("http://127.0.0.1:{client}"),
+            "--listen-peer-urls",
+            &format!("http://127.0.0.1:{peer}"),
+            "--initial-advertise-peer-urls",
+            &format!("http://127.0.0.1:{peer}"),
+            "--initial-cluster",
+            &format!("test=http://127.0.0.1:{peer}"),
+            "--enable-v2",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    wait_for_port(client, &mut child, "etcd", &log).await;
+    let url = format!("http://127.0.0.1:{client}");
+    // The client port opens before the member is ready to serve keys.
+    let c = super::HttpClient::new(&url);
+    for _ in 0..500 {
+        if let Ok(r) = c.try_send(super::Req::new("GET", "/v2/keys/")).await {
+            if r.status == 200 {
+                return Server {
+                    child,
+                    url,
+                    root: d,
+                    _dir: dir,
+                };
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!(
+        "etcd never served keys: {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+}
