@@ -8,6 +8,7 @@
 //! | `GET /_fence/leases/{name}`, `GET /_fence/leases` | inspect, list |
 //! | `GET /_fence/livez`, `GET /_fence/readyz` | health |
 //! | `GET /_fence/metrics` | Prometheus text |
+//! | `GET /_fence/backend/history` | the recording embedded backend's apply log |
 //! | `GET`/`POST /_fence/clock` | manual clock only |
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,6 +20,7 @@ use http::{Method, Request, Response, StatusCode};
 use serde::Deserialize;
 use serde_json::json;
 
+use crate::backend::EmbeddedStore;
 use crate::body::{self, Body};
 use crate::clock::ClockKind;
 use crate::error::Problem;
@@ -38,6 +40,8 @@ pub struct Api {
     leases: LeaseStore,
     require_lease_id: bool,
     draining: Arc<AtomicBool>,
+    /// The embedded backend, when it records an apply log to serve.
+    history: Option<EmbeddedStore>,
 }
 
 #[derive(Deserialize)]
@@ -147,7 +151,14 @@ impl Api {
             leases,
             require_lease_id,
             draining,
+            history: None,
         }
+    }
+
+    /// Serves the embedded backend's apply log at `/_fence/backend/history`.
+    pub fn with_history(mut self, store: EmbeddedStore) -> Self {
+        self.history = Some(store);
+        self
     }
 
     /// Answers a request whose path starts with [`PREFIX`].
@@ -174,6 +185,14 @@ impl Api {
             }
             (["readyz"], Method::GET | Method::HEAD) => Ok(self.readyz()),
             (["metrics"], Method::GET) => Ok(self.metrics()),
+            (["backend", "history"], Method::GET) => match &self.history {
+                Some(store) => Ok(store.history_response()),
+                None => Err(Problem::new(
+                    StatusCode::NOT_FOUND,
+                    "not-found",
+                    "the backend is not a recording embedded store",
+                )),
+            },
             (["clock"], Method::GET) => self.clock(None),
             (["clock"], Method::POST) => {
                 let body: AdvanceBody = read_json(req.into_body(), false)

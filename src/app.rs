@@ -126,7 +126,15 @@ pub struct Parts {
 
 /// Composes `fencegate serve`: limits → (lease API | fence → backend).
 pub fn build(config: &Config, parts: Parts) -> Result<FencegateApp, String> {
-    build_with(config, parts.leases, parts.draining, parts.backend)
+    let recording = match &parts.backend {
+        Backend::Embedded(store) if store.is_recording() => Some(store.clone()),
+        _ => None,
+    };
+    let mut app = build_with(config, parts.leases, parts.draining, parts.backend)?;
+    if let Some(store) = recording {
+        app.api = app.api.take().map(|api| api.with_history(store));
+    }
+    Ok(app)
 }
 
 /// [`build`] with any backend service (tests put instrumented backends here).

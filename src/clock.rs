@@ -142,6 +142,28 @@ impl Clock {
     }
 }
 
+/// A monotonic stopwatch with microsecond resolution, for clients measuring
+/// latency (the proxy itself uses [`Clock`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Stopwatch(Instant);
+
+impl Stopwatch {
+    /// Starts now.
+    pub fn start() -> Self {
+        Self(Instant::now())
+    }
+
+    /// Microseconds since the start.
+    pub fn elapsed_us(&self) -> u64 {
+        u64::try_from(self.0.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+
+    /// Milliseconds since the start.
+    pub fn elapsed_ms(&self) -> u64 {
+        self.elapsed_us() / 1000
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -38,6 +38,26 @@ pub struct Config {
     pub leases: LeasesConfig,
     pub limits: LimitsConfig,
     pub proxy: ProxyConfig,
+    pub embedded: EmbeddedConfig,
+}
+
+/// The embedded key-value backend.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EmbeddedConfig {
+    /// Keep an apply log of writes, served at `/_fence/backend/history`.
+    pub record: bool,
+    /// Most writes the apply log keeps.
+    pub history_max_entries: usize,
+}
+
+impl Default for EmbeddedConfig {
+    fn default() -> Self {
+        Self {
+            record: false,
+            history_max_entries: 1_000_000,
+        }
+    }
 }
 
 /// How writes are checked.
@@ -122,6 +142,7 @@ impl Default for Config {
             leases: LeasesConfig::default(),
             limits: LimitsConfig::default(),
             proxy: ProxyConfig::default(),
+            embedded: EmbeddedConfig::default(),
         }
     }
 }

@@ -21,6 +21,7 @@
 //! - [`lease`]: the pure lease state machine and the concurrent store around
 //!   it; [`journal`] makes grants durable (an fsync'd, checksummed log with
 //!   group commit); [`clock`] is the only place that reads time.
+//! - [`cli`]: client commands (the stale-writer load test and its checker).
 //! - [`error`]: the one mapping from errors to problem+json; [`body`]: the
 //!   body type shared by all services; [`config`]: typed settings.
 //!
@@ -31,6 +32,7 @@ pub mod api;
 pub mod app;
 pub mod backend;
 pub mod body;
+pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod error;

@@ -12,6 +12,7 @@ use tokio::net::TcpListener;
 
 use fencegate::app::{self, App, Parts};
 use fencegate::backend::{Backend, EmbeddedStore, Upstream};
+use fencegate::cli::loadtest::LoadtestArgs;
 use fencegate::clock::{Clock, ClockKind};
 use fencegate::config::{Config, Overrides, UpstreamTarget};
 use fencegate::journal::{FileJournal, FileJournalOptions};
@@ -54,7 +55,12 @@ enum Command {
         /// Listener address, e.g. 127.0.0.1:9000.
         #[arg(long)]
         listen: String,
+        /// Keep an apply log of writes at GET /_fence/backend/history.
+        #[arg(long)]
+        record: bool,
     },
+    /// Load-test stale-writer rejection and check that nothing stale landed.
+    Loadtest(LoadtestArgs),
 }
 
 fn init_tracing() {
@@ -118,6 +124,9 @@ async fn serve(config: Config) -> Result<(), String> {
         "lease store recovered"
     );
     let backend = match config.upstream_target()? {
+        UpstreamTarget::Embedded if config.embedded.record => Backend::Embedded(
+            EmbeddedStore::recording(config.embedded.history_max_entries),
+        ),
         UpstreamTarget::Embedded => Backend::Embedded(EmbeddedStore::new()),
         UpstreamTarget::Http(uri) => {
             Backend::Upstream(Box::new(Upstream::new(&uri, &config.upstream_options())?))
@@ -152,9 +161,14 @@ async fn serve(config: Config) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
-async fn backend(listen: String) -> Result<(), String> {
+async fn backend(listen: String, record: bool) -> Result<(), String> {
     let defaults = Config::default();
-    let app = App::new(None, EmbeddedStore::new(), defaults.request_limits());
+    let store = if record {
+        EmbeddedStore::recording(defaults.embedded.history_max_entries)
+    } else {
+        EmbeddedStore::new()
+    };
+    let app = App::new(None, store, defaults.request_limits());
     let addr: std::net::SocketAddr = listen
         .parse()
         .map_err(|_| format!("{listen:?} is not an address like 127.0.0.1:9000"))?;
@@ -195,11 +209,18 @@ fn main() -> ExitCode {
                 let config = Config::load(config.as_deref(), std::env::vars(), &flags)?;
                 serve(config).await
             }
-            Command::Backend { listen } => backend(listen).await,
+            Command::Backend { listen, record } => backend(listen, record).await,
+            Command::Loadtest(args) => {
+                let (report, status) = fencegate::cli::loadtest::run(args).await?;
+                print!("{}", fencegate::cli::loadtest::summary(&report));
+                return Ok(status);
+            }
         }
+        .map(|()| 0u8)
     });
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(0) => ExitCode::SUCCESS,
+        Ok(status) => ExitCode::from(status),
         Err(e) => {
             eprintln!("fencegate: {e}");
             ExitCode::from(2)

@@ -9,7 +9,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -20,6 +20,7 @@ use tower::Service;
 
 use crate::body::{self, Body};
 use crate::error::Problem;
+use crate::fence::FENCING_TOKEN;
 
 /// The path prefix the embedded store serves.
 pub const KV_PREFIX: &str = "/kv/";
@@ -30,17 +31,125 @@ struct Value {
     content_type: Option<HeaderValue>,
 }
 
+/// The path of the apply log of a recording store.
+pub const HISTORY_PATH: &str = "/_fence/backend/history";
+/// Header naming the writer of a write (set by `fencegate loadtest`).
+pub const WRITER_HEADER: &str = "x-fencegate-writer";
+/// Header naming one write (set by `fencegate loadtest`).
+pub const WRITE_ID_HEADER: &str = "x-fencegate-write-id";
+
+/// One write the store applied, in apply order.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Applied {
+    pub seq: u64,
+    pub method: String,
+    pub key: String,
+    /// The write's `Fencing-Token`, if it carried one.
+    pub token: Option<u64>,
+    pub writer: Option<String>,
+    pub write_id: Option<String>,
+}
+
+/// The apply log of a recording store, bounded.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct History {
+    pub entries: Vec<Applied>,
+    /// Whether entries were dropped because the log was full.
+    pub truncated: bool,
+    #[serde(skip)]
+    max_entries: usize,
+}
+
 /// The in-memory store; clones share the same data.
 #[derive(Clone, Debug, Default)]
 pub struct EmbeddedStore {
     // A sharded map: keys are independent, and no guard lives across an await
     // (the body is read in full before the insert).
     values: Arc<DashMap<String, Value>>,
+    /// The apply log, when recording. Writes take this mutex around the
+    /// change itself, so the log's order is the order writes were applied.
+    history: Option<Arc<Mutex<History>>>,
 }
 
 impl EmbeddedStore {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A store that keeps an apply log of up to `max_entries` writes, served
+    /// at [`HISTORY_PATH`].
+    pub fn recording(max_entries: usize) -> Self {
+        Self {
+            values: Arc::default(),
+            history: Some(Arc::new(Mutex::new(History {
+                max_entries,
+                ..History::default()
+            }))),
+        }
+    }
+
+    /// Whether this store keeps an apply log.
+    pub fn is_recording(&self) -> bool {
+        self.history.is_some()
+    }
+
+    /// The apply log as JSON (404 when not recording).
+    pub fn history_response(&self) -> Response<Body> {
+        let Some(history) = &self.history else {
+            return Problem::new(
+                StatusCode::NOT_FOUND,
+                "not-found",
+                "this backend does not record writes",
+            )
+            .into_response();
+        };
+        let json = {
+            let h = history
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            serde_json::to_vec(&*h).unwrap_or_default()
+        };
+        let mut res = Response::new(body::full(json));
+        res.headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        res
+    }
+
+    /// Applies `change` and logs it (if recording) as one step.
+    fn apply<T>(
+        &self,
+        method: &Method,
+        key: &str,
+        headers: &http::HeaderMap,
+        change: impl FnOnce() -> T,
+    ) -> T {
+        let Some(history) = &self.history else {
+            return change();
+        };
+        let text = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        let mut h = history
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let out = change();
+        if h.entries.len() < h.max_entries {
+            let seq = h.entries.len() as u64 + 1;
+            h.entries.push(Applied {
+                seq,
+                method: method.to_string(),
+                key: key.to_owned(),
+                token: text(FENCING_TOKEN).and_then(|t| t.parse().ok()),
+                writer: text(WRITER_HEADER),
+                write_id: text(WRITE_ID_HEADER),
+            });
+        } else {
+            h.truncated = true;
+        }
+        out
     }
 
     /// The stored value at `path` (e.g. `/kv/orders/x`), bypassing any fence.
@@ -72,6 +181,9 @@ impl EmbeddedStore {
 
     async fn handle(self, req: Request<Body>) -> Response<Body> {
         let path = req.uri().path().to_owned();
+        if path == HISTORY_PATH && req.method() == Method::GET {
+            return self.history_response();
+        }
         if !path.starts_with(KV_PREFIX) || path.len() == KV_PREFIX.len() {
             return Problem::new(
                 StatusCode::NOT_FOUND,
@@ -119,7 +231,9 @@ impl EmbeddedStore {
                     bytes,
                     content_type: parts.headers.get(CONTENT_TYPE).cloned(),
                 };
-                let created = self.values.insert(path, value).is_none();
+                let created = self.apply(&parts.method, &path, &parts.headers, || {
+                    self.values.insert(path.clone(), value).is_none()
+                });
                 let mut res = Response::new(body::empty());
                 *res.status_mut() = if created {
                     StatusCode::CREATED
@@ -128,7 +242,9 @@ impl EmbeddedStore {
                 };
                 res
             }
-            Method::DELETE => match self.values.remove(&path) {
+            Method::DELETE => match self.apply(req.method(), &path, req.headers(), || {
+                self.values.remove(&path)
+            }) {
                 Some(_) => {
                     let mut res = Response::new(body::empty());
                     *res.status_mut() = StatusCode::NO_CONTENT;

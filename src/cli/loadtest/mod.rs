@@ -1,0 +1,715 @@
+//! `fencegate loadtest`: many writers, few leases, injected pauses and clock
+//! skew; then the storage's apply log is checked for stale writes.
+//!
+//! Each writer loops: acquire a random lease (waiting if it is held), then
+//! write a few times, renewing at a third of the TTL and stopping as soon as a
+//! renewal fails or its own reckoning of the deadline passes. With
+//! probability `--pause-prob` before a write, it pauses instead (a GC pause,
+//! a SIGSTOP): it stops renewing, sleeps `--pause` (past its TTL), then sends
+//! a few more writes with its old token, exactly like a zombie, and only then
+//! goes back to acquiring. With `--skew`, every other writer believes its
+//! term lasts that much longer than the proxy says.
+//!
+//! With `--direct URL` the writes go straight to the storage at URL (leases
+//! still come from `--target`), to show what lands without the proxy.
+
+pub mod check;
+
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Write};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde::Serialize;
+use serde_json::json;
+
+use crate::backend::embedded::{History, HISTORY_PATH, WRITER_HEADER, WRITE_ID_HEADER};
+use crate::clock::Stopwatch;
+use crate::fence::{FENCING_LEASE_ID, FENCING_TOKEN};
+use check::{ClientWrite, Findings, Outcome};
+
+/// `fencegate loadtest` options.
+#[derive(clap::Args, Clone, Debug)]
+pub struct LoadtestArgs {
+    /// The fencegate to test (its lease API, and its proxied paths).
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub target: String,
+    /// Send writes straight to this storage URL instead, bypassing fencing.
+    #[arg(long)]
+    pub direct: Option<String>,
+    /// Where to read the apply log (`GET /_fence/backend/history`); default:
+    /// `--direct` if given, else `--target`.
+    #[arg(long)]
+    pub history: Option<String>,
+    /// Number of leases the writers compete for.
+    #[arg(long, default_value_t = 4)]
+    pub leases: u32,
+    /// Number of concurrent writers.
+    #[arg(long, default_value_t = 8)]
+    pub writers: u32,
+    /// Total writes to send (default 2000 unless --duration is given).
+    #[arg(long)]
+    pub writes: Option<u64>,
+    /// Run for this long instead of a number of writes (e.g. 30s).
+    #[arg(long, value_parser = parse_duration_ms)]
+    pub duration: Option<u64>,
+    /// Lease TTL (e.g. 300ms, 2s).
+    #[arg(long, default_value = "300ms", value_parser = parse_duration_ms)]
+    pub ttl: u64,
+    /// Probability that a writer pauses before a write.
+    #[arg(long, default_value_t = 0.1)]
+    pub pause_prob: f64,
+    /// Length of a pause (default: 1.5 × TTL).
+    #[arg(long, value_parser = parse_duration_ms)]
+    pub pause: Option<u64>,
+    /// How much longer every other writer believes its term lasts.
+    #[arg(long, default_value = "0ms", value_parser = parse_duration_ms)]
+    pub skew: u64,
+    /// Seed of the writers' random choices.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Write the report as JSON to this file.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+    /// Fail unless at least this many stale writes were attempted.
+    #[arg(long, default_value_t = 1)]
+    pub min_stale: u64,
+}
+
+/// Parses `300ms`, `2s`, `1.5s`, `1m` into milliseconds.
+pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .ok_or_else(|| format!("{text:?}: add a unit (ms, s, m)"))?;
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration"))?;
+    let factor = match unit {
+        "ms" => 1.0,
+        "s" => 1000.0,
+        "m" => 60_000.0,
+        "h" => 3_600_000.0,
+        _ => return Err(format!("{text:?}: unknown unit {unit:?} (ms, s, m, h)")),
+    };
+    let ms = n * factor;
+    if !ms.is_finite() || ms < 0.0 || ms > u64::MAX as f64 {
+        return Err(format!("{text:?} is out of range"));
+    }
+    Ok(ms.round() as u64)
+}
+
+/// The JSON report.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub target: String,
+    pub direct: Option<String>,
+    pub run_id: String,
+    pub seed: u64,
+    pub writers: u32,
+    pub leases: u32,
+    pub ttl_ms: u64,
+    pub pause_prob: f64,
+    pub pause_ms: u64,
+    pub skew_ms: u64,
+    pub duration_ms: u64,
+    pub throughput_per_s: f64,
+    pub latency_us: BTreeMap<String, u64>,
+    pub log_truncated: bool,
+    pub findings: Findings,
+    pub safe: bool,
+    pub verdict: String,
+}
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+struct Shared {
+    client: HttpClient,
+    args: LoadtestArgs,
+    write_base: String,
+    run_id: String,
+    pause_ms: u64,
+    writes_left: AtomicI64,
+    /// Set when a writer fails, to stop the others.
+    stop: std::sync::atomic::AtomicBool,
+    started: Stopwatch,
+    sent: AtomicU64,
+    log: Mutex<Vec<ClientWrite>>,
+}
+
+impl Shared {
+    fn done(&self) -> bool {
+        if self.stop.load(Ordering::Relaxed) {
+            return true;
+        }
+        match self.args.duration {
+            Some(ms) => self.started.elapsed_ms() >= ms,
+            None => self.writes_left.load(Ordering::Relaxed) <= 0,
+        }
+    }
+
+    /// Claims one write of the budget.
+    fn claim_write(&self) -> bool {
+        if self.stop.load(Ordering::Relaxed) {
+            return false;
+        }
+        match self.args.duration {
+            Some(ms) => self.started.elapsed_ms() < ms,
+            None => self.writes_left.fetch_sub(1, Ordering::Relaxed) > 0,
+        }
+    }
+}
+
+/// A tiny seeded PRNG (SplitMix64): reproducible choices without a crate.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    fn chance(&mut self, p: f64) -> bool {
+        ((self.next() >> 11) as f64 / (1u64 << 53) as f64) < p
+    }
+}
+
+struct Answer {
+    status: StatusCode,
+    json: serde_json::Value,
+}
+
+async fn call(
+    client: &HttpClient,
+    method: Method,
+    url: String,
+    headers: &[(&str, &str)],
+    body: Bytes,
+) -> Result<Answer, String> {
+    let mut req = Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(body)).map_err(|e| e.to_string())?;
+    let res = client.request(req).await.map_err(|e| e.to_string())?;
+    let status = res.status();
+    let bytes = res
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    let json = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+    Ok(Answer { status, json })
+}
+
+/// A term as the writer sees it.
+struct Term {
+    lease: String,
+    token: u64,
+    lease_id: String,
+    /// When the proxy will end the term (writer's clock).
+    true_deadline_ms: u64,
+    /// When the writer believes it ends (later, with skew).
+    believed_deadline_ms: u64,
+    next_renew_ms: u64,
+}
+
+async fn writer(index: u32, shared: Arc<Shared>, seed: u64) -> Result<(), String> {
+    let mut rng = Rng(seed);
+    let name = format!("{}-w{index}", shared.run_id);
+    let args = &shared.args;
+    let skew_ms = if index % 2 == 1 { args.skew } else { 0 };
+    let mut n = 0u64;
+    while !shared.done() {
+        let lease = format!("lt-{}", rng.below(u64::from(args.leases)));
+        let sent_ms = shared.started.elapsed_ms();
+        let body =
+            json!({"holder": name, "ttl_ms": args.ttl, "wait_ms": (args.ttl * 4).min(60_000)});
+        let Ok(answer) = call(
+            &shared.client,
+            Method::POST,
+            format!("{}/_fence/leases/{lease}", args.target),
+            &[("content-type", "application/json")],
+            Bytes::from(body.to_string()),
+        )
+        .await
+        else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        match answer.status {
+            StatusCode::CREATED => {}
+            // Held past the wait, or the store is briefly unavailable.
+            StatusCode::CONFLICT | StatusCode::SERVICE_UNAVAILABLE => {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                continue;
+            }
+            other => {
+                return Err(format!(
+                    "acquire at {} answered {other}: {}",
+                    args.target, answer.json
+                ))
+            }
+        }
+        let expires = answer.json["expires_in_ms"].as_u64().unwrap_or(0);
+        let mut term = Term {
+            lease,
+            token: answer.json["token"].as_u64().unwrap_or(0),
+            lease_id: answer.json["lease_id"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+            true_deadline_ms: sent_ms + expires,
+            believed_deadline_ms: sent_ms + expires + skew_ms,
+            next_renew_ms: sent_ms + args.ttl / 3,
+        };
+        let mut zombie_writes = 0u32;
+        let mut holding = true;
+        for _ in 0..(3 + rng.below(10)) {
+            if zombie_writes == 0 && rng.chance(args.pause_prob) {
+                // A pause: no renewals, then writes with the old token.
+                tokio::time::sleep(Duration::from_millis(shared.pause_ms)).await;
+                zombie_writes = 2;
+                holding = false;
+            }
+            if zombie_writes == 0 {
+                let now_ms = shared.started.elapsed_ms();
+                if now_ms >= term.next_renew_ms && !renew(&shared, &mut term, skew_ms).await {
+                    holding = false;
+                    break;
+                }
+                if shared.started.elapsed_ms() >= term.believed_deadline_ms {
+                    holding = false;
+                    break;
+                }
+            }
+            if !shared.claim_write() {
+                break;
+            }
+            n += 1;
+            let stale = zombie_writes > 0 || shared.started.elapsed_ms() >= term.true_deadline_ms;
+            write(
+                &shared,
+                &name,
+                &format!("{name}-{n}"),
+                &term,
+                stale,
+                &mut rng,
+            )
+            .await;
+            if zombie_writes > 0 {
+                zombie_writes -= 1;
+                if zombie_writes == 0 {
+                    break;
+                }
+            }
+        }
+        if holding {
+            let token = term.token.to_string();
+            let _ = call(
+                &shared.client,
+                Method::DELETE,
+                format!("{}/_fence/leases/{}", args.target, term.lease),
+                &[(FENCING_TOKEN, &token), (FENCING_LEASE_ID, &term.lease_id)],
+                Bytes::new(),
+            )
+            .await;
+        }
+    }
+    Ok(())
+}
+
+async fn renew(shared: &Shared, term: &mut Term, skew_ms: u64) -> bool {
+    let sent_ms = shared.started.elapsed_ms();
+    let token = term.token.to_string();
+    let answer = call(
+        &shared.client,
+        Method::POST,
+        format!("{}/_fence/leases/{}/renew", shared.args.target, term.lease),
+        &[(FENCING_TOKEN, &token), (FENCING_LEASE_ID, &term.lease_id)],
+        Bytes::new(),
+    )
+    .await;
+    match answer {
+        Ok(a) if a.status == StatusCode::OK => {
+            let expires = a.json["expires_in_ms"].as_u64().unwrap_or(0);
+            term.true_deadline_ms = sent_ms + expires;
+            term.believed_deadline_ms = sent_ms + expires + skew_ms;
+            term.next_renew_ms = sent_ms + shared.args.ttl / 3;
+            true
+        }
+        _ => false,
+    }
+}
+
+async fn write(
+    shared: &Shared,
+    writer: &str,
+    write_id: &str,
+    term: &Term,
+    stale: bool,
+    rng: &mut Rng,
+) {
+    let key = format!(
+        "{}/kv/{}/{}/k{}",
+        shared.write_base,
+        term.lease,
+        shared.run_id,
+        rng.below(4)
+    );
+    let token = term.token.to_string();
+    let watch = Stopwatch::start();
+    let answer = call(
+        &shared.client,
+        Method::PUT,
+        key,
+        &[
+            (FENCING_TOKEN, &token),
+            (FENCING_LEASE_ID, &term.lease_id),
+            (WRITER_HEADER, writer),
+            (WRITE_ID_HEADER, write_id),
+        ],
+        Bytes::from(write_id.to_owned()),
+    )
+    .await;
+    let latency_us = watch.elapsed_us();
+    let outcome = match answer {
+        Ok(a) if a.status.is_success() => Outcome::Acknowledged,
+        Ok(a) => match a.json["reason"].as_str() {
+            Some(reason) => Outcome::Rejected(reason.to_owned()),
+            None => Outcome::Failed(format!("status {}", a.status)),
+        },
+        Err(e) => Outcome::Failed(e),
+    };
+    shared.sent.fetch_add(1, Ordering::Relaxed);
+    let record = ClientWrite {
+        writer: writer.to_owned(),
+        write_id: write_id.to_owned(),
+        lease: term.lease.clone(),
+        token: term.token,
+        stale,
+        outcome,
+        latency_us,
+    };
+    shared
+        .log
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push(record);
+}
+
+/// Draws a progress bar on stderr (a terminal only) once the run has lasted
+/// two seconds.
+async fn progress(shared: Arc<Shared>, total: Option<u64>) {
+    if !std::io::stderr().is_terminal() {
+        return;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    loop {
+        let sent = shared.sent.load(Ordering::Relaxed);
+        let fraction = match (total, shared.args.duration) {
+            (_, Some(ms)) => shared.started.elapsed_ms() as f64 / ms as f64,
+            (Some(t), None) => sent as f64 / t.max(1) as f64,
+            (None, None) => 0.0,
+        }
+        .min(1.0);
+        let filled = (fraction * 30.0) as usize;
+        {
+            let mut err = std::io::stderr().lock();
+            let _ = write!(
+                err,
+                "\r[{}{}] {:>3.0}%  {sent} writes",
+                "#".repeat(filled),
+                " ".repeat(30 - filled),
+                fraction * 100.0
+            );
+            let _ = err.flush();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Runs the load test; returns the report and the process exit status.
+pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
+    if args.leases == 0 || args.writers == 0 || args.ttl == 0 {
+        return Err("--leases, --writers and --ttl must be greater than 0".into());
+    }
+    if !(0.0..=1.0).contains(&args.pause_prob) {
+        return Err("--pause-prob must be between 0 and 1".into());
+    }
+    for url in [
+        Some(&mut args.target),
+        args.direct.as_mut(),
+        args.history.as_mut(),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        *url = url.trim_end_matches('/').to_owned();
+    }
+    let total = match (args.writes, args.duration) {
+        (Some(n), _) => Some(n),
+        (None, Some(_)) => None,
+        (None, None) => Some(2000),
+    };
+    let seed = args.seed.unwrap_or_else(|| {
+        let mut b = [0u8; 8];
+        let _ = getrandom::fill(&mut b);
+        u64::from_le_bytes(b)
+    });
+    let run_id = {
+        let mut b = [0u8; 4];
+        let _ = getrandom::fill(&mut b);
+        format!("r{:08x}", u32::from_le_bytes(b))
+    };
+    let pause_ms = args.pause.unwrap_or(args.ttl * 3 / 2);
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    let client = Client::builder(TokioExecutor::new()).build(connector);
+    let write_base = args.direct.clone().unwrap_or_else(|| args.target.clone());
+    let history_url = args
+        .history
+        .clone()
+        .or_else(|| args.direct.clone())
+        .unwrap_or_else(|| args.target.clone());
+    let shared = Arc::new(Shared {
+        client,
+        args: args.clone(),
+        write_base,
+        run_id: run_id.clone(),
+        pause_ms,
+        writes_left: AtomicI64::new(
+            total.map_or(i64::MAX, |t| i64::try_from(t).unwrap_or(i64::MAX)),
+        ),
+        stop: std::sync::atomic::AtomicBool::new(false),
+        started: Stopwatch::start(),
+        sent: AtomicU64::new(0),
+        log: Mutex::new(Vec::new()),
+    });
+    let bar = tokio::spawn(progress(shared.clone(), total));
+    let mut seeds = Rng(seed);
+    let tasks: Vec<_> = (0..args.writers)
+        .map(|i| tokio::spawn(writer(i, shared.clone(), seeds.next())))
+        .collect();
+    let mut failure = None;
+    for t in tasks {
+        if let Err(e) = t.await.map_err(|e| format!("a writer failed: {e}"))? {
+            failure.get_or_insert(e);
+            // Stop the others too.
+            shared.stop.store(true, Ordering::Relaxed);
+        }
+    }
+    bar.abort();
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    if std::io::stderr().is_terminal() && shared.started.elapsed_ms() >= 2000 {
+        eprintln!();
+    }
+    let duration_ms = shared.started.elapsed_ms().max(1);
+
+    let answer = call(
+        &shared.client,
+        Method::GET,
+        format!("{history_url}{HISTORY_PATH}"),
+        &[],
+        Bytes::new(),
+    )
+    .await
+    .map_err(|e| format!("cannot read the apply log at {history_url}: {e}"))?;
+    if answer.status != StatusCode::OK {
+        return Err(format!(
+            "{history_url}{HISTORY_PATH} answered {}: run the backend with --record (or [embedded] record = true)",
+            answer.status
+        ));
+    }
+    let history: History = serde_json::from_value(answer.json)
+        .map_err(|e| format!("the apply log is not readable: {e}"))?;
+    let prefix = format!("{run_id}-");
+    let log: Vec<_> = history
+        .entries
+        .into_iter()
+        .filter(|e| e.writer.as_deref().is_some_and(|w| w.starts_with(&prefix)))
+        .collect();
+    let writes = std::mem::take(
+        &mut *shared
+            .log
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    );
+    let findings = check::check(&log, &writes);
+
+    let mut hist = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3)
+        .map_err(|e| e.to_string())?;
+    for w in &writes {
+        let _ = hist.record(w.latency_us.max(1));
+    }
+    let latency_us: BTreeMap<String, u64> = [("p50", 50.0), ("p99", 99.0), ("p99.9", 99.9)]
+        .into_iter()
+        .map(|(k, q)| (k.to_owned(), hist.value_at_quantile(q / 100.0)))
+        .collect();
+    let (safe, verdict, status) = if findings.violations() > 0 {
+        (
+            false,
+            format!("UNSAFE: {} safety violations", findings.violations()),
+            1,
+        )
+    } else if history.truncated {
+        (
+            false,
+            "INCONCLUSIVE: the apply log was truncated".to_owned(),
+            1,
+        )
+    } else if findings.stale_attempts < args.min_stale {
+        (
+            true,
+            format!(
+                "INCONCLUSIVE: only {} stale writes attempted (--min-stale {})",
+                findings.stale_attempts, args.min_stale
+            ),
+            1,
+        )
+    } else {
+        (
+            true,
+            "SAFE: no stale write reached the storage".to_owned(),
+            0,
+        )
+    };
+    let report = Report {
+        target: args.target.clone(),
+        direct: args.direct.clone(),
+        run_id,
+        seed,
+        writers: args.writers,
+        leases: args.leases,
+        ttl_ms: args.ttl,
+        pause_prob: args.pause_prob,
+        pause_ms,
+        skew_ms: args.skew,
+        duration_ms,
+        throughput_per_s: writes.len() as f64 * 1000.0 / duration_ms as f64,
+        latency_us,
+        log_truncated: history.truncated,
+        findings,
+        safe,
+        verdict,
+    };
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+        std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    Ok((report, status))
+}
+
+/// The summary table people read.
+pub fn summary(r: &Report) -> String {
+    let f = &r.findings;
+    let via = match &r.direct {
+        Some(d) => format!("straight to {d} (no fencing)"),
+        None => format!("through {}", r.target),
+    };
+    let reasons: Vec<String> = f
+        .rejected_by_reason
+        .iter()
+        .map(|(k, v)| format!("{k} {v}"))
+        .collect();
+    let ms = |us: u64| us as f64 / 1000.0;
+    let mut out = format!(
+        "fencegate loadtest {}: {} writers, {} leases, ttl {} ms, pause p={} ({} ms), skew {} ms, seed {}\n\
+         writes {via}\n",
+        r.run_id, r.writers, r.leases, r.ttl_ms, r.pause_prob, r.pause_ms, r.skew_ms, r.seed
+    );
+    let rows = [
+        ("writes attempted", f.writes_attempted.to_string()),
+        ("acknowledged", f.acknowledged.to_string()),
+        (
+            "rejected",
+            if reasons.is_empty() {
+                f.rejected.to_string()
+            } else {
+                format!("{} ({})", f.rejected, reasons.join(", "))
+            },
+        ),
+        ("failed (no answer)", f.failed.to_string()),
+        (
+            "stale attempts",
+            format!(
+                "{} ({} rejected)",
+                f.stale_attempts, f.stale_attempts_rejected
+            ),
+        ),
+        ("stale writes applied", f.stale_writes_applied.to_string()),
+        ("acked writes missing", f.acknowledged_missing.to_string()),
+        ("rejected but applied", f.rejected_present.to_string()),
+        (
+            "latency p50/p99/p99.9",
+            format!(
+                "{:.2} / {:.2} / {:.2} ms",
+                ms(r.latency_us["p50"]),
+                ms(r.latency_us["p99"]),
+                ms(r.latency_us["p99.9"])
+            ),
+        ),
+        (
+            "throughput",
+            format!(
+                "{:.0} writes/s over {:.1} s",
+                r.throughput_per_s,
+                r.duration_ms as f64 / 1000.0
+            ),
+        ),
+    ];
+    for (k, v) in rows {
+        out.push_str(&format!("  {k:<24}{v}\n"));
+    }
+    for e in &f.examples {
+        out.push_str(&format!("  ! {e}\n"));
+    }
+    out.push_str(&r.verdict);
+    out.push('\n');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration_ms("300ms"), Ok(300));
+        assert_eq!(parse_duration_ms("2s"), Ok(2000));
+        assert_eq!(parse_duration_ms("1.5s"), Ok(1500));
+        assert_eq!(parse_duration_ms("1m"), Ok(60_000));
+        for bad in ["", "5", "ms", "5 parsecs", "-1s", "1e400s"] {
+            assert!(parse_duration_ms(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn seeded_choices_repeat() {
+        let (mut a, mut b) = (Rng(9), Rng(9));
+        assert_eq!(
+            (0..5).map(|_| a.below(10)).collect::<Vec<_>>(),
+            (0..5).map(|_| b.below(10)).collect::<Vec<_>>()
+        );
+        let hits = (0..10_000).filter(|_| a.chance(0.25)).count();
+        assert!((2000..3000).contains(&hits), "{hits}");
+    }
+}

@@ -1,0 +1,4 @@
+//! The client commands: `fencegate loadtest` (and, as they arrive, the lease
+//! client and `fencegate run`).
+
+pub mod loadtest;
