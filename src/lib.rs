@@ -21,7 +21,9 @@
 //! - [`lease`]: the pure lease state machine and the concurrent store around
 //!   it; [`journal`] makes grants durable (an fsync'd, checksummed log with
 //!   group commit); [`clock`] is the only place that reads time.
-//! - [`cli`]: client commands (the stale-writer load test and its checker).
+//! - [`client`]: a lease API client whose guard renews in the background and
+//!   fails closed; [`cli`]: the client commands built on it (`lease`, `run`,
+//!   `loadtest`).
 //! - [`error`]: the one mapping from errors to problem+json; [`body`]: the
 //!   body type shared by all services; [`config`]: typed settings.
 //!
@@ -33,6 +35,7 @@ pub mod app;
 pub mod backend;
 pub mod body;
 pub mod cli;
+pub mod client;
 pub mod clock;
 pub mod config;
 pub mod error;

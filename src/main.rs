@@ -12,7 +12,9 @@ use tokio::net::TcpListener;
 
 use fencegate::app::{self, App, Parts};
 use fencegate::backend::{Backend, EmbeddedStore, Upstream};
+use fencegate::cli::lease::LeaseArgs;
 use fencegate::cli::loadtest::LoadtestArgs;
+use fencegate::cli::run::RunArgs;
 use fencegate::clock::{Clock, ClockKind};
 use fencegate::config::{Config, Overrides, UpstreamTarget};
 use fencegate::journal::{FileJournal, FileJournalOptions};
@@ -59,6 +61,10 @@ enum Command {
         #[arg(long)]
         record: bool,
     },
+    /// Acquire, renew, release or show leases.
+    Lease(LeaseArgs),
+    /// Run a command while holding a lease; stop it if the lease is lost.
+    Run(RunArgs),
     /// Load-test stale-writer rejection and check that nothing stale landed.
     Loadtest(LoadtestArgs),
 }
@@ -210,6 +216,8 @@ fn main() -> ExitCode {
                 serve(config).await
             }
             Command::Backend { listen, record } => backend(listen, record).await,
+            Command::Lease(args) => return Ok(fencegate::cli::lease::run(args).await),
+            Command::Run(args) => return Ok(fencegate::cli::run::run(args).await),
             Command::Loadtest(args) => {
                 let (report, status) = fencegate::cli::loadtest::run(args).await?;
                 print!("{}", fencegate::cli::loadtest::summary(&report));

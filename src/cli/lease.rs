@@ -1,0 +1,148 @@
+//! `fencegate lease acquire|renew|release|show`.
+
+use clap::{Args, Subcommand};
+
+use super::{exit_code, DEFAULT_SERVER};
+use crate::cli::loadtest::parse_duration_ms;
+use crate::client::{Grant, LeaseClient};
+
+/// `fencegate lease` options.
+#[derive(Args, Debug)]
+pub struct LeaseArgs {
+    /// The fencegate to talk to.
+    #[arg(long, env = "FENCEGATE_SERVER", default_value = DEFAULT_SERVER, global = true)]
+    pub server: String,
+    /// Print the server's JSON answer.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: LeaseCommand,
+}
+
+/// What to do with a lease.
+#[derive(Subcommand, Debug)]
+pub enum LeaseCommand {
+    /// Acquire a lease (waiting up to --wait if it is held).
+    Acquire {
+        lease: String,
+        #[arg(long)]
+        holder: String,
+        /// e.g. 10s
+        #[arg(long, value_parser = parse_duration_ms)]
+        ttl: u64,
+        /// Wait this long for a held lease, e.g. 5s.
+        #[arg(long, default_value = "0ms", value_parser = parse_duration_ms)]
+        wait: u64,
+        /// Print shell assignments: eval "$(fencegate lease acquire … --export)".
+        #[arg(long)]
+        export: bool,
+    },
+    /// Renew a held term.
+    Renew {
+        lease: String,
+        #[arg(long, env = "FENCING_TOKEN")]
+        token: u64,
+        #[arg(long, env = "FENCING_LEASE_ID", hide_env_values = true)]
+        lease_id: String,
+        /// A new TTL, e.g. 30s.
+        #[arg(long, value_parser = parse_duration_ms)]
+        ttl: Option<u64>,
+    },
+    /// Release a held term.
+    Release {
+        lease: String,
+        #[arg(long, env = "FENCING_TOKEN")]
+        token: u64,
+        #[arg(long, env = "FENCING_LEASE_ID", hide_env_values = true)]
+        lease_id: String,
+    },
+    /// Show one lease, or all of them.
+    Show { lease: Option<String> },
+}
+
+/// Quotes `s` for a POSIX shell.
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+fn print_grant(g: &Grant, json: bool, export: bool, server: &str) {
+    if export {
+        println!("export FENCING_LEASE={}", shell_quote(&g.lease));
+        println!("export FENCING_TOKEN={}", g.token);
+        println!("export FENCING_LEASE_ID={}", shell_quote(&g.lease_id));
+        println!("export FENCEGATE_SERVER={}", shell_quote(server));
+    } else if json {
+        println!("{}", serde_json::to_string(g).unwrap_or_default());
+    } else {
+        println!(
+            "{} held by {}: token {}, expires in {} ms (ttl {} ms)",
+            g.lease, g.holder, g.token, g.expires_in_ms, g.ttl_ms
+        );
+        if !g.lease_id.is_empty() {
+            println!("lease id: {}", g.lease_id);
+        }
+    }
+}
+
+/// Runs `fencegate lease …`; returns the exit code.
+pub async fn run(args: LeaseArgs) -> u8 {
+    let client = LeaseClient::new(&args.server);
+    let result = match &args.command {
+        LeaseCommand::Acquire {
+            lease,
+            holder,
+            ttl,
+            wait,
+            export,
+        } => client
+            .acquire(lease, holder, *ttl, *wait)
+            .await
+            .map(|g| print_grant(&g, args.json, *export, client.server())),
+        LeaseCommand::Renew {
+            lease,
+            token,
+            lease_id,
+            ttl,
+        } => client
+            .renew(lease, *token, lease_id, *ttl)
+            .await
+            .map(|g| print_grant(&g, args.json, false, client.server())),
+        LeaseCommand::Release {
+            lease,
+            token,
+            lease_id,
+        } => client.release(lease, *token, lease_id).await.map(|()| {
+            if !args.json {
+                println!("{lease} released (token {token})");
+            }
+        }),
+        LeaseCommand::Show { lease } => client.show(lease.as_deref()).await.map(|v| {
+            if args.json {
+                println!("{v}");
+            } else {
+                let rows = match v.get("leases").and_then(|l| l.as_array()) {
+                    Some(all) => all.clone(),
+                    None => vec![v],
+                };
+                for l in rows {
+                    println!(
+                        "{}: {} by {}, token {}, expires in {} ms, {} terms",
+                        l["lease"].as_str().unwrap_or_default(),
+                        l["state"].as_str().unwrap_or_default(),
+                        l["holder"].as_str().unwrap_or_default(),
+                        l["token"],
+                        l["expires_in_ms"],
+                        l["transitions"]
+                    );
+                }
+            }
+        }),
+    };
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("fencegate: {e}");
+            exit_code(&e)
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! `fencegate run`: run a command while holding a lease, and stop it before
+//! the lease can end.
+//!
+//! The command runs in its own process group with `FENCING_LEASE`,
+//! `FENCING_TOKEN`, `FENCING_LEASE_ID` and `FENCEGATE_SERVER` in its
+//! environment. The term is renewed every third of the TTL by a
+//! [`LeaseGuard`]; when the guard reports the lease lost (a refused renewal,
+//! or the local deadline, which is `--margin` before the proxy's, passing
+//! without a successful renewal), the whole group gets SIGTERM, then SIGKILL
+//! after `--grace`, and `run` exits with code 6. When the command exits by
+//! itself, the lease is released and `run` exits with the command's status.
+//! SIGINT and SIGTERM sent to `run` are forwarded to the group.
+
+use std::time::Duration;
+
+use clap::Args;
+use tokio::process::Command;
+use tokio::signal::unix::{signal, SignalKind};
+
+use super::{exit_code, DEFAULT_SERVER, EXIT_LEASE_LOST, EXIT_USAGE};
+use crate::cli::loadtest::parse_duration_ms;
+use crate::client::{GuardOptions, LeaseClient};
+
+/// `fencegate run` options.
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// The fencegate to talk to.
+    #[arg(long, env = "FENCEGATE_SERVER", default_value = DEFAULT_SERVER)]
+    pub server: String,
+    #[arg(long)]
+    pub lease: String,
+    #[arg(long)]
+    pub holder: String,
+    /// e.g. 10s
+    #[arg(long, value_parser = parse_duration_ms)]
+    pub ttl: u64,
+    /// Wait this long for a held lease, e.g. 30s.
+    #[arg(long, default_value = "0ms", value_parser = parse_duration_ms)]
+    pub wait: u64,
+    /// Stop the command this long before the proxy's deadline (clock-rate
+    /// error, delivery time). Default: a tenth of the TTL.
+    #[arg(long, value_parser = parse_duration_ms)]
+    pub margin: Option<u64>,
+    /// Time between SIGTERM and SIGKILL when the lease is lost. Default:
+    /// half the margin, so the group is gone before the proxy's deadline.
+    #[arg(long, value_parser = parse_duration_ms)]
+    pub grace: Option<u64>,
+    /// The command and its arguments (after `--`).
+    #[arg(trailing_var_arg = true, required = true, num_args = 1..)]
+    pub command: Vec<String>,
+}
+
+/// Signals the whole process group `pgid`.
+fn signal_group(pgid: i32, sig: libc::c_int) {
+    // SAFETY: kill(2) with a negative pid signals a process group; it has no
+    // memory-safety preconditions. Errors (ESRCH: the group is gone) are
+    // expected and ignored.
+    unsafe {
+        libc::kill(-pgid, sig);
+    }
+}
+
+fn status_code(status: std::process::ExitStatus) -> u8 {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => u8::try_from(code).unwrap_or(1),
+        (None, Some(sig)) => u8::try_from(128 + sig).unwrap_or(1),
+        _ => 1,
+    }
+}
+
+/// Runs `fencegate run …`; returns the exit code.
+pub async fn run(args: RunArgs) -> u8 {
+    let margin_ms = args.margin.unwrap_or(args.ttl / 10);
+    let grace_ms = args.grace.unwrap_or(margin_ms / 2);
+    if margin_ms >= args.ttl {
+        eprintln!("fencegate: --margin must be shorter than --ttl");
+        return EXIT_USAGE;
+    }
+    if grace_ms > margin_ms {
+        eprintln!("fencegate: warning: --grace is longer than --margin; the command may outlive the lease");
+    }
+    let client = LeaseClient::new(&args.server);
+    let options = GuardOptions {
+        margin_ms: Some(margin_ms),
+    };
+    let guard = match client
+        .hold(&args.lease, &args.holder, args.ttl, args.wait, options)
+        .await
+    {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("fencegate: cannot acquire {}: {e}", args.lease);
+            return exit_code(&e);
+        }
+    };
+    let (Ok(mut sigint), Ok(mut sigterm)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
+        eprintln!("fencegate: cannot install signal handlers");
+        let _ = guard.release().await;
+        return 1;
+    };
+    let mut child = match Command::new(&args.command[0])
+        .args(&args.command[1..])
+        .env("FENCING_LEASE", &args.lease)
+        .env("FENCING_TOKEN", guard.token().to_string())
+        .env("FENCING_LEASE_ID", guard.lease_id())
+        .env("FENCEGATE_SERVER", client.server())
+        .process_group(0)
+        .spawn()
+    {
+        Ok(child) => child,
+        Err(e) => {
+            eprintln!("fencegate: cannot run {:?}: {e}", args.command[0]);
+            let _ = guard.release().await;
+            return if e.kind() == std::io::ErrorKind::NotFound {
+                127
+            } else {
+                126
+            };
+        }
+    };
+    let Some(pgid) = child.id().and_then(|id| i32::try_from(id).ok()) else {
+        let _ = guard.release().await;
+        return 1;
+    };
+    loop {
+        tokio::select! {
+            status = child.wait() => {
+                let code = match status {
+                    Ok(status) => status_code(status),
+                    Err(_) => 1,
+                };
+                if let Err(e) = guard.release().await {
+                    eprintln!("fencegate: the command exited but the release failed: {e}");
+                }
+                return code;
+            }
+            () = guard.lost() => {
+                let why = guard.lost_reason().map_or_else(|| "the renewer stopped".to_owned(), |l| l.to_string());
+                eprintln!("fencegate: lease {} lost ({why}): stopping the command", args.lease);
+                signal_group(pgid, libc::SIGTERM);
+                let _ = tokio::time::timeout(Duration::from_millis(grace_ms), child.wait()).await;
+                // Whatever is left of the group, grandchildren included.
+                signal_group(pgid, libc::SIGKILL);
+                let _ = child.wait().await;
+                return EXIT_LEASE_LOST;
+            }
+            _ = sigint.recv() => signal_group(pgid, libc::SIGINT),
+            _ = sigterm.recv() => signal_group(pgid, libc::SIGTERM),
+        }
+    }
+}

@@ -1,0 +1,439 @@
+//! A Rust client for the lease API that fails closed.
+//!
+//! [`LeaseClient`] speaks the lease API (acquire, renew, release, show).
+//! [`LeaseGuard`] holds a term: it renews in the background every third of
+//! the TTL, and declares the lease **lost** (see [`LeaseGuard::lost`]) as soon
+//! as a renewal is refused, or the locally computed deadline passes without a
+//! successful renewal. That deadline is the send time of the last successful
+//! renewal plus its `expires_in_ms`, minus a safety margin for clock-rate
+//! error, so the holder stops before the proxy's own deadline. A renew loop
+//! that dies counts as loss too: the guard never fails open.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), fencegate::client::ClientError> {
+//! use fencegate::client::{LeaseClient, GuardOptions};
+//! let client = LeaseClient::new("http://127.0.0.1:8080");
+//! let guard = client.hold("orders", "worker-1", 10_000, 5_000, GuardOptions::default()).await?;
+//! let token = guard.token(); // send with Fencing-Token / Fencing-Lease-Id
+//! tokio::select! {
+//!     () = guard.lost() => { /* stop writing now */ }
+//!     () = async { /* work under the lease */ } => {}
+//! }
+//! guard.release().await?;
+//! # let _ = token; Ok(()) }
+//! ```
+//!
+//! The client measures its deadlines on tokio's monotonic clock: it never
+//! compares wall clocks with the proxy.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::fence::{FENCING_LEASE_ID, FENCING_TOKEN};
+
+/// A granted or renewed term.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Grant {
+    pub lease: String,
+    pub holder: String,
+    pub token: u64,
+    /// Present on acquire answers; renewals keep the one you have.
+    #[serde(default)]
+    pub lease_id: String,
+    pub ttl_ms: u64,
+    pub expires_in_ms: u64,
+}
+
+/// Why a lease call failed.
+#[derive(Debug, Clone)]
+pub enum ClientError {
+    /// The server answered with a problem document.
+    Problem {
+        status: u16,
+        reason: String,
+        detail: String,
+        body: serde_json::Value,
+    },
+    /// The server could not be reached or did not answer in time.
+    Unreachable(String),
+    /// The server answered something that is not the lease API.
+    Protocol(String),
+}
+
+impl ClientError {
+    /// The problem's `reason`, if the server sent one.
+    pub fn reason(&self) -> Option<&str> {
+        match self {
+            ClientError::Problem { reason, .. } => Some(reason),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for ClientError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ClientError::Problem {
+                status,
+                reason,
+                detail,
+                body,
+            } => {
+                write!(f, "{status} {reason}: {detail}")?;
+                if let Some(holder) = body["holder"].as_str() {
+                    write!(f, " (held by {holder:?}")?;
+                    if let Some(ms) = body["expires_in_ms"].as_u64() {
+                        write!(f, ", {ms} ms left")?;
+                    }
+                    write!(f, ")")?;
+                }
+                Ok(())
+            }
+            ClientError::Unreachable(e) => write!(f, "server unreachable: {e}"),
+            ClientError::Protocol(e) => write!(f, "unexpected answer: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for ClientError {}
+
+/// A lease API client for one fencegate.
+#[derive(Clone, Debug)]
+pub struct LeaseClient {
+    base: String,
+    http: Client<HttpConnector, Full<Bytes>>,
+    /// Bound on each call (a wait_ms on acquire is added to it).
+    timeout: Duration,
+}
+
+impl LeaseClient {
+    /// A client for the fencegate at `base` (e.g. `http://127.0.0.1:8080`).
+    pub fn new(base: &str) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(2)));
+        Self {
+            base: base.trim_end_matches('/').to_owned(),
+            http: Client::builder(TokioExecutor::new()).build(connector),
+            timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// The server's base URL.
+    pub fn server(&self) -> &str {
+        &self.base
+    }
+
+    async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<serde_json::Value>,
+        timeout: Duration,
+    ) -> Result<(StatusCode, serde_json::Value), ClientError> {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.base));
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let body = body.map_or_else(Bytes::new, |b| Bytes::from(b.to_string()));
+        let req = req
+            .header("content-type", "application/json")
+            .body(Full::new(body))
+            .map_err(|e| ClientError::Protocol(e.to_string()))?;
+        let exchange = async {
+            let res = self
+                .http
+                .request(req)
+                .await
+                .map_err(|e| ClientError::Unreachable(e.to_string()))?;
+            let status = res.status();
+            let bytes = res
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| ClientError::Unreachable(e.to_string()))?
+                .to_bytes();
+            Ok::<_, ClientError>((status, bytes))
+        };
+        let (status, bytes) = tokio::time::timeout(timeout, exchange)
+            .await
+            .map_err(|_| {
+                ClientError::Unreachable(format!("no answer within {} ms", timeout.as_millis()))
+            })??;
+        let json: serde_json::Value = if bytes.is_empty() {
+            serde_json::Value::Null
+        } else {
+            serde_json::from_slice(&bytes).map_err(|_| {
+                ClientError::Protocol(format!("{status} with a body that is not JSON"))
+            })?
+        };
+        if status.is_success() {
+            return Ok((status, json));
+        }
+        match json["reason"].as_str() {
+            Some(reason) => Err(ClientError::Problem {
+                status: status.as_u16(),
+                reason: reason.to_owned(),
+                detail: json["detail"].as_str().unwrap_or_default().to_owned(),
+                body: json.clone(),
+            }),
+            None => Err(ClientError::Protocol(format!(
+                "{status} without a problem document"
+            ))),
+        }
+    }
+
+    fn grant(json: serde_json::Value) -> Result<Grant, ClientError> {
+        serde_json::from_value(json).map_err(|e| ClientError::Protocol(e.to_string()))
+    }
+
+    /// Acquires `lease` for `holder`, waiting up to `wait_ms` if it is held.
+    pub async fn acquire(
+        &self,
+        lease: &str,
+        holder: &str,
+        ttl_ms: u64,
+        wait_ms: u64,
+    ) -> Result<Grant, ClientError> {
+        let body = serde_json::json!({"holder": holder, "ttl_ms": ttl_ms, "wait_ms": wait_ms});
+        let timeout = self.timeout + Duration::from_millis(wait_ms);
+        let (_, json) = self
+            .call(
+                Method::POST,
+                &format!("/_fence/leases/{lease}"),
+                &[],
+                Some(body),
+                timeout,
+            )
+            .await?;
+        Self::grant(json)
+    }
+
+    /// Renews term `token` of `lease` (with a new TTL, if given).
+    pub async fn renew(
+        &self,
+        lease: &str,
+        token: u64,
+        lease_id: &str,
+        ttl_ms: Option<u64>,
+    ) -> Result<Grant, ClientError> {
+        let t = token.to_string();
+        let body = ttl_ms.map(|ttl| serde_json::json!({ "ttl_ms": ttl }));
+        let (_, json) = self
+            .call(
+                Method::POST,
+                &format!("/_fence/leases/{lease}/renew"),
+                &[(FENCING_TOKEN, &t), (FENCING_LEASE_ID, lease_id)],
+                body,
+                self.timeout,
+            )
+            .await?;
+        let mut grant = Self::grant(json)?;
+        grant.lease_id = lease_id.to_owned();
+        Ok(grant)
+    }
+
+    /// Releases term `token` of `lease`.
+    pub async fn release(
+        &self,
+        lease: &str,
+        token: u64,
+        lease_id: &str,
+    ) -> Result<(), ClientError> {
+        let t = token.to_string();
+        self.call(
+            Method::DELETE,
+            &format!("/_fence/leases/{lease}"),
+            &[(FENCING_TOKEN, &t), (FENCING_LEASE_ID, lease_id)],
+            None,
+            self.timeout,
+        )
+        .await
+        .map(|_| ())
+    }
+
+    /// Inspects `lease` (or lists every lease with `None`).
+    pub async fn show(&self, lease: Option<&str>) -> Result<serde_json::Value, ClientError> {
+        let path = match lease {
+            Some(l) => format!("/_fence/leases/{l}"),
+            None => "/_fence/leases".to_owned(),
+        };
+        self.call(Method::GET, &path, &[], None, self.timeout)
+            .await
+            .map(|(_, json)| json)
+    }
+
+    /// Acquires `lease` and keeps it renewed in the background.
+    pub async fn hold(
+        &self,
+        lease: &str,
+        holder: &str,
+        ttl_ms: u64,
+        wait_ms: u64,
+        options: GuardOptions,
+    ) -> Result<LeaseGuard, ClientError> {
+        let sent = Instant::now();
+        let grant = self.acquire(lease, holder, ttl_ms, wait_ms).await?;
+        Ok(LeaseGuard::start(self.clone(), grant, sent, options))
+    }
+}
+
+/// How a [`LeaseGuard`] renews.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GuardOptions {
+    /// Stop this long before the proxy's deadline, to cover clock-rate error
+    /// and the time a write takes to arrive (default: a tenth of the TTL).
+    pub margin_ms: Option<u64>,
+}
+
+/// Why a guard's lease is gone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Lost {
+    /// A renewal was refused (`reason`: e.g. `lease-expired`).
+    Refused(String),
+    /// The local deadline passed without a successful renewal (the server
+    /// did not answer in time).
+    DeadlinePassed,
+}
+
+impl std::fmt::Display for Lost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Lost::Refused(reason) => write!(f, "a renewal was refused ({reason})"),
+            Lost::DeadlinePassed => f.write_str("no renewal succeeded before the local deadline"),
+        }
+    }
+}
+
+/// A held term, renewed in the background until released or lost.
+#[derive(Debug)]
+pub struct LeaseGuard {
+    client: LeaseClient,
+    grant: Grant,
+    lost: watch::Receiver<Option<Lost>>,
+    renewer: tokio::task::JoinHandle<()>,
+}
+
+impl LeaseGuard {
+    fn start(client: LeaseClient, grant: Grant, sent: Instant, options: GuardOptions) -> Self {
+        let (tx, rx) = watch::channel(None);
+        let margin = Duration::from_millis(options.margin_ms.unwrap_or(grant.ttl_ms / 10));
+        let renewer = tokio::spawn(renew_loop(
+            client.clone(),
+            grant.clone(),
+            sent,
+            margin,
+            Arc::new(tx),
+        ));
+        Self {
+            client,
+            grant,
+            lost: rx,
+            renewer,
+        }
+    }
+
+    /// The term's fencing token.
+    pub fn token(&self) -> u64 {
+        self.grant.token
+    }
+
+    /// The term's lease id.
+    pub fn lease_id(&self) -> &str {
+        &self.grant.lease_id
+    }
+
+    /// The grant as acquired.
+    pub fn grant(&self) -> &Grant {
+        &self.grant
+    }
+
+    /// Why the lease is lost, if it is.
+    pub fn lost_reason(&self) -> Option<Lost> {
+        self.lost.borrow().clone()
+    }
+
+    /// Completes when the lease is lost: stop writing at once.
+    pub async fn lost(&self) {
+        let mut rx = self.lost.clone();
+        // An error means the renewer is gone: that is loss too.
+        let _ = rx.wait_for(Option::is_some).await;
+    }
+
+    /// Stops renewing and releases the term.
+    pub async fn release(self) -> Result<(), ClientError> {
+        self.renewer.abort();
+        self.client
+            .release(&self.grant.lease, self.grant.token, &self.grant.lease_id)
+            .await
+    }
+}
+
+impl Drop for LeaseGuard {
+    fn drop(&mut self) {
+        self.renewer.abort();
+    }
+}
+
+async fn renew_loop(
+    client: LeaseClient,
+    grant: Grant,
+    sent: Instant,
+    margin: Duration,
+    lost: Arc<watch::Sender<Option<Lost>>>,
+) {
+    let ttl = Duration::from_millis(grant.ttl_ms);
+    let mut deadline = (sent + Duration::from_millis(grant.expires_in_ms))
+        .checked_sub(margin)
+        .unwrap_or(sent);
+    let mut next_renew = sent + ttl / 3;
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep_until(deadline) => {
+                let _ = lost.send(Some(Lost::DeadlinePassed));
+                return;
+            }
+            () = tokio::time::sleep_until(next_renew) => {}
+        }
+        let sent = Instant::now();
+        // The renewal itself is bounded by the local deadline.
+        let renewal = tokio::time::timeout_at(
+            deadline,
+            client.renew(&grant.lease, grant.token, &grant.lease_id, None),
+        )
+        .await;
+        match renewal {
+            Err(_) => {
+                let _ = lost.send(Some(Lost::DeadlinePassed));
+                return;
+            }
+            Ok(Ok(renewed)) => {
+                deadline = (sent + Duration::from_millis(renewed.expires_in_ms))
+                    .checked_sub(margin)
+                    .unwrap_or(sent);
+                next_renew = sent + ttl / 3;
+            }
+            Ok(Err(ClientError::Problem { reason, .. })) => {
+                let _ = lost.send(Some(Lost::Refused(reason)));
+                return;
+            }
+            // Unreachable for now: retry soon, until the deadline decides.
+            Ok(Err(_)) => {
+                next_renew = Instant::now() + Duration::from_millis(50);
+            }
+        }
+    }
+}

@@ -1,0 +1,302 @@
+//! The client side against a real `fencegate serve`: `fencegate lease` exit
+//! codes and shell exports, and `fencegate run` stopping its command (and the
+//! command's children) when the lease is lost.
+
+mod support;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde_json::json;
+use support::proc::{Proc, TempDir};
+use support::{HttpClient, Req};
+
+fn fencegate(server: &str) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_fencegate"));
+    c.env("FENCEGATE_SERVER", server)
+        .env_remove("FENCING_TOKEN")
+        .env_remove("FENCING_LEASE_ID");
+    c
+}
+
+fn serve_manual(dir: &TempDir) -> Proc {
+    let data = dir.path().join("data");
+    Proc::start(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--clock",
+            "manual",
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        &dir.path().join("fencegate.log"),
+        &[],
+    )
+}
+
+/// Whether process `pid` is gone (or a zombie nobody has reaped yet).
+fn gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
+    }
+}
+
+/// Reads a pid the command wrote, waiting (bounded) for it to appear.
+async fn read_pid(path: &Path) -> u32 {
+    for _ in 0..500 {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            if let Ok(pid) = text.trim().parse() {
+                return pid;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{} never appeared", path.display());
+}
+
+/// Waits (bounded) for a child process to exit.
+async fn wait_exit(child: &mut std::process::Child) -> std::process::ExitStatus {
+    for _ in 0..1000 {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let _ = child.kill();
+    panic!("fencegate run did not exit");
+}
+
+#[tokio::test]
+async fn lease_commands_export_shell_assignments_and_exit_by_class() {
+    let dir = TempDir::new("lease-cli");
+    let p = serve_manual(&dir);
+    let out = fencegate(&p.url)
+        .args([
+            "lease", "acquire", "orders", "--holder", "a", "--ttl", "10s", "--export",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let exports = String::from_utf8(out.stdout).unwrap();
+    // The exports work in a shell, and curl-style writes then go through.
+    let script =
+        format!("{exports}\necho \"$FENCING_LEASE $FENCING_TOKEN ${{#FENCING_LEASE_ID}}\"");
+    let out = Command::new("sh").arg("-c").arg(&script).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "orders 1 32");
+    let id = exports
+        .lines()
+        .find_map(|l| l.strip_prefix("export FENCING_LEASE_ID="))
+        .unwrap()
+        .trim_matches('\'')
+        .to_owned();
+    let c = HttpClient::new(&p.url);
+    let w = Req::new("PUT", "/kv/orders/x")
+        .header("fencing-token", "1")
+        .header("fencing-lease-id", &id)
+        .body("v");
+    assert!(c.send(w).await.status.is_success());
+
+    let code = |args: &[&str], env: &[(&str, &str)]| {
+        let mut cmd = fencegate(&p.url);
+        cmd.args(args).stdout(Stdio::null()).stderr(Stdio::null());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.status().unwrap().code()
+    };
+    assert_eq!(
+        code(
+            &["lease", "acquire", "orders", "--holder", "b", "--ttl", "1s"],
+            &[]
+        ),
+        Some(3),
+        "held"
+    );
+    // renew reads the token and lease id from the environment.
+    assert_eq!(
+        code(
+            &["lease", "renew", "orders"],
+            &[("FENCING_TOKEN", "1"), ("FENCING_LEASE_ID", &id)]
+        ),
+        Some(0)
+    );
+    assert_eq!(
+        code(
+            &[
+                "lease",
+                "renew",
+                "orders",
+                "--token",
+                "1",
+                "--lease-id",
+                "nope"
+            ],
+            &[]
+        ),
+        Some(4),
+        "refused"
+    );
+    assert_eq!(
+        code(
+            &[
+                "lease",
+                "release",
+                "orders",
+                "--token",
+                "1",
+                "--lease-id",
+                &id
+            ],
+            &[]
+        ),
+        Some(0)
+    );
+    assert_eq!(
+        code(
+            &[
+                "lease",
+                "release",
+                "orders",
+                "--token",
+                "1",
+                "--lease-id",
+                &id
+            ],
+            &[]
+        ),
+        Some(4),
+        "released"
+    );
+    assert_eq!(
+        code(&["lease", "acquire", "orders", "--ttl", "1s"], &[]),
+        Some(2),
+        "usage"
+    );
+    assert_eq!(
+        code(&["lease", "show", "--server", "http://127.0.0.1:1"], &[]),
+        Some(5),
+        "unreachable"
+    );
+    let out = fencegate(&p.url)
+        .args(["lease", "show", "orders", "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["state"], "released");
+}
+
+#[tokio::test]
+async fn run_stops_the_whole_group_when_a_renewal_is_refused() {
+    let dir = TempDir::new("run-lost");
+    let p = serve_manual(&dir);
+    let d = dir.path();
+    let script = format!(
+        "echo \"$FENCING_LEASE $FENCING_TOKEN\" > {d}/env; sleep 1000 & echo $! > {d}/grandchild; echo $$ > {d}/child; wait",
+        d = d.display()
+    );
+    let mut run = fencegate(&p.url)
+        .args([
+            "run", "--lease", "job", "--holder", "r", "--ttl", "1s", "--", "sh", "-c", &script,
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let child = read_pid(&d.join("child")).await;
+    let grandchild = read_pid(&d.join("grandchild")).await;
+    assert_eq!(
+        std::fs::read_to_string(d.join("env")).unwrap().trim(),
+        "job 1",
+        "the token reaches the command"
+    );
+    assert!(!gone(child) && !gone(grandchild));
+
+    // The proxy's clock passes the deadline: the next renewal is refused.
+    let c = HttpClient::new(&p.url);
+    c.send(Req::new("POST", "/_fence/clock").json(json!({"advance_ms": 1000})))
+        .await;
+    let status = wait_exit(&mut run).await;
+    assert_eq!(status.code(), Some(6), "the lease-lost exit code");
+    assert!(gone(child), "the command outlived its lease");
+    assert!(gone(grandchild), "the command's child outlived the lease");
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(err.contains("lease-expired"), "{err}");
+}
+
+#[tokio::test]
+async fn run_releases_the_lease_when_the_command_exits() {
+    let dir = TempDir::new("run-exit");
+    let p = serve_manual(&dir);
+    let status = fencegate(&p.url)
+        .args([
+            "run", "--lease", "job", "--holder", "r", "--ttl", "10s", "--", "sh", "-c", "exit 3",
+        ])
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(3), "the command's status");
+    // Another holder gets the lease at once, without waiting for the TTL.
+    let c = HttpClient::new(&p.url);
+    let r = c
+        .send(
+            Req::new("POST", "/_fence/leases/job").json(json!({"holder": "next", "ttl_ms": 1000})),
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(r.json()["token"], 2);
+}
+
+/// With the system clock: the server stops answering (SIGSTOP), and the
+/// command is stopped before the server's deadline: right after `run` exits
+/// the server, woken, still shows the old term as held.
+#[tokio::test]
+async fn run_stops_the_command_before_the_deadline_when_the_server_goes_silent() {
+    let dir = TempDir::new("run-silent");
+    let data = dir.path().join("data");
+    let p = Proc::start(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        &dir.path().join("fencegate.log"),
+        &[],
+    );
+    let d = dir.path();
+    let script = format!(
+        "sleep 1000 & echo $! > {d}/grandchild; wait",
+        d = d.display()
+    );
+    let mut run = fencegate(&p.url)
+        .args([
+            "run", "--lease", "job", "--holder", "r", "--ttl", "2s", "--margin", "600ms", "--",
+        ])
+        .args(["sh", "-c", &script])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let grandchild = read_pid(&d.join("grandchild")).await;
+    p.signal("-STOP");
+    let status = wait_exit(&mut run).await;
+    p.signal("-CONT");
+    assert_eq!(status.code(), Some(6));
+    assert!(gone(grandchild));
+    let c = HttpClient::new(&p.url);
+    let v = c.send(Req::new("GET", "/_fence/leases/job")).await.json();
+    assert_eq!(
+        v["state"], "held",
+        "the command was stopped only after the server's deadline: {v}"
+    );
+    assert!(v["expires_in_ms"].as_u64().unwrap() > 0);
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(err.contains("local deadline"), "{err}");
+}
