@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::header::{HeaderValue, CONTENT_LENGTH};
+use http::header::{HeaderValue, CONTENT_LENGTH, TRANSFER_ENCODING};
 use http::{HeaderMap, Request, Response};
 use http_body_util::Limited;
 use tower::{Layer, Service};
@@ -85,6 +85,41 @@ fn head_size<B>(req: &Request<B>) -> usize {
         .map(|(k, v)| k.as_str().len() + v.len() + 4)
         .sum();
     headers + req.uri().to_string().len()
+}
+
+/// Refuses message framing that some server would read differently: a
+/// `Content-Length` beside `Transfer-Encoding` (hyper would drop the length;
+/// [`crate::framing`] marks it), and a doubled `chunked`. Such requests are never repaired and
+/// forwarded, since a backend might frame them another way (request
+/// smuggling). Conflicting lengths, bad chunking, NUL and obs-fold never get
+/// this far: hyper's parser rejects them with a bare 400.
+fn check_framing(headers: &HeaderMap) -> Result<(), Problem> {
+    if headers.contains_key(crate::framing::CONFLICT_HEADER) {
+        // The connection guard saw Content-Length beside Transfer-Encoding.
+        return Err(Problem::invalid_request(
+            "a request may not carry both Content-Length and Transfer-Encoding",
+        ));
+    }
+    let mut codings = headers.get_all(TRANSFER_ENCODING).iter();
+    let Some(first) = codings.next() else {
+        return Ok(());
+    };
+    if headers.contains_key(CONTENT_LENGTH) {
+        return Err(Problem::invalid_request(
+            "a request may not carry both Content-Length and Transfer-Encoding",
+        ));
+    }
+    if codings.next().is_some()
+        || !first
+            .as_bytes()
+            .trim_ascii()
+            .eq_ignore_ascii_case(b"chunked")
+    {
+        return Err(Problem::invalid_request(
+            "the only transfer coding accepted is a single \"chunked\"",
+        ));
+    }
+    Ok(())
 }
 
 fn declared_length(headers: &HeaderMap) -> Option<u64> {
@@ -241,6 +276,7 @@ impl<S> App<S> {
         if head_size(&req) > self.limits.max_header_bytes {
             return Err(Problem::headers_too_large(self.limits.max_header_bytes));
         }
+        check_framing(req.headers())?;
         if !limit_body {
             return Ok(req.map(body::boxed));
         }

@@ -11,7 +11,8 @@
 //!
 //! # Module map, along the data path
 //!
-//! - [`server`]: accept loop, connection limits, graceful shutdown.
+//! - [`server`]: accept loop, connection limits, graceful shutdown;
+//!   [`framing`] guards each connection's bytes against ambiguous framing.
 //! - [`app`]: composes everything into one service: request ids and limits,
 //!   then the lease API or the fenced data path.
 //! - [`api`]: the lease API under `/_fence/` (acquire, renew, release, inspect).
@@ -40,6 +41,7 @@ pub mod clock;
 pub mod config;
 pub mod error;
 pub mod fence;
+pub mod framing;
 pub mod journal;
 pub mod lease;
 pub mod route;

@@ -22,6 +22,7 @@ use tower::{Service, ServiceExt};
 
 use crate::backend::ClientAddr;
 use crate::body::Body;
+use crate::framing::Guarded;
 
 /// Connection-level settings.
 #[derive(Clone, Copy, Debug)]
@@ -97,7 +98,8 @@ where
             req.extensions_mut().insert(ClientAddr(peer));
             app.clone().oneshot(req)
         });
-        let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
+        let io = TokioIo::new(Guarded::new(stream));
+        let conn = graceful.watch(builder.serve_connection(io, service));
         tokio::spawn(async move {
             if let Err(err) = conn.await {
                 tracing::debug!(%peer, error = %err, "connection ended with an error");
