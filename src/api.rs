@@ -26,6 +26,7 @@ use crate::clock::ClockKind;
 use crate::error::Problem;
 use crate::fence::{credentials, FENCING_LEASE_ID, FENCING_TOKEN};
 use crate::lease::{is_valid_lease_name, Acquired, LeaseStore, View};
+use crate::metrics::Metrics;
 use crate::route::decode_path;
 
 /// The path prefix fencegate keeps for itself.
@@ -42,6 +43,7 @@ pub struct Api {
     draining: Arc<AtomicBool>,
     /// The embedded backend, when it records an apply log to serve.
     history: Option<EmbeddedStore>,
+    metrics: Metrics,
 }
 
 #[derive(Deserialize)]
@@ -146,13 +148,28 @@ fn grant_response(name: &str, granted: &Acquired, acquire: bool) -> Response<Bod
 }
 
 impl Api {
-    pub fn new(leases: LeaseStore, require_lease_id: bool, draining: Arc<AtomicBool>) -> Self {
+    pub fn new(
+        leases: LeaseStore,
+        require_lease_id: bool,
+        draining: Arc<AtomicBool>,
+        metrics: Metrics,
+    ) -> Self {
         Self {
             leases,
             require_lease_id,
             draining,
             history: None,
+            metrics,
         }
+    }
+
+    /// Counts a lease operation by its result.
+    fn count(&self, op: &'static str, result: &Result<Response<Body>, Problem>) {
+        let outcome = match result {
+            Ok(_) => "ok",
+            Err(p) => p.reason(),
+        };
+        self.metrics.lease_op(op, outcome);
     }
 
     /// Serves the embedded backend's apply log at `/_fence/backend/history`.
@@ -176,10 +193,22 @@ impl Api {
         let method = req.method().clone();
         match (segments.get(1..).unwrap_or_default(), method) {
             (["leases"], Method::GET) => Ok(self.list()),
-            (["leases", name], Method::POST) => self.acquire(name, req).await,
+            (["leases", name], Method::POST) => {
+                let result = self.acquire(name, req).await;
+                self.count("acquire", &result);
+                result
+            }
             (["leases", name], Method::GET) => self.inspect(name),
-            (["leases", name], Method::DELETE) => self.release(name, &req),
-            (["leases", name, "renew"], Method::POST) => self.renew(name, req).await,
+            (["leases", name], Method::DELETE) => {
+                let result = self.release(name, &req);
+                self.count("release", &result);
+                result
+            }
+            (["leases", name, "renew"], Method::POST) => {
+                let result = self.renew(name, req).await;
+                self.count("renew", &result);
+                result
+            }
             (["livez"], Method::GET | Method::HEAD) => {
                 Ok(json_response(StatusCode::OK, &json!({"status": "live"})))
             }
@@ -252,6 +281,7 @@ impl Api {
             .renew(name, token, lease_id, ttl_ms)
             .map_err(|e| Problem::renew_failed(name, e))?;
         tracing::debug!(
+            target: "audit",
             lease = name,
             token,
             ttl_ms = renewed.ttl_ms,
@@ -267,7 +297,7 @@ impl Api {
         self.leases
             .release(name, token, lease_id)
             .map_err(|r| Problem::rejected(name, r))?;
-        tracing::info!(lease = name, token, "lease released");
+        tracing::info!(target: "audit", lease = name, token, "lease released");
         let mut res = Response::new(body::empty());
         *res.status_mut() = StatusCode::NO_CONTENT;
         Ok(res)
@@ -308,31 +338,7 @@ impl Api {
     }
 
     fn metrics(&self) -> Response<Body> {
-        let h = self.leases.handover_stats();
-        let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
-        let text = format!(
-            "# HELP fencegate_leases_held Leases with a live term.\n\
-             # TYPE fencegate_leases_held gauge\n\
-             fencegate_leases_held {}\n\
-             # HELP fencegate_writes_in_flight Admitted writes not yet finished at the backend.\n\
-             # TYPE fencegate_writes_in_flight gauge\n\
-             fencegate_writes_in_flight {}\n\
-             # HELP fencegate_barrier_waits_total Writes that waited for an earlier term's writes to finish.\n\
-             # TYPE fencegate_barrier_waits_total counter\n\
-             fencegate_barrier_waits_total {}\n\
-             # HELP fencegate_barrier_wait_milliseconds_total Time writes spent waiting at the handover barrier.\n\
-             # TYPE fencegate_barrier_wait_milliseconds_total counter\n\
-             fencegate_barrier_wait_milliseconds_total {}\n\
-             # HELP fencegate_barrier_timeouts_total Writes refused because an earlier term's writes did not finish in time.\n\
-             # TYPE fencegate_barrier_timeouts_total counter\n\
-             fencegate_barrier_timeouts_total {}\n",
-            self.leases.held_count(),
-            load(&h.inflight),
-            load(&h.barrier_waits),
-            load(&h.barrier_wait_ms),
-            load(&h.barrier_timeouts),
-        );
-        let mut res = Response::new(body::full(text));
+        let mut res = Response::new(body::full(self.metrics.render()));
         res.headers_mut().insert(
             CONTENT_TYPE,
             HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),

@@ -33,6 +33,7 @@ use crate::config::Config;
 use crate::error::Problem;
 use crate::fence::{Fence, FenceLayer, FencePolicy};
 use crate::lease::LeaseStore;
+use crate::metrics::Metrics;
 
 /// The request-id header.
 pub const X_REQUEST_ID: &str = "x-request-id";
@@ -165,7 +166,12 @@ pub fn build(config: &Config, parts: Parts) -> Result<FencegateApp, String> {
         Backend::Embedded(store) if store.is_recording() => Some(store.clone()),
         _ => None,
     };
-    let mut app = build_with(config, parts.leases, parts.draining, parts.backend)?;
+    let metrics = Metrics::new(&parts.leases);
+    let mut backend = parts.backend;
+    if let Backend::Upstream(upstream) = &mut backend {
+        upstream.set_metrics(metrics.clone());
+    }
+    let mut app = compose(config, parts.leases, parts.draining, backend, metrics)?;
     if let Some(store) = recording {
         app.api = app.api.take().map(|api| api.with_history(store));
     }
@@ -179,7 +185,19 @@ pub fn build_with<S>(
     draining: Arc<AtomicBool>,
     backend: S,
 ) -> Result<App<Fence<S>>, String> {
+    let metrics = Metrics::new(&leases);
+    compose(config, leases, draining, backend, metrics)
+}
+
+fn compose<S>(
+    config: &Config,
+    leases: LeaseStore,
+    draining: Arc<AtomicBool>,
+    backend: S,
+    metrics: Metrics,
+) -> Result<App<Fence<S>>, String> {
     let policy = FencePolicy {
+        metrics: metrics.clone(),
         routes: config.fence.compile_routes()?,
         leases: leases.clone(),
         require_lease_id: config.fence.require_lease_id,
@@ -188,7 +206,7 @@ pub fn build_with<S>(
         upstream_timeout_ms: config.proxy.timeout_ms,
     };
     let data = FenceLayer::new(policy).layer(backend);
-    let api = Api::new(leases, config.fence.require_lease_id, draining);
+    let api = Api::new(leases, config.fence.require_lease_id, draining, metrics);
     Ok(App::new(Some(api), data, config.request_limits()))
 }
 

@@ -20,7 +20,12 @@ use crate::lease::{AdmitOptions, LeaseLimits};
 use crate::route::{Route, Routes};
 
 /// Environment variables with the `FENCEGATE_` prefix that are not config keys.
-const NON_CONFIG_ENV: [&str; 3] = ["FENCEGATE_CONFIG", "FENCEGATE_LOG", "FENCEGATE_SERVER"];
+const NON_CONFIG_ENV: [&str; 4] = [
+    "FENCEGATE_CONFIG",
+    "FENCEGATE_LOG",
+    "FENCEGATE_LOG_FORMAT",
+    "FENCEGATE_SERVER",
+];
 
 /// The whole configuration of `fencegate serve`.
 #[derive(Clone, Debug, Deserialize, Serialize)]

@@ -30,6 +30,7 @@ use tower::{Layer, Service};
 use crate::body::Body;
 use crate::error::Problem;
 use crate::lease::{is_valid_lease_name, AdmitError, AdmitOptions, LeaseStore, WriteGuard};
+use crate::metrics::Metrics;
 use crate::route::{RouteTimeout, Routes};
 
 /// The header that carries the fencing token.
@@ -50,6 +51,8 @@ pub struct FencePolicy {
     pub admit: AdmitOptions,
     /// Upstream deadline of routes without their own.
     pub upstream_timeout_ms: u64,
+    /// Counts forwarded and refused requests.
+    pub metrics: Metrics,
 }
 
 /// Whether `method` changes state at the backend. Everything but the safe
@@ -279,7 +282,10 @@ where
     fn call(&mut self, mut req: Request<Body>) -> Self::Future {
         let (lease, token, lease_id, max_wait_ms) = match self.policy.decide(&mut req) {
             Decision::Pass => return FenceFuture::forward(self.inner.call(req), None),
-            Decision::Reject(problem) => return FenceFuture::ready(problem.into_response()),
+            Decision::Reject(problem) => {
+                self.policy.metrics.write_rejected(problem.reason());
+                return FenceFuture::ready(problem.into_response());
+            }
             Decision::Fenced {
                 lease,
                 token,
@@ -296,12 +302,17 @@ where
             .try_admit_write(&lease, token, presented, &options)
         {
             Ok(Ok(guard)) => {
+                self.policy.metrics.write_forwarded();
                 tracing::debug!(lease, token, method = %req.method(), "write admitted");
                 FenceFuture::forward(self.inner.call(req), Some(guard))
             }
-            Err(AdmitError::Rejected(reject)) => {
-                FenceFuture::ready(reject_write(&lease, token, &req, reject))
-            }
+            Err(AdmitError::Rejected(reject)) => FenceFuture::ready(reject_write(
+                &self.policy.metrics,
+                &lease,
+                token,
+                &req,
+                reject,
+            )),
             Err(AdmitError::DrainTimeout { .. }) | Ok(Err(_)) => {
                 // A newer term's first write while older writes are in
                 // flight: wait at the barrier. Call the instance that was
@@ -322,12 +333,13 @@ where
                     {
                         Ok(admitted) => admitted,
                         Err(AdmitError::Rejected(reject)) => {
-                            return Ok(reject_write(&lease, token, &req, reject));
+                            return Ok(reject_write(&policy.metrics, &lease, token, &req, reject));
                         }
                         Err(AdmitError::DrainTimeout {
                             older_token,
                             waited_ms,
                         }) => {
+                            policy.metrics.write_rejected("upstream-timeout");
                             tracing::warn!(
                                 lease,
                                 token,
@@ -344,6 +356,7 @@ where
                             .into_response());
                         }
                     };
+                    policy.metrics.write_forwarded();
                     tracing::debug!(lease, token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted after the handover barrier");
                     let res = forward(req).await?;
                     Ok(attach_guard(res, Some(admitted.guard)))
@@ -354,12 +367,14 @@ where
 }
 
 fn reject_write(
+    metrics: &Metrics,
     lease: &str,
     token: u64,
     req: &Request<Body>,
     reject: crate::lease::Reject,
 ) -> Response<Body> {
-    tracing::info!(lease, token, reason = reject.reason(), method = %req.method(), "write rejected");
+    metrics.write_rejected(reject.reason());
+    tracing::info!(target: "audit", lease, token, reason = reject.reason(), method = %req.method(), "write rejected");
     Problem::rejected(lease, reject).into_response()
 }
 

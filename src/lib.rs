@@ -25,6 +25,7 @@
 //! - [`client`]: a lease API client whose guard renews in the background and
 //!   fails closed; [`cli`]: the client commands built on it (`lease`, `run`,
 //!   `loadtest`).
+//! - [`metrics`]: Prometheus counters and the scrape-time collector.
 //! - [`error`]: the one mapping from errors to problem+json; [`body`]: the
 //!   body type shared by all services; [`config`]: typed settings.
 //!
@@ -44,5 +45,6 @@ pub mod fence;
 pub mod framing;
 pub mod journal;
 pub mod lease;
+pub mod metrics;
 pub mod route;
 pub mod server;

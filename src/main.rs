@@ -69,15 +69,21 @@ enum Command {
     Loadtest(LoadtestArgs),
 }
 
+/// Logs go to stderr: human-readable by default, JSON lines with
+/// `FENCEGATE_LOG_FORMAT=json`. `FENCEGATE_LOG` (or `RUST_LOG`) sets levels;
+/// lease decisions are logged under the `audit` target.
 fn init_tracing() {
     let filter = std::env::var("FENCEGATE_LOG")
         .or_else(|_| std::env::var("RUST_LOG"))
         .unwrap_or_else(|_| "info".into());
-    tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+        .with_writer(std::io::stderr);
+    if std::env::var("FENCEGATE_LOG_FORMAT").is_ok_and(|f| f == "json") {
+        builder.json().with_current_span(false).init();
+    } else {
+        builder.with_ansi(std::io::stderr().is_terminal()).init();
+    }
 }
 
 /// Completes on SIGINT or SIGTERM.

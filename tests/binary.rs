@@ -102,3 +102,59 @@ async fn bad_configuration_stops_the_start_with_a_message() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("FENCEGATE_LIMITS__MAX_BODY_BYTES"));
 }
+
+#[tokio::test]
+async fn json_logs_are_one_object_per_line_with_audit_records() {
+    let dir = TempDir::new("json-logs");
+    let data = dir.path().join("data");
+    let log = dir.path().join("stderr.log");
+    let args = [
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--clock",
+        "manual",
+        "--data-dir",
+        data.to_str().unwrap(),
+    ];
+    let mut p = Proc::start(
+        &args,
+        &log,
+        &[("FENCEGATE_LOG_FORMAT", "json"), ("FENCEGATE_LOG", "debug")],
+    );
+    let c = HttpClient::new(&p.url);
+    let r = c
+        .send(
+            Req::new("POST", "/_fence/leases/orders").json(json!({"holder": "A", "ttl_ms": 1000})),
+        )
+        .await;
+    let a = held_from(&r);
+    c.send(
+        Req::new("PUT", "/kv/orders/1")
+            .header("fencing-token", "7")
+            .header("fencing-lease-id", &a.lease_id)
+            .body("x"),
+    )
+    .await;
+    p.signal("-TERM");
+    assert!(p.child.wait().unwrap().success());
+    let text = p.log_text();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let audit: Vec<&serde_json::Value> = lines.iter().filter(|l| l["target"] == "audit").collect();
+    assert!(
+        audit
+            .iter()
+            .any(|l| l["fields"]["message"] == "lease acquired" && l["fields"]["token"] == 1),
+        "{text}"
+    );
+    assert!(
+        audit
+            .iter()
+            .any(|l| l["fields"]["reason"] == "unknown-fencing-token"),
+        "{text}"
+    );
+    assert!(!text.contains(&a.lease_id));
+}

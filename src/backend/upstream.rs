@@ -18,8 +18,10 @@ use hyper_util::rt::TokioExecutor;
 use tower::Service;
 
 use crate::body::{self, Body};
+use crate::clock::Stopwatch;
 use crate::error::Problem;
 use crate::fence::OutcomeUnknown;
+use crate::metrics::Metrics;
 use crate::route::RouteTimeout;
 
 /// How the upstream client behaves.
@@ -72,6 +74,7 @@ pub struct Upstream {
     x_forwarded: bool,
     forwarded: bool,
     max_body_bytes: u64,
+    metrics: Option<Metrics>,
 }
 
 /// A request extension: the address of the client connection.
@@ -141,7 +144,13 @@ impl Upstream {
             x_forwarded: options.x_forwarded,
             forwarded: options.forwarded,
             max_body_bytes: options.max_body_bytes,
+            metrics: None,
         })
+    }
+
+    /// Records upstream latency in `metrics`.
+    pub fn set_metrics(&mut self, metrics: Metrics) {
+        self.metrics = Some(metrics);
     }
 
     fn target(&self, uri: &Uri) -> Result<Uri, http::Error> {
@@ -212,9 +221,13 @@ impl Upstream {
             .extensions()
             .get::<RouteTimeout>()
             .map_or(self.timeout_ms, |t| t.0);
-        match tokio::time::timeout(Duration::from_millis(timeout_ms), self.client.request(req))
-            .await
-        {
+        let watch = Stopwatch::start();
+        let result =
+            tokio::time::timeout(Duration::from_millis(timeout_ms), self.client.request(req)).await;
+        if let Some(m) = &self.metrics {
+            m.upstream_latency(watch.elapsed_us() as f64 / 1e6);
+        }
+        match result {
             Ok(Ok(res)) => {
                 let (mut parts, incoming) = res.into_parts();
                 strip_hop_by_hop(&mut parts.headers);

@@ -407,12 +407,13 @@ impl LeaseStore {
                     };
                     if let Err(err) = self.shared.journal.persist_grant(record).await {
                         self.abandon(name, grant.token, previous);
-                        tracing::warn!(lease = name, token = grant.token, error = %err, "grant not persisted; refused");
+                        tracing::warn!(target: "audit", lease = name, token = grant.token, error = %err, "grant not persisted; refused");
                         return Err(AcquireError::Unavailable(
                             "the lease store cannot persist grants right now".into(),
                         ));
                     }
                     tracing::info!(
+                        target: "audit",
                         lease = name,
                         token = grant.token,
                         holder,
