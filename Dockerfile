@@ -16,9 +16,13 @@ COPY --from=build /src/target/release/fencegate /usr/local/bin/fencegate
 COPY config/fencegate.toml /etc/fencegate/fencegate.toml
 USER 10001
 WORKDIR /var/lib/fencegate
+# Inside a container fencegate must listen beyond loopback. Without [auth]
+# that is refused unless allowed explicitly: turn authentication on (see the
+# README) for anything but a private network.
 ENV FENCEGATE_CONFIG=/etc/fencegate/fencegate.toml \
     FENCEGATE_LISTEN=0.0.0.0:8080 \
-    FENCEGATE_DATA_DIR=/var/lib/fencegate
+    FENCEGATE_DATA_DIR=/var/lib/fencegate \
+    FENCEGATE_AUTH__ALLOW_UNAUTHENTICATED_NON_LOOPBACK=true
 VOLUME ["/var/lib/fencegate"]
 EXPOSE 8080
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \

@@ -20,11 +20,12 @@ use http::{Method, Request, Response, StatusCode};
 use serde::Deserialize;
 use serde_json::json;
 
+use crate::auth::{Caller, Identity};
 use crate::backend::EmbeddedStore;
 use crate::body::{self, Body};
 use crate::clock::ClockKind;
 use crate::error::Problem;
-use crate::fence::{credentials, FENCING_LEASE_ID, FENCING_TOKEN};
+use crate::fence::{check_holder, credentials, FENCING_LEASE_ID, FENCING_TOKEN};
 use crate::lease::{is_valid_lease_name, Acquired, LeaseStore, View};
 use crate::metrics::Metrics;
 use crate::route::decode_path;
@@ -49,7 +50,8 @@ pub struct Api {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct AcquireBody {
-    holder: String,
+    #[serde(default)]
+    holder: Option<String>,
     ttl_ms: serde_json::Value,
     #[serde(default)]
     wait_ms: Option<u64>,
@@ -66,6 +68,11 @@ struct RenewBody {
 #[serde(deny_unknown_fields)]
 struct AdvanceBody {
     advance_ms: u64,
+}
+
+/// The authenticated caller, when authentication is on.
+fn caller(req: &Request<Body>) -> Option<&Arc<Identity>> {
+    req.extensions().get::<Caller>().map(|c| &c.0)
 }
 
 /// Reads a TTL: any JSON number that is not a u64 is out of bounds
@@ -191,14 +198,25 @@ impl Api {
         let segments = decode_path(&path).map_err(|bad| Problem::invalid_request(bad.0))?;
         let segments: Vec<&str> = segments.iter().map(|s| s.as_ref()).collect();
         let method = req.method().clone();
+        let who = caller(&req).cloned();
+        let admin_only = matches!(
+            segments.get(1).map(|s| s.as_ref()),
+            Some("clock" | "metrics" | "backend")
+        );
+        if admin_only && who.as_ref().is_some_and(|c| !c.admin) {
+            return Err(Problem::forbidden(
+                "this endpoint needs an admin credential",
+            ));
+        }
+        let who = who.as_deref();
         match (segments.get(1..).unwrap_or_default(), method) {
-            (["leases"], Method::GET) => Ok(self.list()),
+            (["leases"], Method::GET) => Ok(self.list(who)),
             (["leases", name], Method::POST) => {
                 let result = self.acquire(name, req).await;
                 self.count("acquire", &result);
                 result
             }
-            (["leases", name], Method::GET) => self.inspect(name),
+            (["leases", name], Method::GET) => self.inspect(name, who),
             (["leases", name], Method::DELETE) => {
                 let result = self.release(name, &req);
                 self.count("release", &result);
@@ -253,13 +271,25 @@ impl Api {
 
     async fn acquire(&self, name: &str, req: Request<Body>) -> Result<Response<Body>, Problem> {
         let name = self.name(name)?;
+        let caller = caller(&req).cloned();
         let body: AcquireBody = read_json(req.into_body(), false)
             .await?
             .expect("required body");
+        // With authentication on, the caller is the holder.
+        let holder = match (caller, body.holder) {
+            (Some(c), Some(h)) if h != c.name => {
+                return Err(Problem::forbidden(
+                    "the holder must be the authenticated caller",
+                ))
+            }
+            (Some(c), _) => c.name.clone(),
+            (None, Some(h)) => h,
+            (None, None) => return Err(Problem::invalid_request("the body needs a holder")),
+        };
         let ttl_ms = ttl_from_json(&body.ttl_ms, &self.leases)?;
         let granted = self
             .leases
-            .acquire(name, &body.holder, ttl_ms, body.wait_ms.unwrap_or(0))
+            .acquire(name, &holder, ttl_ms, body.wait_ms.unwrap_or(0))
             .await
             .map_err(|e| Problem::acquire_failed(name, e))?;
         Ok(grant_response(name, &granted, true))
@@ -267,9 +297,13 @@ impl Api {
 
     async fn renew(&self, name: &str, req: Request<Body>) -> Result<Response<Body>, Problem> {
         let name = self.name(name)?;
+        let caller = caller(&req).cloned();
         let (parts, body) = req.into_parts();
         let (token, lease_id) =
             credentials(&parts.headers, self.require_lease_id).map_err(|p| p.lease(name))?;
+        if let Some(c) = &caller {
+            check_holder(&self.leases, name, token, &c.name)?;
+        }
         let body: RenewBody = read_json(body, true).await?.unwrap_or_default();
         let ttl_ms = body
             .ttl_ms
@@ -294,6 +328,9 @@ impl Api {
         let name = self.name(name)?;
         let (token, lease_id) =
             credentials(req.headers(), self.require_lease_id).map_err(|p| p.lease(name))?;
+        if let Some(c) = caller(req) {
+            check_holder(&self.leases, name, token, &c.name)?;
+        }
         self.leases
             .release(name, token, lease_id)
             .map_err(|r| Problem::rejected(name, r))?;
@@ -303,20 +340,27 @@ impl Api {
         Ok(res)
     }
 
-    fn inspect(&self, name: &str) -> Result<Response<Body>, Problem> {
+    fn inspect(&self, name: &str, caller: Option<&Identity>) -> Result<Response<Body>, Problem> {
         let name = self.name(name)?;
         let view = self
             .leases
             .inspect(name)
             .ok_or_else(|| Problem::unknown_lease(name))?;
+        if let Some(c) = caller.filter(|c| !c.admin) {
+            if view.holder != c.name {
+                return Err(Problem::forbidden("this lease is held by another caller").lease(name));
+            }
+        }
         Ok(json_response(StatusCode::OK, &view_json(name, &view)))
     }
 
-    fn list(&self) -> Response<Body> {
+    fn list(&self, caller: Option<&Identity>) -> Response<Body> {
         let leases: Vec<serde_json::Value> = self
             .leases
             .list()
             .iter()
+            // Callers who are not admins see their own leases only.
+            .filter(|(_, view)| caller.is_none_or(|c| c.admin || view.holder == c.name))
             .map(|(name, view)| view_json(name, view))
             .collect();
         json_response(StatusCode::OK, &json!({ "leases": leases }))

@@ -27,6 +27,7 @@ use tower::{Layer, Service};
 use tracing::Instrument;
 
 use crate::api::{Api, PREFIX};
+use crate::auth::{Authenticator, Caller};
 use crate::backend::Backend;
 use crate::body::{self, Body, BoxError};
 use crate::config::Config;
@@ -136,6 +137,7 @@ pub struct App<S> {
     data: S,
     limits: RequestLimits,
     ids: Arc<RequestIds>,
+    auth: Option<Arc<Authenticator>>,
 }
 
 impl<S: Clone> Clone for App<S> {
@@ -145,6 +147,7 @@ impl<S: Clone> Clone for App<S> {
             data: self.data.clone(),
             limits: self.limits,
             ids: self.ids.clone(),
+            auth: self.auth.clone(),
         }
     }
 }
@@ -207,7 +210,8 @@ fn compose<S>(
     };
     let data = FenceLayer::new(policy).layer(backend);
     let api = Api::new(leases, config.fence.require_lease_id, draining, metrics);
-    Ok(App::new(Some(api), data, config.request_limits()))
+    let auth = Authenticator::from_config(&config.auth)?;
+    Ok(App::new(Some(api), data, config.request_limits()).with_auth(auth))
 }
 
 impl<S> App<S> {
@@ -218,8 +222,20 @@ impl<S> App<S> {
             data,
             limits,
             ids: Arc::new(RequestIds::new()),
+            auth: None,
         }
     }
+
+    /// Requires a known bearer token on every request but the health checks.
+    pub fn with_auth(mut self, auth: Option<Authenticator>) -> Self {
+        self.auth = auth.map(Arc::new);
+        self
+    }
+}
+
+fn with_request_id(mut res: Response<Body>, id: HeaderValue) -> Response<Body> {
+    res.headers_mut().insert(X_REQUEST_ID, id);
+    res
 }
 
 type BoxResponseFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
@@ -253,6 +269,20 @@ where
         // Everything generic over the body happens here, synchronously; the
         // futures below are boxed and concrete.
         let to_api = self.api.is_some() && req.uri().path().starts_with(PREFIX);
+        let mut req = req;
+        if let Some(auth) = &self.auth {
+            let health = matches!(req.uri().path(), "/_fence/livez" | "/_fence/readyz");
+            match auth.authenticate(req.headers()) {
+                Some(identity) => {
+                    req.extensions_mut().insert(Caller(identity));
+                }
+                None if health => {}
+                None => {
+                    let res = Problem::unauthorized().into_response();
+                    return Box::pin(std::future::ready(Ok(with_request_id(res, request_id))));
+                }
+            }
+        }
         let response: BoxResponseFuture = match self.limit(req, !to_api) {
             Err(problem) => Box::pin(std::future::ready(Ok(problem.into_response()))),
             Ok(mut req) => {

@@ -44,6 +44,33 @@ pub struct Config {
     pub limits: LimitsConfig,
     pub proxy: ProxyConfig,
     pub embedded: EmbeddedConfig,
+    pub auth: AuthConfig,
+}
+
+/// Authentication of callers.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// Require `Authorization: Bearer <secret>` on every request but health.
+    pub enabled: bool,
+    /// Allow listening on a non-loopback address with authentication off.
+    pub allow_unauthenticated_non_loopback: bool,
+    /// Known callers.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tokens: Vec<AuthToken>,
+}
+
+/// One caller's credential.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthToken {
+    /// The caller's name: the holder of the leases it acquires.
+    pub name: String,
+    /// SHA-256 of the bearer secret, as 64 hex digits.
+    pub sha256: String,
+    /// May use the clock, metrics and apply-log endpoints, and inspect every lease.
+    #[serde(default)]
+    pub admin: bool,
 }
 
 /// The embedded key-value backend.
@@ -148,6 +175,7 @@ impl Default for Config {
             limits: LimitsConfig::default(),
             proxy: ProxyConfig::default(),
             embedded: EmbeddedConfig::default(),
+            auth: AuthConfig::default(),
         }
     }
 }
@@ -264,7 +292,17 @@ impl Config {
 
     /// Checks every value, so a bad setting stops the start with a message.
     pub fn validate(&self) -> Result<(), String> {
-        self.listen_addr()?;
+        let addr = self.listen_addr()?;
+        crate::auth::Authenticator::from_config(&self.auth)?;
+        if !self.auth.enabled
+            && !addr.ip().is_loopback()
+            && !self.auth.allow_unauthenticated_non_loopback
+        {
+            return Err(format!(
+                "refusing to listen on {addr} without authentication: turn on [auth], or set \
+                 auth.allow_unauthenticated_non_loopback if the network is trusted"
+            ));
+        }
         self.upstream_target()?;
         self.fence.compile_routes()?;
         let l = &self.leases;

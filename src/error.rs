@@ -202,6 +202,18 @@ impl Problem {
         )
     }
 
+    pub fn unauthorized() -> Self {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "send Authorization: Bearer <secret> with a known secret",
+        )
+    }
+
+    pub fn forbidden(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "forbidden", detail)
+    }
+
     pub fn not_found() -> Self {
         Self::new(
             StatusCode::NOT_FOUND,
@@ -296,6 +308,12 @@ impl Problem {
             res.headers_mut()
                 .insert(RETRY_AFTER, HeaderValue::from(secs));
         }
+        if self.0.status == StatusCode::UNAUTHORIZED {
+            res.headers_mut().insert(
+                http::header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"fencegate\""),
+            );
+        }
         res
     }
 }
@@ -324,6 +342,7 @@ fn title(reason: &str) -> &'static str {
         "upstream-error" => "Upstream error",
         "upstream-timeout" => "Upstream timeout",
         "not-found" => "Not found",
+        "forbidden" => "Forbidden",
         "method-not-allowed" => "Method not allowed",
         _ => "Error",
     }

@@ -27,6 +27,7 @@ use http_body::Body as _;
 use pin_project_lite::pin_project;
 use tower::{Layer, Service};
 
+use crate::auth::Caller;
 use crate::body::Body;
 use crate::error::Problem;
 use crate::lease::{is_valid_lease_name, AdmitError, AdmitOptions, LeaseStore, WriteGuard};
@@ -141,6 +142,11 @@ impl FencePolicy {
     /// credential for fencegate only) and records the route's upstream
     /// deadline on the request.
     fn decide(&self, req: &mut Request<Body>) -> Decision {
+        // fencegate's own bearer secret is never forwarded.
+        let caller = req.extensions().get::<Caller>().cloned();
+        if caller.is_some() {
+            req.headers_mut().remove(http::header::AUTHORIZATION);
+        }
         let matched = match self.routes.resolve(req.uri().path()) {
             Ok(matched) => matched,
             Err(bad) => return Decision::Reject(Problem::invalid_request(bad.0)),
@@ -183,6 +189,11 @@ impl FencePolicy {
             Ok((token, _)) => token,
             Err(p) => return Decision::Reject(p.lease(&lease)),
         };
+        if let Some(Caller(identity)) = &caller {
+            if let Err(p) = check_holder(&self.leases, &lease, token, &identity.name) {
+                return Decision::Reject(p);
+            }
+        }
         Decision::Fenced {
             lease,
             token,
@@ -220,6 +231,23 @@ impl FencePolicy {
             max_wait_ms,
             ..self.admit
         }
+    }
+}
+
+/// With authentication on: a caller presenting the current token of `lease`
+/// must be that term's holder. (Other tokens are refused by the token checks
+/// that follow, so the term they name does not matter here.)
+pub fn check_holder(
+    leases: &LeaseStore,
+    lease: &str,
+    token: u64,
+    caller: &str,
+) -> Result<(), Problem> {
+    match leases.holder(lease) {
+        Some((current, holder)) if current == token && holder != caller => {
+            Err(Problem::forbidden("this term of the lease is held by another caller").lease(lease))
+        }
+        _ => Ok(()),
     }
 }
 

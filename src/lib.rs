@@ -15,6 +15,7 @@
 //!   [`framing`] guards each connection's bytes against ambiguous framing.
 //! - [`app`]: composes everything into one service: request ids and limits,
 //!   then the lease API or the fenced data path.
+//! - [`auth`]: bearer-token callers (off by default).
 //! - [`api`]: the lease API under `/_fence/` (acquire, renew, release, inspect).
 //! - [`fence`]: the tower layer that admits or rejects a write; [`route`] maps
 //!   paths to the leases that guard them.
@@ -34,6 +35,7 @@
 
 pub mod api;
 pub mod app;
+pub mod auth;
 pub mod backend;
 pub mod body;
 pub mod cli;

@@ -654,6 +654,12 @@ impl LeaseStore {
         &self.shared.stats
     }
 
+    /// The current term's token and holder of `name`, if it was ever granted.
+    pub fn holder(&self, name: &str) -> Option<(u64, String)> {
+        let slot = self.shared.leases.get(name)?;
+        slot.state.term().map(|t| (t.token, t.holder.clone()))
+    }
+
     /// What inspection shows of `name`; `None` if it was never granted.
     pub fn inspect(&self, name: &str) -> Option<View> {
         let now_ms = self.shared.clock.now_ms();

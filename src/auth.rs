@@ -1,0 +1,151 @@
+//! Bearer-token authentication (off by default).
+//!
+//! The config lists callers by name with the SHA-256 of their secret, never
+//! the secret itself. With authentication on, every request but the health
+//! checks needs `Authorization: Bearer <secret>`; the caller's name is then
+//! the holder of the leases it acquires, and only that caller may renew,
+//! release, inspect or write under them. Admin callers may also use the
+//! clock, metrics and apply-log endpoints and inspect every lease.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use http::header::AUTHORIZATION;
+use http::HeaderMap;
+use sha2::{Digest, Sha256};
+
+use crate::config::AuthConfig;
+
+/// Who is calling.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Identity {
+    pub name: String,
+    pub admin: bool,
+}
+
+/// A request extension: the authenticated caller.
+#[derive(Clone, Debug)]
+pub struct Caller(pub Arc<Identity>);
+
+/// Checks bearer tokens against the configured digests.
+#[derive(Debug)]
+pub struct Authenticator {
+    by_digest: HashMap<[u8; 32], Arc<Identity>>,
+}
+
+fn parse_hex(s: &str) -> Option<[u8; 32]> {
+    if s.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+impl Authenticator {
+    /// The authenticator the config asks for (`None` when auth is off).
+    pub fn from_config(config: &AuthConfig) -> Result<Option<Self>, String> {
+        if !config.enabled {
+            return Ok(None);
+        }
+        if config.tokens.is_empty() {
+            return Err("auth.enabled needs at least one [[auth.tokens]] entry".into());
+        }
+        let mut by_digest = HashMap::new();
+        for t in &config.tokens {
+            if t.name.is_empty() || t.name.len() > 256 || t.name.chars().any(char::is_control) {
+                return Err(format!(
+                    "auth token name {:?} is not a valid holder name",
+                    t.name
+                ));
+            }
+            let digest = parse_hex(&t.sha256.to_ascii_lowercase())
+                .ok_or_else(|| format!("auth token {:?}: sha256 must be 64 hex digits", t.name))?;
+            let identity = Arc::new(Identity {
+                name: t.name.clone(),
+                admin: t.admin,
+            });
+            if by_digest.insert(digest, identity).is_some() {
+                return Err(format!(
+                    "auth token {:?}: the same secret is listed twice",
+                    t.name
+                ));
+            }
+        }
+        Ok(Some(Self { by_digest }))
+    }
+
+    /// The caller presenting `headers`, if its bearer token is known.
+    pub fn authenticate(&self, headers: &HeaderMap) -> Option<Arc<Identity>> {
+        let value = headers.get(AUTHORIZATION)?.to_str().ok()?;
+        let (scheme, secret) = value.split_once(' ')?;
+        if !scheme.eq_ignore_ascii_case("bearer") || secret.is_empty() {
+            return None;
+        }
+        // Lookup by digest: the secret itself is never stored or compared.
+        let digest: [u8; 32] = Sha256::digest(secret.trim().as_bytes()).into();
+        self.by_digest.get(&digest).cloned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::AuthToken;
+
+    fn sha(s: &str) -> String {
+        Sha256::digest(s.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    #[test]
+    fn bearer_tokens_map_to_identities() {
+        let config = AuthConfig {
+            enabled: true,
+            tokens: vec![AuthToken {
+                name: "w1".into(),
+                sha256: sha("s3cret"),
+                admin: false,
+            }],
+            ..AuthConfig::default()
+        };
+        let auth = Authenticator::from_config(&config).unwrap().unwrap();
+        let with = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(AUTHORIZATION, v.parse().unwrap());
+            auth.authenticate(&h)
+        };
+        assert_eq!(with("Bearer s3cret").unwrap().name, "w1");
+        assert_eq!(with("bearer s3cret").unwrap().name, "w1");
+        assert!(with("Bearer wrong").is_none());
+        assert!(with("Basic s3cret").is_none());
+        assert!(with("Bearer ").is_none());
+        assert!(auth.authenticate(&HeaderMap::new()).is_none());
+    }
+
+    #[test]
+    fn bad_auth_config_is_refused() {
+        let token = |sha256: &str| AuthToken {
+            name: "w".into(),
+            sha256: sha256.into(),
+            admin: false,
+        };
+        let cfg = |tokens| AuthConfig {
+            enabled: true,
+            tokens,
+            ..AuthConfig::default()
+        };
+        assert!(Authenticator::from_config(&cfg(vec![])).is_err());
+        assert!(Authenticator::from_config(&cfg(vec![token("abc")])).is_err());
+        assert!(
+            Authenticator::from_config(&cfg(vec![token(&sha("a")), token(&sha("a"))])).is_err()
+        );
+        assert!(Authenticator::from_config(&AuthConfig::default())
+            .unwrap()
+            .is_none());
+    }
+}
