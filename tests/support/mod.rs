@@ -304,20 +304,26 @@ impl HttpClient {
         self.try_send(req).await.unwrap()
     }
 
-    /// Sends `req`; an error if the connection failed or broke.
+    /// Sends `req`; an error if the connection failed or broke, or if no
+    /// answer came within 20 s (so a bug fails a test instead of hanging it).
     pub async fn try_send(&self, req: Req) -> Result<Resp, String> {
-        let res = self
-            .client
-            .request(req.build(&self.base))
+        let exchange = async {
+            let res = self
+                .client
+                .request(req.build(&self.base))
+                .await
+                .map_err(|e| e.to_string())?;
+            let (parts, body) = res.into_parts();
+            let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+            Ok(Resp {
+                status: parts.status,
+                headers: parts.headers,
+                body,
+            })
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(20), exchange)
             .await
-            .map_err(|e| e.to_string())?;
-        let (parts, body) = res.into_parts();
-        let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
-        Ok(Resp {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        })
+            .map_err(|_| "no answer within 20 s".to_owned())?
     }
 }
 
