@@ -7,7 +7,7 @@ mod support;
 use std::process::Command;
 
 use serde_json::json;
-use support::proc::{Proc, TempDir};
+use support::proc::{serve_args, Proc, TempDir};
 use support::{held_from, HttpClient, Req};
 
 #[tokio::test]
@@ -15,15 +15,7 @@ async fn no_lease_id_in_any_log_line_and_sigterm_exits_cleanly() {
     let dir = TempDir::new("binary");
     let data = dir.path().join("data");
     let log = dir.path().join("stderr.log");
-    let args = [
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--clock",
-        "manual",
-        "--data-dir",
-        data.to_str().unwrap(),
-    ];
+    let args = serve_args(&data, true);
     let mut p = Proc::start(&args, &log, &[("FENCEGATE_LOG", "trace")]);
     let c = HttpClient::new(&p.url);
     let acquire = |holder: &str| {
@@ -108,15 +100,7 @@ async fn json_logs_are_one_object_per_line_with_audit_records() {
     let dir = TempDir::new("json-logs");
     let data = dir.path().join("data");
     let log = dir.path().join("stderr.log");
-    let args = [
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--clock",
-        "manual",
-        "--data-dir",
-        data.to_str().unwrap(),
-    ];
+    let args = serve_args(&data, true);
     let mut p = Proc::start(
         &args,
         &log,

@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::json;
-use support::proc::{Proc, TempDir};
+use support::proc::{serve_args, Proc, TempDir};
 use support::{HttpClient, Req};
 
 fn fencegate(server: &str) -> Command {
@@ -23,15 +23,7 @@ fn fencegate(server: &str) -> Command {
 fn serve_manual(dir: &TempDir) -> Proc {
     let data = dir.path().join("data");
     Proc::start(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--clock",
-            "manual",
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
+        &serve_args(&data, true),
         &dir.path().join("fencegate.log"),
         &[],
     )
@@ -260,13 +252,7 @@ async fn run_stops_the_command_before_the_deadline_when_the_server_goes_silent()
     let dir = TempDir::new("run-silent");
     let data = dir.path().join("data");
     let p = Proc::start(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
+        &serve_args(&data, false),
         &dir.path().join("fencegate.log"),
         &[],
     );

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::json;
-use support::proc::{Proc, TempDir};
+use support::proc::{serve_args, Proc, TempDir};
 use support::{held_from, Held, HttpClient, Req, SplitMix};
 
 const LEASES: usize = 8;
@@ -114,15 +114,7 @@ async fn tokens_survive_sigkill_during_a_storm_100_times() {
     let dir = TempDir::new("storm");
     let data = dir.path().join("data");
     let log = dir.path().join("fencegate.log");
-    let args = [
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--clock",
-        "manual",
-        "--data-dir",
-        data.to_str().unwrap(),
-    ];
+    let args = serve_args(&data, true);
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let mut rng = SplitMix::new(7);
     let mut held_after_restart = 0;
@@ -226,15 +218,7 @@ async fn a_live_term_is_held_for_a_full_ttl_after_restart() {
     let dir = TempDir::new("restart");
     let data = dir.path().join("data");
     let log = dir.path().join("fencegate.log");
-    let args = [
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--clock",
-        "manual",
-        "--data-dir",
-        data.to_str().unwrap(),
-    ];
+    let args = serve_args(&data, true);
     let advance = |ms: u64| Req::new("POST", "/_fence/clock").json(json!({"advance_ms": ms}));
 
     let p = Proc::start(&args, &log, &[]);
@@ -312,15 +296,7 @@ async fn a_torn_tail_is_cut_and_acknowledged_grants_survive() {
     let dir = TempDir::new("torn");
     let data = dir.path().join("data");
     let log = dir.path().join("fencegate.log");
-    let args = [
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--clock",
-        "manual",
-        "--data-dir",
-        data.to_str().unwrap(),
-    ];
+    let args = serve_args(&data, true);
     let p = Proc::start(&args, &log, &[]);
     let c = HttpClient::new(&p.url);
     let mut tokens = Vec::new();
@@ -379,15 +355,7 @@ async fn a_corrupt_record_inside_the_journal_stops_the_start() {
     let dir = TempDir::new("corrupt");
     let data = dir.path().join("data");
     let log = dir.path().join("fencegate.log");
-    let args = [
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--clock",
-        "manual",
-        "--data-dir",
-        data.to_str().unwrap(),
-    ];
+    let args = serve_args(&data, true);
     let p = Proc::start(&args, &log, &[]);
     let c = HttpClient::new(&p.url);
     for i in 0..5 {
@@ -543,19 +511,7 @@ async fn the_real_binary_on_a_full_disk_fails_closed_and_recovers() {
 
     let data = mnt.join("data");
     let log = dir.path().join("fencegate.log");
-    let p = Proc::start(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--clock",
-            "manual",
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
-        &log,
-        &[],
-    );
+    let p = Proc::start(&serve_args(&data, true), &log, &[]);
     let c = HttpClient::new(&p.url);
     let a = held_from(&c.send(acquire("a", "A", 5000)).await);
     // Fill the disk.
@@ -603,19 +559,7 @@ async fn the_real_binary_on_a_full_disk_fails_closed_and_recovers() {
     assert_eq!(r.status, 201, "{}", r.text());
     p.kill9();
     // Everything acknowledged is on the disk, the refused grant is not.
-    let p = Proc::start(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--clock",
-            "manual",
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
-        &log,
-        &[],
-    );
+    let p = Proc::start(&serve_args(&data, true), &log, &[]);
     let c = HttpClient::new(&p.url);
     let v = c.send(Req::new("GET", "/_fence/leases")).await.json();
     let names: Vec<&str> = v["leases"]

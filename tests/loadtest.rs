@@ -6,7 +6,7 @@ mod support;
 
 use std::process::Command;
 
-use support::proc::{Proc, TempDir};
+use support::proc::{serve_args, Proc, TempDir};
 
 fn loadtest(args: &[&str], json: &std::path::Path) -> (i32, serde_json::Value, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_fencegate"))
@@ -101,13 +101,7 @@ fn a_run_that_never_exercised_the_fault_does_not_pass() {
     let data = dir.path().join("data");
     // The embedded backend records when told to by config.
     let proxy = Proc::start(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
+        &serve_args(&data, false),
         &log,
         &[("FENCEGATE_EMBEDDED__RECORD", "true")],
     );

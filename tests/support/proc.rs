@@ -30,6 +30,20 @@ impl Drop for TempDir {
     }
 }
 
+/// The arguments of `fencegate serve` on a free loopback port with `data` as
+/// its data directory (and the manual clock if `manual`).
+pub fn serve_args(data: &Path, manual: bool) -> Vec<String> {
+    let mut args: Vec<String> = ["serve", "--listen", "127.0.0.1:0", "--data-dir"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.push(data.to_string_lossy().into_owned());
+    if manual {
+        args.extend(["--clock".to_string(), "manual".to_string()]);
+    }
+    args
+}
+
 /// A running `fencegate` process.
 pub struct Proc {
     pub child: Child,
@@ -40,7 +54,7 @@ pub struct Proc {
 impl Proc {
     /// Starts `fencegate ARGS…` with stderr to `log` and waits for the
     /// announced address. Panics with the log if it does not start.
-    pub fn start(args: &[&str], log: &Path, env: &[(&str, &str)]) -> Self {
+    pub fn start<S: AsRef<std::ffi::OsStr>>(args: &[S], log: &Path, env: &[(&str, &str)]) -> Self {
         match Self::try_start(args, log, env) {
             Ok(p) => p,
             Err(msg) => panic!("{msg}"),
@@ -48,7 +62,11 @@ impl Proc {
     }
 
     /// Like [`Proc::start`], but returns the exit status and log on failure.
-    pub fn try_start(args: &[&str], log: &Path, env: &[(&str, &str)]) -> Result<Self, String> {
+    pub fn try_start<S: AsRef<std::ffi::OsStr>>(
+        args: &[S],
+        log: &Path,
+        env: &[(&str, &str)],
+    ) -> Result<Self, String> {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_fencegate"));
         cmd.args(args)
             .stdin(Stdio::null())
