@@ -137,6 +137,7 @@ pub struct LeasesConfig {
     pub min_ttl_ms: u64,
     pub max_ttl_ms: u64,
     pub max_wait_ms: u64,
+    pub max_leases: usize,
 }
 
 /// Request and connection limits.
@@ -206,6 +207,7 @@ impl Default for LeasesConfig {
             min_ttl_ms: l.min_ttl_ms,
             max_ttl_ms: l.max_ttl_ms,
             max_wait_ms: l.max_wait_ms,
+            max_leases: l.max_leases,
         }
     }
 }
@@ -362,6 +364,7 @@ impl Config {
             min_ttl_ms: self.leases.min_ttl_ms,
             max_ttl_ms: self.leases.max_ttl_ms,
             max_wait_ms: self.leases.max_wait_ms,
+            max_leases: self.leases.max_leases,
         }
     }
 

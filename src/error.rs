@@ -281,6 +281,12 @@ impl Problem {
             } => Self::invalid_ttl(min_ttl_ms, max_ttl_ms),
             AcquireError::Invalid(detail) => Self::invalid_request(detail),
             AcquireError::Unavailable(detail) => Self::store_unavailable(detail).lease(lease),
+            AcquireError::TooManyLeases { max_leases } => Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too-many-leases",
+                format!("the store already holds its maximum of {max_leases} leases"),
+            )
+            .lease(lease),
         }
     }
 
@@ -343,6 +349,7 @@ fn title(reason: &str) -> &'static str {
         "upstream-timeout" => "Upstream timeout",
         "not-found" => "Not found",
         "forbidden" => "Forbidden",
+        "too-many-leases" => "Too many leases",
         "method-not-allowed" => "Method not allowed",
         _ => "Error",
     }

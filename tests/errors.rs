@@ -584,3 +584,22 @@ async fn fixed_lease_routes_and_fenced_reads() {
         (412, "lease-expired")
     );
 }
+
+#[tokio::test]
+async fn a_full_lease_store_is_429_for_new_names() {
+    let mut config = Config {
+        clock: ClockKind::Manual,
+        ..Config::default()
+    };
+    config.leases.max_leases = 1;
+    let h = Harness::with_config(config);
+    h.acquire("a", "A", 1000).await;
+    let r = h
+        .send(Req::new("POST", "/_fence/leases/b").json(json!({"holder": "B", "ttl_ms": 1000})))
+        .await;
+    assert_eq!(
+        (r.status.as_u16(), r.reason().as_str()),
+        (429, "too-many-leases")
+    );
+    assert!(h.leases.inspect("b").is_none());
+}

@@ -30,6 +30,9 @@ pub struct LeaseLimits {
     pub max_ttl_ms: u64,
     /// Longest `wait_ms` accepted on acquire, inclusive.
     pub max_wait_ms: u64,
+    /// Most distinct lease names the store keeps (concurrent first acquires
+    /// may overshoot by a few).
+    pub max_leases: usize,
 }
 
 impl Default for LeaseLimits {
@@ -38,6 +41,7 @@ impl Default for LeaseLimits {
             min_ttl_ms: 100,
             max_ttl_ms: 3_600_000,
             max_wait_ms: 60_000,
+            max_leases: 1_000_000,
         }
     }
 }
@@ -66,6 +70,8 @@ pub enum AcquireError {
     Invalid(String),
     /// The grant could not be made durable, or no token is left to issue.
     Unavailable(String),
+    /// A new lease name, but the store already holds `max_leases` leases.
+    TooManyLeases { max_leases: usize },
 }
 
 /// Why a renew failed.
@@ -369,6 +375,10 @@ impl LeaseStore {
                 "wait_ms must be at most {}",
                 self.shared.limits.max_wait_ms
             )));
+        }
+        let max_leases = self.shared.limits.max_leases;
+        if self.shared.leases.len() >= max_leases && !self.shared.leases.contains_key(name) {
+            return Err(AcquireError::TooManyLeases { max_leases });
         }
         let clock = &self.shared.clock;
         let wait_until_ms = clock.now_ms().saturating_add(wait_ms);
@@ -767,6 +777,27 @@ mod tests {
         let a = leases.acquire("l", "A", 1000, 0).await.unwrap();
         // The abandoned token 1 is never reused.
         assert_eq!(a.token, 2);
+    }
+
+    #[tokio::test]
+    async fn the_number_of_leases_is_bounded() {
+        let clock = Clock::manual(0);
+        let limits = LeaseLimits {
+            max_leases: 2,
+            ..LeaseLimits::default()
+        };
+        let leases = LeaseStore::new(clock, limits, Arc::new(MemoryJournal::default()));
+        leases.acquire("a", "A", 1000, 0).await.unwrap();
+        let b = leases.acquire("b", "A", 1000, 0).await.unwrap();
+        assert!(matches!(
+            leases.acquire("c", "A", 1000, 0).await,
+            Err(AcquireError::TooManyLeases { max_leases: 2 })
+        ));
+        // Known names keep working.
+        leases
+            .release("b", b.token, Some(b.lease_id.expose().as_bytes()))
+            .unwrap();
+        assert_eq!(leases.acquire("b", "B", 1000, 0).await.unwrap().token, 2);
     }
 
     #[tokio::test]
