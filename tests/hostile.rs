@@ -94,3 +94,42 @@ async fn hostile_requests_are_refused_and_never_reach_the_storage() {
     assert_eq!(h.store.get("/kv/o/x").unwrap(), "ok");
     server.stop().await;
 }
+
+/// A client that sends its request head too slowly (slow-loris) is cut off
+/// at `limits.header_read_timeout_ms`. (Real time here is the server's own
+/// timer, not a lease.)
+#[tokio::test]
+async fn a_slow_request_head_is_cut_off() {
+    use fencegate::server::{self, ServerOptions};
+    let h = Harness::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let options = ServerOptions {
+        header_read_timeout_ms: 300,
+        ..ServerOptions::default()
+    };
+    let task = tokio::spawn(server::run(listener, h.app.clone(), options, async {
+        let _ = stopped.await;
+    }));
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"PUT /kv/o/x HTTP/1.1\r\nHost: a\r\nX-Slow: ")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 256];
+    // Ten times the configured timeout: without it the connection would stay
+    // open for the default 10 s and this would fail.
+    let closed = tokio::time::timeout(Duration::from_secs(3), async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {} // a 408 answer, if any, then the close
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the slow connection was not closed");
+    assert!(h.store.is_empty());
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+}
