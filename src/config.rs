@@ -138,6 +138,7 @@ pub struct LeasesConfig {
     pub max_ttl_ms: u64,
     pub max_wait_ms: u64,
     pub max_leases: usize,
+    pub acquire_rate_per_holder: u32,
 }
 
 /// Request and connection limits.
@@ -208,6 +209,7 @@ impl Default for LeasesConfig {
             max_ttl_ms: l.max_ttl_ms,
             max_wait_ms: l.max_wait_ms,
             max_leases: l.max_leases,
+            acquire_rate_per_holder: l.acquire_rate_per_holder,
         }
     }
 }
@@ -365,6 +367,7 @@ impl Config {
             max_ttl_ms: self.leases.max_ttl_ms,
             max_wait_ms: self.leases.max_wait_ms,
             max_leases: self.leases.max_leases,
+            acquire_rate_per_holder: self.leases.acquire_rate_per_holder,
         }
     }
 

@@ -281,6 +281,16 @@ impl Problem {
             } => Self::invalid_ttl(min_ttl_ms, max_ttl_ms),
             AcquireError::Invalid(detail) => Self::invalid_request(detail),
             AcquireError::Unavailable(detail) => Self::store_unavailable(detail).lease(lease),
+            AcquireError::RateLimited { retry_after_ms } => {
+                let mut p = Self::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate-limited",
+                    "this holder is acquiring faster than the configured rate",
+                )
+                .lease(lease);
+                p.0.retry_after_s = Some(retry_after_ms.div_ceil(1000));
+                p
+            }
             AcquireError::TooManyLeases { max_leases } => Self::new(
                 StatusCode::TOO_MANY_REQUESTS,
                 "too-many-leases",
@@ -350,6 +360,7 @@ fn title(reason: &str) -> &'static str {
         "not-found" => "Not found",
         "forbidden" => "Forbidden",
         "too-many-leases" => "Too many leases",
+        "rate-limited" => "Rate limited",
         "method-not-allowed" => "Method not allowed",
         _ => "Error",
     }

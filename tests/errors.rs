@@ -603,3 +603,24 @@ async fn a_full_lease_store_is_429_for_new_names() {
     );
     assert!(h.leases.inspect("b").is_none());
 }
+
+#[tokio::test]
+async fn a_holder_over_its_acquire_rate_is_429_with_retry_after() {
+    let mut config = Config {
+        clock: ClockKind::Manual,
+        ..Config::default()
+    };
+    config.leases.acquire_rate_per_holder = 1;
+    let h = Harness::with_config(config);
+    h.acquire("a", "A", 1000).await;
+    let r = h
+        .send(Req::new("POST", "/_fence/leases/b").json(json!({"holder": "A", "ttl_ms": 1000})))
+        .await;
+    assert_eq!(
+        (r.status.as_u16(), r.reason().as_str()),
+        (429, "rate-limited")
+    );
+    assert_eq!(r.headers["retry-after"], "1");
+    h.advance(1000);
+    h.acquire("b", "A", 1000).await;
+}

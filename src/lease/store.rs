@@ -33,6 +33,9 @@ pub struct LeaseLimits {
     /// Most distinct lease names the store keeps (concurrent first acquires
     /// may overshoot by a few).
     pub max_leases: usize,
+    /// Acquire attempts per second per holder (a token bucket with a burst of
+    /// one second's worth); 0 for no limit.
+    pub acquire_rate_per_holder: u32,
 }
 
 impl Default for LeaseLimits {
@@ -42,6 +45,7 @@ impl Default for LeaseLimits {
             max_ttl_ms: 3_600_000,
             max_wait_ms: 60_000,
             max_leases: 1_000_000,
+            acquire_rate_per_holder: 1000,
         }
     }
 }
@@ -72,7 +76,20 @@ pub enum AcquireError {
     Unavailable(String),
     /// A new lease name, but the store already holds `max_leases` leases.
     TooManyLeases { max_leases: usize },
+    /// The holder is over its acquire rate; try again after this long.
+    RateLimited { retry_after_ms: u64 },
 }
+
+/// A token bucket of acquire attempts, in thousandths of an attempt.
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    milli_tokens: u64,
+    at_ms: u64,
+}
+
+/// Most holders whose buckets are remembered; past it they all start full
+/// again (a bound on memory, at the price of a burst).
+const MAX_BUCKETS: usize = 100_000;
 
 /// Why a renew failed.
 #[derive(Debug)]
@@ -119,6 +136,8 @@ struct Shared {
     limits: LeaseLimits,
     journal: Arc<dyn Journal>,
     stats: HandoverStats,
+    /// Acquire rate buckets by holder.
+    buckets: DashMap<String, Bucket>,
 }
 
 /// Counters of the handover barrier, for metrics.
@@ -272,6 +291,7 @@ impl LeaseStore {
                 limits,
                 journal,
                 stats: HandoverStats::default(),
+                buckets: DashMap::new(),
             }),
         }
     }
@@ -376,6 +396,7 @@ impl LeaseStore {
                 self.shared.limits.max_wait_ms
             )));
         }
+        self.take_acquire_token(holder)?;
         let max_leases = self.shared.limits.max_leases;
         if self.shared.leases.len() >= max_leases && !self.shared.leases.contains_key(name) {
             return Err(AcquireError::TooManyLeases { max_leases });
@@ -455,6 +476,40 @@ impl LeaseStore {
                     }
                 }
             }
+        }
+    }
+
+    /// Spends one acquire attempt of `holder`'s bucket.
+    fn take_acquire_token(&self, holder: &str) -> Result<(), AcquireError> {
+        let rate = u64::from(self.shared.limits.acquire_rate_per_holder);
+        if rate == 0 {
+            return Ok(());
+        }
+        let now_ms = self.shared.clock.now_ms();
+        let full = rate * 1000;
+        if self.shared.buckets.len() >= MAX_BUCKETS && !self.shared.buckets.contains_key(holder) {
+            self.shared.buckets.clear();
+        }
+        let mut bucket = self
+            .shared
+            .buckets
+            .entry(holder.to_owned())
+            .or_insert(Bucket {
+                milli_tokens: full,
+                at_ms: now_ms,
+            });
+        // `rate` attempts per 1000 ms is `rate` milli-attempts per ms.
+        let refill = now_ms.saturating_sub(bucket.at_ms).saturating_mul(rate);
+        bucket.milli_tokens = bucket.milli_tokens.saturating_add(refill).min(full);
+        bucket.at_ms = now_ms;
+        if bucket.milli_tokens >= 1000 {
+            bucket.milli_tokens -= 1000;
+            Ok(())
+        } else {
+            let missing = 1000 - bucket.milli_tokens;
+            Err(AcquireError::RateLimited {
+                retry_after_ms: missing.div_ceil(rate),
+            })
         }
     }
 
@@ -798,6 +853,28 @@ mod tests {
             .release("b", b.token, Some(b.lease_id.expose().as_bytes()))
             .unwrap();
         assert_eq!(leases.acquire("b", "B", 1000, 0).await.unwrap().token, 2);
+    }
+
+    #[tokio::test]
+    async fn acquires_are_rate_limited_per_holder() {
+        let clock = Clock::manual(0);
+        let limits = LeaseLimits {
+            acquire_rate_per_holder: 2,
+            ..LeaseLimits::default()
+        };
+        let leases = LeaseStore::new(clock.clone(), limits, Arc::new(MemoryJournal::default()));
+        leases.acquire("a", "A", 1000, 0).await.unwrap();
+        leases.acquire("b", "A", 1000, 0).await.unwrap();
+        match leases.acquire("c", "A", 1000, 0).await {
+            Err(AcquireError::RateLimited { retry_after_ms }) => assert_eq!(retry_after_ms, 500),
+            other => panic!("{other:?}"),
+        }
+        // Another holder has its own bucket; time refills A's.
+        leases.acquire("c", "B", 1000, 0).await.unwrap();
+        clock.advance(499);
+        assert!(leases.acquire("d", "A", 1000, 0).await.is_err());
+        clock.advance(1);
+        leases.acquire("d", "A", 1000, 0).await.unwrap();
     }
 
     #[tokio::test]

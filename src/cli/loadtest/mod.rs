@@ -255,8 +255,10 @@ async fn writer(index: u32, shared: Arc<Shared>, seed: u64) -> Result<(), String
         };
         match answer.status {
             StatusCode::CREATED => {}
-            // Held past the wait, or the store is briefly unavailable.
-            StatusCode::CONFLICT | StatusCode::SERVICE_UNAVAILABLE => {
+            // Held past the wait, the store briefly unavailable, or rate-limited.
+            StatusCode::CONFLICT
+            | StatusCode::SERVICE_UNAVAILABLE
+            | StatusCode::TOO_MANY_REQUESTS => {
                 tokio::time::sleep(Duration::from_millis(5)).await;
                 continue;
             }
