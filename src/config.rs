@@ -18,6 +18,7 @@ use crate::backend::UpstreamOptions;
 use crate::clock::ClockKind;
 use crate::lease::{AdmitOptions, LeaseLimits};
 use crate::route::{Route, Routes};
+use crate::server::ServerOptions;
 
 /// Environment variables with the `FENCEGATE_` prefix that are not config keys.
 const NON_CONFIG_ENV: [&str; 4] = [
@@ -216,12 +217,13 @@ impl Default for LeasesConfig {
 
 impl Default for LimitsConfig {
     fn default() -> Self {
+        let server = ServerOptions::default();
         Self {
             max_body_bytes: 1024 * 1024,
-            max_header_bytes: 16 * 1024,
-            max_connections: 10_000,
-            header_read_timeout_ms: 10_000,
-            shutdown_grace_ms: 10_000,
+            max_header_bytes: server.max_header_bytes,
+            max_connections: server.max_connections,
+            header_read_timeout_ms: server.header_read_timeout_ms,
+            shutdown_grace_ms: server.shutdown_grace_ms,
         }
     }
 }

@@ -73,7 +73,7 @@ impl Collector for StoreCollector {
             "Leases with a live term.",
             ConstGauge::new(held),
         )?;
-        let inflight = i64::try_from(h.inflight.load(Relaxed)).unwrap_or(i64::MAX);
+        let inflight = i64::try_from(self.leases.inflight_count()).unwrap_or(i64::MAX);
         encode_const(
             &mut encoder,
             "fencegate_writes_in_flight",

@@ -143,8 +143,6 @@ struct Shared {
 /// Counters of the handover barrier, for metrics.
 #[derive(Debug, Default)]
 pub struct HandoverStats {
-    /// Writes in flight now, all leases together.
-    pub inflight: AtomicU64,
     /// Writes that waited for an earlier term's writes to finish.
     pub barrier_waits: AtomicU64,
     /// Milliseconds spent waiting, all waits together.
@@ -616,7 +614,6 @@ impl LeaseStore {
         }
         inflight.add(token);
         drop(inflight);
-        self.shared.stats.inflight.fetch_add(1, Ordering::Relaxed);
         Ok(Ok(WriteGuard {
             store: self.clone(),
             cell: slot.cell.clone(),
@@ -708,7 +705,6 @@ impl LeaseStore {
     /// Counts one write of `token` finished; wakes waiters if it was the last
     /// of its term.
     fn write_finished(&self, cell: &LeaseCell, token: u64) {
-        self.shared.stats.inflight.fetch_sub(1, Ordering::Relaxed);
         if cell.inflight().remove(token) {
             cell.changed.notify_waiters();
         }
@@ -742,6 +738,16 @@ impl LeaseStore {
             .collect();
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out
+    }
+
+    /// Writes in flight now, all leases together. Summed at scrape time so
+    /// the write path keeps no shared counter.
+    pub fn inflight_count(&self) -> u64 {
+        self.shared
+            .leases
+            .iter()
+            .map(|e| e.value().cell.inflight().len())
+            .sum()
     }
 
     /// How many leases have a live term now.
