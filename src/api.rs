@@ -45,6 +45,19 @@ pub struct Api {
     /// The embedded backend, when it records an apply log to serve.
     history: Option<EmbeddedStore>,
     metrics: Metrics,
+    surface: Surface,
+}
+
+/// Which endpoints a listener serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Surface {
+    /// Everything: the single-listener set-up.
+    All,
+    /// The main listener when an admin listener exists: leases and health,
+    /// but not metrics, clock or the apply log.
+    Data,
+    /// The admin listener: health, metrics, clock and the apply log only.
+    Admin,
 }
 
 #[derive(Deserialize)]
@@ -154,6 +167,15 @@ fn grant_response(name: &str, granted: &Acquired, acquire: bool) -> Response<Bod
     res
 }
 
+/// The answer of the admin listener outside its endpoints.
+pub fn admin_listener_only() -> Problem {
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        "not-found",
+        "the admin listener serves only health, metrics, clock and the apply log",
+    )
+}
+
 impl Api {
     pub fn new(
         leases: LeaseStore,
@@ -167,7 +189,14 @@ impl Api {
             draining,
             history: None,
             metrics,
+            surface: Surface::All,
         }
+    }
+
+    /// The same API restricted to the endpoints of one listener.
+    pub fn with_surface(mut self, surface: Surface) -> Self {
+        self.surface = surface;
+        self
     }
 
     /// Counts a lease operation by its result.
@@ -199,10 +228,20 @@ impl Api {
         let segments: Vec<&str> = segments.iter().map(|s| s.as_ref()).collect();
         let method = req.method().clone();
         let who = caller(&req).cloned();
-        let admin_only = matches!(
-            segments.get(1).map(|s| s.as_ref()),
-            Some("clock" | "metrics" | "backend")
-        );
+        let endpoint = segments.get(1).copied();
+        let admin_only = matches!(endpoint, Some("clock" | "metrics" | "backend"));
+        let health = matches!(endpoint, Some("livez" | "readyz"));
+        match self.surface {
+            Surface::Data if admin_only => {
+                return Err(Problem::new(
+                    StatusCode::NOT_FOUND,
+                    "not-found",
+                    "this endpoint is served on the admin listener",
+                ))
+            }
+            Surface::Admin if !admin_only && !health => return Err(admin_listener_only()),
+            _ => {}
+        }
         if admin_only && who.as_ref().is_some_and(|c| !c.admin) {
             return Err(Problem::forbidden(
                 "this endpoint needs an admin credential",

@@ -26,7 +26,7 @@ use http_body_util::Limited;
 use tower::{Layer, Service};
 use tracing::Instrument;
 
-use crate::api::{Api, PREFIX};
+use crate::api::{admin_listener_only, Api, Surface, PREFIX};
 use crate::auth::{Authenticator, Caller};
 use crate::backend::Backend;
 use crate::body::{self, Body, BoxError};
@@ -230,6 +230,41 @@ impl<S> App<S> {
     pub fn with_auth(mut self, auth: Option<Authenticator>) -> Self {
         self.auth = auth.map(Arc::new);
         self
+    }
+
+    /// Splits off the app of a separate admin listener (health, metrics,
+    /// clock, apply log); this app stops serving those but health.
+    pub fn split_admin(&mut self) -> AdminApp {
+        let api = self.api.take();
+        self.api = api.clone().map(|a| a.with_surface(Surface::Data));
+        App {
+            api: api.map(|a| a.with_surface(Surface::Admin)),
+            data: NoData,
+            limits: self.limits,
+            ids: self.ids.clone(),
+            auth: self.auth.clone(),
+        }
+    }
+}
+
+/// The admin listener's app.
+pub type AdminApp = App<NoData>;
+
+/// The data path of the admin listener: nothing is proxied there.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoData;
+
+impl Service<Request<Body>> for NoData {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Response<Body>, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Request<Body>) -> Self::Future {
+        std::future::ready(Ok(admin_listener_only().into_response()))
     }
 }
 

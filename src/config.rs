@@ -46,6 +46,40 @@ pub struct Config {
     pub proxy: ProxyConfig,
     pub embedded: EmbeddedConfig,
     pub auth: AuthConfig,
+    pub tls: TlsConfig,
+    pub admin: AdminConfig,
+}
+
+/// TLS on the main listener (off while both paths are empty).
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsConfig {
+    /// PEM certificate chain, leaf first.
+    pub cert_file: String,
+    /// PEM private key of the leaf certificate.
+    pub key_file: String,
+}
+
+impl TlsConfig {
+    /// The certificate and key paths when TLS is on.
+    pub fn files(&self) -> Result<Option<(PathBuf, PathBuf)>, String> {
+        match (self.cert_file.is_empty(), self.key_file.is_empty()) {
+            (true, true) => Ok(None),
+            (false, false) => Ok(Some((
+                PathBuf::from(&self.cert_file),
+                PathBuf::from(&self.key_file),
+            ))),
+            _ => Err("tls: set both cert_file and key_file, or neither".into()),
+        }
+    }
+}
+
+/// A separate listener for health, metrics and the clock.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// Its address; empty for none (everything on the main listener).
+    pub listen: String,
 }
 
 /// Authentication of callers.
@@ -179,6 +213,8 @@ impl Default for Config {
             proxy: ProxyConfig::default(),
             embedded: EmbeddedConfig::default(),
             auth: AuthConfig::default(),
+            tls: TlsConfig::default(),
+            admin: AdminConfig::default(),
         }
     }
 }
@@ -300,15 +336,24 @@ impl Config {
     pub fn validate(&self) -> Result<(), String> {
         let addr = self.listen_addr()?;
         crate::auth::Authenticator::from_config(&self.auth)?;
-        if !self.auth.enabled
-            && !addr.ip().is_loopback()
-            && !self.auth.allow_unauthenticated_non_loopback
-        {
+        let admin = self.admin_addr()?;
+        for addr in std::iter::once(addr).chain(admin) {
+            if !self.auth.enabled
+                && !addr.ip().is_loopback()
+                && !self.auth.allow_unauthenticated_non_loopback
+            {
+                return Err(format!(
+                    "refusing to listen on {addr} without authentication: turn on [auth], or \
+                     set auth.allow_unauthenticated_non_loopback if the network is trusted"
+                ));
+            }
+        }
+        if admin.is_some_and(|a| a == addr && addr.port() != 0) {
             return Err(format!(
-                "refusing to listen on {addr} without authentication: turn on [auth], or set \
-                 auth.allow_unauthenticated_non_loopback if the network is trusted"
+                "admin.listen: {addr} is the main listener's address too"
             ));
         }
+        self.tls.files()?;
         self.upstream_target()?;
         self.fence.compile_routes()?;
         let l = &self.leases;
@@ -340,6 +385,19 @@ impl Config {
             format!(
                 "listen: {:?} is not an address like 127.0.0.1:8080",
                 self.listen
+            )
+        })
+    }
+
+    /// The admin listener's address, if there is one.
+    pub fn admin_addr(&self) -> Result<Option<SocketAddr>, String> {
+        if self.admin.listen.is_empty() {
+            return Ok(None);
+        }
+        self.admin.listen.parse().map(Some).map_err(|_| {
+            format!(
+                "admin.listen: {:?} is not an address like 127.0.0.1:9090",
+                self.admin.listen
             )
         })
     }

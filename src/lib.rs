@@ -50,3 +50,4 @@ pub mod lease;
 pub mod metrics;
 pub mod route;
 pub mod server;
+pub mod tls;

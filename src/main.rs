@@ -20,6 +20,7 @@ use fencegate::config::{Config, Overrides, UpstreamTarget};
 use fencegate::journal::{FileJournal, FileJournalOptions};
 use fencegate::lease::LeaseStore;
 use fencegate::server::{self, ServerOptions};
+use fencegate::tls::Certificates;
 
 #[derive(Parser)]
 #[command(
@@ -108,13 +109,41 @@ async fn shutdown_signal() {
     }
 }
 
-/// Announces the bound address on stdout, so scripts using port 0 can find it.
-fn announce(what: &str, listener: &TcpListener) -> std::io::Result<()> {
-    let addr = listener.local_addr()?;
+/// Announces the bound addresses on stdout, so scripts using port 0 can find
+/// them: one line per listener, main first, in a single write.
+fn announce(lines: &[(&str, &str, &TcpListener)]) -> std::io::Result<()> {
+    let mut text = String::new();
+    for (what, scheme, listener) in lines {
+        let addr = listener.local_addr()?;
+        text.push_str(&format!("{what} listening on {scheme}://{addr}\n"));
+    }
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{what} listening on http://{addr}")?;
+    out.write_all(text.as_bytes())?;
     out.flush()
 }
+
+/// Reloads the TLS certificate and key on every SIGHUP.
+#[cfg(unix)]
+fn reload_on_sighup(certs: Arc<Certificates>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::warn!("cannot watch SIGHUP; TLS certificates reload only on restart");
+        return;
+    };
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            match certs.reload() {
+                Ok(()) => tracing::info!("TLS certificate reloaded"),
+                Err(err) => {
+                    tracing::error!(error = %err, "TLS reload failed; keeping the old certificate")
+                }
+            }
+        }
+    });
+}
+
+#[cfg(not(unix))]
+fn reload_on_sighup(_: Arc<Certificates>) {}
 
 async fn serve(config: Config) -> Result<(), String> {
     let clock = Clock::new(config.clock);
@@ -153,24 +182,59 @@ async fn serve(config: Config) -> Result<(), String> {
             draining: draining.clone(),
         },
     )?;
+    let mut app = app;
+    let tls = match config.tls.files()? {
+        Some((cert, key)) => {
+            let certs = Arc::new(Certificates::load(&cert, &key)?);
+            reload_on_sighup(certs.clone());
+            Some(certs.acceptor()?)
+        }
+        None => None,
+    };
     let listener = TcpListener::bind(config.listen_addr()?)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
-    announce("fencegate", &listener).map_err(|e| e.to_string())?;
-    tracing::info!(upstream = %config.upstream, clock = ?config.clock, "fencegate serving");
+    let admin = match config.admin_addr()? {
+        Some(addr) => {
+            let listener = TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("cannot listen on {addr} (admin.listen): {e}"))?;
+            Some((listener, app.split_admin()))
+        }
+        None => None,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut lines = vec![("fencegate", scheme, &listener)];
+    if let Some((admin, _)) = &admin {
+        lines.push(("fencegate admin", "http", admin));
+    }
+    announce(&lines).map_err(|e| e.to_string())?;
+    tracing::info!(upstream = %config.upstream, clock = ?config.clock, tls = tls.is_some(), "fencegate serving");
     let options = ServerOptions {
         max_connections: config.limits.max_connections,
         header_read_timeout_ms: config.limits.header_read_timeout_ms,
         max_header_bytes: config.limits.max_header_bytes,
         shutdown_grace_ms: config.limits.shutdown_grace_ms,
     };
-    let shutdown = async move {
+    // One signal stops both listeners; readyz turns 503 first.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
         shutdown_signal().await;
         draining.store(true, Ordering::Release);
+        let _ = stop.send(true);
+    });
+    let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
     };
-    server::run(listener, app, options, shutdown)
-        .await
-        .map_err(|e| e.to_string())
+    let main = server::run_with_tls(listener, tls, app, options, until_stopped(stopped.clone()));
+    match admin {
+        None => main.await,
+        Some((listener, admin_app)) => {
+            let admin = server::run(listener, admin_app, options, until_stopped(stopped));
+            tokio::try_join!(main, admin).map(|_| ())
+        }
+    }
+    .map_err(|e| e.to_string())
 }
 
 async fn backend(listen: String, record: bool) -> Result<(), String> {
@@ -187,7 +251,7 @@ async fn backend(listen: String, record: bool) -> Result<(), String> {
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
-    announce("fencegate backend", &listener).map_err(|e| e.to_string())?;
+    announce(&[("fencegate backend", "http", &listener)]).map_err(|e| e.to_string())?;
     server::run(listener, app, ServerOptions::default(), shutdown_signal())
         .await
         .map_err(|e| e.to_string())

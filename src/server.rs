@@ -1,5 +1,5 @@
-//! The accept loop: one HTTP/1.1 listener, connection limits, and graceful
-//! shutdown.
+//! The accept loop: one HTTP/1.1 listener (plain or TLS), connection limits,
+//! and graceful shutdown.
 //!
 //! Shutdown is an input: [`run`] serves until the `shutdown` future completes,
 //! then stops accepting, lets in-flight requests finish for up to the grace
@@ -18,6 +18,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
 use tower::{Service, ServiceExt};
 
 use crate::backend::ClientAddr;
@@ -48,9 +49,29 @@ impl Default for ServerOptions {
     }
 }
 
-/// Serves `app` on `listener` until `shutdown` completes.
+/// Serves `app` over plain HTTP on `listener` until `shutdown` completes.
 pub async fn run<S>(
     listener: TcpListener,
+    app: S,
+    options: ServerOptions,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()>
+where
+    S: Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    run_with_tls(listener, None, app, options, shutdown).await
+}
+
+/// Serves `app` on `listener`, over TLS when `tls` is given, until
+/// `shutdown` completes. The TLS handshake must finish within the header
+/// read timeout.
+pub async fn run_with_tls<S>(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
     app: S,
     options: ServerOptions,
     shutdown: impl Future<Output = ()>,
@@ -70,6 +91,8 @@ where
         // 431 problem; larger ones get hyper's bare 431.
         .max_buf_size((options.max_header_bytes * 4).max(64 * 1024))
         .keep_alive(true);
+    let builder = Arc::new(builder);
+    let handshake_timeout = Duration::from_millis(options.header_read_timeout_ms);
     let graceful = GracefulShutdown::new();
     let permits = Arc::new(Semaphore::new(options.max_connections));
     tokio::pin!(shutdown);
@@ -98,10 +121,32 @@ where
             req.extensions_mut().insert(ClientAddr(peer));
             app.clone().oneshot(req)
         });
-        let io = TokioIo::new(Guarded::new(stream));
-        let conn = graceful.watch(builder.serve_connection(io, service));
+        let Some(tls) = &tls else {
+            let io = TokioIo::new(Guarded::new(stream));
+            let conn = graceful.watch(builder.serve_connection(io, service));
+            tokio::spawn(async move {
+                if let Err(err) = conn.await {
+                    tracing::debug!(%peer, error = %err, "connection ended with an error");
+                }
+                drop(permit);
+            });
+            continue;
+        };
+        let (tls, builder, watcher) = (tls.clone(), builder.clone(), graceful.watcher());
         tokio::spawn(async move {
-            if let Err(err) = conn.await {
+            let stream = match tokio::time::timeout(handshake_timeout, tls.accept(stream)).await {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(err)) => {
+                    tracing::debug!(%peer, error = %err, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(%peer, "TLS handshake timed out");
+                    return;
+                }
+            };
+            let io = TokioIo::new(Guarded::new(stream));
+            if let Err(err) = watcher.watch(builder.serve_connection(io, service)).await {
                 tracing::debug!(%peer, error = %err, "connection ended with an error");
             }
             drop(permit);

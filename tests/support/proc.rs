@@ -3,7 +3,7 @@
 use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A scratch directory under the system temp dir, removed when dropped.
@@ -48,6 +48,8 @@ pub fn serve_args(data: &Path, manual: bool) -> Vec<String> {
 pub struct Proc {
     pub child: Child,
     pub url: String,
+    /// The rest of stdout: further announced listeners.
+    pub stdout: BufReader<ChildStdout>,
     pub log: PathBuf,
 }
 
@@ -77,18 +79,18 @@ impl Proc {
         }
         let mut child = cmd.spawn().unwrap();
         let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        stdout.read_line(&mut line).unwrap();
         match line
             .trim()
             .rsplit(' ')
             .next()
-            .filter(|u| u.starts_with("http://"))
+            .filter(|u| u.starts_with("http://") || u.starts_with("https://"))
         {
             Some(url) => Ok(Self {
                 child,
                 url: url.to_owned(),
+                stdout,
                 log: log.to_owned(),
             }),
             None => {
@@ -115,6 +117,17 @@ impl Proc {
     pub fn kill9(mut self) -> ExitStatus {
         self.signal("-KILL");
         self.child.wait().unwrap()
+    }
+
+    /// The URL of the next listener announced on stdout (e.g. the admin one).
+    pub fn next_url(&mut self) -> String {
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        line.trim()
+            .rsplit(' ')
+            .next()
+            .unwrap_or_default()
+            .to_owned()
     }
 
     pub fn log_text(&self) -> String {
