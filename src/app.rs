@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::header::{HeaderValue, CONTENT_LENGTH, TRANSFER_ENCODING};
+use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, TRANSFER_ENCODING};
 use http::{HeaderMap, Request, Response};
 use http_body_util::Limited;
 use tower::{Layer, Service};
@@ -38,6 +38,9 @@ use crate::metrics::Metrics;
 
 /// The request-id header.
 pub const X_REQUEST_ID: &str = "x-request-id";
+
+const REQUEST_ID_NAME: HeaderName = HeaderName::from_static(X_REQUEST_ID);
+const CONFLICT_NAME: HeaderName = HeaderName::from_static(crate::framing::CONFLICT_HEADER);
 
 /// Per-request limits applied before anything else runs.
 #[derive(Clone, Copy, Debug)]
@@ -67,9 +70,20 @@ impl RequestIds {
         }
     }
 
+    /// `{prefix:016x}-{n:x}`, without the formatting machinery.
     fn make(&self) -> HeaderValue {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        HeaderValue::from_str(&format!("{:016x}-{n:x}", self.prefix))
+        let mut buf = [0u8; 33];
+        for (i, b) in buf[..16].iter_mut().enumerate() {
+            *b = HEX[(self.prefix >> (60 - 4 * i) & 0xf) as usize];
+        }
+        buf[16] = b'-';
+        let digits = (16 - (n.leading_zeros() / 4) as usize).max(1);
+        for i in 0..digits {
+            buf[17 + i] = HEX[(n >> (4 * (digits - 1 - i)) & 0xf) as usize];
+        }
+        HeaderValue::from_bytes(&buf[..17 + digits])
             .expect("hex and '-' are valid header characters")
     }
 }
@@ -86,7 +100,11 @@ fn head_size<B>(req: &Request<B>) -> usize {
         .iter()
         .map(|(k, v)| k.as_str().len() + v.len() + 4)
         .sum();
-    headers + req.uri().to_string().len()
+    let uri = req.uri();
+    headers
+        + uri.path_and_query().map_or(1, |pq| pq.as_str().len())
+        + uri.authority().map_or(0, |a| a.as_str().len())
+        + uri.scheme_str().map_or(0, |s| s.len() + 3)
 }
 
 /// Refuses message framing that some server would read differently: a
@@ -96,7 +114,7 @@ fn head_size<B>(req: &Request<B>) -> usize {
 /// smuggling). Conflicting lengths, bad chunking, NUL and obs-fold never get
 /// this far: hyper's parser rejects them with a bare 400.
 fn check_framing(headers: &HeaderMap) -> Result<(), Problem> {
-    if headers.contains_key(crate::framing::CONFLICT_HEADER) {
+    if headers.contains_key(&CONFLICT_NAME) {
         // The connection guard saw Content-Length beside Transfer-Encoding.
         return Err(Problem::invalid_request(
             "a request may not carry both Content-Length and Transfer-Encoding",
@@ -133,7 +151,7 @@ fn declared_length(headers: &HeaderMap) -> Option<u64> {
 
 /// The whole of fencegate (or of the standalone backend) as one service.
 pub struct App<S> {
-    api: Option<Api>,
+    api: Option<Arc<Api>>,
     data: S,
     limits: RequestLimits,
     ids: Arc<RequestIds>,
@@ -176,7 +194,10 @@ pub fn build(config: &Config, parts: Parts) -> Result<FencegateApp, String> {
     }
     let mut app = compose(config, parts.leases, parts.draining, backend, metrics)?;
     if let Some(store) = recording {
-        app.api = app.api.take().map(|api| api.with_history(store));
+        app.api = app
+            .api
+            .take()
+            .map(|api| Arc::new(Arc::unwrap_or_clone(api).with_history(store)));
     }
     Ok(app)
 }
@@ -218,7 +239,7 @@ impl<S> App<S> {
     /// An app with an optional lease API in front of `data`.
     pub fn new(api: Option<Api>, data: S, limits: RequestLimits) -> Self {
         Self {
-            api,
+            api: api.map(Arc::new),
             data,
             limits,
             ids: Arc::new(RequestIds::new()),
@@ -235,10 +256,10 @@ impl<S> App<S> {
     /// Splits off the app of a separate admin listener (health, metrics,
     /// clock, apply log); this app stops serving those but health.
     pub fn split_admin(&mut self) -> AdminApp {
-        let api = self.api.take();
-        self.api = api.clone().map(|a| a.with_surface(Surface::Data));
+        let api = self.api.take().map(Arc::unwrap_or_clone);
+        self.api = api.clone().map(|a| Arc::new(a.with_surface(Surface::Data)));
         App {
-            api: api.map(|a| a.with_surface(Surface::Admin)),
+            api: api.map(|a| Arc::new(a.with_surface(Surface::Admin))),
             data: NoData,
             limits: self.limits,
             ids: self.ids.clone(),
@@ -269,7 +290,7 @@ impl Service<Request<Body>> for NoData {
 }
 
 fn with_request_id(mut res: Response<Body>, id: HeaderValue) -> Response<Body> {
-    res.headers_mut().insert(X_REQUEST_ID, id);
+    res.headers_mut().insert(REQUEST_ID_NAME, id);
     res
 }
 
@@ -296,7 +317,7 @@ where
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let request_id = req
             .headers()
-            .get(X_REQUEST_ID)
+            .get(&REQUEST_ID_NAME)
             .filter(|v| is_sane_request_id(v))
             .cloned()
             .unwrap_or_else(|| self.ids.make());
@@ -321,7 +342,8 @@ where
         let response: BoxResponseFuture = match self.limit(req, !to_api) {
             Err(problem) => Box::pin(std::future::ready(Ok(problem.into_response()))),
             Ok(mut req) => {
-                req.headers_mut().insert(X_REQUEST_ID, request_id.clone());
+                req.headers_mut()
+                    .insert(REQUEST_ID_NAME, request_id.clone());
                 match &self.api {
                     Some(api) if to_api => {
                         let api = api.clone();
@@ -340,7 +362,7 @@ where
         Box::pin(
             async move {
                 let mut res = response.await?;
-                res.headers_mut().insert(X_REQUEST_ID, request_id);
+                res.headers_mut().insert(REQUEST_ID_NAME, request_id);
                 Ok(res)
             }
             .instrument(span),
@@ -379,6 +401,11 @@ mod tests {
     fn request_ids() {
         let ids = RequestIds::new();
         assert_ne!(ids.make(), ids.make());
+        for n in [0u64, 1, 15, 16, 255, 0xdead_beef, u64::MAX] {
+            ids.next.store(n, Ordering::Relaxed);
+            let expected = format!("{:016x}-{n:x}", ids.prefix);
+            assert_eq!(ids.make().to_str().unwrap(), expected);
+        }
         assert!(is_sane_request_id(&HeaderValue::from_static("abc-123")));
         assert!(!is_sane_request_id(&HeaderValue::from_static("")));
         assert!(!is_sane_request_id(&HeaderValue::from_static("a b")));

@@ -48,6 +48,16 @@ pub struct Config {
     pub auth: AuthConfig,
     pub tls: TlsConfig,
     pub admin: AdminConfig,
+    pub runtime: RuntimeConfig,
+}
+
+/// The async runtime of `fencegate serve`.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RuntimeConfig {
+    /// Threads serving connections: 0 for one per CPU the process may run on,
+    /// 1 for tokio's single-threaded scheduler.
+    pub worker_threads: usize,
 }
 
 /// TLS on the main listener (off while both paths are empty).
@@ -215,6 +225,7 @@ impl Default for Config {
             auth: AuthConfig::default(),
             tls: TlsConfig::default(),
             admin: AdminConfig::default(),
+            runtime: RuntimeConfig::default(),
         }
     }
 }

@@ -22,7 +22,7 @@ use std::task::{Context, Poll};
 use std::future::Future;
 use std::pin::Pin;
 
-use http::{HeaderMap, HeaderValue, Method, Request, Response};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response};
 use http_body::Body as _;
 use pin_project_lite::pin_project;
 use tower::{Layer, Service};
@@ -38,6 +38,10 @@ use crate::route::{RouteTimeout, Routes};
 pub const FENCING_TOKEN: &str = "fencing-token";
 /// The header that carries the lease id; never forwarded.
 pub const FENCING_LEASE_ID: &str = "fencing-lease-id";
+
+// The names as parsed header names, so lookups on the hot path skip parsing.
+const TOKEN_NAME: HeaderName = HeaderName::from_static(FENCING_TOKEN);
+const LEASE_ID_NAME: HeaderName = HeaderName::from_static(FENCING_LEASE_ID);
 
 /// How the fence decides.
 #[derive(Debug)]
@@ -67,7 +71,7 @@ pub fn is_write(method: &Method) -> bool {
 
 /// A parsed `Fencing-Token`.
 pub fn parse_token(headers: &HeaderMap) -> Result<Option<u64>, Problem> {
-    let mut values = headers.get_all(FENCING_TOKEN).iter();
+    let mut values = headers.get_all(&TOKEN_NAME).iter();
     let Some(value) = values.next() else {
         return Ok(None);
     };
@@ -91,7 +95,7 @@ pub fn parse_token(headers: &HeaderMap) -> Result<Option<u64>, Problem> {
 
 /// The presented lease id, if exactly one was sent.
 pub fn lease_id_header(headers: &HeaderMap) -> Result<Option<&[u8]>, Problem> {
-    let mut values = headers.get_all(FENCING_LEASE_ID).iter();
+    let mut values = headers.get_all(&LEASE_ID_NAME).iter();
     let Some(value) = values.next() else {
         return Ok(None);
     };
@@ -109,8 +113,8 @@ pub fn credentials(
     headers: &HeaderMap,
     require_lease_id: bool,
 ) -> Result<(u64, Option<&[u8]>), Problem> {
-    let has_token = headers.contains_key(FENCING_TOKEN);
-    let has_id = headers.contains_key(FENCING_LEASE_ID);
+    let has_token = headers.contains_key(&TOKEN_NAME);
+    let has_id = headers.contains_key(&LEASE_ID_NAME);
     if !has_token {
         return Err(Problem::missing_token());
     }
@@ -153,7 +157,7 @@ impl FencePolicy {
         };
         let write = is_write(req.method());
         let Some(route) = matched else {
-            req.headers_mut().remove(FENCING_LEASE_ID);
+            req.headers_mut().remove(&LEASE_ID_NAME);
             if write && !self.allow_unrouted_writes {
                 return Decision::Reject(Problem::unrouted_write());
             }
@@ -175,7 +179,7 @@ impl FencePolicy {
         }
         let timeout_ms = route.timeout_ms.unwrap_or(self.upstream_timeout_ms);
         if !write && !route.fence_reads {
-            req.headers_mut().remove(FENCING_LEASE_ID);
+            req.headers_mut().remove(&LEASE_ID_NAME);
             return Decision::Pass;
         }
         let lease = route.lease;
@@ -197,7 +201,7 @@ impl FencePolicy {
         Decision::Fenced {
             lease,
             token,
-            lease_id: req.headers_mut().remove(FENCING_LEASE_ID),
+            lease_id: req.headers_mut().remove(&LEASE_ID_NAME),
             max_wait_ms: timeout_ms,
         }
     }

@@ -50,30 +50,37 @@ enum State {
 }
 
 /// The byte-stream scanner behind [`Guarded`]; pure, so it can be tested on
-/// any split of a stream.
+/// any split of a stream. It works in place: [`Scanner::scan`] marks heads
+/// in the caller's buffer and says how much of it is complete.
 #[derive(Debug)]
 pub struct Scanner {
     state: State,
-    /// Bytes of an incomplete head or line, held back until complete.
-    held: BytesMut,
+    /// How far into the incomplete head or line the search for its end has
+    /// got, so a head that trickles in byte by byte is searched once.
+    searched: usize,
 }
 
 impl Default for Scanner {
     fn default() -> Self {
         Self {
             state: State::Head,
-            held: BytesMut::new(),
+            searched: 0,
         }
     }
 }
 
-fn find_line_end(buf: &[u8]) -> Option<usize> {
-    buf.iter().position(|&b| b == b'\n').map(|i| i + 1)
+fn find_line_end(buf: &[u8], from: usize) -> Option<usize> {
+    buf[from..]
+        .iter()
+        .position(|&b| b == b'\n')
+        .map(|i| from + i + 1)
 }
 
-/// The end of a head (after its blank line), accepting bare LF as hyper does.
-fn find_head_end(buf: &[u8]) -> Option<usize> {
-    let mut i = 0;
+/// The end of a head (after its blank line), accepting bare LF as hyper does;
+/// the search starts at `from`, where an earlier search gave up.
+fn find_head_end(buf: &[u8], from: usize) -> Option<usize> {
+    // Back up over a line break the earlier search saw without its follower.
+    let mut i = from.saturating_sub(2);
     while let Some(rel) = buf[i..].iter().position(|&b| b == b'\n') {
         let nl = i + rel;
         let rest = &buf[nl + 1..];
@@ -89,117 +96,97 @@ fn find_head_end(buf: &[u8]) -> Option<usize> {
 }
 
 impl Scanner {
-    /// Takes `input` from the socket and appends what may be handed to the
-    /// parser to `out` (possibly rewritten).
-    pub fn feed(&mut self, mut input: &[u8], out: &mut BytesMut) {
-        while !input.is_empty() {
+    /// Scans `data`, the bytes that follow everything scanned so far (an
+    /// incomplete head or line returned earlier comes first again), marking
+    /// heads in place. Returns how many leading bytes are complete and may be
+    /// handed to the parser; the rest is an incomplete head or chunk line to
+    /// pass again with the bytes that follow it.
+    pub fn scan(&mut self, data: &mut [u8]) -> usize {
+        let mut pos = 0;
+        while pos < data.len() {
+            let left = data.len() - pos;
             match self.state {
-                State::Passthrough => {
-                    out.extend_from_slice(&self.held.split());
-                    out.extend_from_slice(input);
-                    return;
-                }
-                State::Fixed(n) => {
-                    let take = usize::try_from(n).unwrap_or(usize::MAX).min(input.len());
-                    out.extend_from_slice(&input[..take]);
-                    input = &input[take..];
-                    let left = n - take as u64;
-                    self.state = if left == 0 {
-                        State::Head
-                    } else {
-                        State::Fixed(left)
+                State::Passthrough => return data.len(),
+                State::Fixed(n) | State::ChunkData(n) => {
+                    let take = usize::try_from(n).unwrap_or(usize::MAX).min(left);
+                    pos += take;
+                    let rest = n - take as u64;
+                    self.state = match (self.state, rest) {
+                        (State::Fixed(_), 0) => State::Head,
+                        (State::Fixed(_), _) => State::Fixed(rest),
+                        (_, 0) => State::ChunkEnd,
+                        _ => State::ChunkData(rest),
                     };
                 }
-                State::ChunkData(n) => {
-                    let take = usize::try_from(n).unwrap_or(usize::MAX).min(input.len());
-                    out.extend_from_slice(&input[..take]);
-                    input = &input[take..];
-                    let left = n - take as u64;
-                    self.state = if left == 0 {
-                        State::ChunkEnd
-                    } else {
-                        State::ChunkData(left)
-                    };
-                }
-                State::Head | State::ChunkSize | State::ChunkEnd | State::Trailers => {
-                    self.held.extend_from_slice(input);
-                    input = &[];
-                    self.drain_held(out);
-                    match self.state {
-                        // Still collecting: the rest stays held.
-                        State::Head | State::ChunkSize | State::ChunkEnd | State::Trailers => {}
-                        // Body bytes (or unwatched bytes) follow what was
-                        // consumed: run them through again.
-                        _ => {
-                            let rest = self.held.split();
-                            self.feed(&rest, out);
-                            return;
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// Processes complete heads or lines in `held`, until it needs more
-    /// bytes or reaches a body.
-    fn drain_held(&mut self, out: &mut BytesMut) {
-        loop {
-            match self.state {
                 State::Head => {
-                    let Some(end) = find_head_end(&self.held) else {
-                        if self.held.len() > MAX_HEAD_BYTES {
+                    let Some(end) = find_head_end(&data[pos..], self.searched) else {
+                        if left > MAX_HEAD_BYTES {
                             self.state = State::Passthrough;
+                            return data.len();
                         }
-                        return;
+                        self.searched = left;
+                        return pos;
                     };
-                    let mut head = self.held.split_to(end);
-                    self.state = inspect_head(&mut head);
-                    out.extend_from_slice(&head);
+                    self.searched = 0;
+                    self.state = inspect_head(&mut data[pos..pos + end]);
+                    pos += end;
                 }
                 State::ChunkSize | State::ChunkEnd | State::Trailers => {
-                    let Some(end) = find_line_end(&self.held) else {
-                        if self.held.len() > 64 * 1024 {
+                    let Some(end) = find_line_end(&data[pos..], self.searched) else {
+                        if left > 64 * 1024 {
                             self.state = State::Passthrough;
+                            return data.len();
                         }
-                        return;
+                        self.searched = left;
+                        return pos;
                     };
-                    let line = self.held.split_to(end);
-                    out.extend_from_slice(&line);
-                    let blank = matches!(&line[..], b"\r\n" | b"\n");
+                    self.searched = 0;
+                    let line = &data[pos..pos + end];
+                    let blank = matches!(line, b"\r\n" | b"\n");
                     self.state = match self.state {
                         State::ChunkEnd if blank => State::ChunkSize,
                         State::ChunkEnd => State::Passthrough,
                         State::Trailers if blank => State::Head,
                         State::Trailers => State::Trailers,
-                        _ => match httparse::parse_chunk_size(&line) {
+                        _ => match httparse::parse_chunk_size(line) {
                             Ok(httparse::Status::Complete((_, 0))) => State::Trailers,
                             Ok(httparse::Status::Complete((_, n))) => State::ChunkData(n),
                             _ => State::Passthrough,
                         },
                     };
+                    pos += end;
                 }
-                _ => return,
             }
         }
+        pos
+    }
+
+    /// The stream ended: whatever is held goes to the parser unchanged.
+    fn end_of_stream(&mut self) {
+        self.state = State::Passthrough;
     }
 }
 
+/// More header lines than hyper accepts (100): such a head is refused by
+/// hyper, so the guard need not look at it.
+const MAX_HEADERS: usize = 128;
+
 /// Looks at one complete head: marks a `Content-Length` beside
 /// `Transfer-Encoding`, and says how the body that follows is framed.
-fn inspect_head(head: &mut BytesMut) -> State {
-    let mut headers = [httparse::EMPTY_HEADER; 256];
-    let mut req = httparse::Request::new(&mut headers);
-    let Ok(httparse::Status::Complete(_)) = req.parse(head) else {
+fn inspect_head(head: &mut [u8]) -> State {
+    let mut headers = [std::mem::MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut []);
+    let Ok(httparse::Status::Complete(_)) = req.parse_with_uninit_headers(head, &mut headers)
+    else {
         return State::Passthrough;
     };
-    let mut length_names = Vec::new();
+    let mut lengths = 0usize;
     let mut length = None;
     let mut chunked = None;
     let mut upgrade = req.method == Some("CONNECT");
     for h in req.headers.iter() {
         if h.name.eq_ignore_ascii_case("content-length") {
-            length_names.push(h.name.as_ptr() as usize - head.as_ptr() as usize);
+            lengths += 1;
             length = std::str::from_utf8(h.value)
                 .ok()
                 .and_then(|v| v.trim().parse::<u64>().ok());
@@ -215,14 +202,22 @@ fn inspect_head(head: &mut BytesMut) -> State {
     }
     match chunked {
         Some(true) => {
-            for at in length_names {
+            // The rare conflicting head: find the names to mark, then mark.
+            let base = head.as_ptr() as usize;
+            let at: Vec<usize> = req
+                .headers
+                .iter()
+                .filter(|h| h.name.eq_ignore_ascii_case("content-length"))
+                .map(|h| h.name.as_ptr() as usize - base)
+                .collect();
+            for at in at {
                 head[at..at + CONFLICT_HEADER.len()].copy_from_slice(CONFLICT_HEADER.as_bytes());
             }
             State::ChunkSize
         }
         // Not chunked last: hyper refuses the request.
         Some(false) => State::Passthrough,
-        None => match (length_names.len(), length) {
+        None => match (lengths, length) {
             (0, _) => State::Head,
             (_, Some(0)) => State::Head,
             (_, Some(n)) => State::Fixed(n),
@@ -232,11 +227,19 @@ fn inspect_head(head: &mut BytesMut) -> State {
 }
 
 /// A connection whose incoming bytes pass through a [`Scanner`].
+///
+/// Bytes are read straight into the parser's buffer and scanned there; only
+/// an incomplete head (or chunk line) at the end of a read is taken back and
+/// held until the rest arrives, so the common case copies nothing.
 pub struct Guarded<S> {
     inner: S,
     scanner: Scanner,
+    /// An incomplete head or line, waiting for more bytes.
+    held: BytesMut,
+    /// Scanned bytes not yet handed to the parser.
     ready: BytesMut,
-    buf: Box<[u8]>,
+    /// Read buffer for the held case, allocated on first use.
+    buf: Vec<u8>,
 }
 
 impl<S> Guarded<S> {
@@ -244,8 +247,9 @@ impl<S> Guarded<S> {
         Self {
             inner,
             scanner: Scanner::default(),
+            held: BytesMut::new(),
             ready: BytesMut::new(),
-            buf: vec![0; 16 * 1024].into_boxed_slice(),
+            buf: Vec::new(),
         }
     }
 }
@@ -264,20 +268,40 @@ impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
                 this.ready.advance(n);
                 return Poll::Ready(Ok(()));
             }
+            if this.held.is_empty() {
+                // Read into the parser's buffer and scan the new bytes there.
+                let start = out.filled().len();
+                ready!(Pin::new(&mut this.inner).poll_read(cx, out))?;
+                let end = out.filled().len();
+                if end == start {
+                    return Poll::Ready(Ok(())); // end of stream
+                }
+                let done = start + this.scanner.scan(&mut out.filled_mut()[start..end]);
+                if done < end {
+                    this.held.extend_from_slice(&out.filled()[done..end]);
+                    out.set_filled(done);
+                }
+                if done > start {
+                    return Poll::Ready(Ok(()));
+                }
+                continue;
+            }
+            // An incomplete head is held: append to it and scan it again.
+            if this.buf.is_empty() {
+                this.buf = vec![0; 16 * 1024];
+            }
             let mut rb = ReadBuf::new(&mut this.buf);
             ready!(Pin::new(&mut this.inner).poll_read(cx, &mut rb))?;
             let n = rb.filled().len();
             if n == 0 {
-                // End of stream: release anything held so the parser sees it.
-                let rest = this.scanner.held.split();
-                if rest.is_empty() {
-                    return Poll::Ready(Ok(()));
-                }
-                this.scanner.state = State::Passthrough;
-                this.ready.extend_from_slice(&rest);
+                // End of stream: release what is held so the parser sees it.
+                this.scanner.end_of_stream();
+                this.ready = this.held.split();
                 continue;
             }
-            this.scanner.feed(&this.buf[..n], &mut this.ready);
+            this.held.extend_from_slice(&this.buf[..n]);
+            let done = this.scanner.scan(&mut this.held);
+            this.ready = this.held.split_to(done);
         }
     }
 }
@@ -306,12 +330,56 @@ mod tests {
 
     fn scan(chunks: &[&[u8]]) -> Vec<u8> {
         let mut s = Scanner::default();
+        let mut held = BytesMut::new();
         let mut out = BytesMut::new();
         for c in chunks {
-            s.feed(c, &mut out);
+            held.extend_from_slice(c);
+            let done = s.scan(&mut held);
+            out.extend_from_slice(&held.split_to(done));
         }
-        out.extend_from_slice(&s.held);
+        out.extend_from_slice(&held);
         out.to_vec()
+    }
+
+    /// A reader that yields the given chunks one per read.
+    struct Chunks(std::collections::VecDeque<Vec<u8>>);
+
+    impl AsyncRead for Chunks {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            out: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            if let Some(mut c) = self.0.pop_front() {
+                let n = c.len().min(out.remaining());
+                out.put_slice(&c[..n]);
+                if n < c.len() {
+                    self.0.push_front(c.split_off(n));
+                }
+            }
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn the_guarded_stream_gives_the_same_bytes_for_any_split_and_buffer() {
+        use tokio::io::AsyncReadExt;
+        for size in [1, 2, 3, 7, 16, 40, 1000] {
+            for read_size in [5, 64, 4096] {
+                let chunks = PIPELINE.chunks(size).map(|c| c.to_vec()).collect();
+                let mut g = Guarded::new(Chunks(chunks));
+                let mut got = Vec::new();
+                let mut buf = vec![0u8; read_size];
+                loop {
+                    let n = g.read(&mut buf).await.unwrap();
+                    if n == 0 {
+                        break;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                }
+                assert_eq!(got, expected(), "chunks of {size}, reads of {read_size}");
+            }
+        }
     }
 
     const PIPELINE: &[u8] = b"PUT /a HTTP/1.1\r\nContent-Length: 3\r\n\r\nabcPUT /b HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nxyz\r\n0\r\nT: 1\r\n\r\nPUT /c HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\nGET /d HTTP/1.1\r\nContent-Length: 9\r\nX: Transfer-Encoding: chunked\r\n\r\n123456789";

@@ -11,7 +11,8 @@
 //!
 //! # Module map, along the data path
 //!
-//! - [`server`]: accept loop, connection limits, graceful shutdown;
+//! - [`server`]: accept loop (plain or TLS, see [`tls`]), connection limits,
+//!   graceful shutdown;
 //!   [`framing`] guards each connection's bytes against ambiguous framing.
 //! - [`app`]: composes everything into one service: request ids and limits,
 //!   then the lease API or the fenced data path.

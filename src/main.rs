@@ -170,7 +170,7 @@ async fn serve(config: Config) -> Result<(), String> {
         ),
         UpstreamTarget::Embedded => Backend::Embedded(EmbeddedStore::new()),
         UpstreamTarget::Http(uri) => {
-            Backend::Upstream(Box::new(Upstream::new(&uri, &config.upstream_options())?))
+            Backend::Upstream(Upstream::new(&uri, &config.upstream_options())?)
         }
     };
     let draining = Arc::new(AtomicBool::new(false));
@@ -257,10 +257,52 @@ async fn backend(listen: String, record: bool) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
+/// The runtime `serve` runs on: `worker_threads` 1 is tokio's current-thread
+/// scheduler, 0 one worker per CPU the process may run on.
+fn runtime(worker_threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    if worker_threads == 1 {
+        return tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build();
+    }
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if worker_threads > 1 {
+        builder.worker_threads(worker_threads);
+    }
+    builder.enable_all().build()
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing();
-    let runtime = match tokio::runtime::Runtime::new() {
+    let (command, serve_config) = match cli.command {
+        Command::Serve {
+            config,
+            listen,
+            upstream,
+            data_dir,
+            clock,
+        } => {
+            let flags = Overrides {
+                listen,
+                upstream,
+                data_dir,
+                clock,
+            };
+            match Config::load(config.as_deref(), std::env::vars(), &flags) {
+                Ok(config) => (None, Some(config)),
+                Err(e) => {
+                    eprintln!("fencegate: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+        other => (Some(other), None),
+    };
+    let threads = serve_config
+        .as_ref()
+        .map_or(0, |c| c.runtime.worker_threads);
+    let runtime = match runtime(threads) {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("fencegate: cannot start the runtime: {e}");
@@ -268,23 +310,12 @@ fn main() -> ExitCode {
         }
     };
     let result = runtime.block_on(async {
-        match cli.command {
-            Command::Serve {
-                config,
-                listen,
-                upstream,
-                data_dir,
-                clock,
-            } => {
-                let flags = Overrides {
-                    listen,
-                    upstream,
-                    data_dir,
-                    clock,
-                };
-                let config = Config::load(config.as_deref(), std::env::vars(), &flags)?;
-                serve(config).await
-            }
+        let Some(command) = command else {
+            let config = serve_config.expect("serve has a config");
+            return serve(config).await.map(|()| 0u8);
+        };
+        match command {
+            Command::Serve { .. } => unreachable!("handled above"),
             Command::Backend { listen, record } => backend(listen, record).await,
             Command::Lease(args) => return Ok(fencegate::cli::lease::run(args).await),
             Command::Run(args) => return Ok(fencegate::cli::run::run(args).await),

@@ -117,8 +117,9 @@ where
         };
         let _ = stream.set_nodelay(true);
         let app = app.clone();
+        let client = ClientAddr::new(peer, tls.is_some());
         let service = service_fn(move |mut req: Request<Incoming>| {
-            req.extensions_mut().insert(ClientAddr(peer));
+            req.extensions_mut().insert(client.clone());
             app.clone().oneshot(req)
         });
         let Some(tls) = &tls else {

@@ -248,11 +248,7 @@ async fn over_http(barrier: bool) -> Vec<Event> {
     config.clock = fencegate::clock::ClockKind::Manual;
     config.upstream = upstream.url();
     let up = Upstream::new(&upstream.url().parse().unwrap(), &config.upstream_options()).unwrap();
-    let h = Harness::with_backend(
-        config,
-        Backend::Upstream(Box::new(up)),
-        EmbeddedStore::new(),
-    );
+    let h = Harness::with_backend(config, Backend::Upstream(up), EmbeddedStore::new());
     let proxy = spawn(h.app.clone()).await;
     let c = HttpClient::new(&proxy.url());
     let a = h.acquire("orders", "A", 1000).await;
@@ -319,11 +315,7 @@ async fn unknown_outcomes_hold_the_handover_for_the_settle_time() {
     // This route's own deadline (real time: an upstream deadline, not a lease).
     config.fence.routes[0].timeout_ms = Some(100);
     let up = Upstream::new(&url.parse().unwrap(), &config.upstream_options()).unwrap();
-    let h = Harness::with_backend(
-        config,
-        Backend::Upstream(Box::new(up)),
-        EmbeddedStore::new(),
-    );
+    let h = Harness::with_backend(config, Backend::Upstream(up), EmbeddedStore::new());
 
     let a = h.acquire("orders", "A", 1000).await;
     let r = h.send(write(&a, "a1", false)).await;

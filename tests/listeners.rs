@@ -124,11 +124,7 @@ fn sighup_reloads_the_certificate_and_a_bad_reload_keeps_it() {
     let mut tries = 0;
     while with_ca(&next_ca) != 0 {
         tries += 1;
-        assert!(
-            tries < 200,
-            "SIGHUP did not reload:\n{}",
-            p.log_text()
-        );
+        assert!(tries < 200, "SIGHUP did not reload:\n{}", p.log_text());
         std::thread::sleep(Duration::from_millis(50));
     }
 
@@ -137,11 +133,7 @@ fn sighup_reloads_the_certificate_and_a_bad_reload_keeps_it() {
     let mut tries = 0;
     while !p.log_text().contains("TLS reload failed") {
         tries += 1;
-        assert!(
-            tries < 200,
-            "no reload error logged:\n{}",
-            p.log_text()
-        );
+        assert!(tries < 200, "no reload error logged:\n{}", p.log_text());
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(

@@ -42,11 +42,7 @@ fn proxy(url: &str, routes: Vec<RouteConfig>) -> Harness {
     config.fence.routes = routes;
     config.limits.max_body_bytes = 16 * 1024 * 1024;
     let up = Upstream::new(&url.parse().unwrap(), &config.upstream_options()).unwrap();
-    Harness::with_backend(
-        config,
-        Backend::Upstream(Box::new(up)),
-        EmbeddedStore::new(),
-    )
+    Harness::with_backend(config, Backend::Upstream(up), EmbeddedStore::new())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -28,11 +28,7 @@ fn proxy_with(url: &str, timeout_ms: u64, tweak: impl FnOnce(&mut Config)) -> Ha
     config.proxy.timeout_ms = timeout_ms;
     config.proxy.connect_timeout_ms = timeout_ms;
     let upstream = Upstream::new(&url.parse().unwrap(), &config.upstream_options()).unwrap();
-    Harness::with_backend(
-        config,
-        Backend::Upstream(Box::new(upstream)),
-        EmbeddedStore::new(),
-    )
+    Harness::with_backend(config, Backend::Upstream(upstream), EmbeddedStore::new())
 }
 
 #[tokio::test]

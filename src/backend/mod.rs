@@ -22,7 +22,7 @@ pub use upstream::{ClientAddr, Upstream, UpstreamOptions};
 #[derive(Clone, Debug)]
 pub enum Backend {
     Embedded(EmbeddedStore),
-    Upstream(Box<Upstream>),
+    Upstream(Upstream),
 }
 
 impl Service<Request<Body>> for Backend {

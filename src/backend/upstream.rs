@@ -4,6 +4,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -60,9 +61,12 @@ impl Default for UpstreamOptions {
     }
 }
 
-/// A pooled HTTP/1.1 client bound to one upstream base URL.
+/// A pooled HTTP/1.1 client bound to one upstream base URL; clones share it.
 #[derive(Clone, Debug)]
-pub struct Upstream {
+pub struct Upstream(Arc<Shared>);
+
+#[derive(Debug)]
+struct Shared {
     client: Client<HttpConnector, Body>,
     scheme: http::uri::Scheme,
     authority: http::uri::Authority,
@@ -74,31 +78,73 @@ pub struct Upstream {
     x_forwarded: bool,
     forwarded: bool,
     max_body_bytes: u64,
-    metrics: Option<Metrics>,
+    metrics: OnceLock<Metrics>,
 }
 
-/// A request extension: the address of the client connection.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ClientAddr(pub SocketAddr);
+/// A request extension: the client connection, with the forwarding header
+/// values rendered once per connection rather than once per request.
+#[derive(Clone, Debug)]
+pub struct ClientAddr(Arc<Peer>);
 
-const X_FORWARDED_FOR: &str = "x-forwarded-for";
-const X_FORWARDED_PROTO: &str = "x-forwarded-proto";
-const X_FORWARDED_HOST: &str = "x-forwarded-host";
+#[derive(Debug)]
+struct Peer {
+    addr: SocketAddr,
+    https: bool,
+    /// The address as `X-Forwarded-For` names it.
+    ip: HeaderValue,
+    /// `for=…;proto=…` of `Forwarded` (RFC 7239).
+    forwarded: String,
+}
+
+impl ClientAddr {
+    /// The client at `addr`, connected over TLS if `https`.
+    pub fn new(addr: SocketAddr, https: bool) -> Self {
+        let proto = if https { "https" } else { "http" };
+        let forwarded = match addr.ip() {
+            std::net::IpAddr::V4(ip) => format!("for={ip};proto={proto}"),
+            std::net::IpAddr::V6(ip) => format!("for=\"[{ip}]\";proto={proto}"),
+        };
+        let ip = HeaderValue::from_str(&addr.ip().to_string())
+            .expect("an IP address is a valid header value");
+        Self(Arc::new(Peer {
+            addr,
+            https,
+            ip,
+            forwarded,
+        }))
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.0.addr
+    }
+
+    pub fn https(&self) -> bool {
+        self.0.https
+    }
+}
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1).
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-authorization",
+const HOP_BY_HOP: [HeaderName; 8] = [
+    CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    http::header::TE,
+    http::header::TRAILER,
+    http::header::TRANSFER_ENCODING,
+    http::header::UPGRADE,
+    http::header::PROXY_AUTHORIZATION,
 ];
 
 /// Removes hop-by-hop headers, including those the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages carry none: one pass over the names, no hashing.
+    if !headers.keys().any(|k| HOP_BY_HOP.contains(k)) {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(CONNECTION)
         .iter()
@@ -134,7 +180,7 @@ impl Upstream {
             .pool_idle_timeout(Duration::from_millis(options.pool_idle_timeout_ms))
             .pool_max_idle_per_host(options.pool_max_idle)
             .build(connector);
-        Ok(Self {
+        Ok(Self(Arc::new(Shared {
             client,
             scheme: http::uri::Scheme::HTTP,
             authority,
@@ -144,21 +190,25 @@ impl Upstream {
             x_forwarded: options.x_forwarded,
             forwarded: options.forwarded,
             max_body_bytes: options.max_body_bytes,
-            metrics: None,
-        })
+            metrics: OnceLock::new(),
+        })))
     }
 
-    /// Records upstream latency in `metrics`.
-    pub fn set_metrics(&mut self, metrics: Metrics) {
-        self.metrics = Some(metrics);
+    /// Records upstream latency in `metrics` (the first call wins).
+    pub fn set_metrics(&self, metrics: Metrics) {
+        let _ = self.0.metrics.set(metrics);
     }
+}
 
+impl Shared {
     fn target(&self, uri: &Uri) -> Result<Uri, http::Error> {
-        let pq = uri.path_and_query().map_or("/", PathAndQuery::as_str);
-        let pq: PathAndQuery = if self.prefix.is_empty() {
-            pq.parse()?
-        } else {
-            format!("{}{pq}", self.prefix).parse()?
+        let pq: PathAndQuery = match (self.prefix.is_empty(), uri.path_and_query()) {
+            (true, Some(pq)) => pq.clone(),
+            (true, None) => PathAndQuery::from_static("/"),
+            (false, pq) => {
+                let pq = pq.map_or("/", PathAndQuery::as_str);
+                format!("{}{pq}", self.prefix).parse()?
+            }
         };
         Uri::builder()
             .scheme(self.scheme.clone())
@@ -170,40 +220,38 @@ impl Upstream {
     /// Tells the upstream who the client is, as configured. An existing
     /// `X-Forwarded-For` is extended, as the header's convention is.
     fn add_forwarded(&self, req: &mut Request<Body>) {
-        let Some(ClientAddr(peer)) = req.extensions().get::<ClientAddr>().copied() else {
+        let Some(peer) = req.extensions().get::<ClientAddr>().cloned() else {
             return;
         };
+        let peer = &*peer.0;
         let host = req.headers().get(HOST).cloned();
         let headers = req.headers_mut();
         if self.x_forwarded {
-            let xff = match headers.get(X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-                Some(prior) => format!("{prior}, {}", peer.ip()),
-                None => peer.ip().to_string(),
+            let xff = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+                Some(prior) => HeaderValue::from_str(&format!("{prior}, {}", peer.addr.ip())).ok(),
+                None => Some(peer.ip.clone()),
             };
-            if let Ok(v) = HeaderValue::from_str(&xff) {
+            if let Some(v) = xff {
                 headers.insert(X_FORWARDED_FOR, v);
             }
-            headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+            let proto = if peer.https { "https" } else { "http" };
+            headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
             if let Some(host) = host.clone() {
                 headers.insert(X_FORWARDED_HOST, host);
             }
         }
         if self.forwarded {
-            let node = match peer.ip() {
-                std::net::IpAddr::V4(ip) => ip.to_string(),
-                std::net::IpAddr::V6(ip) => format!("\"[{ip}]\""),
+            let value = match host.as_ref().and_then(|h| h.to_str().ok()) {
+                Some(host) => format!("{};host=\"{host}\"", peer.forwarded),
+                None => peer.forwarded.clone(),
             };
-            let mut value = format!("for={node};proto=http");
-            if let Some(host) = host.as_ref().and_then(|h| h.to_str().ok()) {
-                value.push_str(&format!(";host=\"{host}\""));
-            }
             if let Ok(v) = HeaderValue::from_str(&value) {
                 headers.append(FORWARDED, v);
             }
         }
     }
 
-    async fn forward(self, mut req: Request<Body>) -> Response<Body> {
+    async fn forward(&self, mut req: Request<Body>) -> Response<Body> {
         match self.target(req.uri()) {
             Ok(uri) => *req.uri_mut() = uri,
             Err(_) => {
@@ -224,7 +272,7 @@ impl Upstream {
         let watch = Stopwatch::start();
         let result =
             tokio::time::timeout(Duration::from_millis(timeout_ms), self.client.request(req)).await;
-        if let Some(m) = &self.metrics {
+        if let Some(m) = self.metrics.get() {
             m.upstream_latency(watch.elapsed_us() as f64 / 1e6);
         }
         match result {
@@ -269,7 +317,7 @@ impl Service<Request<Body>> for Upstream {
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let upstream = self.clone();
+        let upstream = self.0.clone();
         Box::pin(async move { Ok(upstream.forward(req).await) })
     }
 }
@@ -292,13 +340,43 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn forwarding_headers_name_the_client_and_its_scheme() {
+        let options = UpstreamOptions {
+            forwarded: true,
+            ..UpstreamOptions::default()
+        };
+        let up = Upstream::new(&"http://127.0.0.1:9".parse().unwrap(), &options).unwrap();
+        for (https, proto) in [(false, "http"), (true, "https")] {
+            let mut req = Request::new(body::empty());
+            req.headers_mut().insert(HOST, "svc".parse().unwrap());
+            req.extensions_mut()
+                .insert(ClientAddr::new("10.0.0.7:5000".parse().unwrap(), https));
+            up.0.add_forwarded(&mut req);
+            let h = req.headers();
+            assert_eq!(h["x-forwarded-for"], "10.0.0.7");
+            assert_eq!(h["x-forwarded-proto"], proto);
+            assert_eq!(h["x-forwarded-host"], "svc");
+            let forwarded = format!("for=10.0.0.7;proto={proto};host=\"svc\"");
+            assert_eq!(h["forwarded"], forwarded.as_str());
+        }
+        let mut req = Request::new(body::empty());
+        req.headers_mut()
+            .insert("x-forwarded-for", "192.0.2.1".parse().unwrap());
+        req.extensions_mut()
+            .insert(ClientAddr::new("[::1]:5000".parse().unwrap(), false));
+        up.0.add_forwarded(&mut req);
+        assert_eq!(req.headers()["x-forwarded-for"], "192.0.2.1, ::1");
+        assert_eq!(req.headers()["forwarded"], "for=\"[::1]\";proto=http");
+    }
+
+    #[tokio::test]
     async fn targets_join_the_base_path() {
         let up = Upstream::new(
             &"http://127.0.0.1:9/base/".parse().unwrap(),
             &UpstreamOptions::default(),
         )
         .unwrap();
-        let t = up.target(&"/kv/a?x=1".parse().unwrap()).unwrap();
+        let t = up.0.target(&"/kv/a?x=1".parse().unwrap()).unwrap();
         assert_eq!(t, "http://127.0.0.1:9/base/kv/a?x=1");
         let up = Upstream::new(
             &"http://127.0.0.1:9".parse().unwrap(),
@@ -306,7 +384,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            up.target(&"/kv/a".parse().unwrap()).unwrap(),
+            up.0.target(&"/kv/a".parse().unwrap()).unwrap(),
             "http://127.0.0.1:9/kv/a"
         );
         assert!(Upstream::new(&"https://x".parse().unwrap(), &UpstreamOptions::default()).is_err());
