@@ -31,8 +31,10 @@
 //! write) is cut off; a bad frame followed by any valid frame means the
 //! journal is corrupt, and the start fails rather than silently losing tokens.
 //! When the log grows past a threshold the writer rewrites it as one state
-//! record per lease (compaction): written to a temporary file, synced, and
-//! renamed over the log.
+//! record per lease (compaction): it replays the log from disk, writes the
+//! result to a temporary file, syncs it, and renames it over the log. The
+//! writer keeps no copy of the lease state between compactions: the lease
+//! store holds the only one in memory, so a held lease costs memory once.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -188,7 +190,6 @@ impl FileJournal {
             file,
             len: good_len,
             compacted_len: good_len,
-            state,
             healthy: healthy.clone(),
             faults: faults.clone(),
             options,
@@ -336,8 +337,6 @@ struct Writer {
     len: u64,
     /// Length right after the last compaction (or open).
     compacted_len: u64,
-    /// Latest record per lease, for compaction.
-    state: HashMap<String, LeaseRecord>,
     healthy: Arc<AtomicBool>,
     faults: FaultInjector,
     options: FileJournalOptions,
@@ -389,7 +388,6 @@ impl Writer {
                         tracing::warn!(journal = %self.path.display(), "journal writable again; lease store ready");
                     }
                     for cmd in batch.drain(..) {
-                        self.fold(&cmd.record);
                         if let Some(ack) = cmd.ack {
                             let _ = ack.send(Ok(()));
                         }
@@ -436,21 +434,6 @@ impl Writer {
         }
     }
 
-    fn fold(&mut self, record: &Record) {
-        if let Some(lease) = record.lease() {
-            if let Some(entry) = self.state.get_mut(lease) {
-                record.apply(entry);
-            } else {
-                let mut entry = LeaseRecord {
-                    lease: lease.to_owned(),
-                    ..LeaseRecord::default()
-                };
-                record.apply(&mut entry);
-                self.state.insert(lease.to_owned(), entry);
-            }
-        }
-    }
-
     fn maybe_compact(&mut self) {
         if self.len < self.options.compact_min_bytes
             || self.len < self.compacted_len.saturating_mul(4)
@@ -458,8 +441,8 @@ impl Writer {
             return;
         }
         match self.compact() {
-            Ok(len) => {
-                tracing::info!(journal = %self.path.display(), before = self.len, after = len, leases = self.state.len(), "journal compacted");
+            Ok((len, leases)) => {
+                tracing::info!(journal = %self.path.display(), before = self.len, after = len, leases, "journal compacted");
                 self.len = len;
                 self.compacted_len = len;
             }
@@ -472,14 +455,27 @@ impl Writer {
         }
     }
 
-    /// Rewrites the log as one state record per lease.
-    fn compact(&mut self) -> io::Result<u64> {
+    /// Rewrites the log as one state record per lease; returns the new
+    /// length and the number of leases.
+    fn compact(&mut self) -> io::Result<(u64, usize)> {
         self.faults.check()?;
         let tmp_path = self.dir.join(COMPACT_TMP);
-        let mut buf = Vec::with_capacity(self.state.len() * 96 + FILE_MAGIC.len());
+        // Everything up to `len` was written and synced by this writer.
+        let mut bytes = std::fs::read(&self.path)?;
+        bytes.truncate(usize::try_from(self.len).unwrap_or(usize::MAX));
+        let (state, good_len) = replay(&bytes, &self.path).map_err(|e| io::Error::other(e.0))?;
+        if good_len != self.len {
+            return Err(io::Error::other(format!(
+                "the log reads back {good_len} good bytes of {}",
+                self.len
+            )));
+        }
+        drop(bytes);
+        let leases = state.len();
+        let mut buf = Vec::with_capacity(leases * 96 + FILE_MAGIC.len());
         buf.extend_from_slice(FILE_MAGIC);
-        for lease in self.state.values() {
-            Record::State(lease.clone()).encode_frame(&mut buf);
+        for lease in state.into_values() {
+            Record::State(lease).encode_frame(&mut buf);
         }
         let mut tmp = open_log(&tmp_path).map_err(|e| io::Error::other(e.0))?;
         tmp.set_len(0)?;
@@ -489,7 +485,7 @@ impl Writer {
         sync_dir(&self.dir)?;
         tmp.seek(SeekFrom::Start(buf.len() as u64))?;
         self.file = tmp;
-        Ok(buf.len() as u64)
+        Ok((buf.len() as u64, leases))
     }
 }
 

@@ -7,12 +7,10 @@
 //! (persisting a grant and waiting for a lease both happen after the guard is
 //! dropped).
 
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use dashmap::DashMap;
-use tokio::sync::futures::OwnedNotified;
 use tokio::sync::Notify;
 
 use super::id::LeaseId;
@@ -108,7 +106,7 @@ struct Slot {
 }
 
 /// The parts of a lease that outlive a map lookup.
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct LeaseCell {
     /// Admitted writes not yet finished, by term. A plain mutex: it is held
     /// for a few instructions, never across an await, and is only contended
@@ -118,7 +116,7 @@ struct LeaseCell {
     /// when the last write of a term in flight finishes, so waiting acquirers
     /// and waiting writes re-check at once. Waiters always re-check, so one
     /// notifier serves both.
-    changed: Arc<Notify>,
+    changed: Notify,
 }
 
 impl LeaseCell {
@@ -205,7 +203,7 @@ pub struct MustWait {
     pub deadline_ms: u64,
     /// When the check ran.
     pub now_ms: u64,
-    changed: Arc<Notify>,
+    cell: Arc<LeaseCell>,
 }
 
 /// Why a write was not admitted.
@@ -410,11 +408,10 @@ impl LeaseStore {
                 .entry(name.to_owned())
                 .or_default()
                 .cell
-                .changed
                 .clone();
             // Listen before trying, so a release between the attempt and the
             // wait below still wakes this acquirer.
-            let notified = freed.notified();
+            let notified = freed.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
 
@@ -609,7 +606,7 @@ impl LeaseStore {
                 older_token,
                 deadline_ms: admit.deadline_ms,
                 now_ms,
-                changed: slot.cell.changed.clone(),
+                cell: slot.cell.clone(),
             }));
         }
         inflight.add(token);
@@ -638,19 +635,19 @@ impl LeaseStore {
     ) -> Result<Admitted, AdmitError> {
         let clock = &self.shared.clock;
         let mut started_ms = None;
-        let mut waiting: Option<Pin<Box<OwnedNotified>>> = None;
+        let admitted = |guard: WriteGuard, started_ms: Option<u64>| {
+            let waited_ms = started_ms.map_or(0, |s| clock.now_ms().saturating_sub(s));
+            if started_ms.is_some() {
+                self.shared
+                    .stats
+                    .barrier_wait_ms
+                    .fetch_add(waited_ms, Ordering::Relaxed);
+            }
+            Admitted { guard, waited_ms }
+        };
         loop {
             let wait = match self.try_admit_write(name, token, lease_id, &options)? {
-                Ok(guard) => {
-                    let waited_ms = started_ms.map_or(0, |s| clock.now_ms().saturating_sub(s));
-                    if started_ms.is_some() {
-                        self.shared
-                            .stats
-                            .barrier_wait_ms
-                            .fetch_add(waited_ms, Ordering::Relaxed);
-                    }
-                    return Ok(Admitted { guard, waited_ms });
-                }
+                Ok(guard) => return Ok(admitted(guard, started_ms)),
                 Err(wait) => wait,
             };
             let now_ms = wait.now_ms;
@@ -678,26 +675,25 @@ impl LeaseStore {
                     waited_ms: now_ms - started,
                 });
             }
-            match waiting.take() {
-                // Listen first, then re-check: a drain between the check
-                // above and this registration is then not missed.
-                None => {
-                    let mut notified = Box::pin(wait.changed.notified_owned());
-                    notified.as_mut().enable();
-                    waiting = Some(notified);
-                }
-                Some(notified) => {
-                    // The term's own deadline (less the margin) still applies:
-                    // wake then and let the check refuse the write.
-                    let wake_ms = wait
-                        .deadline_ms
-                        .saturating_sub(options.margin_ms)
-                        .min(wait_until_ms);
-                    tokio::select! {
-                        () = notified => {}
-                        () = clock.sleep_until(wake_ms) => {}
-                    }
-                }
+            // Listen first, then re-check: a drain between the check above
+            // and this registration is then not missed.
+            let cell = wait.cell;
+            let notified = cell.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let wait = match self.try_admit_write(name, token, lease_id, &options)? {
+                Ok(guard) => return Ok(admitted(guard, started_ms)),
+                Err(wait) => wait,
+            };
+            // The term's own deadline (less the margin) still applies: wake
+            // then and let the check refuse the write.
+            let wake_ms = wait
+                .deadline_ms
+                .saturating_sub(options.margin_ms)
+                .min(wait_until_ms);
+            tokio::select! {
+                () = notified => {}
+                () = clock.sleep_until(wake_ms) => {}
             }
         }
     }
