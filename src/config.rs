@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::app::RequestLimits;
-use crate::backend::UpstreamOptions;
+use crate::backend::{ConnectionMode, UpstreamOptions};
 use crate::clock::ClockKind;
 use crate::lease::{AdmitOptions, LeaseLimits};
 use crate::route::{Route, Routes};
@@ -208,6 +208,7 @@ pub struct ProxyConfig {
     pub preserve_host: bool,
     pub x_forwarded: bool,
     pub forwarded: bool,
+    pub upstream_connections: ConnectionMode,
 }
 
 impl Default for Config {
@@ -286,6 +287,7 @@ impl Default for ProxyConfig {
             preserve_host: o.preserve_host,
             x_forwarded: o.x_forwarded,
             forwarded: o.forwarded,
+            upstream_connections: o.mode,
         }
     }
 }
@@ -471,6 +473,7 @@ impl Config {
             x_forwarded: self.proxy.x_forwarded,
             forwarded: self.proxy.forwarded,
             max_body_bytes: self.limits.max_body_bytes,
+            mode: self.proxy.upstream_connections,
         }
     }
 }

@@ -281,3 +281,132 @@ async fn a_backend_that_is_down_is_502_and_a_silent_one_is_504() {
     );
     holder.abort();
 }
+
+/// A backend answering 204 to everything, counting the connections it
+/// accepted; with `keep_alive` off it closes each after one response.
+async fn counting_backend(keep_alive: bool) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(|_req| async {
+                    let mut res = Response::new(body::empty());
+                    *res.status_mut() = http::StatusCode::NO_CONTENT;
+                    Ok::<_, std::convert::Infallible>(res)
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .keep_alive(keep_alive)
+                    .serve_connection(hyper_util::rt::TokioIo::new(sock), service)
+                    .await;
+            });
+        }
+    });
+    (url, accepted)
+}
+
+#[tokio::test]
+async fn each_client_connection_gets_one_upstream_connection_of_its_own() {
+    use std::sync::atomic::Ordering;
+    let (url, accepted) = counting_backend(true).await;
+    let h = proxy_to(&url, 5_000);
+    let proxy = spawn(h.app.clone()).await;
+    let a = h.acquire("orders", "A", 60_000).await;
+    let clients = [HttpClient::new(&proxy.url()), HttpClient::new(&proxy.url())];
+    for i in 0..10 {
+        for c in &clients {
+            let r = c
+                .send(
+                    Req::new("PUT", &format!("/kv/orders/{i}"))
+                        .held(&a)
+                        .body("x"),
+                )
+                .await;
+            assert_eq!(r.status, 204);
+        }
+    }
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        2,
+        "one per client connection"
+    );
+
+    // Pooled, the same load may share connections: never more than two.
+    let (url, accepted) = counting_backend(true).await;
+    let h = proxy_with(&url, 5_000, |c| {
+        c.proxy.upstream_connections = fencegate::backend::ConnectionMode::Pooled;
+    });
+    let proxy = spawn(h.app.clone()).await;
+    let a = h.acquire("orders", "A", 60_000).await;
+    let c = HttpClient::new(&proxy.url());
+    for i in 0..10 {
+        let r = c
+            .send(
+                Req::new("PUT", &format!("/kv/orders/{i}"))
+                    .held(&a)
+                    .body("x"),
+            )
+            .await;
+        assert_eq!(r.status, 204);
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_dedicated_connection_the_upstream_closed_is_replaced_transparently() {
+    use std::sync::atomic::Ordering;
+    // Every response closes its connection: each request needs a new one,
+    // and none may fail because the old one is gone.
+    let (url, accepted) = counting_backend(false).await;
+    let h = proxy_to(&url, 5_000);
+    let proxy = spawn(h.app.clone()).await;
+    let a = h.acquire("orders", "A", 60_000).await;
+    let c = HttpClient::new(&proxy.url());
+    for i in 0..20 {
+        let r = c
+            .send(
+                Req::new("PUT", &format!("/kv/orders/{i}"))
+                    .held(&a)
+                    .body("x"),
+            )
+            .await;
+        assert_eq!(r.status, 204, "request {i}: {}", r.text());
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 20);
+}
+
+#[tokio::test]
+async fn a_timed_out_dedicated_connection_is_never_reused() {
+    // Accepts, counts, never answers.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", silent.local_addr().unwrap());
+    let accepted = Arc::new(Mutex::new(Vec::new()));
+    let held = accepted.clone();
+    let holder = tokio::spawn(async move {
+        while let Ok((sock, _)) = silent.accept().await {
+            held.lock().unwrap().push(sock);
+        }
+    });
+    let h = proxy_to(&url, 200);
+    let proxy = spawn(h.app.clone()).await;
+    let a = h.acquire("orders", "A", 60_000).await;
+    let c = HttpClient::new(&proxy.url());
+    for expected_connections in 1..=2 {
+        let r = c
+            .send(Req::new("PUT", "/kv/orders/1").held(&a).body("x"))
+            .await;
+        assert_eq!(
+            (r.status.as_u16(), r.reason().as_str()),
+            (504, "upstream-timeout")
+        );
+        // Each try needed a fresh upstream connection: the first one may
+        // still deliver the first request, so it must never carry another.
+        assert_eq!(accepted.lock().unwrap().len(), expected_connections);
+    }
+    holder.abort();
+    proxy.stop().await;
+}

@@ -16,7 +16,7 @@ use tower::Service;
 
 use crate::body::Body;
 pub use embedded::EmbeddedStore;
-pub use upstream::{ClientAddr, Upstream, UpstreamOptions};
+pub use upstream::{ClientAddr, ConnectionMode, Upstream, UpstreamOptions};
 
 /// The storage behind the fence.
 #[derive(Clone, Debug)]
