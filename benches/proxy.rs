@@ -19,7 +19,12 @@
 //! - `fencegate unfenced`: the same write on a path no route guards
 //!   (`fence.allow_unrouted_writes`), so the difference to the fenced row is
 //!   the fencing decision end to end;
-//! - `fencegate renew`: `POST /_fence/leases/…/renew` (no backend involved).
+//! - `fencegate renew`: `POST /_fence/leases/…/renew` (no backend involved);
+//! - `fenced, pooled upstream` and `fenced, 2 worker threads`: the fenced
+//!   row again on two more fencegates, one with `proxy.upstream_connections =
+//!   "pooled"`, one with `runtime.worker_threads = 2` (tokio's multi-thread
+//!   scheduler; the default on one CPU is the current-thread one), so the
+//!   defaults are chosen by measurement in the same run.
 //!
 //! Every request carries the same 64-byte body and fencing headers; any
 //! non-2xx answer fails the run, since its figures would be meaningless.
@@ -386,6 +391,49 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Starts a fencegate in front of `backend` with `env` on top of the
+/// defaults, acquires the lease `bench`, and writes the wrk scripts of a
+/// fenced PUT and a renew under it.
+fn start_fencegate(
+    dir: &Path,
+    pin: Option<&str>,
+    backend: &str,
+    name: &str,
+    env: &[(&str, &str)],
+) -> (Server, String, PathBuf, PathBuf) {
+    let mut fg = pinned(pin, Path::new(env!("CARGO_BIN_EXE_fencegate")));
+    fg.args(["serve", "--listen", "127.0.0.1:0", "--upstream"])
+        .arg(format!("http://{backend}"))
+        .arg("--data-dir")
+        .arg(dir.join(format!("data-{name}")))
+        .env("FENCEGATE_LOG", "warn")
+        .env("FENCEGATE_FENCE__ALLOW_UNROUTED_WRITES", "true")
+        .envs(env.iter().copied())
+        .stderr(std::fs::File::create(dir.join(format!("fencegate-{name}.log"))).unwrap());
+    let (server, addr) = start_announced(fg, "fencegate");
+    let (status, grant) = http(
+        &addr,
+        "POST",
+        "/_fence/leases/bench",
+        &[],
+        r#"{"holder":"bench","ttl_ms":3600000}"#,
+    );
+    assert_eq!(status, 201, "{grant}");
+    let grant: serde_json::Value = serde_json::from_str(&grant).unwrap();
+    let token = grant["token"].to_string();
+    let lease_id = grant["lease_id"].as_str().unwrap().to_owned();
+    let put = wrk_script(dir, &format!("put-{name}"), "PUT", true, &token, &lease_id);
+    let renew = wrk_script(
+        dir,
+        &format!("renew-{name}"),
+        "POST",
+        false,
+        &token,
+        &lease_id,
+    );
+    (server, addr, put, renew)
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--kv-backend") {
         kv_backend();
@@ -404,36 +452,26 @@ fn main() {
 
     let (_nginx, nginx) = start_nginx(&dir, pin, &backend, o.connections);
 
-    let mut fg = pinned(pin, Path::new(env!("CARGO_BIN_EXE_fencegate")));
-    fg.args(["serve", "--listen", "127.0.0.1:0", "--upstream"])
-        .arg(format!("http://{backend}"))
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .env("FENCEGATE_LOG", "warn")
-        .env("FENCEGATE_FENCE__ALLOW_UNROUTED_WRITES", "true")
-        .stderr(std::fs::File::create(dir.join("fencegate.log")).unwrap());
-    for (k, v) in std::env::vars() {
-        // Pass through runtime settings under test, e.g. FENCEGATE_RUNTIME__WORKER_THREADS.
-        if k.starts_with("FENCEGATE_") && k != "FENCEGATE_LOG" {
-            fg.env(k, v);
-        }
+    // The configuration under test, and two variants measured beside it.
+    let variants: [(&str, &[(&str, &str)]); 3] = [
+        ("default", &[]),
+        (
+            "pooled",
+            &[("FENCEGATE_PROXY__UPSTREAM_CONNECTIONS", "pooled")],
+        ),
+        (
+            "multi-thread",
+            &[("FENCEGATE_RUNTIME__WORKER_THREADS", "2")],
+        ),
+    ];
+    let mut servers = Vec::new();
+    let mut instances = Vec::new();
+    for (name, env) in variants {
+        let (server, addr, put, renew) = start_fencegate(&dir, pin, &backend, name, env);
+        servers.push(server);
+        instances.push((addr, put, renew));
     }
-    let (_fencegate, fencegate) = start_announced(fg, "fencegate");
-
-    let (status, grant) = http(
-        &fencegate,
-        "POST",
-        "/_fence/leases/bench",
-        &[],
-        r#"{"holder":"bench","ttl_ms":3600000}"#,
-    );
-    assert_eq!(status, 201, "{grant}");
-    let grant: serde_json::Value = serde_json::from_str(&grant).unwrap();
-    let token = grant["token"].to_string();
-    let lease_id = grant["lease_id"].as_str().unwrap().to_owned();
-
-    let put = wrk_script(&dir, "put", "PUT", true, &token, &lease_id);
-    let renew = wrk_script(&dir, "renew", "POST", false, &token, &lease_id);
+    let (fencegate, put, renew) = &instances[0];
     let targets = [
         Target {
             name: "direct backend",
@@ -458,7 +496,17 @@ fn main() {
         Target {
             name: "fencegate renew",
             url: format!("http://{fencegate}/_fence/leases/bench/renew"),
-            script: renew,
+            script: renew.clone(),
+        },
+        Target {
+            name: "fenced, pooled upstream",
+            url: format!("http://{}/kv/bench/1", instances[1].0),
+            script: instances[1].1.clone(),
+        },
+        Target {
+            name: "fenced, 2 worker threads",
+            url: format!("http://{}/kv/bench/1", instances[2].0),
+            script: instances[2].1.clone(),
         },
     ];
 

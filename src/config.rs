@@ -55,8 +55,8 @@ pub struct Config {
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RuntimeConfig {
-    /// Threads serving connections: 0 for one per CPU the process may run on,
-    /// 1 for tokio's single-threaded scheduler.
+    /// Threads serving connections: 0 for one per CPU the process may run on;
+    /// one thread (set, or the only CPU) is tokio's current-thread scheduler.
     pub worker_threads: usize,
 }
 

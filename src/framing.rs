@@ -70,10 +70,7 @@ impl Default for Scanner {
 }
 
 fn find_line_end(buf: &[u8], from: usize) -> Option<usize> {
-    buf[from..]
-        .iter()
-        .position(|&b| b == b'\n')
-        .map(|i| from + i + 1)
+    memchr::memchr(b'\n', &buf[from..]).map(|i| from + i + 1)
 }
 
 /// The end of a head (after its blank line), accepting bare LF as hyper does;
@@ -81,7 +78,7 @@ fn find_line_end(buf: &[u8], from: usize) -> Option<usize> {
 fn find_head_end(buf: &[u8], from: usize) -> Option<usize> {
     // Back up over a line break the earlier search saw without its follower.
     let mut i = from.saturating_sub(2);
-    while let Some(rel) = buf[i..].iter().position(|&b| b == b'\n') {
+    while let Some(rel) = memchr::memchr(b'\n', &buf[i..]) {
         let nl = i + rel;
         let rest = &buf[nl + 1..];
         if rest.starts_with(b"\n") {
@@ -167,33 +164,39 @@ impl Scanner {
     }
 }
 
-/// More header lines than hyper accepts (100): such a head is refused by
-/// hyper, so the guard need not look at it.
-const MAX_HEADERS: usize = 128;
-
 /// Looks at one complete head: marks a `Content-Length` beside
 /// `Transfer-Encoding`, and says how the body that follows is framed.
+///
+/// A plain line scan, not a full parse: hyper parses (and validates) the
+/// head after this; here only the three framing headers matter. A request
+/// line that does not end in an HTTP/1 version ends the watch.
 fn inspect_head(head: &mut [u8]) -> State {
-    let mut headers = [std::mem::MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_HEADERS];
-    let mut req = httparse::Request::new(&mut []);
-    let Ok(httparse::Status::Complete(_)) = req.parse_with_uninit_headers(head, &mut headers)
-    else {
+    let mut lines = memchr::memchr_iter(b'\n', head).scan(0, |start, end| {
+        let line = &head[*start..end];
+        *start = end + 1;
+        Some(line.strip_suffix(b"\r").unwrap_or(line))
+    });
+    let request_line = lines.by_ref().find(|l| !l.is_empty()).unwrap_or_default();
+    if !(request_line.ends_with(b" HTTP/1.1") || request_line.ends_with(b" HTTP/1.0")) {
         return State::Passthrough;
-    };
+    }
+    let mut upgrade = request_line.starts_with(b"CONNECT ");
     let mut lengths = 0usize;
     let mut length = None;
     let mut chunked = None;
-    let mut upgrade = req.method == Some("CONNECT");
-    for h in req.headers.iter() {
-        if h.name.eq_ignore_ascii_case("content-length") {
+    for line in lines.take_while(|l| !l.is_empty()) {
+        let Some((name, value)) = split_header(line) else {
+            continue;
+        };
+        if name.eq_ignore_ascii_case(b"content-length") {
             lengths += 1;
-            length = std::str::from_utf8(h.value)
+            length = std::str::from_utf8(value)
                 .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok());
-        } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
-            let last = h.value.rsplit(|&b| b == b',').next().unwrap_or_default();
+                .and_then(|v| v.parse::<u64>().ok());
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            let last = value.rsplit(|&b| b == b',').next().unwrap_or_default();
             chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
-        } else if h.name.eq_ignore_ascii_case("upgrade") {
+        } else if name.eq_ignore_ascii_case(b"upgrade") {
             upgrade = true;
         }
     }
@@ -202,17 +205,7 @@ fn inspect_head(head: &mut [u8]) -> State {
     }
     match chunked {
         Some(true) => {
-            // The rare conflicting head: find the names to mark, then mark.
-            let base = head.as_ptr() as usize;
-            let at: Vec<usize> = req
-                .headers
-                .iter()
-                .filter(|h| h.name.eq_ignore_ascii_case("content-length"))
-                .map(|h| h.name.as_ptr() as usize - base)
-                .collect();
-            for at in at {
-                head[at..at + CONFLICT_HEADER.len()].copy_from_slice(CONFLICT_HEADER.as_bytes());
-            }
+            mark_lengths(head);
             State::ChunkSize
         }
         // Not chunked last: hyper refuses the request.
@@ -223,6 +216,28 @@ fn inspect_head(head: &mut [u8]) -> State {
             (_, Some(n)) => State::Fixed(n),
             (_, None) => State::Passthrough,
         },
+    }
+}
+
+/// `name: value` of a header line, the value trimmed.
+fn split_header(line: &[u8]) -> Option<(&[u8], &[u8])> {
+    let colon = memchr::memchr(b':', line)?;
+    Some((&line[..colon], line[colon + 1..].trim_ascii()))
+}
+
+/// Renames every `Content-Length` header line of `head` (the rare
+/// conflicting head) to [`CONFLICT_HEADER`], which has the same length.
+fn mark_lengths(head: &mut [u8]) {
+    let mut at = 0;
+    while at < head.len() {
+        let end = memchr::memchr(b'\n', &head[at..]).map_or(head.len(), |i| at + i + 1);
+        let line = &head[at..end];
+        if at > 0
+            && split_header(line).is_some_and(|(n, _)| n.eq_ignore_ascii_case(b"content-length"))
+        {
+            head[at..at + CONFLICT_HEADER.len()].copy_from_slice(CONFLICT_HEADER.as_bytes());
+        }
+        at = end;
     }
 }
 

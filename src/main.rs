@@ -257,9 +257,15 @@ async fn backend(listen: String, record: bool) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
-/// The runtime `serve` runs on: `worker_threads` 1 is tokio's current-thread
-/// scheduler, 0 one worker per CPU the process may run on.
+/// The runtime `serve` runs on: `worker_threads` 0 means one per CPU the
+/// process may run on, and one thread means tokio's current-thread
+/// scheduler (measured faster on one core than a one-worker multi-thread
+/// runtime, whose accept loop and workers hand off across threads).
 fn runtime(worker_threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    let worker_threads = match worker_threads {
+        0 => std::thread::available_parallelism().map_or(1, usize::from),
+        n => n,
+    };
     if worker_threads == 1 {
         return tokio::runtime::Builder::new_current_thread()
             .enable_all()

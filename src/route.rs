@@ -13,6 +13,8 @@
 
 use std::borrow::Cow;
 
+use smallvec::SmallVec;
+
 /// One segment of a pattern.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Segment {
@@ -171,19 +173,19 @@ impl Route {
         self
     }
 
-    fn matches(&self, path: &[Cow<'_, str>]) -> Option<Matched<'_>> {
+    fn matches<S: AsRef<str>>(&self, path: &[S]) -> Option<Matched<'_>> {
         if path.len() < self.segments.len() {
             return None;
         }
         for (seg, part) in self.segments.iter().zip(path) {
             if let Segment::Literal(lit) = seg {
-                if lit != part {
+                if lit != part.as_ref() {
                     return None;
                 }
             }
         }
         let lease = match &self.lease {
-            LeaseSource::Segment(i) => path[*i].to_string(),
+            LeaseSource::Segment(i) => path[*i].as_ref().to_owned(),
             LeaseSource::Fixed(name) => name.clone(),
         };
         let literal_prefix = self
@@ -215,13 +217,29 @@ impl Routes {
     /// The route guarding `raw_path` (as sent, percent-encoded), `Ok(None)` if
     /// none does, or an error for a path that must not be forwarded at all.
     pub fn resolve(&self, raw_path: &str) -> Result<Option<Matched<'_>>, BadPath> {
-        let segments = decode_path(raw_path)?;
+        if raw_path.contains('%') {
+            let segments = decode_path(raw_path)?;
+            return Ok(self.routes.iter().find_map(|r| r.matches(&segments)));
+        }
+        // Nothing to decode (the common case): check and match the segments
+        // as they are, without copying them.
+        let Some(rest) = raw_path.strip_prefix('/') else {
+            return Err(BadPath("the path must start with '/'"));
+        };
+        let mut segments: SmallVec<[&str; 8]> = SmallVec::new();
+        for segment in rest.split('/') {
+            check_decoded(segment)?;
+            segments.push(segment);
+        }
         Ok(self.routes.iter().find_map(|r| r.matches(&segments)))
     }
 }
 
+/// Decoded path segments; paths of up to eight segments need no allocation.
+pub type Segments<'a> = SmallVec<[Cow<'a, str>; 8]>;
+
 /// Splits a raw path into decoded segments, refusing anything ambiguous.
-pub fn decode_path(raw_path: &str) -> Result<Vec<Cow<'_, str>>, BadPath> {
+pub fn decode_path(raw_path: &str) -> Result<Segments<'_>, BadPath> {
     let Some(rest) = raw_path.strip_prefix('/') else {
         return Err(BadPath("the path must start with '/'"));
     };
@@ -247,13 +265,19 @@ fn decode_segment(raw: &str) -> Result<Cow<'_, str>, BadPath> {
     let decoded = percent_encoding::percent_decode_str(raw)
         .decode_utf8()
         .map_err(|_| BadPath("the path does not decode to UTF-8"))?;
+    check_decoded(&decoded)?;
+    Ok(decoded)
+}
+
+/// Refuses a decoded segment a backend could read as another path.
+fn check_decoded(decoded: &str) -> Result<(), BadPath> {
     if decoded == "." || decoded == ".." {
         return Err(BadPath("the path has a '.' or '..' segment"));
     }
     if decoded.contains(['/', '\\', '\0']) {
         return Err(BadPath("a path segment decodes to '/', '\\' or NUL"));
     }
-    Ok(decoded)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -269,6 +293,36 @@ mod tests {
 
     fn lease_of(path: &str) -> Option<String> {
         kv().resolve(path).unwrap().map(|m| m.lease)
+    }
+
+    #[test]
+    fn paths_without_escapes_resolve_as_decoded_ones_do() {
+        let routes = kv();
+        for path in [
+            "/kv/orders",
+            "/kv/orders/42",
+            "/kv/",
+            "/kv",
+            "/jobs/7/state",
+            "/jobs/7/other",
+            "/kv/./x",
+            "/kv/../x",
+            "/kv/a\\b",
+            "/",
+            "//",
+            "/kv//x",
+            "/other/orders",
+        ] {
+            let slow = decode_path(path).map(|segments| {
+                routes
+                    .routes
+                    .iter()
+                    .find_map(|r| r.matches(&segments))
+                    .map(|m| m.lease)
+            });
+            let fast = routes.resolve(path).map(|m| m.map(|m| m.lease));
+            assert_eq!(fast, slow, "{path}");
+        }
     }
 
     #[test]
