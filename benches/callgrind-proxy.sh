@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Instructions per proxied request in the fencegate process, counted by
+# valgrind's callgrind: unlike wall time on a shared machine, the count
+# repeats to about one percent, so a change to the hot path can
+# be judged by it.
+#
+#   benches/callgrind-proxy.sh [PATH] [REQUESTS] [FENCEGATE_*=value ...]
+#   benches/callgrind-proxy.sh /kv/bench/1 2000                   # fenced PUT
+#   benches/callgrind-proxy.sh /raw/bench/1 2000                  # unfenced
+#   benches/callgrind-proxy.sh /kv/bench/1 2000 FENCEGATE_PROXY__UPSTREAM_CONNECTIONS=pooled
+#
+# Starts the minimal backend of benches/proxy.rs, fencegate under callgrind
+# in front of it (one worker thread), acquires a lease, warms up with 300
+# PUTs, zeroes the counters, sends REQUESTS sequential PUTs of 64 bytes on
+# one keep-alive connection, and divides the instruction count by REQUESTS.
+# Needs valgrind, curl and python3. Kernel time is not counted.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+path=${1:-/kv/bench/1}
+requests=${2:-2000}
+shift $(($# < 2 ? $# : 2))
+
+cargo build --release --quiet
+cargo bench --bench proxy --no-run --quiet 2>/dev/null
+bench=$(ls -t target/release/deps/proxy-* | grep -v '\.d$' | head -1)
+work=$(mktemp -d)
+pids=()
+cleanup() {
+    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+"$bench" --kv-backend >"$work/backend.out" &
+pids+=($!)
+for _ in $(seq 100); do [[ -s "$work/backend.out" ]] && break; sleep 0.1; done
+backend=$(head -1 "$work/backend.out")
+
+env FENCEGATE_LOG=warn FENCEGATE_FENCE__ALLOW_UNROUTED_WRITES=true \
+    FENCEGATE_RUNTIME__WORKER_THREADS=1 "$@" \
+    valgrind --tool=callgrind --callgrind-out-file="$work/callgrind.out.%p" \
+    target/release/fencegate serve --listen 127.0.0.1:0 \
+    --upstream "http://$backend" --data-dir "$work/data" \
+    >"$work/fencegate.out" 2>"$work/fencegate.log" &
+fencegate=$!
+pids+=("$fencegate")
+for _ in $(seq 300); do grep -q listening "$work/fencegate.out" 2>/dev/null && break; sleep 0.1; done
+addr=$(sed -n 's|^fencegate listening on http://||p' "$work/fencegate.out")
+
+grant=$(curl -sS -X POST -d '{"holder":"bench","ttl_ms":3600000}' "http://$addr/_fence/leases/bench")
+cat >"$work/client.py" <<'EOF'
+import http.client, json, sys
+addr, path, n, grant = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+host, port = addr.rsplit(":", 1)
+conn = http.client.HTTPConnection(host, int(port))
+headers = {"Fencing-Token": str(grant["token"]), "Fencing-Lease-Id": grant["lease_id"]}
+for _ in range(n):
+    conn.request("PUT", path, body=b"x" * 64, headers=headers)
+    res = conn.getresponse()
+    res.read()
+    if res.status >= 300:
+        sys.exit(f"{path}: status {res.status}")
+EOF
+python3 "$work/client.py" "$addr" "$path" 300 "$grant"
+callgrind_control -z "$fencegate" >/dev/null 2>&1
+python3 "$work/client.py" "$addr" "$path" "$requests" "$grant"
+callgrind_control -d "$fencegate" >/dev/null 2>&1
+sleep 0.5
+dump=$(ls -t "$work"/callgrind.out.*.1 | head -1)
+total=$(callgrind_annotate "$dump" 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
+echo "$path: $((total / requests)) instructions per request ($requests requests${*:+, $*})"
