@@ -26,18 +26,24 @@
 //! The client measures its deadlines on tokio's monotonic clock: it never
 //! compares wall clocks with the proxy.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::CertificateDer;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio::time::Instant;
+use tokio_rustls::rustls::crypto::ring;
+use tokio_rustls::rustls::{ClientConfig, RootCertStore};
 
 use crate::fence::{FENCING_LEASE_ID, FENCING_TOKEN};
 
@@ -107,21 +113,69 @@ impl std::fmt::Display for ClientError {
 
 impl std::error::Error for ClientError {}
 
-/// A lease API client for one fencegate.
+/// The roots an `https://` client trusts: the system's, plus `extra`. A
+/// plain `http://` client needs none, so the system store is not read.
+fn trusted_roots(base: &str, extra: &[CertificateDer<'static>]) -> RootCertStore {
+    let mut roots = RootCertStore::empty();
+    if base.starts_with("https://") {
+        let native = rustls_native_certs::load_native_certs();
+        for err in &native.errors {
+            tracing::debug!(error = %err, "cannot read a system CA certificate");
+        }
+        roots.add_parsable_certificates(native.certs);
+    }
+    roots.add_parsable_certificates(extra.iter().cloned());
+    roots
+}
+
+/// A lease API client for one fencegate, over `http://` or `https://`.
 #[derive(Clone, Debug)]
 pub struct LeaseClient {
     base: String,
-    http: Client<HttpConnector, Full<Bytes>>,
+    http: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     /// Bound on each call (a wait_ms on acquire is added to it).
     timeout: Duration,
 }
 
 impl LeaseClient {
-    /// A client for the fencegate at `base` (e.g. `http://127.0.0.1:8080`).
+    /// A client for the fencegate at `base` (e.g. `http://127.0.0.1:8080`);
+    /// an `https://` server must have a certificate the system trusts.
     pub fn new(base: &str) -> Self {
+        Self::build(base, trusted_roots(base, &[]))
+    }
+
+    /// A client that also trusts the CA certificates (PEM) in `ca_file`, for
+    /// an `https://` fencegate with a private CA or a self-signed certificate.
+    pub fn with_ca_file(base: &str, ca_file: &Path) -> Result<Self, String> {
+        let extra = CertificateDer::pem_file_iter(ca_file)
+            .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| format!("{}: {e}", ca_file.display()))?;
+        if extra.is_empty() {
+            return Err(format!("{}: no CERTIFICATE in the file", ca_file.display()));
+        }
+        for cert in &extra {
+            RootCertStore::empty()
+                .add(cert.clone())
+                .map_err(|e| format!("{}: {e}", ca_file.display()))?;
+        }
+        Ok(Self::build(base, trusted_roots(base, &extra)))
+    }
+
+    fn build(base: &str, roots: RootCertStore) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_secs(2)));
+        connector.enforce_http(false);
+        let tls = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .expect("the ring provider supports the default protocol versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let connector = HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
         Self {
             base: base.trim_end_matches('/').to_owned(),
             http: Client::builder(TokioExecutor::new()).build(connector),

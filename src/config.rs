@@ -21,7 +21,8 @@ use crate::route::{Route, Routes};
 use crate::server::ServerOptions;
 
 /// Environment variables with the `FENCEGATE_` prefix that are not config keys.
-const NON_CONFIG_ENV: [&str; 4] = [
+const NON_CONFIG_ENV: [&str; 5] = [
+    "FENCEGATE_CACERT",
     "FENCEGATE_CONFIG",
     "FENCEGATE_LOG",
     "FENCEGATE_LOG_FORMAT",

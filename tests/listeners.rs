@@ -256,3 +256,73 @@ fn the_admin_listener_serves_health_metrics_and_clock_only() {
     assert!(status.success(), "{status}:\n{}", p.log_text());
     assert_ne!(curl(&[&format!("{admin}/_fence/livez")]).0, 0);
 }
+
+#[test]
+fn the_client_commands_speak_tls_with_a_ca_file() {
+    let dir = TempDir::new("tls-cli");
+    let (cert, key) = self_signed(dir.path(), "a");
+    let (other_ca, _) = self_signed(dir.path(), "other");
+    let log = dir.path().join("stderr.log");
+    let p = Proc::start(
+        &serve_args(&dir.path().join("data"), false),
+        &log,
+        &tls_env(&cert, &key),
+    );
+    let fencegate = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_fencegate"))
+            .args(args)
+            .env_remove("FENCEGATE_CACERT")
+            .output()
+            .unwrap()
+    };
+    let acquire = |ca: Option<&Path>| {
+        let mut args = vec![
+            "lease", "acquire", "orders", "--holder", "a", "--ttl", "30s", "--server", &p.url,
+        ];
+        if let Some(ca) = ca {
+            args.extend(["--cacert", ca.to_str().unwrap()]);
+        }
+        fencegate(&args)
+    };
+    // Without the CA, or with another one, the certificate is refused: the
+    // server counts as unreachable (exit 5), and no lease is taken.
+    for ca in [None, Some(other_ca.as_path())] {
+        let out = acquire(ca);
+        assert_eq!(out.status.code(), Some(5), "{out:?}");
+    }
+    let out = acquire(Some(&cert));
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+
+    // `fencegate run` holds another lease over TLS and releases it after.
+    let out = fencegate(&[
+        "run",
+        "--server",
+        &p.url,
+        "--cacert",
+        cert.to_str().unwrap(),
+        "--lease",
+        "jobs",
+        "--holder",
+        "r",
+        "--ttl",
+        "30s",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let (status, body) = exchange(&[
+        "--cacert",
+        cert.to_str().unwrap(),
+        &format!("{}/_fence/leases/jobs", p.url),
+    ]);
+    assert_eq!(status, 200, "{body}");
+    let view: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (view["holder"].as_str(), view["state"].as_str()),
+        (Some("r"), Some("released"))
+    );
+
+    // A CA file that is not PEM is a usage error.
+    let out = acquire(Some(&log));
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+}

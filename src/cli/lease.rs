@@ -1,10 +1,12 @@
 //! `fencegate lease acquire|renew|release|show`.
 
+use std::path::PathBuf;
+
 use clap::{Args, Subcommand};
 
 use super::{exit_code, DEFAULT_SERVER};
 use crate::cli::loadtest::parse_duration_ms;
-use crate::client::{Grant, LeaseClient};
+use crate::client::Grant;
 
 /// `fencegate lease` options.
 #[derive(Args, Debug)]
@@ -12,6 +14,10 @@ pub struct LeaseArgs {
     /// The fencegate to talk to.
     #[arg(long, env = "FENCEGATE_SERVER", default_value = DEFAULT_SERVER, global = true)]
     pub server: String,
+    /// Also trust the CA certificates (PEM) in this file, for an https://
+    /// server with a private CA or a self-signed certificate.
+    #[arg(long, env = "FENCEGATE_CACERT", global = true)]
+    pub cacert: Option<PathBuf>,
     /// Print the server's JSON answer.
     #[arg(long, global = true)]
     pub json: bool,
@@ -86,7 +92,10 @@ fn print_grant(g: &Grant, json: bool, export: bool, server: &str) {
 
 /// Runs `fencegate lease …`; returns the exit code.
 pub async fn run(args: LeaseArgs) -> u8 {
-    let client = LeaseClient::new(&args.server);
+    let client = match super::client(&args.server, args.cacert.as_ref()) {
+        Ok(client) => client,
+        Err(code) => return code,
+    };
     let result = match &args.command {
         LeaseCommand::Acquire {
             lease,

@@ -20,7 +20,21 @@ pub mod lease;
 pub mod loadtest;
 pub mod run;
 
-use crate::client::ClientError;
+use std::path::PathBuf;
+
+use crate::client::{ClientError, LeaseClient};
+
+/// A client for `server`, trusting `ca_file` too if given; a bad CA file
+/// is a usage error.
+pub fn client(server: &str, ca_file: Option<&PathBuf>) -> Result<LeaseClient, u8> {
+    match ca_file {
+        None => Ok(LeaseClient::new(server)),
+        Some(path) => LeaseClient::with_ca_file(server, path).map_err(|e| {
+            eprintln!("fencegate: --cacert {e}");
+            EXIT_USAGE
+        }),
+    }
+}
 
 pub const EXIT_USAGE: u8 = 2;
 pub const EXIT_HELD: u8 = 3;

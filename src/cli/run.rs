@@ -11,6 +11,7 @@
 //! itself, the lease is released and `run` exits with the command's status.
 //! SIGINT and SIGTERM sent to `run` are forwarded to the group.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
@@ -19,7 +20,7 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use super::{exit_code, DEFAULT_SERVER, EXIT_LEASE_LOST, EXIT_USAGE};
 use crate::cli::loadtest::parse_duration_ms;
-use crate::client::{GuardOptions, LeaseClient};
+use crate::client::GuardOptions;
 
 /// `fencegate run` options.
 #[derive(Args, Debug)]
@@ -27,6 +28,9 @@ pub struct RunArgs {
     /// The fencegate to talk to.
     #[arg(long, env = "FENCEGATE_SERVER", default_value = DEFAULT_SERVER)]
     pub server: String,
+    /// Also trust the CA certificates (PEM) in this file (https:// servers).
+    #[arg(long, env = "FENCEGATE_CACERT")]
+    pub cacert: Option<PathBuf>,
     #[arg(long)]
     pub lease: String,
     #[arg(long)]
@@ -80,7 +84,10 @@ pub async fn run(args: RunArgs) -> u8 {
     if grace_ms > margin_ms {
         eprintln!("fencegate: warning: --grace is longer than --margin; the command may outlive the lease");
     }
-    let client = LeaseClient::new(&args.server);
+    let client = match super::client(&args.server, args.cacert.as_ref()) {
+        Ok(client) => client,
+        Err(code) => return code,
+    };
     let options = GuardOptions {
         margin_ms: Some(margin_ms),
     };
