@@ -243,10 +243,18 @@ pub fn decode_path(raw_path: &str) -> Result<Segments<'_>, BadPath> {
     let Some(rest) = raw_path.strip_prefix('/') else {
         return Err(BadPath("the path must start with '/'"));
     };
-    rest.split('/').map(decode_segment).collect()
+    let mut segments = Segments::new();
+    for raw in rest.split('/') {
+        segments.push(decode_segment(raw)?);
+    }
+    Ok(segments)
 }
 
 fn decode_segment(raw: &str) -> Result<Cow<'_, str>, BadPath> {
+    if !raw.contains('%') {
+        check_decoded(raw)?;
+        return Ok(Cow::Borrowed(raw));
+    }
     let bytes = raw.as_bytes();
     let mut i = 0;
     while i < bytes.len() {
