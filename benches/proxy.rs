@@ -472,42 +472,34 @@ fn main() {
         instances.push((addr, put, renew));
     }
     let (fencegate, put, renew) = &instances[0];
+    let target = |name, addr: &str, path: &str, script: &PathBuf| Target {
+        name,
+        url: format!("http://{addr}{path}"),
+        script: script.clone(),
+    };
     let targets = [
-        Target {
-            name: "direct backend",
-            url: format!("http://{backend}/kv/bench/1"),
-            script: put.clone(),
-        },
-        Target {
-            name: "nginx -> backend",
-            url: format!("http://{nginx}/kv/bench/1"),
-            script: put.clone(),
-        },
-        Target {
-            name: "fencegate fenced",
-            url: format!("http://{fencegate}/kv/bench/1"),
-            script: put.clone(),
-        },
-        Target {
-            name: "fencegate unfenced",
-            url: format!("http://{fencegate}/raw/bench/1"),
-            script: put.clone(),
-        },
-        Target {
-            name: "fencegate renew",
-            url: format!("http://{fencegate}/_fence/leases/bench/renew"),
-            script: renew.clone(),
-        },
-        Target {
-            name: "fenced, pooled upstream",
-            url: format!("http://{}/kv/bench/1", instances[1].0),
-            script: instances[1].1.clone(),
-        },
-        Target {
-            name: "fenced, 2 worker threads",
-            url: format!("http://{}/kv/bench/1", instances[2].0),
-            script: instances[2].1.clone(),
-        },
+        target("direct backend", &backend, "/kv/bench/1", put),
+        target("nginx -> backend", &nginx, "/kv/bench/1", put),
+        target("fencegate fenced", fencegate, "/kv/bench/1", put),
+        target("fencegate unfenced", fencegate, "/raw/bench/1", put),
+        target(
+            "fencegate renew",
+            fencegate,
+            "/_fence/leases/bench/renew",
+            renew,
+        ),
+        target(
+            "fenced, pooled upstream",
+            &instances[1].0,
+            "/kv/bench/1",
+            &instances[1].1,
+        ),
+        target(
+            "fenced, 2 worker threads",
+            &instances[2].0,
+            "/kv/bench/1",
+            &instances[2].1,
+        ),
     ];
 
     println!(

@@ -174,7 +174,7 @@ async fn serve(config: Config) -> Result<(), String> {
         }
     };
     let draining = Arc::new(AtomicBool::new(false));
-    let app = app::build(
+    let mut app = app::build(
         &config,
         Parts {
             leases,
@@ -182,7 +182,6 @@ async fn serve(config: Config) -> Result<(), String> {
             draining: draining.clone(),
         },
     )?;
-    let mut app = app;
     let tls = match config.tls.files()? {
         Some((cert, key)) => {
             let certs = Arc::new(Certificates::load(&cert, &key)?);

@@ -122,35 +122,34 @@ where
             req.extensions_mut().insert(client.clone());
             app.clone().oneshot(req)
         });
-        let Some(tls) = &tls else {
-            let io = TokioIo::new(Guarded::new(stream));
-            let conn = graceful.watch(builder.serve_connection(io, service));
-            tokio::spawn(async move {
-                if let Err(err) = conn.await {
-                    tracing::debug!(%peer, error = %err, "connection ended with an error");
-                }
-                drop(permit);
-            });
-            continue;
-        };
         let (tls, builder, watcher) = (tls.clone(), builder.clone(), graceful.watcher());
         tokio::spawn(async move {
-            let stream = match tokio::time::timeout(handshake_timeout, tls.accept(stream)).await {
-                Ok(Ok(stream)) => stream,
-                Ok(Err(err)) => {
-                    tracing::debug!(%peer, error = %err, "TLS handshake failed");
-                    return;
+            let _permit = permit;
+            let served = match tls {
+                None => {
+                    let io = TokioIo::new(Guarded::new(stream));
+                    watcher.watch(builder.serve_connection(io, service)).await
                 }
-                Err(_) => {
-                    tracing::debug!(%peer, "TLS handshake timed out");
-                    return;
+                Some(tls) => {
+                    let stream =
+                        match tokio::time::timeout(handshake_timeout, tls.accept(stream)).await {
+                            Ok(Ok(stream)) => stream,
+                            Ok(Err(err)) => {
+                                tracing::debug!(%peer, error = %err, "TLS handshake failed");
+                                return;
+                            }
+                            Err(_) => {
+                                tracing::debug!(%peer, "TLS handshake timed out");
+                                return;
+                            }
+                        };
+                    let io = TokioIo::new(Guarded::new(stream));
+                    watcher.watch(builder.serve_connection(io, service)).await
                 }
             };
-            let io = TokioIo::new(Guarded::new(stream));
-            if let Err(err) = watcher.watch(builder.serve_connection(io, service)).await {
+            if let Err(err) = served {
                 tracing::debug!(%peer, error = %err, "connection ended with an error");
             }
-            drop(permit);
         });
     }
     drop(listener);

@@ -160,14 +160,6 @@ impl ClientAddr {
             upstream: Mutex::new(None),
         }))
     }
-
-    pub fn addr(&self) -> SocketAddr {
-        self.0.addr
-    }
-
-    pub fn https(&self) -> bool {
-        self.0.https
-    }
 }
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -325,25 +317,36 @@ impl Shared {
         if !req.headers().contains_key(HOST) {
             req.headers_mut().insert(HOST, self.host.clone());
         }
-        let idle = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let mut conn = match idle {
-            Some(conn) if !conn.sender.is_closed() => conn,
-            _ => self.connect().await?,
-        };
-        conn.sender.ready().await?;
-        let res = match conn.sender.try_send_request(req).await {
-            Ok(res) => res,
-            Err(mut err) => match err.take_message() {
-                Some(req) => {
-                    conn = self.connect().await?;
-                    conn.sender.ready().await?;
-                    conn.sender.send_request(req).await?
+        let mut idle = slot
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .filter(|conn| !conn.sender.is_closed());
+        loop {
+            let reused = idle.is_some();
+            let mut conn = match idle.take() {
+                Some(conn) => conn,
+                None => self.connect().await?,
+            };
+            // A reused connection the upstream closed meanwhile refuses the
+            // request unsent: it goes once more, on a fresh connection.
+            if let Err(err) = conn.sender.ready().await {
+                if reused {
+                    continue;
                 }
-                None => return Err(err.into_error().into()),
-            },
-        };
-        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn);
-        Ok(res)
+                return Err(err.into());
+            }
+            match conn.sender.try_send_request(req).await {
+                Ok(res) => {
+                    *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn);
+                    return Ok(res);
+                }
+                Err(mut err) => match err.take_message() {
+                    Some(unsent) if reused => req = unsent,
+                    _ => return Err(err.into_error().into()),
+                },
+            }
+        }
     }
 
     /// Opens a dedicated upstream connection, its driver on a task of its own.
