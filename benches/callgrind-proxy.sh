@@ -8,11 +8,13 @@
 #   benches/callgrind-proxy.sh /kv/bench/1 2000                   # fenced PUT
 #   benches/callgrind-proxy.sh /raw/bench/1 2000                  # unfenced
 #   benches/callgrind-proxy.sh /kv/bench/1 2000 FENCEGATE_PROXY__UPSTREAM_CONNECTIONS=pooled
+#   benches/callgrind-proxy.sh /_fence/leases/bench/renew 2000    # renew (POST, no body)
 #
 # Starts the minimal backend of benches/proxy.rs, fencegate under callgrind
 # in front of it (one worker thread), acquires a lease, warms up with 300
-# PUTs, zeroes the counters, sends REQUESTS sequential PUTs of 64 bytes on
-# one keep-alive connection, and divides the instruction count by REQUESTS.
+# requests, zeroes the counters, sends REQUESTS sequential requests on one
+# keep-alive connection (PUTs of 64 bytes; a POST without a body for a path
+# ending in /renew), and divides the instruction count by REQUESTS.
 # Needs valgrind, curl and python3. Kernel time is not counted.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,8 +56,12 @@ addr, path, n, grant = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sy
 host, port = addr.rsplit(":", 1)
 conn = http.client.HTTPConnection(host, int(port))
 headers = {"Fencing-Token": str(grant["token"]), "Fencing-Lease-Id": grant["lease_id"]}
+renew = path.endswith("/renew")
 for _ in range(n):
-    conn.request("PUT", path, body=b"x" * 64, headers=headers)
+    if renew:
+        conn.request("POST", path, headers=headers)
+    else:
+        conn.request("PUT", path, body=b"x" * 64, headers=headers)
     res = conn.getresponse()
     res.read()
     if res.status >= 300:
