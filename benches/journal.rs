@@ -96,7 +96,7 @@ async fn renews_per_second(duration: Duration) -> f64 {
     while start.elapsed() < duration {
         for _ in 0..1000 {
             store
-                .renew("r", held.token, Some(&id), None)
+                .renew("r", held.token, Some(&id), None, None)
                 .expect("renew");
         }
         n += 1000;
@@ -180,7 +180,7 @@ fn check_ns(store: &LeaseStore, sample: &[(String, u64, Vec<u8>)]) -> f64 {
     let start = Instant::now();
     for _ in 0..rounds {
         for (name, token, id) in sample {
-            match store.try_admit_write(name, *token, Some(id), &options) {
+            match store.try_admit_write(name, *token, Some(id), None, &options) {
                 Ok(Ok(guard)) => guard.finish(),
                 _ => panic!("a held lease refused a write"),
             }

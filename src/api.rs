@@ -26,7 +26,7 @@ use crate::backend::EmbeddedStore;
 use crate::body::{self, Body};
 use crate::clock::ClockKind;
 use crate::error::Problem;
-use crate::fence::{check_holder, credentials, FENCING_LEASE_ID, FENCING_TOKEN};
+use crate::fence::{credentials, visible_to, FENCING_LEASE_ID, FENCING_TOKEN};
 use crate::lease::{is_valid_lease_name, Acquired, LeaseStore, View};
 use crate::metrics::Metrics;
 use crate::route::decode_path;
@@ -335,7 +335,7 @@ impl Api {
             .await?
             .expect("required body");
         // With authentication on, the caller is the holder.
-        let holder = match (caller, body.holder) {
+        let holder = match (&caller, body.holder) {
             (Some(c), Some(h)) if h != c.name => {
                 return Err(Problem::forbidden(
                     "the holder must be the authenticated caller",
@@ -350,7 +350,10 @@ impl Api {
             .leases
             .acquire(name, &holder, ttl_ms, body.wait_ms.unwrap_or(0))
             .await
-            .map_err(|e| Problem::acquire_failed(name, e))?;
+            .map_err(|e| {
+                let problem = Problem::acquire_failed(name, e);
+                visible_to(problem, &self.leases, name, caller.as_deref())
+            })?;
         Ok(grant_response(name, &granted, true))
     }
 
@@ -360,9 +363,6 @@ impl Api {
         let (parts, body) = req.into_parts();
         let (token, lease_id) =
             credentials(&parts.headers, self.require_lease_id).map_err(|p| p.lease(name))?;
-        if let Some(c) = &caller {
-            check_holder(&self.leases, name, token, &c.name)?;
-        }
         let body: RenewBody = read_json(body, true).await?.unwrap_or_default();
         let ttl_ms = body
             .ttl_ms
@@ -371,8 +371,17 @@ impl Api {
             .transpose()?;
         let renewed = self
             .leases
-            .renew(name, token, lease_id, ttl_ms)
-            .map_err(|e| Problem::renew_failed(name, e))?;
+            .renew(
+                name,
+                token,
+                lease_id,
+                caller.as_ref().map(|c| c.name.as_str()),
+                ttl_ms,
+            )
+            .map_err(|e| {
+                let problem = Problem::renew_failed(name, e);
+                visible_to(problem, &self.leases, name, caller.as_deref())
+            })?;
         tracing::debug!(
             target: "audit",
             lease = name,
@@ -387,12 +396,13 @@ impl Api {
         let name = self.name(name)?;
         let (token, lease_id) =
             credentials(req.headers(), self.require_lease_id).map_err(|p| p.lease(name))?;
-        if let Some(c) = caller(req) {
-            check_holder(&self.leases, name, token, &c.name)?;
-        }
+        let caller = caller(req);
         self.leases
-            .release(name, token, lease_id)
-            .map_err(|r| Problem::rejected(name, r))?;
+            .release(name, token, lease_id, caller.map(|c| c.name.as_str()))
+            .map_err(|r| {
+                let problem = Problem::rejected(name, r);
+                visible_to(problem, &self.leases, name, caller.map(|c| &**c))
+            })?;
         tracing::info!(target: "audit", lease = name, token, "lease released");
         let mut res = Response::new(body::empty());
         *res.status_mut() = StatusCode::NO_CONTENT;

@@ -78,6 +78,15 @@ impl Problem {
         self
     }
 
+    /// The same problem without the lease's current holder, token and time
+    /// left, for a caller who may not see them.
+    pub fn without_term_details(mut self) -> Self {
+        self.0.current_token = None;
+        self.0.holder = None;
+        self.0.expires_in_ms = None;
+        self
+    }
+
     /// The HTTP status.
     pub fn status(&self) -> StatusCode {
         self.0.status
@@ -244,6 +253,10 @@ impl Problem {
             Reject::LeaseIdMismatch { .. } => (
                 StatusCode::FORBIDDEN,
                 "the lease id does not belong to this term",
+            ),
+            Reject::NotHolder { .. } => (
+                StatusCode::FORBIDDEN,
+                "this term of the lease is held by another caller",
             ),
             Reject::Released { .. } => (
                 StatusCode::PRECONDITION_FAILED,

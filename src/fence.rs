@@ -27,7 +27,7 @@ use http_body::Body as _;
 use pin_project_lite::pin_project;
 use tower::{Layer, Service};
 
-use crate::auth::Caller;
+use crate::auth::{Caller, Identity};
 use crate::body::Body;
 use crate::error::Problem;
 use crate::lease::{is_valid_lease_name, AdmitError, AdmitOptions, LeaseStore, WriteGuard};
@@ -137,6 +137,8 @@ enum Decision {
         lease: String,
         token: u64,
         lease_id: Option<HeaderValue>,
+        /// The authenticated caller, who must hold the term (auth on only).
+        caller: Option<Caller>,
         max_wait_ms: u64,
     },
 }
@@ -193,15 +195,11 @@ impl FencePolicy {
             Ok((token, _)) => token,
             Err(p) => return Decision::Reject(p.lease(&lease)),
         };
-        if let Some(Caller(identity)) = &caller {
-            if let Err(p) = check_holder(&self.leases, &lease, token, &identity.name) {
-                return Decision::Reject(p);
-            }
-        }
         Decision::Fenced {
             lease,
             token,
             lease_id: req.headers_mut().remove(&LEASE_ID_NAME),
+            caller,
             max_wait_ms: timeout_ms,
         }
     }
@@ -235,23 +233,6 @@ impl FencePolicy {
             max_wait_ms,
             ..self.admit
         }
-    }
-}
-
-/// With authentication on: a caller presenting the current token of `lease`
-/// must be that term's holder. (Other tokens are refused by the token checks
-/// that follow, so the term they name does not matter here.)
-pub fn check_holder(
-    leases: &LeaseStore,
-    lease: &str,
-    token: u64,
-    caller: &str,
-) -> Result<(), Problem> {
-    match leases.holder(lease) {
-        Some((current, holder)) if current == token && holder != caller => {
-            Err(Problem::forbidden("this term of the lease is held by another caller").lease(lease))
-        }
-        _ => Ok(()),
     }
 }
 
@@ -312,7 +293,7 @@ where
     }
 
     fn call(&mut self, mut req: Request<Body>) -> Self::Future {
-        let (lease, token, lease_id, max_wait_ms) = match self.policy.decide(&mut req) {
+        let (lease, token, lease_id, caller, max_wait_ms) = match self.policy.decide(&mut req) {
             Decision::Pass => return FenceFuture::forward(self.inner.call(req), None),
             Decision::Reject(problem) => {
                 self.policy.metrics.write_rejected(problem.reason());
@@ -322,16 +303,18 @@ where
                 lease,
                 token,
                 lease_id,
+                caller,
                 max_wait_ms,
-            } => (lease, token, lease_id, max_wait_ms),
+            } => (lease, token, lease_id, caller, max_wait_ms),
         };
         let options = self.policy.admit_options(max_wait_ms);
         let presented = lease_id.as_ref().map(HeaderValue::as_bytes);
+        let holder = caller.as_ref().map(|c| c.0.name.as_str());
         // The common case decides without waiting or allocating.
         match self
             .policy
             .leases
-            .try_admit_write(&lease, token, presented, &options)
+            .try_admit_write(&lease, token, presented, holder, &options)
         {
             Ok(Ok(guard)) => {
                 self.policy.metrics.write_forwarded();
@@ -339,9 +322,10 @@ where
                 FenceFuture::forward(self.inner.call(req), Some(guard))
             }
             Err(AdmitError::Rejected(reject)) => FenceFuture::ready(reject_write(
-                &self.policy.metrics,
+                &self.policy,
                 &lease,
                 token,
+                caller.as_ref(),
                 &req,
                 reject,
             )),
@@ -358,14 +342,22 @@ where
                 let policy = self.policy.clone();
                 FenceFuture::boxed(Box::pin(async move {
                     let presented = lease_id.as_ref().map(HeaderValue::as_bytes);
+                    let holder = caller.as_ref().map(|c| c.0.name.as_str());
                     let admitted = match policy
                         .leases
-                        .admit_write(&lease, token, presented, options)
+                        .admit_write(&lease, token, presented, holder, options)
                         .await
                     {
                         Ok(admitted) => admitted,
                         Err(AdmitError::Rejected(reject)) => {
-                            return Ok(reject_write(&policy.metrics, &lease, token, &req, reject));
+                            return Ok(reject_write(
+                                &policy,
+                                &lease,
+                                token,
+                                caller.as_ref(),
+                                &req,
+                                reject,
+                            ));
                         }
                         Err(AdmitError::DrainTimeout {
                             older_token,
@@ -399,15 +391,34 @@ where
 }
 
 fn reject_write(
-    metrics: &Metrics,
+    policy: &FencePolicy,
     lease: &str,
     token: u64,
+    caller: Option<&Caller>,
     req: &Request<Body>,
     reject: crate::lease::Reject,
 ) -> Response<Body> {
-    metrics.write_rejected(reject.reason());
+    policy.metrics.write_rejected(reject.reason());
     tracing::info!(target: "audit", lease, token, reason = reject.reason(), method = %req.method(), "write rejected");
-    Problem::rejected(lease, reject).into_response()
+    let problem = Problem::rejected(lease, reject);
+    visible_to(problem, &policy.leases, lease, caller.map(|c| &*c.0)).into_response()
+}
+
+/// With authentication on, a problem about `lease` shows the current term's
+/// details (holder, token, time left) only to admins and to that term's own
+/// holder; other callers see the reason alone (and `Retry-After`).
+pub fn visible_to(
+    problem: Problem,
+    leases: &LeaseStore,
+    lease: &str,
+    caller: Option<&Identity>,
+) -> Problem {
+    match caller {
+        Some(c) if !c.admin && leases.holder(lease).is_none_or(|(_, h)| h != c.name) => {
+            problem.without_term_details()
+        }
+        _ => problem,
+    }
 }
 
 /// Keeps the write counted as in flight until the response body ends, or for

@@ -3,11 +3,16 @@
 
 mod support;
 
+use std::convert::Infallible;
+
+use bytes::Bytes;
 use fencegate::clock::ClockKind;
 use fencegate::config::{AuthToken, Config, Overrides};
+use http_body_util::channel::Channel;
 use serde_json::json;
 use sha2::{Digest, Sha256};
-use support::{held_from, Harness, Req};
+use support::{held_from, Harness, Req, Resp};
+use tower::ServiceExt;
 
 fn sha(s: &str) -> String {
     Sha256::digest(s.as_bytes())
@@ -17,9 +22,13 @@ fn sha(s: &str) -> String {
 }
 
 fn harness() -> Harness {
+    harness_with(Config::default())
+}
+
+fn harness_with(config: Config) -> Harness {
     let mut config = Config {
         clock: ClockKind::Manual,
-        ..Config::default()
+        ..config
     };
     config.auth.enabled = true;
     config.auth.tokens = vec![
@@ -225,4 +234,105 @@ fn listening_beyond_loopback_needs_auth_or_an_explicit_flag() {
     ])
     .is_ok());
     assert!(load(&[("FENCEGATE_LISTEN", "[::1]:8080")]).is_ok());
+}
+
+/// Seen failing when the holder was checked before the renew body was read
+/// (and apart from the token check): bob sent the renew of term 2 while term
+/// 1 was current, alice then acquired term 2, and bob's body arrived and
+/// renewed alice's term.
+#[tokio::test]
+async fn the_holder_is_checked_with_the_token_not_before_the_body() {
+    let mut config = Config::default();
+    config.fence.require_lease_id = false;
+    let h = harness_with(config);
+    let a1 = held_from(
+        &h.send(as_(
+            "alice",
+            Req::new("POST", "/_fence/leases/orders").json(json!({"ttl_ms": 1000})),
+        ))
+        .await,
+    );
+    let (mut tx, body) = Channel::<Bytes, Infallible>::new(1);
+    let renew = http::Request::post("/_fence/leases/orders/renew")
+        .header("authorization", "Bearer bob-secret")
+        .header("fencing-token", (a1.token + 1).to_string())
+        .body(body)
+        .unwrap();
+    let bobs_renew = tokio::spawn({
+        let app = h.app.clone();
+        async move { Resp::read(app.oneshot(renew).await.unwrap()).await }
+    });
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+    h.advance(1000);
+    let a2 = held_from(
+        &h.send(as_(
+            "alice",
+            Req::new("POST", "/_fence/leases/orders").json(json!({"ttl_ms": 1000})),
+        ))
+        .await,
+    );
+    assert_eq!(a2.token, a1.token + 1);
+    tx.send_data(Bytes::from_static(br#"{"ttl_ms": 3600000}"#))
+        .await
+        .unwrap();
+    drop(tx);
+    let r = bobs_renew.await.unwrap();
+    assert_eq!(
+        (r.status.as_u16(), r.reason().as_str()),
+        (403, "forbidden"),
+        "{}",
+        r.text()
+    );
+    let v = h
+        .send(as_("alice", Req::new("GET", "/_fence/leases/orders")))
+        .await
+        .json();
+    assert_eq!(v["expires_in_ms"], 1000, "alice's term was renewed by bob");
+}
+
+/// Seen failing before problems were redacted: bob's acquire of alice's
+/// lease answered her name, token and time left, and a write with token 0
+/// the current token, although inspecting her lease is refused to him.
+#[tokio::test]
+async fn another_callers_term_is_shown_only_to_admins_and_its_holder() {
+    let h = harness();
+    let a = held_from(
+        &h.send(as_(
+            "alice",
+            Req::new("POST", "/_fence/leases/orders").json(json!({"ttl_ms": 5000})),
+        ))
+        .await,
+    );
+    let acquire = || Req::new("POST", "/_fence/leases/orders").json(json!({"ttl_ms": 1000}));
+    let write0 = || {
+        Req::new("PUT", "/kv/orders/1")
+            .header("fencing-token", "0")
+            .header("fencing-lease-id", &a.lease_id)
+            .body("x")
+    };
+    let renew0 = || {
+        Req::new("POST", "/_fence/leases/orders/renew")
+            .header("fencing-token", "0")
+            .header("fencing-lease-id", &a.lease_id)
+    };
+    for req in [acquire(), write0(), renew0()] {
+        let r = h.send(as_("bob", req)).await;
+        assert!(matches!(r.status.as_u16(), 409 | 412), "{}", r.text());
+        let j = r.json();
+        for member in ["holder", "current_token", "expires_in_ms"] {
+            assert!(j.get(member).is_none(), "{member} shown to bob: {j}");
+        }
+    }
+    let r = h.send(as_("bob", acquire())).await;
+    assert_eq!(r.headers["retry-after"], "5", "the retry hint stays");
+    // The admin and the holder herself see the details.
+    let j = h.send(as_("ops", acquire())).await.json();
+    assert_eq!(
+        (j["holder"].as_str(), j["current_token"].as_u64()),
+        (Some("alice"), Some(1))
+    );
+    let j = h.send(as_("alice", write0())).await.json();
+    assert_eq!(j["current_token"], 1);
 }

@@ -25,28 +25,51 @@ enum TokenPick {
 enum Op {
     Acquire {
         lease: u8,
+        holder: u8,
         ttl_ms: u64,
     },
     Renew {
         lease: u8,
         token: TokenPick,
         right_id: bool,
+        caller: Caller,
         ttl_ms: Option<u64>,
     },
     Release {
         lease: u8,
         token: TokenPick,
         right_id: bool,
+        caller: Caller,
     },
     Write {
         lease: u8,
         token: TokenPick,
         right_id: bool,
         id_required: bool,
+        caller: Caller,
     },
     Advance {
         ms: u64,
     },
+}
+
+/// Who calls, when authentication is on.
+#[derive(Clone, Copy, Debug)]
+enum Caller {
+    /// Authentication off: no holder check.
+    Anyone,
+    /// The current term's holder.
+    Holder,
+    /// Some other authenticated caller.
+    Other,
+}
+
+fn caller() -> impl Strategy<Value = Caller> {
+    prop_oneof![
+        2 => Just(Caller::Anyone),
+        1 => Just(Caller::Holder),
+        1 => Just(Caller::Other),
+    ]
 }
 
 fn token_pick() -> impl Strategy<Value = TokenPick> {
@@ -63,13 +86,13 @@ fn op() -> impl Strategy<Value = Op> {
     let lease = 0u8..3;
     let ttl = prop_oneof![Just(1u64), Just(10), 1u64..200];
     prop_oneof![
-        3 => (lease.clone(), ttl.clone()).prop_map(|(lease, ttl_ms)| Op::Acquire { lease, ttl_ms }),
-        2 => (lease.clone(), token_pick(), any::<bool>(), proptest::option::of(ttl))
-            .prop_map(|(lease, token, right_id, ttl_ms)| Op::Renew { lease, token, right_id, ttl_ms }),
-        1 => (lease.clone(), token_pick(), any::<bool>())
-            .prop_map(|(lease, token, right_id)| Op::Release { lease, token, right_id }),
-        4 => (lease, token_pick(), prop::bool::weighted(0.8), prop::bool::weighted(0.8))
-            .prop_map(|(lease, token, right_id, id_required)| Op::Write { lease, token, right_id, id_required }),
+        3 => (lease.clone(), 0u8..2, ttl.clone()).prop_map(|(lease, holder, ttl_ms)| Op::Acquire { lease, holder, ttl_ms }),
+        2 => (lease.clone(), token_pick(), any::<bool>(), caller(), proptest::option::of(ttl))
+            .prop_map(|(lease, token, right_id, caller, ttl_ms)| Op::Renew { lease, token, right_id, caller, ttl_ms }),
+        1 => (lease.clone(), token_pick(), any::<bool>(), caller())
+            .prop_map(|(lease, token, right_id, caller)| Op::Release { lease, token, right_id, caller }),
+        4 => (lease, token_pick(), prop::bool::weighted(0.8), prop::bool::weighted(0.8), caller())
+            .prop_map(|(lease, token, right_id, id_required, caller)| Op::Write { lease, token, right_id, id_required, caller }),
         3 => prop_oneof![Just(0u64), Just(1), 0u64..150].prop_map(|ms| Op::Advance { ms }),
     ]
 }
@@ -80,6 +103,7 @@ struct Model {
     /// Every token ever issued, in order.
     issued: Vec<u64>,
     holder_id: u32,
+    holder: String,
     ttl_ms: u64,
     deadline_ms: u64,
     released: bool,
@@ -91,6 +115,7 @@ enum Outcome {
     Unknown,
     Stale,
     Mismatch,
+    NotHolder,
     Released,
     Expired,
 }
@@ -114,7 +139,16 @@ impl Model {
         }
     }
 
-    fn check(&self, now: u64, token: u64, id_ok: Option<bool>) -> Outcome {
+    /// The name `caller` authenticates as (`None` with authentication off).
+    fn caller(&self, caller: Caller) -> Option<String> {
+        match caller {
+            Caller::Anyone => None,
+            Caller::Holder => Some(self.holder.clone()),
+            Caller::Other => Some(format!("not-{}", self.holder)),
+        }
+    }
+
+    fn check(&self, now: u64, token: u64, id_ok: Option<bool>, caller: Caller) -> Outcome {
         // "unknown for a lease never acquired, for token 0 and for a token
         // above the current one; stale below it; then the lease id; then the
         // term's state."
@@ -130,6 +164,10 @@ impl Model {
         }
         if id_ok == Some(false) {
             return Outcome::Mismatch;
+        }
+        // Then, with authentication on, the caller must be the term's holder.
+        if matches!(caller, Caller::Other) {
+            return Outcome::NotHolder;
         }
         if self.released {
             return Outcome::Released;
@@ -153,6 +191,7 @@ fn outcome<T>(r: Result<T, Reject>, token: u64) -> Outcome {
         Err(Reject::UnknownToken { .. }) => Outcome::Unknown,
         Err(Reject::StaleToken { .. }) => Outcome::Stale,
         Err(Reject::LeaseIdMismatch { .. }) => Outcome::Mismatch,
+        Err(Reject::NotHolder { .. }) => Outcome::NotHolder,
         Err(Reject::Released { .. }) => Outcome::Released,
         Err(Reject::Expired { .. }) => Outcome::Expired,
     }
@@ -170,12 +209,13 @@ proptest! {
         for op in ops {
             match op {
                 Op::Advance { ms } => now += ms,
-                Op::Acquire { lease, ttl_ms } => {
+                Op::Acquire { lease, holder, ttl_ms } => {
                     let machine = machines.entry(lease).or_default();
                     let model = models.entry(lease).or_default();
                     let id = next_id;
                     next_id += 1;
-                    let got = machine.acquire(now, "h", ttl_ms, id_for(id));
+                    let holder = format!("h{holder}");
+                    let got = machine.acquire(now, &holder, ttl_ms, id_for(id));
                     if model.live(now) {
                         prop_assert!(matches!(got, Err(AcquireRefused::Held(_))), "{got:?}");
                     } else {
@@ -185,18 +225,20 @@ proptest! {
                         prop_assert!(model.issued.iter().all(|&t| t < token));
                         model.issued.push(token);
                         model.holder_id = id;
+                        model.holder = holder;
                         model.ttl_ms = ttl_ms;
                         model.deadline_ms = now + ttl_ms;
                         model.released = false;
                     }
                 }
-                Op::Renew { lease, token, right_id, ttl_ms } => {
+                Op::Renew { lease, token, right_id, caller, ttl_ms } => {
                     let machine = machines.entry(lease).or_default();
                     let model = models.entry(lease).or_default();
                     let t = model.token(token);
                     let presented = id_for(if right_id { model.holder_id } else { u32::MAX });
-                    let got = outcome(machine.renew(now, t, Some(presented.expose().as_bytes()), ttl_ms), t);
-                    let want = model.check(now, t, Some(right_id));
+                    let who = model.caller(caller);
+                    let got = outcome(machine.renew(now, t, Some(presented.expose().as_bytes()), who.as_deref(), ttl_ms), t);
+                    let want = model.check(now, t, Some(right_id), caller);
                     prop_assert_eq!(got, want);
                     if let Outcome::Ok(_) = want {
                         let ttl = ttl_ms.unwrap_or(model.ttl_ms);
@@ -204,19 +246,20 @@ proptest! {
                         model.deadline_ms = now + ttl;
                     }
                 }
-                Op::Release { lease, token, right_id } => {
+                Op::Release { lease, token, right_id, caller } => {
                     let machine = machines.entry(lease).or_default();
                     let model = models.entry(lease).or_default();
                     let t = model.token(token);
                     let presented = id_for(if right_id { model.holder_id } else { u32::MAX });
-                    let got = outcome(machine.release(now, t, Some(presented.expose().as_bytes())), t);
-                    let want = model.check(now, t, Some(right_id));
+                    let who = model.caller(caller);
+                    let got = outcome(machine.release(now, t, Some(presented.expose().as_bytes()), who.as_deref()), t);
+                    let want = model.check(now, t, Some(right_id), caller);
                     prop_assert_eq!(got, want);
                     if let Outcome::Ok(_) = want {
                         model.released = true;
                     }
                 }
-                Op::Write { lease, token, right_id, id_required } => {
+                Op::Write { lease, token, right_id, id_required, caller } => {
                     let machine = machines.entry(lease).or_default();
                     let model = models.entry(lease).or_default();
                     let t = model.token(token);
@@ -226,8 +269,9 @@ proptest! {
                     } else {
                         (None, None)
                     };
-                    let got = outcome(machine.check(now, t, arg), t);
-                    prop_assert_eq!(got, model.check(now, t, id_ok));
+                    let who = model.caller(caller);
+                    let got = outcome(machine.check(now, t, arg, who.as_deref()), t);
+                    prop_assert_eq!(got, model.check(now, t, id_ok, caller));
                     // A write is admitted only while its term is live.
                     if let Outcome::Ok(_) = got {
                         prop_assert!(model.live(now) && t == model.current());

@@ -49,6 +49,10 @@ pub type JournalFuture = Pin<Box<dyn Future<Output = Result<(), JournalError>> +
 /// Where lease state is made durable.
 pub trait Journal: Send + Sync + 'static {
     /// Completes once `record` is durable (fsync'd), or fails if it cannot be.
+    ///
+    /// The record is queued by the call itself, not when the future is first
+    /// polled: records reach the journal in the order of the calls, which the
+    /// lease store relies on (it calls this while the lease is locked).
     fn persist_grant(&self, record: GrantRecord) -> JournalFuture;
 
     /// Records that term `token` of `lease` now has TTL `ttl_ms` (lazy).

@@ -92,6 +92,11 @@ impl Record {
             } => {
                 state.last_token = state.last_token.max(*token);
                 state.transitions += 1;
+                // Only a newer term replaces the current one: a replay never
+                // revives an older term, whatever order records arrive in.
+                if state.term.as_ref().is_some_and(|t| t.token >= *token) {
+                    return;
+                }
                 state.term = Some(TermRecord {
                     token: *token,
                     holder: holder.clone(),
@@ -431,5 +436,23 @@ mod tests {
         }
         .apply(&mut s);
         assert_eq!(s.term.unwrap().ttl_ms, 9000);
+    }
+
+    /// Seen failing before grants compared tokens: the grant of term 6,
+    /// replayed after term 7's, made term 6 current again.
+    #[test]
+    fn an_older_grant_never_replaces_a_newer_term() {
+        let grant = |token| Record::Grant {
+            lease: "orders".into(),
+            token,
+            holder: format!("h{token}"),
+            ttl_ms: 1000,
+            lease_id: [b'a'; 32],
+        };
+        let mut s = LeaseRecord::default();
+        grant(7).apply(&mut s);
+        grant(6).apply(&mut s);
+        let t = s.term.unwrap();
+        assert_eq!((s.last_token, t.token, t.holder.as_str()), (7, 7, "h7"));
     }
 }

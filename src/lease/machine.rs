@@ -10,8 +10,10 @@
 //! - acquire succeeds only when there is no live term, and issues a token
 //!   strictly greater than every token issued for this lease before;
 //! - writes, renewals and releases are checked in one order: the token against
-//!   the current token (unknown, stale), then the lease id, then the term's
-//!   state (released, expired).
+//!   the current token (unknown, stale), then the lease id, then (with
+//!   authentication on) the caller against the term's holder, then the term's
+//!   state (released, expired). All in one call, so nothing can change
+//!   between the checks.
 
 use super::id::LeaseId;
 
@@ -69,6 +71,9 @@ pub enum Reject {
     StaleToken { current: u64 },
     /// Current token, but the lease id is not that term's.
     LeaseIdMismatch { current: u64 },
+    /// Current token, but the authenticated caller is not the term's holder
+    /// (checked only when authentication is on).
+    NotHolder { current: u64 },
     /// Current token, but the term was released.
     Released { current: u64 },
     /// Current token, but `now_ms >= deadline_ms`.
@@ -82,6 +87,7 @@ impl Reject {
             Reject::UnknownToken { .. } => "unknown-fencing-token",
             Reject::StaleToken { .. } => "stale-fencing-token",
             Reject::LeaseIdMismatch { .. } => "lease-id-mismatch",
+            Reject::NotHolder { .. } => "forbidden",
             Reject::Released { .. } => "lease-released",
             Reject::Expired { .. } => "lease-expired",
         }
@@ -93,6 +99,7 @@ impl Reject {
             Reject::UnknownToken { current }
             | Reject::StaleToken { current }
             | Reject::LeaseIdMismatch { current }
+            | Reject::NotHolder { current }
             | Reject::Released { current }
             | Reject::Expired { current } => current,
         }
@@ -250,8 +257,16 @@ impl LeaseState {
     /// Runs the contract's checks, in order, for a write, renew or release.
     ///
     /// `lease_id` is `None` when the caller does not require one (the config
-    /// switch); a presented id is always checked.
-    pub fn check(&self, now_ms: u64, token: u64, lease_id: Option<&[u8]>) -> Result<Admit, Reject> {
+    /// switch); a presented id is always checked. `holder` is the
+    /// authenticated caller when authentication is on (`None` otherwise): it
+    /// must be the term's holder.
+    pub fn check(
+        &self,
+        now_ms: u64,
+        token: u64,
+        lease_id: Option<&[u8]>,
+        holder: Option<&str>,
+    ) -> Result<Admit, Reject> {
         let current = self.term.as_ref().map_or(0, |t| t.token);
         let Some(term) = self.term.as_ref() else {
             return Err(Reject::UnknownToken { current });
@@ -266,6 +281,9 @@ impl LeaseState {
             if !term.lease_id.matches(presented) {
                 return Err(Reject::LeaseIdMismatch { current });
             }
+        }
+        if holder.is_some_and(|h| h != term.holder) {
+            return Err(Reject::NotHolder { current });
         }
         if term.released {
             return Err(Reject::Released { current });
@@ -288,8 +306,9 @@ impl LeaseState {
         margin_ms: u64,
         token: u64,
         lease_id: Option<&[u8]>,
+        holder: Option<&str>,
     ) -> Result<Admit, Reject> {
-        let admit = self.check(now_ms, token, lease_id)?;
+        let admit = self.check(now_ms, token, lease_id, holder)?;
         if now_ms.saturating_add(margin_ms) >= admit.deadline_ms {
             return Err(Reject::Expired { current: token });
         }
@@ -302,9 +321,10 @@ impl LeaseState {
         now_ms: u64,
         token: u64,
         lease_id: Option<&[u8]>,
+        holder: Option<&str>,
         ttl_ms: Option<u64>,
     ) -> Result<Grant, Reject> {
-        self.check(now_ms, token, lease_id)?;
+        self.check(now_ms, token, lease_id, holder)?;
         let term = self
             .term
             .as_mut()
@@ -325,8 +345,9 @@ impl LeaseState {
         now_ms: u64,
         token: u64,
         lease_id: Option<&[u8]>,
+        holder: Option<&str>,
     ) -> Result<(), Reject> {
-        self.check(now_ms, token, lease_id)?;
+        self.check(now_ms, token, lease_id, holder)?;
         if let Some(term) = self.term.as_mut() {
             term.released = true;
         }
@@ -382,19 +403,19 @@ mod tests {
         let g = orders.acquire(0, "A", 5 * S, id(0xa)).unwrap();
         assert_eq!(g.token, 1);
         // t=2 A writes: accepted.
-        assert!(orders.check(2 * S, 1, Some(&a)).is_ok());
+        assert!(orders.check(2 * S, 1, Some(&a), None).is_ok());
         // t=4 A renews: deadline 9.
-        let g = orders.renew(4 * S, 1, Some(&a), None).unwrap();
+        let g = orders.renew(4 * S, 1, Some(&a), None, None).unwrap();
         assert_eq!(g.deadline_ms, 9 * S);
         // t=8 A writes: accepted.
-        assert!(orders.check(8 * S, 1, Some(&a)).is_ok());
+        assert!(orders.check(8 * S, 1, Some(&a), None).is_ok());
         // t=10 A writes: lease-expired; A renews: lease-expired.
         assert_eq!(
-            orders.check(10 * S, 1, Some(&a)),
+            orders.check(10 * S, 1, Some(&a), None),
             Err(Reject::Expired { current: 1 })
         );
         assert_eq!(
-            orders.renew(10 * S, 1, Some(&a), None),
+            orders.renew(10 * S, 1, Some(&a), None, None),
             Err(Reject::Expired { current: 1 })
         );
         // t=10 B acquires: token 2.
@@ -403,14 +424,14 @@ mod tests {
             2
         );
         // t=11 B writes: accepted.
-        assert!(orders.check(11 * S, 2, Some(&b)).is_ok());
+        assert!(orders.check(11 * S, 2, Some(&b), None).is_ok());
         // t=12 token 1 with B's lease id: stale; A with its own id: stale.
         assert_eq!(
-            orders.check(12 * S, 1, Some(&b)),
+            orders.check(12 * S, 1, Some(&b), None),
             Err(Reject::StaleToken { current: 2 })
         );
         assert_eq!(
-            orders.check(12 * S, 1, Some(&a)),
+            orders.check(12 * S, 1, Some(&a), None),
             Err(Reject::StaleToken { current: 2 })
         );
         // C acquires: held by B.
@@ -424,16 +445,16 @@ mod tests {
         );
         // A releases with token 1: stale. B releases: done.
         assert_eq!(
-            orders.release(12 * S, 1, Some(&a)),
+            orders.release(12 * S, 1, Some(&a), None),
             Err(Reject::StaleToken { current: 2 })
         );
-        orders.release(12 * S, 2, Some(&b)).unwrap();
+        orders.release(12 * S, 2, Some(&b), None).unwrap();
         // t=13 C acquires: token 3. t=14 C writes: accepted.
         assert_eq!(
             orders.acquire(13 * S, "C", 5 * S, id(0xc)).unwrap().token,
             3
         );
-        assert!(orders.check(14 * S, 3, Some(&c)).is_ok());
+        assert!(orders.check(14 * S, 3, Some(&c), None).is_ok());
         assert_eq!(orders.view(14 * S).unwrap().transitions, 3);
     }
 
@@ -448,7 +469,7 @@ mod tests {
             released: false,
         };
         let mut l = LeaseState::restored(10, 4, 4, Some(term.clone()));
-        assert!(l.check(509, 4, Some(&key(1))).is_ok());
+        assert!(l.check(509, 4, Some(&key(1)), None).is_ok());
         assert!(l.acquire(509, "B", 100, id(2)).is_err());
         assert_eq!(l.acquire(510, "B", 100, id(2)).unwrap().token, 5);
 
@@ -458,7 +479,7 @@ mod tests {
         };
         let mut l = LeaseState::restored(10, 9, 4, Some(released));
         assert_eq!(
-            l.check(10, 4, Some(&key(1))),
+            l.check(10, 4, Some(&key(1)), None),
             Err(Reject::Released { current: 4 })
         );
         assert_eq!(l.acquire(10, "B", 100, id(2)).unwrap().token, 10);
@@ -468,27 +489,27 @@ mod tests {
     fn admission_margin_refuses_writes_late_in_the_term() {
         let mut l = LeaseState::default();
         l.acquire(0, "A", 1000, id(1)).unwrap();
-        assert!(l.check_write(899, 100, 1, None).is_ok());
+        assert!(l.check_write(899, 100, 1, None, None).is_ok());
         assert_eq!(
-            l.check_write(900, 100, 1, None),
+            l.check_write(900, 100, 1, None, None),
             Err(Reject::Expired { current: 1 })
         );
-        assert!(l.check_write(999, 0, 1, None).is_ok());
+        assert!(l.check_write(999, 0, 1, None, None).is_ok());
         // Renewals are not subject to the margin.
-        assert!(l.renew(950, 1, None, None).is_ok());
+        assert!(l.renew(950, 1, None, None, None).is_ok());
     }
 
     #[test]
     fn deadline_is_exclusive() {
         let mut l = LeaseState::default();
         l.acquire(100, "A", 50, id(1)).unwrap();
-        assert!(l.check(149, 1, Some(&key(1))).is_ok());
+        assert!(l.check(149, 1, Some(&key(1)), None).is_ok());
         assert_eq!(
-            l.check(150, 1, Some(&key(1))),
+            l.check(150, 1, Some(&key(1)), None),
             Err(Reject::Expired { current: 1 })
         );
         assert_eq!(
-            l.renew(150, 1, Some(&key(1)), None),
+            l.renew(150, 1, Some(&key(1)), None, None),
             Err(Reject::Expired { current: 1 })
         );
         // Acquire at exactly the deadline succeeds.
@@ -500,38 +521,67 @@ mod tests {
         let mut l = LeaseState::default();
         // Never acquired: unknown, whatever else is wrong.
         assert_eq!(
-            l.check(0, 1, Some(b"x")),
+            l.check(0, 1, Some(b"x"), None),
             Err(Reject::UnknownToken { current: 0 })
         );
         l.acquire(0, "A", 10, id(1)).unwrap();
-        l.release(1, 1, Some(&key(1))).unwrap();
+        l.release(1, 1, Some(&key(1)), None).unwrap();
         // Token 0 and a token above the current: unknown, before the lease id.
         assert_eq!(
-            l.check(0, 0, Some(b"x")),
+            l.check(0, 0, Some(b"x"), None),
             Err(Reject::UnknownToken { current: 1 })
         );
         assert_eq!(
-            l.check(0, 2, Some(b"x")),
+            l.check(0, 2, Some(b"x"), None),
             Err(Reject::UnknownToken { current: 1 })
         );
         // Current token, wrong id: mismatch, before released.
         assert_eq!(
-            l.check(0, 1, Some(b"x")),
+            l.check(0, 1, Some(b"x"), None),
             Err(Reject::LeaseIdMismatch { current: 1 })
         );
         // Current token, right id, released (and expired): released first.
         assert_eq!(
-            l.check(100, 1, Some(&key(1))),
+            l.check(100, 1, Some(&key(1)), None),
             Err(Reject::Released { current: 1 })
         );
         // Without a required id, the state decides.
-        assert_eq!(l.check(100, 1, None), Err(Reject::Released { current: 1 }));
+        assert_eq!(
+            l.check(100, 1, None, None),
+            Err(Reject::Released { current: 1 })
+        );
         l.acquire(5, "B", 10, id(2)).unwrap();
         // Stale comes before the lease id check.
         assert_eq!(
-            l.check(6, 1, Some(b"x")),
+            l.check(6, 1, Some(b"x"), None),
             Err(Reject::StaleToken { current: 2 })
         );
+    }
+
+    #[test]
+    fn the_holder_is_checked_after_the_lease_id_and_before_the_state() {
+        let mut l = LeaseState::default();
+        l.acquire(0, "alice", 10, id(1)).unwrap();
+        let not_holder = Reject::NotHolder { current: 1 };
+        // Another caller with the current token: refused, even once expired.
+        assert_eq!(l.check(5, 1, None, Some("bob")), Err(not_holder));
+        assert_eq!(l.check(100, 1, None, Some("bob")), Err(not_holder));
+        // A wrong lease id is reported first; other tokens for what they are.
+        assert_eq!(
+            l.check(5, 1, Some(b"x"), Some("bob")),
+            Err(Reject::LeaseIdMismatch { current: 1 })
+        );
+        assert_eq!(
+            l.check(5, 2, None, Some("bob")),
+            Err(Reject::UnknownToken { current: 1 })
+        );
+        assert_eq!(l.renew(5, 1, None, Some("bob"), None), Err(not_holder));
+        assert_eq!(l.release(5, 1, None, Some("bob")), Err(not_holder));
+        assert_eq!(
+            l.check(5, 1, Some(&key(1)), Some("alice")).unwrap().token,
+            1
+        );
+        l.release(5, 1, None, Some("alice")).unwrap();
     }
 
     #[test]
@@ -539,7 +589,7 @@ mod tests {
         let mut l = LeaseState::default();
         assert_eq!(l.view(0), None);
         l.acquire(0, "A", 100, id(1)).unwrap();
-        let g = l.renew(50, 1, Some(&key(1)), Some(1000)).unwrap();
+        let g = l.renew(50, 1, Some(&key(1)), None, Some(1000)).unwrap();
         assert_eq!((g.ttl_ms, g.deadline_ms), (1000, 1050));
         let v = l.view(60).unwrap();
         assert_eq!(
@@ -550,7 +600,7 @@ mod tests {
         assert_eq!((v.state, v.expires_in_ms), (TermState::Expired, 0));
         // The renewal TTL sticks for the next renewal without one... but the
         // term is expired now, so nothing moves.
-        assert!(l.renew(1050, 1, Some(&key(1)), None).is_err());
+        assert!(l.renew(1050, 1, Some(&key(1)), None, None).is_err());
     }
 
     #[test]
@@ -565,7 +615,10 @@ mod tests {
         // Token 2 was never returned; the next grant skips it anyway.
         assert_eq!(l.acquire(20, "C", 10, id(3)).unwrap().token, 3);
         // Token 2 now sits below the current token, so it reads as stale.
-        assert_eq!(l.check(21, 2, None), Err(Reject::StaleToken { current: 3 }));
+        assert_eq!(
+            l.check(21, 2, None, None),
+            Err(Reject::StaleToken { current: 3 })
+        );
     }
 
     #[test]
@@ -576,7 +629,8 @@ mod tests {
         };
         let g = l.acquire(u64::MAX - 5, "A", 3_600_000, id(1)).unwrap();
         assert_eq!((g.token, g.deadline_ms), (u64::MAX, u64::MAX));
-        l.release(u64::MAX - 4, u64::MAX, Some(&key(1))).unwrap();
+        l.release(u64::MAX - 4, u64::MAX, Some(&key(1)), None)
+            .unwrap();
         assert_eq!(
             l.acquire(u64::MAX - 3, "B", 10, id(2)),
             Err(AcquireRefused::TokensExhausted)

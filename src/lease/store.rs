@@ -416,22 +416,29 @@ impl LeaseStore {
             notified.as_mut().enable();
 
             let now_ms = clock.now_ms();
-            let (outcome, previous) = {
+            let (outcome, previous, persisted) = {
                 let mut slot = self.shared.leases.entry(name.to_owned()).or_default();
                 let previous = slot.state.term().cloned();
                 let outcome = slot.state.acquire(now_ms, holder, ttl_ms, lease_id.clone());
-                (outcome, previous)
-            };
-            match outcome {
-                Ok(grant) => {
-                    let record = GrantRecord {
+                // The record is queued while the shard is still locked: the
+                // next term of this lease can only be granted after this
+                // guard drops, so its record always follows this one in the
+                // journal, and a replay never ends on an older term.
+                let persisted = outcome.as_ref().ok().map(|grant| {
+                    self.shared.journal.persist_grant(GrantRecord {
                         lease: name.to_owned(),
                         token: grant.token,
                         holder: holder.to_owned(),
                         ttl_ms,
                         lease_id: lease_id.to_text(),
-                    };
-                    if let Err(err) = self.shared.journal.persist_grant(record).await {
+                    })
+                });
+                (outcome, previous, persisted)
+            };
+            match outcome {
+                Ok(grant) => {
+                    let persisted = persisted.expect("a grant has a journal record");
+                    if let Err(err) = persisted.await {
                         self.abandon(name, grant.token, previous);
                         tracing::warn!(target: "audit", lease = name, token = grant.token, error = %err, "grant not persisted; refused");
                         return Err(AcquireError::Unavailable(
@@ -517,11 +524,13 @@ impl LeaseStore {
     }
 
     /// Extends the live term `token` of `name` by `ttl_ms` (or its last TTL).
+    /// `holder` is the authenticated caller, when authentication is on.
     pub fn renew(
         &self,
         name: &str,
         token: u64,
         lease_id: Option<&[u8]>,
+        holder: Option<&str>,
         ttl_ms: Option<u64>,
     ) -> Result<Acquired, RenewError> {
         if let Some(ttl_ms) = ttl_ms {
@@ -532,49 +541,54 @@ impl LeaseStore {
                 })?;
         }
         let now_ms = self.shared.clock.now_ms();
-        let (renewed, ttl_changed) = {
-            let mut slot = self
-                .shared
-                .leases
-                .get_mut(name)
-                .ok_or(RenewError::Rejected(Reject::UnknownToken { current: 0 }))?;
-            let previous_ttl_ms = slot.state.term().map(|t| t.ttl_ms);
-            let grant = slot
-                .state
-                .renew(now_ms, token, lease_id, ttl_ms)
-                .map_err(RenewError::Rejected)?;
-            let term = slot.state.term().expect("renewed term exists");
-            let renewed = Acquired {
-                holder: term.holder.clone(),
-                token,
-                lease_id: term.lease_id.clone(),
-                ttl_ms: grant.ttl_ms,
-                expires_in_ms: grant.deadline_ms - now_ms,
-            };
-            (renewed, previous_ttl_ms != Some(grant.ttl_ms))
+        let mut slot = self
+            .shared
+            .leases
+            .get_mut(name)
+            .ok_or(RenewError::Rejected(Reject::UnknownToken { current: 0 }))?;
+        let previous_ttl_ms = slot.state.term().map(|t| t.ttl_ms);
+        let grant = slot
+            .state
+            .renew(now_ms, token, lease_id, holder, ttl_ms)
+            .map_err(RenewError::Rejected)?;
+        let term = slot.state.term().expect("renewed term exists");
+        let renewed = Acquired {
+            holder: term.holder.clone(),
+            token,
+            lease_id: term.lease_id.clone(),
+            ttl_ms: grant.ttl_ms,
+            expires_in_ms: grant.deadline_ms - now_ms,
         };
         // Only a new TTL matters after a restart (the term is then held for a
-        // full TTL), so plain renewals write nothing.
-        if ttl_changed {
+        // full TTL), so plain renewals write nothing. Queued under the guard,
+        // like every record of a lease, so records keep the order of events.
+        if previous_ttl_ms != Some(grant.ttl_ms) {
             self.shared
                 .journal
                 .record_renew(name, token, renewed.ttl_ms);
         }
+        drop(slot);
         Ok(renewed)
     }
 
     /// Ends the live term `token` of `name`; waiting acquirers retry at once.
-    pub fn release(&self, name: &str, token: u64, lease_id: Option<&[u8]>) -> Result<(), Reject> {
+    /// `holder` is the authenticated caller, when authentication is on.
+    pub fn release(
+        &self,
+        name: &str,
+        token: u64,
+        lease_id: Option<&[u8]>,
+        holder: Option<&str>,
+    ) -> Result<(), Reject> {
         let now_ms = self.shared.clock.now_ms();
         let mut slot = self
             .shared
             .leases
             .get_mut(name)
             .ok_or(Reject::UnknownToken { current: 0 })?;
-        slot.state.release(now_ms, token, lease_id)?;
-        slot.cell.changed.notify_waiters();
-        drop(slot);
+        slot.state.release(now_ms, token, lease_id, holder)?;
         self.shared.journal.record_release(name, token);
+        slot.cell.changed.notify_waiters();
         Ok(())
     }
 
@@ -587,6 +601,7 @@ impl LeaseStore {
         name: &str,
         token: u64,
         lease_id: Option<&[u8]>,
+        holder: Option<&str>,
         options: &AdmitOptions,
     ) -> Result<Result<WriteGuard, MustWait>, AdmitError> {
         let now_ms = self.shared.clock.now_ms();
@@ -597,7 +612,7 @@ impl LeaseStore {
             .ok_or(AdmitError::Rejected(Reject::UnknownToken { current: 0 }))?;
         let admit: Admit = slot
             .state
-            .check_write(now_ms, options.margin_ms, token, lease_id)
+            .check_write(now_ms, options.margin_ms, token, lease_id, holder)
             .map_err(AdmitError::Rejected)?;
         let mut inflight = slot.cell.inflight();
         if let Some(older_token) = inflight.older_than(token).filter(|_| options.barrier) {
@@ -631,6 +646,7 @@ impl LeaseStore {
         name: &str,
         token: u64,
         lease_id: Option<&[u8]>,
+        holder: Option<&str>,
         options: AdmitOptions,
     ) -> Result<Admitted, AdmitError> {
         let clock = &self.shared.clock;
@@ -646,7 +662,7 @@ impl LeaseStore {
             Admitted { guard, waited_ms }
         };
         loop {
-            let wait = match self.try_admit_write(name, token, lease_id, &options)? {
+            let wait = match self.try_admit_write(name, token, lease_id, holder, &options)? {
                 Ok(guard) => return Ok(admitted(guard, started_ms)),
                 Err(wait) => wait,
             };
@@ -681,7 +697,7 @@ impl LeaseStore {
             let notified = cell.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let wait = match self.try_admit_write(name, token, lease_id, &options)? {
+            let wait = match self.try_admit_write(name, token, lease_id, holder, &options)? {
                 Ok(guard) => return Ok(admitted(guard, started_ms)),
                 Err(wait) => wait,
             };
@@ -782,7 +798,7 @@ mod tests {
         tokio::task::yield_now().await;
         assert!(!waiter.is_finished());
         leases
-            .release("l", a.token, Some(a.lease_id.expose().as_bytes()))
+            .release("l", a.token, Some(a.lease_id.expose().as_bytes()), None)
             .unwrap();
         let b = waiter.await.unwrap().unwrap();
         assert_eq!(b.token, 2);
@@ -836,6 +852,43 @@ mod tests {
         assert_eq!(a.token, 2);
     }
 
+    /// A journal that notes, for each grant, whether the lease was still
+    /// locked when the record was queued.
+    #[derive(Default)]
+    struct LockProbe {
+        store: std::sync::OnceLock<LeaseStore>,
+        locked: Mutex<Vec<bool>>,
+    }
+
+    impl Journal for LockProbe {
+        fn persist_grant(&self, record: GrantRecord) -> crate::journal::JournalFuture {
+            let store = self.store.get().expect("store set");
+            let locked = store.shared.leases.try_get_mut(&record.lease).is_locked();
+            self.locked.lock().unwrap().push(locked);
+            Box::pin(async { Ok(()) })
+        }
+        fn record_renew(&self, _: &str, _: u64, _: u64) {}
+        fn record_release(&self, _: &str, _: u64) {}
+        fn is_healthy(&self) -> bool {
+            true
+        }
+    }
+
+    /// Seen failing when the record was sent after the guard was dropped: in
+    /// that window the term could expire and the next term's grant reach the
+    /// journal first, so a replay ended on the older term.
+    #[tokio::test]
+    async fn grants_are_queued_while_their_lease_is_locked() {
+        let clock = Clock::manual(0);
+        let probe = Arc::new(LockProbe::default());
+        let leases = LeaseStore::new(clock.clone(), LeaseLimits::default(), probe.clone());
+        probe.store.set(leases.clone()).unwrap();
+        leases.acquire("l", "A", 1000, 0).await.unwrap();
+        clock.advance(1000);
+        leases.acquire("l", "B", 1000, 0).await.unwrap();
+        assert_eq!(*probe.locked.lock().unwrap(), [true, true]);
+    }
+
     #[tokio::test]
     async fn the_number_of_leases_is_bounded() {
         let clock = Clock::manual(0);
@@ -852,7 +905,7 @@ mod tests {
         ));
         // Known names keep working.
         leases
-            .release("b", b.token, Some(b.lease_id.expose().as_bytes()))
+            .release("b", b.token, Some(b.lease_id.expose().as_bytes()), None)
             .unwrap();
         assert_eq!(leases.acquire("b", "B", 1000, 0).await.unwrap().token, 2);
     }
