@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use fencegate::clock::Clock;
 use fencegate::journal::{FileJournal, FileJournalOptions, GrantRecord, Journal};
-use fencegate::lease::{AdmitOptions, LeaseLimits, LeaseStore};
+use fencegate::lease::{AdmitOptions, LeaseLimits, LeaseStore, RestartRule};
 
 fn scratch(tag: &str) -> PathBuf {
     let dir =
@@ -45,6 +45,7 @@ fn open_store(dir: &Path) -> LeaseStore {
         limits(),
         Arc::new(journal),
         recovered.leases,
+        RestartRule::default(),
     )
     .expect("restore")
 }
@@ -148,6 +149,7 @@ async fn recovery_ms(leases: usize) -> (f64, u64) {
                     limits(),
                     Arc::new(journal),
                     recovered.leases,
+                    RestartRule::default(),
                 )
                 .expect("restore");
                 assert!(store.inspect("lease-0000000").is_some());

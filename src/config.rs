@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::app::RequestLimits;
 use crate::backend::{ConnectionMode, UpstreamOptions};
 use crate::clock::ClockKind;
-use crate::lease::{AdmitOptions, LeaseLimits};
+use crate::lease::{AdmitOptions, LeaseLimits, RestartRule};
 use crate::route::{Route, Routes};
 use crate::server::ServerOptions;
 
@@ -460,6 +460,21 @@ impl Config {
             barrier: self.fence.drain_barrier,
             max_wait_ms: self.proxy.timeout_ms,
             settle_ms: self.fence.settle_ms,
+        }
+    }
+
+    /// What a restart must respect: writes forwarded before it may reach
+    /// the backend until the longest upstream deadline (of any route) plus
+    /// the settle time has passed.
+    pub fn restart_rule(&self) -> RestartRule {
+        let longest_timeout_ms = self
+            .fence
+            .routes
+            .iter()
+            .filter_map(|r| r.timeout_ms)
+            .fold(self.proxy.timeout_ms, u64::max);
+        RestartRule {
+            unsettled_ms: longest_timeout_ms.saturating_add(self.fence.settle_ms),
         }
     }
 

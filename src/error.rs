@@ -78,6 +78,13 @@ impl Problem {
         self
     }
 
+    /// Tells the client when to try again (`Retry-After`, whole seconds
+    /// rounded up).
+    pub fn retry_after_ms(mut self, ms: u64) -> Self {
+        self.0.retry_after_s = Some(ms.div_ceil(1000));
+        self
+    }
+
     /// The same problem without the lease's current holder, token and time
     /// left, for a caller who may not see them.
     pub fn without_term_details(mut self) -> Self {

@@ -362,6 +362,7 @@ where
                         Err(AdmitError::DrainTimeout {
                             older_token,
                             waited_ms,
+                            retry_after_ms,
                         }) => {
                             policy.metrics.write_rejected("upstream-timeout");
                             tracing::warn!(
@@ -369,15 +370,24 @@ where
                                 token,
                                 older_token,
                                 waited_ms,
+                                retry_after_ms,
                                 "write refused: an earlier term's writes did not finish in time"
                             );
-                            return Ok(Problem::new(
+                            let detail = if retry_after_ms.is_some() {
+                                "writes of an earlier term of this lease sent before fencegate restarted may still be unfinished at the backend"
+                            } else {
+                                "writes of an earlier term of this lease are still unfinished at the backend"
+                            };
+                            let mut problem = Problem::new(
                                 http::StatusCode::GATEWAY_TIMEOUT,
                                 "upstream-timeout",
-                                "writes of an earlier term of this lease are still unfinished at the backend",
+                                detail,
                             )
-                            .lease(&lease)
-                            .into_response());
+                            .lease(&lease);
+                            if let Some(ms) = retry_after_ms {
+                                problem = problem.retry_after_ms(ms);
+                            }
+                            return Ok(problem.into_response());
                         }
                     };
                     policy.metrics.write_forwarded();

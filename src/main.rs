@@ -156,6 +156,7 @@ async fn serve(config: Config) -> Result<(), String> {
         config.lease_limits(),
         Arc::new(journal),
         recovered.leases,
+        config.restart_rule(),
     )?;
     tracing::info!(
         data_dir = %config.data_dir.display(),

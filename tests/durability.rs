@@ -103,9 +103,11 @@ async fn writer(id: usize, url: String, ledger: Arc<Mutex<Ledger>>, seed: u64) {
 
 /// SIGKILL at random moments of an acquire/renew/write/release storm, 100
 /// times in a row. The manual clock stands still during a storm (so no term
-/// expires and grants of a lease are causally ordered) and is moved past the
-/// TTL after each restart's checks (so terms held by lost responses do not
-/// block the next storm).
+/// expires and grants of a lease are causally ordered), is moved past the
+/// restart's settle window before the held terms write (writes sent before
+/// the kill may still be at the backend until then), and past the TTL after
+/// each restart's checks (so terms held by lost responses do not block the
+/// next storm).
 ///
 /// Seen failing against the in-memory lease store (tokens restart at 1 after
 /// a restart): round 1 grants a held lease to the intruder with token 1.
@@ -115,12 +117,21 @@ async fn tokens_survive_sigkill_during_a_storm_100_times() {
     let data = dir.path().join("data");
     let log = dir.path().join("fencegate.log");
     let args = serve_args(&data, true);
+    // Writes of a recovered lease's later terms wait this long after a
+    // restart: the upstream deadline plus the settle time.
+    let env = [
+        ("FENCEGATE_PROXY__TIMEOUT_MS", "1000"),
+        ("FENCEGATE_FENCE__SETTLE_MS", "500"),
+    ];
+    const SETTLE_WINDOW_MS: u64 = 1500;
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let mut rng = SplitMix::new(7);
     let mut held_after_restart = 0;
     for round in 0..100u64 {
-        let p = Proc::start(&args, &log, &[]);
+        let p = Proc::start(&args, &log, &env);
         let c = HttpClient::new(&p.url);
+        c.send(Req::new("POST", "/_fence/clock").json(json!({"advance_ms": SETTLE_WINDOW_MS})))
+            .await;
         // Restart rule: every term the clients hold is still held by them…
         let holding: Vec<(String, Held)> = ledger
             .lock()
@@ -150,7 +161,8 @@ async fn tokens_survive_sigkill_during_a_storm_100_times() {
             let lease = l["lease"].as_str().unwrap();
             if l["state"] == "held" {
                 assert_eq!(
-                    l["expires_in_ms"], TTL_MS,
+                    l["expires_in_ms"],
+                    TTL_MS - SETTLE_WINDOW_MS,
                     "round {round}: {lease}: not a full TTL after restart"
                 );
                 let r = c.send(acquire(lease, "intruder", 1000)).await;
@@ -388,7 +400,7 @@ async fn a_journal_that_cannot_persist_fails_closed_and_recovers() {
     use fencegate::clock::{Clock, ClockKind};
     use fencegate::config::Config;
     use fencegate::journal::{FileJournal, FileJournalOptions};
-    use fencegate::lease::LeaseStore;
+    use fencegate::lease::{LeaseStore, RestartRule};
     use std::sync::atomic::AtomicBool;
     use tower::ServiceExt;
 
@@ -408,6 +420,7 @@ async fn a_journal_that_cannot_persist_fails_closed_and_recovers() {
         config.lease_limits(),
         Arc::new(journal),
         recovered.leases,
+        RestartRule::default(),
     )
     .unwrap();
     let store = EmbeddedStore::new();

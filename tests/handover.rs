@@ -14,7 +14,11 @@ use fencegate::backend::{Backend, EmbeddedStore, Upstream};
 use fencegate::body;
 use fencegate::config::Config;
 use http::Request;
-use support::{handover_violations, spawn, Event, Harness, Held, HttpClient, Req, SplitMix};
+use serde_json::json;
+use support::proc::{serve_args, Proc, TempDir};
+use support::{
+    handover_violations, held_from, spawn, Event, Harness, Held, HttpClient, Req, SplitMix,
+};
 
 fn config(barrier: bool) -> Config {
     let mut c = Config::default();
@@ -444,4 +448,108 @@ async fn the_admission_margin_refuses_late_writes() {
         .await;
     assert_eq!(r.status, 200);
     assert_eq!(h.send(write(&a, "renewed", false)).await.status, 204);
+}
+
+/// Polls the proxy at `c` until its metrics contain `line`.
+async fn wait_for_metric(c: &HttpClient, line: &str) {
+    for _ in 0..2_000 {
+        if c.send(Req::new("GET", "/_fence/metrics"))
+            .await
+            .text()
+            .contains(line)
+        {
+            return;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("the metrics never showed {line:?}");
+}
+
+/// A crash in the middle of a handover: A's term-1 write is at the backend,
+/// B (term 2) waits at the barrier, and the proxy is killed and restarted.
+/// The restarted proxy knows nothing of A's write, so it holds every later
+/// term's writes until the upstream deadline plus the settle time after its
+/// start (on its own clock; the manual clock makes that exact here).
+///
+/// Seen failing before restarts waited: B's retry right after the restart
+/// was forwarded at once, while A's write was still at the backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_during_a_handover_holds_later_terms_until_earlier_writes_settled() {
+    let (upstream, backend) = slow_upstream().await;
+    let dir = TempDir::new("crash-handover");
+    let log = dir.path().join("fencegate.log");
+    let mut args = serve_args(&dir.path().join("data"), true);
+    args.extend(["--upstream".to_owned(), upstream.url()]);
+    // Upstream deadline 60 s plus the default settle time of 1 s.
+    let env = [("FENCEGATE_PROXY__TIMEOUT_MS", "60000")];
+    let advance = |ms: u64| Req::new("POST", "/_fence/clock").json(json!({"advance_ms": ms}));
+    let acquire = |holder: &str, ttl_ms: u64| {
+        Req::new("POST", "/_fence/leases/orders").json(json!({"holder": holder, "ttl_ms": ttl_ms}))
+    };
+
+    let p = Proc::start(&args, &log, &env);
+    let c = HttpClient::new(&p.url);
+    let a = held_from(&c.send(acquire("A", 1000)).await);
+    let a_write = tokio::spawn({
+        let c = c.clone();
+        let req = write(&a, "a1", true);
+        async move { c.try_send(req).await }
+    });
+    wait_until(|| backend.arrived("a1")).await;
+    c.send(advance(1000)).await;
+    let b = held_from(&c.send(acquire("B", 100_000)).await);
+    assert_eq!(b.token, 2);
+    let b_write = tokio::spawn({
+        let c = c.clone();
+        let req = write(&b, "b1", false);
+        async move { c.try_send(req).await }
+    });
+    wait_for_metric(&c, "fencegate_barrier_waits_total 1").await;
+    p.kill9();
+    assert!(
+        b_write.await.unwrap().is_err(),
+        "B's first write was cut off"
+    );
+    assert!(!backend.arrived("b1"));
+
+    let p = Proc::start(&args, &log, &env);
+    let c = HttpClient::new(&p.url);
+    // At once: the wait would outlast the upstream deadline, so it is
+    // refused without waiting, with the time left to wait.
+    let r = c.send(write(&b, "b2", false)).await;
+    assert_eq!(
+        (r.status.as_u16(), r.reason().as_str()),
+        (504, "upstream-timeout"),
+        "{}",
+        r.text()
+    );
+    assert_eq!(r.headers["retry-after"], "61");
+    // A second later the wait fits within the deadline: B's write waits…
+    c.send(advance(1000)).await;
+    let b_write = tokio::spawn({
+        let c = c.clone();
+        let req = write(&b, "b3", false);
+        async move { c.send(req).await }
+    });
+    wait_for_metric(&c, "fencegate_barrier_waits_total 2").await;
+    c.send(advance(59_999)).await;
+    // Real time here only gives a wrongly released write the chance to show.
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    assert!(!b_write.is_finished() && !backend.arrived("b3"));
+    // …until 61 s after the start.
+    c.send(advance(1)).await;
+    assert_eq!(b_write.await.unwrap().status, 204);
+    let arrived: Vec<String> = backend
+        .events()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Arrive { id, .. } => Some(id),
+            Event::Finish { .. } => None,
+        })
+        .collect();
+    assert_eq!(arrived, ["a1", "b3"]);
+    backend.open("a1");
+    let _ = a_write.await;
+    drop(p);
+    upstream.stop().await;
 }

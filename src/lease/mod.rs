@@ -11,7 +11,7 @@ pub use id::LeaseId;
 pub use machine::{Admit, Grant, Held, LeaseState, Reject, TermState, View};
 pub use store::{
     AcquireError, Acquired, AdmitError, AdmitOptions, Admitted, LeaseLimits, LeaseStore,
-    RenewError, WriteGuard,
+    RenewError, RestartRule, WriteGuard,
 };
 
 /// Longest lease name, in bytes.

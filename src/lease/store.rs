@@ -100,6 +100,9 @@ pub enum RenewError {
 #[derive(Default)]
 struct Slot {
     state: LeaseState,
+    /// Recovered from the journal at start: writes forwarded before the
+    /// restart may still be on their way to the backend.
+    recovered: bool,
     /// Shared with the guards of the lease's writes in flight, so finishing a
     /// write touches only this cell, not the map.
     cell: Arc<LeaseCell>,
@@ -136,6 +139,18 @@ struct Shared {
     stats: HandoverStats,
     /// Acquire rate buckets by holder.
     buckets: DashMap<String, Bucket>,
+    /// Until this instant, writes of recovered leases may still be at the
+    /// backend from before the restart (0: no restart to wait for).
+    unsettled_until_ms: u64,
+}
+
+/// What a restart must respect besides the recovered leases.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RestartRule {
+    /// How long after the start a write forwarded before it may still reach
+    /// the backend: the longest upstream deadline plus the settle time. Until
+    /// then, no write of a recovered lease's later terms is forwarded.
+    pub unsettled_ms: u64,
 }
 
 /// Counters of the handover barrier, for metrics.
@@ -201,6 +216,9 @@ pub struct MustWait {
     pub older_token: u64,
     /// The waiting write's own term deadline.
     pub deadline_ms: u64,
+    /// When the wait ends at the latest, if that is known (writes from
+    /// before a restart settle at a fixed instant).
+    pub until_ms: Option<u64>,
     /// When the check ran.
     pub now_ms: u64,
     cell: Arc<LeaseCell>,
@@ -210,10 +228,13 @@ pub struct MustWait {
 #[derive(Debug)]
 pub enum AdmitError {
     Rejected(Reject),
-    /// Writes of an earlier term were still unfinished at the wait limit.
+    /// Writes of an earlier term were still unfinished at the wait limit
+    /// (or will be, which is known at once for writes from before a
+    /// restart: then `retry_after_ms` says when they will have settled).
     DrainTimeout {
         older_token: u64,
         waited_ms: u64,
+        retry_after_ms: Option<u64>,
     },
 }
 
@@ -288,21 +309,27 @@ impl LeaseStore {
                 journal,
                 stats: HandoverStats::default(),
                 buckets: DashMap::new(),
+                unsettled_until_ms: 0,
             }),
         }
     }
 
     /// A store holding the leases a journal recovered: tokens continue above
-    /// every recovered token, and unreleased terms are held for a full TTL
-    /// from now (see [`LeaseState::restored`]).
+    /// every recovered token, unreleased terms are held for a full TTL from
+    /// now (see [`LeaseState::restored`]), and writes of those leases' later
+    /// terms wait until writes sent before the restart have settled.
     pub fn restore(
         clock: Clock,
         limits: LeaseLimits,
         journal: Arc<dyn Journal>,
         recovered: Vec<LeaseRecord>,
+        rule: RestartRule,
     ) -> Result<Self, String> {
-        let store = Self::new(clock, limits, journal);
+        let mut store = Self::new(clock, limits, journal);
         let now_ms = store.shared.clock.now_ms();
+        Arc::get_mut(&mut store.shared)
+            .expect("a new store is not shared yet")
+            .unsettled_until_ms = now_ms.saturating_add(rule.unsettled_ms);
         for lease in recovered {
             if !super::is_valid_lease_name(&lease.lease) {
                 return Err(format!(
@@ -331,6 +358,7 @@ impl LeaseStore {
                 lease.lease,
                 Slot {
                     state,
+                    recovered: true,
                     ..Slot::default()
                 },
             );
@@ -615,14 +643,30 @@ impl LeaseStore {
             .check_write(now_ms, options.margin_ms, token, lease_id, holder)
             .map_err(AdmitError::Rejected)?;
         let mut inflight = slot.cell.inflight();
-        if let Some(older_token) = inflight.older_than(token).filter(|_| options.barrier) {
-            inflight.note_waiter();
-            return Ok(Err(MustWait {
-                older_token,
-                deadline_ms: admit.deadline_ms,
-                now_ms,
-                cell: slot.cell.clone(),
-            }));
+        if options.barrier {
+            if let Some(older_token) = inflight.older_than(token) {
+                inflight.note_waiter();
+                return Ok(Err(MustWait {
+                    older_token,
+                    deadline_ms: admit.deadline_ms,
+                    until_ms: None,
+                    now_ms,
+                    cell: slot.cell.clone(),
+                }));
+            }
+            // Writes of earlier terms sent before a restart may still be at
+            // the backend: they left no trace but the time of the restart.
+            // (A lease's first term has no earlier term to wait for.)
+            let unsettled_until_ms = self.shared.unsettled_until_ms;
+            if slot.recovered && token > 1 && now_ms < unsettled_until_ms {
+                return Ok(Err(MustWait {
+                    older_token: token - 1,
+                    deadline_ms: admit.deadline_ms,
+                    until_ms: Some(unsettled_until_ms),
+                    now_ms,
+                    cell: slot.cell.clone(),
+                }));
+            }
         }
         inflight.add(token);
         drop(inflight);
@@ -681,7 +725,9 @@ impl LeaseStore {
                 now_ms
             });
             let wait_until_ms = started.saturating_add(options.max_wait_ms);
-            if now_ms >= wait_until_ms {
+            // A wait known to outlast the limit is refused at once.
+            let hopeless = wait.until_ms.filter(|&until| until > wait_until_ms);
+            if now_ms >= wait_until_ms || hopeless.is_some() {
                 self.shared
                     .stats
                     .barrier_timeouts
@@ -689,6 +735,7 @@ impl LeaseStore {
                 return Err(AdmitError::DrainTimeout {
                     older_token: wait.older_token,
                     waited_ms: now_ms - started,
+                    retry_after_ms: hopeless.map(|until| until - now_ms),
                 });
             }
             // Listen first, then re-check: a drain between the check above
@@ -706,7 +753,8 @@ impl LeaseStore {
             let wake_ms = wait
                 .deadline_ms
                 .saturating_sub(options.margin_ms)
-                .min(wait_until_ms);
+                .min(wait_until_ms)
+                .min(wait.until_ms.unwrap_or(u64::MAX));
             tokio::select! {
                 () = notified => {}
                 () = clock.sleep_until(wake_ms) => {}
