@@ -42,6 +42,7 @@ pub const FENCING_LEASE_ID: &str = "fencing-lease-id";
 // The names as parsed header names, so lookups on the hot path skip parsing.
 const TOKEN_NAME: HeaderName = HeaderName::from_static(FENCING_TOKEN);
 const LEASE_ID_NAME: HeaderName = HeaderName::from_static(FENCING_LEASE_ID);
+const DESTINATION_NAME: HeaderName = HeaderName::from_static("destination");
 
 /// How the fence decides.
 #[derive(Debug)]
@@ -163,6 +164,11 @@ impl FencePolicy {
             if write && !self.allow_unrouted_writes {
                 return Decision::Reject(Problem::unrouted_write());
             }
+            if write {
+                if let Err(problem) = self.check_destination(req.headers(), None) {
+                    return Decision::Reject(problem);
+                }
+            }
             return Decision::Pass;
         };
         if let Some(path) = route.upstream_path(req.uri().path(), req.uri().query()) {
@@ -188,7 +194,7 @@ impl FencePolicy {
         if !is_valid_lease_name(&lease) {
             return Decision::Reject(Problem::invalid_lease_name(&lease));
         }
-        if let Err(problem) = self.check_destination(req.headers(), &lease) {
+        if let Err(problem) = self.check_destination(req.headers(), Some(&lease)) {
             return Decision::Reject(problem);
         }
         let token = match credentials(req.headers(), self.require_lease_id) {
@@ -205,26 +211,38 @@ impl FencePolicy {
     }
 
     /// WebDAV `COPY` and `MOVE` write to their `Destination` too: it must be
-    /// guarded by the same lease as the request path, or a holder of one
-    /// lease could write into another's keys.
-    fn check_destination(&self, headers: &HeaderMap, lease: &str) -> Result<(), Problem> {
-        let Some(dest) = headers.get("destination") else {
+    /// guarded by the same lease as the request path (by no lease, for an
+    /// allowed unrouted write), or a holder of one lease, or an unrouted
+    /// write, could write into another lease's keys. At most one
+    /// `Destination` is accepted.
+    fn check_destination(&self, headers: &HeaderMap, lease: Option<&str>) -> Result<(), Problem> {
+        let mut values = headers.get_all(DESTINATION_NAME).iter();
+        let Some(dest) = values.next() else {
             return Ok(());
         };
-        let bad = || {
-            Problem::invalid_request(
-                "Destination must be a path guarded by the same lease as the request",
-            )
-            .lease(lease)
+        let bad = |detail: &str| {
+            let problem = Problem::invalid_request(detail);
+            match lease {
+                Some(lease) => problem.lease(lease),
+                None => problem,
+            }
+        };
+        if values.next().is_some() {
+            return Err(bad("Destination must appear at most once"));
+        }
+        let same_lease = || match lease {
+            Some(_) => "Destination must be a path guarded by the same lease as the request",
+            None => "Destination of an unrouted write must be unrouted too",
         };
         let uri: http::Uri = dest
             .to_str()
             .ok()
             .and_then(|d| d.parse().ok())
-            .ok_or_else(bad)?;
-        match self.routes.resolve(uri.path()) {
-            Ok(Some(m)) if m.lease == lease => Ok(()),
-            _ => Err(bad()),
+            .ok_or_else(|| bad(same_lease()))?;
+        match (self.routes.resolve(uri.path()), lease) {
+            (Ok(Some(m)), Some(lease)) if m.lease == lease => Ok(()),
+            (Ok(None), None) => Ok(()),
+            _ => Err(bad(same_lease())),
         }
     }
 

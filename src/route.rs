@@ -7,9 +7,10 @@
 //! `{lease}` names a fixed lease instead. The first matching route wins.
 //!
 //! Paths are checked before matching: percent-encoding must be well formed and
-//! decode to UTF-8, and no segment may decode to `.`, `..`, or contain `/`,
-//! `\` or NUL. Such paths are refused rather than normalised, because the
-//! backend might normalise them differently and write to another lease's key.
+//! decode to UTF-8, no segment may decode to `.`, `..`, or contain `/`, `\`
+//! or NUL, and no segment but the last may be empty (`//`). Such paths are
+//! refused rather than normalised, because the backend might normalise them
+//! differently (nginx merges slashes) and write to another lease's key.
 
 use std::borrow::Cow;
 
@@ -217,6 +218,7 @@ impl Routes {
     /// The route guarding `raw_path` (as sent, percent-encoded), `Ok(None)` if
     /// none does, or an error for a path that must not be forwarded at all.
     pub fn resolve(&self, raw_path: &str) -> Result<Option<Matched<'_>>, BadPath> {
+        check_no_empty_segments(raw_path)?;
         if raw_path.contains('%') {
             let segments = decode_path(raw_path)?;
             return Ok(self.routes.iter().find_map(|r| r.matches(&segments)));
@@ -240,6 +242,7 @@ pub type Segments<'a> = SmallVec<[Cow<'a, str>; 8]>;
 
 /// Splits a raw path into decoded segments, refusing anything ambiguous.
 pub fn decode_path(raw_path: &str) -> Result<Segments<'_>, BadPath> {
+    check_no_empty_segments(raw_path)?;
     let Some(rest) = raw_path.strip_prefix('/') else {
         return Err(BadPath("the path must start with '/'"));
     };
@@ -275,6 +278,16 @@ fn decode_segment(raw: &str) -> Result<Cow<'_, str>, BadPath> {
         .map_err(|_| BadPath("the path does not decode to UTF-8"))?;
     check_decoded(&decoded)?;
     Ok(decoded)
+}
+
+/// Refuses empty segments before the last (`//x`, `/a//b`): many backends
+/// merge the slashes, so such a path could reach a key its route does not
+/// name. A trailing slash (an empty last segment) names a collection.
+fn check_no_empty_segments(raw_path: &str) -> Result<(), BadPath> {
+    if raw_path.contains("//") {
+        return Err(BadPath("the path has an empty segment ('//')"));
+    }
+    Ok(())
 }
 
 /// Refuses a decoded segment a backend could read as another path.
@@ -361,6 +374,10 @@ mod tests {
             "/kv/a%00",
             "/kv/a%5cb",
             "kv/orders",
+            "//kv/orders/1",
+            "/kv//orders",
+            "/kv/orders//1",
+            "//",
         ] {
             assert!(kv().resolve(bad).is_err(), "{bad}");
         }

@@ -34,12 +34,17 @@ fn route(pattern: &str, upstream_prefix: Option<&str>) -> RouteConfig {
 
 /// fencegate (manual clock) proxying to `url` with `routes`.
 fn proxy(url: &str, routes: Vec<RouteConfig>) -> Harness {
+    proxy_with(url, routes, |_| {})
+}
+
+fn proxy_with(url: &str, routes: Vec<RouteConfig>, tweak: impl FnOnce(&mut Config)) -> Harness {
     let mut config = Config {
         clock: ClockKind::Manual,
         upstream: url.to_owned(),
         ..Config::default()
     };
     config.fence.routes = routes;
+    tweak(&mut config);
     config.limits.max_body_bytes = 16 * 1024 * 1024;
     let up = Upstream::new(&url.parse().unwrap(), &config.upstream_options()).unwrap();
     Harness::with_backend(config, Backend::Upstream(up), EmbeddedStore::new())
@@ -133,6 +138,77 @@ async fn nginx_webdav_behind_fencegate() {
     let r = c.send(Req::new("DELETE", key).held(&b)).await;
     assert_eq!(r.status, 204);
     assert_eq!(direct.send(Req::new("GET", key)).await.status, 404);
+    fg.stop().await;
+}
+
+/// Paths and headers that would reach a guarded file around its route, with
+/// unrouted writes allowed (`/dav/public/…` is unrouted, `/dav/guarded/…`
+/// guarded, and nginx serves both). Seen failing before empty segments and
+/// every Destination were checked: `PUT //dav/guarded/payments/ledger`
+/// matched no route, was forwarded, and nginx merged the slashes onto the
+/// guarded file; `GET //dav/…` skipped `fence_reads`; a COPY from an
+/// unrouted path skipped the Destination check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slashes_and_destinations_cannot_reach_a_guarded_file_around_its_route() {
+    let nginx = nginx().await;
+    let mut guarded = route("/dav/guarded/{lease}", None);
+    guarded.fence_reads = true;
+    let h = proxy_with(&nginx.url, vec![guarded], |c| {
+        c.fence.allow_unrouted_writes = true;
+    });
+    let fg = spawn(h.app.clone()).await;
+    let c = HttpClient::new(&fg.url());
+    let direct = HttpClient::new(&nginx.url);
+    let ledger = "/dav/guarded/payments/ledger";
+    let ledger_file = || std::fs::read_to_string(nginx.root.join("dav/guarded/payments/ledger"));
+    assert!(direct
+        .send(Req::new("PUT", ledger).body("original"))
+        .await
+        .status
+        .is_success());
+    assert!(direct
+        .send(Req::new("PUT", "/dav/public/x").body("evil"))
+        .await
+        .status
+        .is_success());
+
+    let to_ledger = format!("{}{ledger}", nginx.url);
+    for req in [
+        Req::new("PUT", &format!("/{ledger}")).body("evil"),
+        Req::new("PUT", "/dav//guarded/payments/ledger").body("evil"),
+        Req::new("GET", &format!("/{ledger}")),
+        Req::new("COPY", "/dav/public/x")
+            .header("destination", &to_ledger)
+            .header("overwrite", "T"),
+        Req::new("MOVE", "/dav/public/x").header("destination", &to_ledger),
+        Req::new("COPY", "/dav/public/x")
+            .header("destination", &format!("{}/dav/public/y", nginx.url))
+            .header("destination", &to_ledger),
+    ] {
+        let r = c.send(req).await;
+        assert_eq!(
+            (r.status.as_u16(), r.reason().as_str()),
+            (400, "invalid-request"),
+            "{}",
+            r.text()
+        );
+    }
+    assert_eq!(ledger_file().unwrap(), "original");
+    assert_eq!(
+        std::fs::read_to_string(nginx.root.join("dav/public/x")).unwrap(),
+        "evil"
+    );
+    // What is allowed still works: unrouted to unrouted, and a trailing slash.
+    let r = c
+        .send(
+            Req::new("COPY", "/dav/public/x")
+                .header("destination", &format!("{}/dav/public/y", nginx.url)),
+        )
+        .await;
+    assert!(r.status.is_success(), "{}", r.text());
+    assert!(nginx.root.join("dav/public/y").exists());
+    let r = c.send(Req::new("MKCOL", "/dav/public/dir/")).await;
+    assert_eq!(r.status, 201, "{}", r.text());
     fg.stop().await;
 }
 

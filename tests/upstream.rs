@@ -133,11 +133,28 @@ async fn lease_id_and_hop_by_hop_headers_are_stripped_and_the_token_travels() {
         !r.headers.contains_key("x-upstream-hop"),
         "response hop-by-hop header forwarded"
     );
+    // A client cannot make fencegate strip what it sets or relies on by
+    // naming it in Connection (seen failing: the token was removed).
+    let r = c
+        .send(
+            Req::new("PUT", "/kv/orders/2")
+                .held(&a)
+                .header("connection", "fencing-token, x-request-id, x-forwarded-for")
+                .header("x-request-id", "req-43")
+                .header("x-forwarded-for", "192.0.2.9")
+                .body("b"),
+        )
+        .await;
+    assert_eq!(r.status, 200);
     // A read that carries a lease id does not leak it either.
     c.send(Req::new("GET", "/kv/orders/1").held(&a)).await;
 
     let seen = seen.lock().unwrap().clone();
-    assert_eq!(seen.len(), 2);
+    assert_eq!(seen.len(), 3);
+    let put2 = &seen[1];
+    assert_eq!(put2["fencing-token"], "1");
+    assert_eq!(put2["x-request-id"], "req-43");
+    assert_eq!(put2["x-forwarded-for"], "192.0.2.9, 127.0.0.1");
     for headers in seen.iter() {
         assert!(
             !headers.contains_key("fencing-lease-id"),

@@ -178,7 +178,25 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     http::header::PROXY_AUTHORIZATION,
 ];
 
-/// Removes hop-by-hop headers, including those the `Connection` header names.
+/// Headers a `Connection` header may not remove: those fencegate sets or
+/// relies on (the fencing token the backend may check, the request id, the
+/// forwarding headers, `Host`, the checked WebDAV `Destination`) and the
+/// body's framing. A client listing them in `Connection` cannot strip them
+/// on their way to the backend.
+const KEPT_ON_THE_WAY: [HeaderName; 9] = [
+    HOST,
+    http::header::CONTENT_LENGTH,
+    HeaderName::from_static("fencing-token"),
+    HeaderName::from_static("x-request-id"),
+    X_FORWARDED_FOR,
+    X_FORWARDED_PROTO,
+    X_FORWARDED_HOST,
+    FORWARDED,
+    HeaderName::from_static("destination"),
+];
+
+/// Removes hop-by-hop headers, including those the `Connection` header names
+/// (but never the ones in [`KEPT_ON_THE_WAY`]).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none: one pass over the names, no hashing.
     if !headers.keys().any(|k| HOP_BY_HOP.contains(k)) {
@@ -190,6 +208,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .filter(|name| !KEPT_ON_THE_WAY.contains(name))
         .collect();
     for name in named {
         headers.remove(name);
@@ -465,6 +484,40 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert_eq!(h["fencing-token"], "7");
+    }
+
+    /// Seen failing before: `Connection: close, fencing-token` removed the
+    /// token, defeating a backend's own token check.
+    #[test]
+    fn connection_cannot_name_what_fencegate_sets_or_relies_on() {
+        let mut h = HeaderMap::new();
+        let kept = [
+            "host",
+            "content-length",
+            "fencing-token",
+            "x-request-id",
+            "x-forwarded-for",
+            "x-forwarded-proto",
+            "x-forwarded-host",
+            "forwarded",
+            "destination",
+        ];
+        h.insert(
+            "connection",
+            format!("close, x-secret, {}", kept.join(", "))
+                .parse()
+                .unwrap(),
+        );
+        h.insert("x-secret", "1".parse().unwrap());
+        for name in kept {
+            h.insert(name, "1".parse().unwrap());
+        }
+        strip_hop_by_hop(&mut h);
+        let mut left: Vec<&str> = h.keys().map(HeaderName::as_str).collect();
+        left.sort_unstable();
+        let mut want = kept.to_vec();
+        want.sort_unstable();
+        assert_eq!(left, want);
     }
 
     #[tokio::test]
