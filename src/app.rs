@@ -381,7 +381,9 @@ impl<S> App<S> {
         if head_size(&req) > self.limits.max_header_bytes {
             return Err(Problem::headers_too_large(self.limits.max_header_bytes));
         }
-        check_framing(req.headers())?;
+        // Where the body ends is in doubt: the connection is not reused (as
+        // hyper itself closes after a length beside a coding).
+        check_framing(req.headers()).map_err(Problem::closing_connection)?;
         if !limit_body {
             return Ok(req.map(body::boxed));
         }

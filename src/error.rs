@@ -49,6 +49,9 @@ struct Doc {
     expires_in_ms: Option<u64>,
     #[serde(skip)]
     retry_after_s: Option<u64>,
+    /// Answer with `Connection: close`.
+    #[serde(skip)]
+    close: bool,
 }
 
 fn ser_status<S: serde::Serializer>(status: &StatusCode, s: S) -> Result<S::Ok, S::Error> {
@@ -69,12 +72,20 @@ impl Problem {
             holder: None,
             expires_in_ms: None,
             retry_after_s: None,
+            close: false,
         }))
     }
 
     /// Names the lease the problem is about.
     pub fn lease(mut self, lease: &str) -> Self {
         self.0.lease = Some(lease.to_owned());
+        self
+    }
+
+    /// Closes the connection after this answer (the rest of the request may
+    /// not be where the connection thinks it is).
+    pub fn closing_connection(mut self) -> Self {
+        self.0.close = true;
         self
     }
 
@@ -343,6 +354,10 @@ impl Problem {
         if let Some(secs) = self.0.retry_after_s {
             res.headers_mut()
                 .insert(RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if self.0.close {
+            res.headers_mut()
+                .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
         }
         if self.0.status == StatusCode::UNAUTHORIZED {
             res.headers_mut().insert(

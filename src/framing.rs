@@ -6,30 +6,81 @@
 //! afterwards. fencegate's contract is stricter: such a request is refused,
 //! never repaired and forwarded, because it is the classic request-smuggling
 //! shape. By the time a request reaches a service the evidence is gone, so
-//! this guard watches the byte stream: it finds each request head (following
-//! `Content-Length` and chunked bodies to know where the next head starts),
-//! and in a head with both headers renames `Content-Length` to
-//! [`CONFLICT_HEADER`] (same length, so nothing else moves). hyper then frames
-//! by the transfer coding as before, and the app refuses the request with a
-//! 400 problem because it sees the marker.
+//! this guard watches the byte stream: it finds each request head and frames
+//! each body exactly as hyper does, and in a head with both headers renames
+//! `Content-Length` to [`CONFLICT_HEADER`] (same length, so nothing else
+//! moves). hyper then frames by the transfer coding as before, and the app
+//! refuses the request with a 400 problem because it sees the marker.
 //!
-//! Anything the guard cannot follow (a malformed head, bad chunking, an
-//! upgrade, a head over [`MAX_HEAD_BYTES`]) ends its watch for the connection
-//! and the bytes pass through untouched: hyper rejects malformed input itself.
+//! To see the stream as hyper sees it, the guard uses hyper's own head parser
+//! (httparse, with hyper's default configuration and header-count limit),
+//! applies hyper's rules for `Content-Length` and `Transfer-Encoding`, and
+//! follows chunked bodies with a copy of hyper's chunked decoder (strict
+//! CRLFs, the same extension limit). Where hyper refuses the input (a
+//! malformed head or chunk, a head over the connection's buffer), the guard
+//! stops watching and passes the bytes on: hyper then refuses them and closes
+//! the connection, so nothing after them is ever parsed. A request with an
+//! `Upgrade` header, or a `CONNECT`, is framed like any other: fencegate
+//! never switches protocols (a 101 or a 2xx to `CONNECT` ends the
+//! connection), so hyper goes on parsing requests after it. A differential
+//! test (`tests/framing.rs`) checks the guard against hyper on generated
+//! byte streams split at every point.
+//!
+//! Memory: the guard holds at most one incomplete head per connection, and
+//! never more than the head limit it is given (hyper's buffer size, derived
+//! from `limits.max_header_bytes`); a chunked body costs a few bytes of state.
 
 use std::io;
+use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
 use bytes::{Buf, BytesMut};
+use smallvec::SmallVec;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// The name `Content-Length` is renamed to in a head that also carries
 /// `Transfer-Encoding`.
 pub const CONFLICT_HEADER: &str = "x-conflict-len";
 
-/// Heads larger than this are passed through unwatched (hyper refuses them).
-pub const MAX_HEAD_BYTES: usize = 1024 * 1024;
+/// The most header lines hyper accepts in a request (its default): the guard
+/// must parse every head hyper parses.
+const MAX_HEADERS: usize = 100;
+
+/// hyper's limit on chunk-extension bytes in one message.
+const CHUNKED_EXTENSIONS_LIMIT: u64 = 16 * 1024;
+
+/// The smallest read buffer hyper accepts.
+const MIN_HEAD_BUFFER: usize = 8 * 1024;
+
+/// The size of hyper's read buffer (and of the largest head the guard holds)
+/// for a head limit of `max_header_bytes`: room for the request line and the
+/// line breaks around the counted headers, so heads somewhat over the limit
+/// still reach the app and get its `431` problem.
+pub fn head_buffer_bytes(max_header_bytes: usize) -> usize {
+    max_header_bytes
+        .saturating_add(4 * 1024)
+        .max(MIN_HEAD_BUFFER)
+}
+
+/// Where in a chunked body the scanner is, as in hyper's decoder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Chunk {
+    Start,
+    Size(u64),
+    SizeLws(u64),
+    Extension(u64),
+    SizeLf(u64),
+    Data(u64),
+    DataCr,
+    DataLf,
+    Trailer,
+    TrailerLf,
+    EndCr,
+    EndLf,
+    /// The body is over.
+    End,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -37,16 +88,11 @@ enum State {
     Head,
     /// Passing `n` more body bytes.
     Fixed(u64),
-    /// Collecting a chunk-size line.
-    ChunkSize,
-    /// Passing `n` chunk bytes.
-    ChunkData(u64),
-    /// Collecting the line break after chunk data.
-    ChunkEnd,
-    /// Collecting trailer lines until an empty one.
-    Trailers,
-    /// No longer watching: everything passes.
-    Passthrough,
+    /// Following a chunked body.
+    Chunked(Chunk),
+    /// hyper refuses what comes next and closes the connection: everything
+    /// passes through to it unchanged.
+    Refused,
 }
 
 /// The byte-stream scanner behind [`Guarded`]; pure, so it can be tested on
@@ -55,29 +101,161 @@ enum State {
 #[derive(Debug)]
 pub struct Scanner {
     state: State,
-    /// How far into the incomplete head or line the search for its end has
-    /// got, so a head that trickles in byte by byte is searched once.
+    /// How far into the incomplete head the search for its end has got, so a
+    /// head that trickles in byte by byte is searched once.
     searched: usize,
+    /// Chunk-extension bytes seen in the current message.
+    extensions: u64,
+    /// The largest incomplete head held (hyper's buffer size).
+    max_head_bytes: usize,
 }
 
-impl Default for Scanner {
-    fn default() -> Self {
+impl Scanner {
+    /// A scanner for a connection whose parser buffers at most
+    /// `max_head_bytes` of an incomplete head.
+    pub fn new(max_head_bytes: usize) -> Self {
         Self {
             state: State::Head,
             searched: 0,
+            extensions: 0,
+            max_head_bytes,
         }
+    }
+
+    /// Whether the scanner stopped watching (hyper refuses the stream).
+    pub fn refused(&self) -> bool {
+        self.state == State::Refused
+    }
+
+    /// Scans `data`, the bytes that follow everything scanned so far (an
+    /// incomplete head returned earlier comes first again), marking heads in
+    /// place. Returns how many leading bytes are complete and may be handed
+    /// to the parser; the rest is an incomplete head to pass again with the
+    /// bytes that follow it.
+    pub fn scan(&mut self, data: &mut [u8]) -> usize {
+        let mut pos = 0;
+        while pos < data.len() {
+            match self.state {
+                State::Refused => return data.len(),
+                State::Fixed(n) => {
+                    let take = usize::try_from(n)
+                        .unwrap_or(usize::MAX)
+                        .min(data.len() - pos);
+                    pos += take;
+                    let rest = n - take as u64;
+                    self.state = if rest == 0 {
+                        State::Head
+                    } else {
+                        State::Fixed(rest)
+                    };
+                }
+                State::Chunked(Chunk::Data(n)) => {
+                    let take = usize::try_from(n)
+                        .unwrap_or(usize::MAX)
+                        .min(data.len() - pos);
+                    pos += take;
+                    let rest = n - take as u64;
+                    self.state = State::Chunked(if rest == 0 {
+                        Chunk::DataCr
+                    } else {
+                        Chunk::Data(rest)
+                    });
+                }
+                State::Chunked(chunk) => {
+                    self.state = match self.chunk_step(chunk, data[pos]) {
+                        Some(Chunk::End) => State::Head,
+                        Some(next) => State::Chunked(next),
+                        None => State::Refused,
+                    };
+                    pos += 1;
+                }
+                State::Head => {
+                    let head = &mut data[pos..];
+                    let Some(end) = find_head_end(head, self.searched) else {
+                        if head.len() > self.max_head_bytes {
+                            // hyper's buffer fills before the head ends.
+                            self.state = State::Refused;
+                            return data.len();
+                        }
+                        self.searched = head.len();
+                        return pos;
+                    };
+                    match inspect_head(head) {
+                        Parsed::Complete(len, next) => {
+                            self.searched = 0;
+                            self.extensions = 0;
+                            self.state = next;
+                            pos += len;
+                        }
+                        Parsed::Partial => {
+                            // A blank line that does not end the head for
+                            // httparse: keep reading after it.
+                            self.searched = end;
+                            if head.len() > self.max_head_bytes {
+                                self.state = State::Refused;
+                                return data.len();
+                            }
+                            return pos;
+                        }
+                        Parsed::Refused => self.state = State::Refused,
+                    }
+                }
+            }
+        }
+        pos
+    }
+
+    /// One byte of a chunked body outside chunk data, as hyper's decoder
+    /// takes it; `None` where hyper fails.
+    fn chunk_step(&mut self, chunk: Chunk, b: u8) -> Option<Chunk> {
+        let hex = |b: u8| (b as char).to_digit(16).map(u64::from);
+        Some(match (chunk, b) {
+            (Chunk::Start, b) => Chunk::Size(hex(b)?),
+            (Chunk::Size(n), b) if hex(b).is_some() => {
+                Chunk::Size(n.checked_mul(16)?.checked_add(hex(b)?)?)
+            }
+            (Chunk::Size(n) | Chunk::SizeLws(n), b'\t' | b' ') => Chunk::SizeLws(n),
+            (Chunk::Size(n) | Chunk::SizeLws(n), b';') => Chunk::Extension(n),
+            (Chunk::Size(n) | Chunk::SizeLws(n) | Chunk::Extension(n), b'\r') => Chunk::SizeLf(n),
+            (Chunk::Extension(_), b'\n') => return None,
+            (Chunk::Extension(n), _) => {
+                self.extensions += 1;
+                if self.extensions >= CHUNKED_EXTENSIONS_LIMIT {
+                    return None;
+                }
+                Chunk::Extension(n)
+            }
+            (Chunk::SizeLf(0), b'\n') => Chunk::EndCr,
+            (Chunk::SizeLf(n), b'\n') => Chunk::Data(n),
+            (Chunk::DataCr, b'\r') => Chunk::DataLf,
+            (Chunk::DataLf, b'\n') => Chunk::Start,
+            (Chunk::Trailer, b'\r') => Chunk::TrailerLf,
+            (Chunk::Trailer, _) => Chunk::Trailer,
+            (Chunk::TrailerLf, b'\n') => Chunk::EndCr,
+            (Chunk::EndCr, b'\r') => Chunk::EndLf,
+            (Chunk::EndCr, _) => Chunk::Trailer,
+            (Chunk::EndLf, b'\n') => Chunk::End,
+            _ => return None,
+        })
+    }
+
+    /// The stream ended: whatever is held goes to the parser unchanged.
+    fn end_of_stream(&mut self) {
+        self.state = State::Refused;
     }
 }
 
-fn find_line_end(buf: &[u8], from: usize) -> Option<usize> {
-    memchr::memchr(b'\n', &buf[from..]).map(|i| from + i + 1)
-}
-
-/// The end of a head (after its blank line), accepting bare LF as hyper does;
-/// the search starts at `from`, where an earlier search gave up.
+/// The end of a head (after its blank line), accepting bare LF as httparse
+/// does and skipping the empty lines it skips before a request line; the
+/// search starts at `from`, where an earlier search gave up. Only a hint:
+/// httparse decides.
 fn find_head_end(buf: &[u8], from: usize) -> Option<usize> {
+    let lead = buf
+        .iter()
+        .take_while(|&&b| b == b'\r' || b == b'\n')
+        .count();
     // Back up over a line break the earlier search saw without its follower.
-    let mut i = from.saturating_sub(2);
+    let mut i = from.saturating_sub(2).max(lead);
     while let Some(rel) = memchr::memchr(b'\n', &buf[i..]) {
         let nl = i + rel;
         let rest = &buf[nl + 1..];
@@ -92,179 +270,117 @@ fn find_head_end(buf: &[u8], from: usize) -> Option<usize> {
     None
 }
 
-impl Scanner {
-    /// Scans `data`, the bytes that follow everything scanned so far (an
-    /// incomplete head or line returned earlier comes first again), marking
-    /// heads in place. Returns how many leading bytes are complete and may be
-    /// handed to the parser; the rest is an incomplete head or chunk line to
-    /// pass again with the bytes that follow it.
-    pub fn scan(&mut self, data: &mut [u8]) -> usize {
-        let mut pos = 0;
-        while pos < data.len() {
-            let left = data.len() - pos;
-            match self.state {
-                State::Passthrough => return data.len(),
-                State::Fixed(n) | State::ChunkData(n) => {
-                    let take = usize::try_from(n).unwrap_or(usize::MAX).min(left);
-                    pos += take;
-                    let rest = n - take as u64;
-                    self.state = match (self.state, rest) {
-                        (State::Fixed(_), 0) => State::Head,
-                        (State::Fixed(_), _) => State::Fixed(rest),
-                        (_, 0) => State::ChunkEnd,
-                        _ => State::ChunkData(rest),
-                    };
+/// What the head parser made of a buffer.
+enum Parsed {
+    /// A head of this many bytes, followed by a body framed as the state says.
+    Complete(usize, State),
+    /// Not a complete head yet.
+    Partial,
+    /// hyper refuses this head.
+    Refused,
+}
+
+/// Parses the head at the start of `buf` as hyper does, marks a
+/// `Content-Length` beside `Transfer-Encoding`, and says how the body that
+/// follows is framed (hyper's rules, `proto/h1/role.rs`).
+fn inspect_head(buf: &mut [u8]) -> Parsed {
+    let (len, framing, lengths) = {
+        let mut headers = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+        let mut req = httparse::Request::new(&mut []);
+        let len = match req.parse_with_uninit_headers(buf, &mut headers) {
+            Ok(httparse::Status::Complete(len)) => len,
+            Ok(httparse::Status::Partial) => return Parsed::Partial,
+            Err(_) => return Parsed::Refused,
+        };
+        let http11 = req.version == Some(1);
+        // Offsets of the Content-Length names, to mark them.
+        let mut lengths: SmallVec<[usize; 2]> = SmallVec::new();
+        let mut chunked = None;
+        let mut length: Option<u64> = None;
+        for h in req.headers.iter() {
+            if h.name.eq_ignore_ascii_case("transfer-encoding") {
+                if !http11 {
+                    return Parsed::Refused;
                 }
-                State::Head => {
-                    let Some(end) = find_head_end(&data[pos..], self.searched) else {
-                        if left > MAX_HEAD_BYTES {
-                            self.state = State::Passthrough;
-                            return data.len();
-                        }
-                        self.searched = left;
-                        return pos;
-                    };
-                    self.searched = 0;
-                    self.state = inspect_head(&mut data[pos..pos + end]);
-                    pos += end;
+                chunked = Some(is_chunked(h.value));
+            } else if h.name.eq_ignore_ascii_case("content-length") {
+                lengths.push(h.name.as_ptr() as usize - buf.as_ptr() as usize);
+                if chunked.is_some() {
+                    // hyper ignores a length after a transfer coding.
+                    continue;
                 }
-                State::ChunkSize | State::ChunkEnd | State::Trailers => {
-                    let Some(end) = find_line_end(&data[pos..], self.searched) else {
-                        if left > 64 * 1024 {
-                            self.state = State::Passthrough;
-                            return data.len();
-                        }
-                        self.searched = left;
-                        return pos;
-                    };
-                    self.searched = 0;
-                    let line = &data[pos..pos + end];
-                    let blank = matches!(line, b"\r\n" | b"\n");
-                    self.state = match self.state {
-                        State::ChunkEnd if blank => State::ChunkSize,
-                        State::ChunkEnd => State::Passthrough,
-                        State::Trailers if blank => State::Head,
-                        State::Trailers => State::Trailers,
-                        _ => match httparse::parse_chunk_size(line) {
-                            Ok(httparse::Status::Complete((_, 0))) => State::Trailers,
-                            Ok(httparse::Status::Complete((_, n))) => State::ChunkData(n),
-                            _ => State::Passthrough,
-                        },
-                    };
-                    pos += end;
+                let Some(n) = from_digits(h.value) else {
+                    return Parsed::Refused;
+                };
+                if length.is_some_and(|prev| prev != n) {
+                    return Parsed::Refused;
                 }
+                length = Some(n);
             }
         }
-        pos
-    }
-
-    /// The stream ended: whatever is held goes to the parser unchanged.
-    fn end_of_stream(&mut self) {
-        self.state = State::Passthrough;
-    }
-}
-
-/// Looks at one complete head: marks a `Content-Length` beside
-/// `Transfer-Encoding`, and says how the body that follows is framed.
-///
-/// A plain line scan, not a full parse: hyper parses (and validates) the
-/// head after this; here only the three framing headers matter. A request
-/// line that does not end in an HTTP/1 version ends the watch.
-fn inspect_head(head: &mut [u8]) -> State {
-    let mut lines = memchr::memchr_iter(b'\n', head).scan(0, |start, end| {
-        let line = &head[*start..end];
-        *start = end + 1;
-        Some(line.strip_suffix(b"\r").unwrap_or(line))
-    });
-    let request_line = lines.by_ref().find(|l| !l.is_empty()).unwrap_or_default();
-    if !(request_line.ends_with(b" HTTP/1.1") || request_line.ends_with(b" HTTP/1.0")) {
-        return State::Passthrough;
-    }
-    let mut upgrade = request_line.starts_with(b"CONNECT ");
-    let mut lengths = 0usize;
-    let mut length = None;
-    let mut chunked = None;
-    for line in lines.take_while(|l| !l.is_empty()) {
-        let Some((name, value)) = split_header(line) else {
-            continue;
+        let framing = match (chunked, length) {
+            (Some(true), _) => State::Chunked(Chunk::Start),
+            (Some(false), _) => return Parsed::Refused,
+            (None, Some(n)) if n > 0 => State::Fixed(n),
+            (None, _) => State::Head,
         };
-        if name.eq_ignore_ascii_case(b"content-length") {
-            lengths += 1;
-            length = std::str::from_utf8(value)
-                .ok()
-                .and_then(|v| v.parse::<u64>().ok());
-        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
-            let last = value.rsplit(|&b| b == b',').next().unwrap_or_default();
-            chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
-        } else if name.eq_ignore_ascii_case(b"upgrade") {
-            upgrade = true;
+        (len, framing, lengths)
+    };
+    if matches!(framing, State::Chunked(_)) {
+        for at in lengths {
+            buf[at..at + CONFLICT_HEADER.len()].copy_from_slice(CONFLICT_HEADER.as_bytes());
         }
     }
-    if upgrade {
-        return State::Passthrough;
-    }
-    match chunked {
-        Some(true) => {
-            mark_lengths(head);
-            State::ChunkSize
-        }
-        // Not chunked last: hyper refuses the request.
-        Some(false) => State::Passthrough,
-        None => match (lengths, length) {
-            (0, _) => State::Head,
-            (_, Some(0)) => State::Head,
-            (_, Some(n)) => State::Fixed(n),
-            (_, None) => State::Passthrough,
-        },
-    }
+    Parsed::Complete(len, framing)
 }
 
-/// `name: value` of a header line, the value trimmed.
-fn split_header(line: &[u8]) -> Option<(&[u8], &[u8])> {
-    let colon = memchr::memchr(b':', line)?;
-    Some((&line[..colon], line[colon + 1..].trim_ascii()))
+/// hyper's test for a chunked message: `chunked` is the last coding of the
+/// header line (a value that is not visible ASCII never is).
+fn is_chunked(value: &[u8]) -> bool {
+    let visible = value
+        .iter()
+        .all(|&b| b == b'\t' || (0x20..0x7f).contains(&b));
+    visible
+        && value
+            .rsplit(|&b| b == b',')
+            .next()
+            .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"))
 }
 
-/// Renames every `Content-Length` header line of `head` (the rare
-/// conflicting head) to [`CONFLICT_HEADER`], which has the same length.
-fn mark_lengths(head: &mut [u8]) {
-    let mut at = 0;
-    while at < head.len() {
-        let end = memchr::memchr(b'\n', &head[at..]).map_or(head.len(), |i| at + i + 1);
-        let line = &head[at..end];
-        if at > 0
-            && split_header(line).is_some_and(|(n, _)| n.eq_ignore_ascii_case(b"content-length"))
-        {
-            head[at..at + CONFLICT_HEADER.len()].copy_from_slice(CONFLICT_HEADER.as_bytes());
-        }
-        at = end;
+/// hyper's `Content-Length` parse: ASCII digits only, no sign, no overflow.
+fn from_digits(bytes: &[u8]) -> Option<u64> {
+    if bytes.is_empty() {
+        return None;
     }
+    bytes.iter().try_fold(0u64, |n, &b| match b {
+        b'0'..=b'9' => n.checked_mul(10)?.checked_add(u64::from(b - b'0')),
+        _ => None,
+    })
 }
 
 /// A connection whose incoming bytes pass through a [`Scanner`].
 ///
 /// Bytes are read straight into the parser's buffer and scanned there; only
-/// an incomplete head (or chunk line) at the end of a read is taken back and
-/// held until the rest arrives, so the common case copies nothing.
+/// an incomplete head at the end of a read is taken back and held until the
+/// rest arrives, so the common case copies nothing.
 pub struct Guarded<S> {
     inner: S,
     scanner: Scanner,
-    /// An incomplete head or line, waiting for more bytes.
+    /// An incomplete head, waiting for more bytes.
     held: BytesMut,
     /// Scanned bytes not yet handed to the parser.
     ready: BytesMut,
-    /// Read buffer for the held case, allocated on first use.
-    buf: Vec<u8>,
 }
 
 impl<S> Guarded<S> {
-    pub fn new(inner: S) -> Self {
+    /// Guards `inner`, whose parser buffers at most `max_head_bytes` of an
+    /// incomplete head (see [`head_buffer_bytes`]).
+    pub fn new(inner: S, max_head_bytes: usize) -> Self {
         Self {
             inner,
-            scanner: Scanner::default(),
+            scanner: Scanner::new(max_head_bytes),
             held: BytesMut::new(),
             ready: BytesMut::new(),
-            buf: Vec::new(),
         }
     }
 }
@@ -301,20 +417,27 @@ impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
                 }
                 continue;
             }
-            // An incomplete head is held: append to it and scan it again.
-            if this.buf.is_empty() {
-                this.buf = vec![0; 16 * 1024];
+            // An incomplete head is held: read more onto it and scan again.
+            // It never grows past the head limit: past it, the scanner lets
+            // everything through.
+            if this.held.capacity() - this.held.len() < 4096 {
+                this.held.reserve(8 * 1024);
             }
-            let mut rb = ReadBuf::new(&mut this.buf);
-            ready!(Pin::new(&mut this.inner).poll_read(cx, &mut rb))?;
-            let n = rb.filled().len();
+            let had = this.held.len();
+            let n = {
+                let spare = this.held.spare_capacity_mut();
+                let mut rb = ReadBuf::uninit(spare);
+                ready!(Pin::new(&mut this.inner).poll_read(cx, &mut rb))?;
+                rb.filled().len()
+            };
             if n == 0 {
                 // End of stream: release what is held so the parser sees it.
                 this.scanner.end_of_stream();
                 this.ready = this.held.split();
                 continue;
             }
-            this.held.extend_from_slice(&this.buf[..n]);
+            // SAFETY: the read initialised `n` bytes of the spare capacity.
+            unsafe { this.held.set_len(had + n) };
             let done = this.scanner.scan(&mut this.held);
             this.ready = this.held.split_to(done);
         }
@@ -343,8 +466,10 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
 mod tests {
     use super::*;
 
+    const LIMIT: usize = 20 * 1024;
+
     fn scan(chunks: &[&[u8]]) -> Vec<u8> {
-        let mut s = Scanner::default();
+        let mut s = Scanner::new(LIMIT);
         let mut held = BytesMut::new();
         let mut out = BytesMut::new();
         for c in chunks {
@@ -382,7 +507,7 @@ mod tests {
         for size in [1, 2, 3, 7, 16, 40, 1000] {
             for read_size in [5, 64, 4096] {
                 let chunks = PIPELINE.chunks(size).map(|c| c.to_vec()).collect();
-                let mut g = Guarded::new(Chunks(chunks));
+                let mut g = Guarded::new(Chunks(chunks), LIMIT);
                 let mut got = Vec::new();
                 let mut buf = vec![0u8; read_size];
                 loop {
@@ -397,15 +522,22 @@ mod tests {
         }
     }
 
-    const PIPELINE: &[u8] = b"PUT /a HTTP/1.1\r\nContent-Length: 3\r\n\r\nabcPUT /b HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nxyz\r\n0\r\nT: 1\r\n\r\nPUT /c HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\nGET /d HTTP/1.1\r\nContent-Length: 9\r\nX: Transfer-Encoding: chunked\r\n\r\n123456789";
+    const PIPELINE: &[u8] = b"PUT /a HTTP/1.1\r\nContent-Length: 3\r\n\r\nabcPUT /b HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nxyz\r\n0\r\nT: 1\r\n\r\n\r\nPUT /c HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\nGET /d HTTP/1.1\r\nUpgrade: websocket\r\nContent-Length: 9\r\nX: Transfer-Encoding: chunked\r\n\r\n123456789PUT /e HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 1\r\n\r\n0\r\n\r\n";
 
     fn expected() -> Vec<u8> {
         let text = String::from_utf8(PIPELINE.to_vec()).unwrap();
-        // Only the third request's length is renamed; the body bytes of the
-        // fourth (which look like a header) are not touched.
+        // Only the lengths beside a transfer coding are renamed (after an
+        // upgrade request too, and past an empty line before a request);
+        // the body bytes of the fourth request (which look like a header)
+        // are not touched.
         text.replacen(
             "Content-Length: 2\r\nTransfer",
             "x-conflict-len: 2\r\nTransfer",
+            1,
+        )
+        .replacen(
+            "chunked\r\nContent-Length: 1",
+            "chunked\r\nx-conflict-len: 1",
             1,
         )
         .into_bytes()
@@ -425,12 +557,69 @@ mod tests {
     }
 
     #[test]
-    fn malformed_input_passes_through_untouched() {
+    fn input_hyper_refuses_passes_through_untouched() {
         let bad =
             b"PUT /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nContent-Length: 1\r\n\r\n";
         assert_eq!(scan(&[bad]), bad.to_vec());
         let garbage =
             b"\x00\x01 not http\r\n\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n";
         assert_eq!(scan(&[garbage]), garbage.to_vec());
+    }
+
+    /// Seen failing before the guard kept watching after an upgrade request:
+    /// the next request's Content-Length beside Transfer-Encoding passed.
+    #[test]
+    fn an_upgrade_or_connect_does_not_end_the_watch() {
+        for first in [
+            &b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n"[..],
+            b"CONNECT example.com:443 HTTP/1.1\r\n\r\n",
+        ] {
+            let mut stream = first.to_vec();
+            stream.extend_from_slice(
+                b"PUT /x HTTP/1.1\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            );
+            let out = String::from_utf8(scan(&[&stream])).unwrap();
+            assert!(out.contains("x-conflict-len: 4"), "{out}");
+        }
+    }
+
+    /// Seen failing when the guard held up to 1 MiB of a head: it now holds
+    /// no more than the head limit, then lets hyper refuse the rest.
+    #[test]
+    fn an_endless_head_is_held_only_up_to_the_limit() {
+        let mut s = Scanner::new(LIMIT);
+        let mut held = BytesMut::from(&b"GET / HTTP/1.1\r\n"[..]);
+        let line = b"X-Filler: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n";
+        while !s.refused() {
+            assert!(
+                held.len() <= LIMIT + line.len(),
+                "held {} bytes",
+                held.len()
+            );
+            held.extend_from_slice(line);
+            let done = s.scan(&mut held);
+            held.advance(done);
+        }
+        assert!(held.is_empty(), "everything is passed on once refused");
+    }
+
+    #[test]
+    fn lengths_follow_hyper() {
+        assert_eq!(from_digits(b"42"), Some(42));
+        for bad in [
+            &b""[..],
+            b"+1",
+            b"-1",
+            b" 1",
+            b"1 ",
+            b"5, 5",
+            b"18446744073709551616",
+        ] {
+            assert_eq!(from_digits(bad), None, "{:?}", String::from_utf8_lossy(bad));
+        }
+        assert!(is_chunked(b"gzip, chunked"));
+        assert!(is_chunked(b"CHUNKED "));
+        assert!(!is_chunked(b"chunked, gzip"));
+        assert!(!is_chunked(b"chunked\xff"));
     }
 }

@@ -23,7 +23,7 @@ use tower::{Service, ServiceExt};
 
 use crate::backend::ClientAddr;
 use crate::body::Body;
-use crate::framing::Guarded;
+use crate::framing::{head_buffer_bytes, Guarded};
 
 /// Connection-level settings.
 #[derive(Clone, Copy, Debug)]
@@ -83,13 +83,15 @@ where
         + 'static,
     S::Future: Send + 'static,
 {
+    // Heads between the configured limit and this buffer get fencegate's
+    // 431 problem; larger ones get hyper's bare 431. The framing guard holds
+    // no more of an incomplete head than this either.
+    let head_buffer = head_buffer_bytes(options.max_header_bytes);
     let mut builder = http1::Builder::new();
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_millis(options.header_read_timeout_ms))
-        // Heads between the configured limit and this buffer get fencegate's
-        // 431 problem; larger ones get hyper's bare 431.
-        .max_buf_size((options.max_header_bytes * 4).max(64 * 1024))
+        .max_buf_size(head_buffer)
         .keep_alive(true);
     let builder = Arc::new(builder);
     let handshake_timeout = Duration::from_millis(options.header_read_timeout_ms);
@@ -127,7 +129,7 @@ where
             let _permit = permit;
             let served = match tls {
                 None => {
-                    let io = TokioIo::new(Guarded::new(stream));
+                    let io = TokioIo::new(Guarded::new(stream, head_buffer));
                     watcher.watch(builder.serve_connection(io, service)).await
                 }
                 Some(tls) => {
@@ -143,7 +145,7 @@ where
                                 return;
                             }
                         };
-                    let io = TokioIo::new(Guarded::new(stream));
+                    let io = TokioIo::new(Guarded::new(stream, head_buffer));
                     watcher.watch(builder.serve_connection(io, service)).await
                 }
             };

@@ -133,3 +133,42 @@ async fn a_slow_request_head_is_cut_off() {
     let _ = stop.send(());
     task.await.unwrap().unwrap();
 }
+
+/// The status codes of every answer on one connection, until it closes.
+async fn raw_statuses(addr: std::net::SocketAddr, requests: &[u8]) -> Vec<u16> {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let _ = s.write_all(requests).await;
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf)).await;
+    assert!(read.is_ok(), "the connection stayed open");
+    String::from_utf8_lossy(&buf)
+        .match_indices("HTTP/1.1 ")
+        .filter_map(|(at, _)| buf.get(at + 9..at + 12))
+        .filter_map(|code| std::str::from_utf8(code).ok()?.parse().ok())
+        .collect()
+}
+
+/// Seen failing before the guard kept watching a connection after an
+/// upgrade request (or an empty line before a request): the next request,
+/// with a length beside a transfer coding, was forwarded and stored.
+#[tokio::test]
+async fn an_upgrade_or_an_empty_line_does_not_open_the_connection_to_smuggling() {
+    let h = Harness::new();
+    let held = h.acquire("o", "A", 600_000).await;
+    let server = spawn(h.app.clone()).await;
+    let smuggled = format!(
+        "PUT /kv/o/x HTTP/1.1\r\nHost: a\r\nFencing-Token: {}\r\nFencing-Lease-Id: {}\r\n\
+         Content-Length: 3\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        held.token, held.lease_id
+    );
+    for (first, statuses) in [
+        ("GET /kv/o/none HTTP/1.1\r\nHost: a\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n", vec![404, 400]),
+        ("GET /kv/o/none HTTP/1.1\r\nHost: a\r\nUpgrade: h2c\r\n\r\n", vec![404, 400]),
+        ("\r\n", vec![400]),
+    ] {
+        let got = raw_statuses(server.addr, format!("{first}{smuggled}").as_bytes()).await;
+        assert_eq!(got, statuses, "after {first:?}");
+    }
+    assert!(h.store.is_empty(), "a smuggled request reached the storage");
+    server.stop().await;
+}
