@@ -391,7 +391,7 @@ impl<S> App<S> {
             return Err(Problem::payload_too_large(self.limits.max_body_bytes));
         }
         let limit = usize::try_from(self.limits.max_body_bytes).unwrap_or(usize::MAX);
-        Ok(req.map(|b| body::boxed(Limited::new(b, limit))))
+        Ok(req.map(|b| body::boxed(Limited::new(body::from_client(b), limit))))
     }
 }
 

@@ -32,11 +32,46 @@ where
     body.map_err(Into::into).boxed_unsync()
 }
 
+/// A failure of the client's request body (cut off, or chunked framing
+/// hyper refused), as opposed to a failure of the backend.
+#[derive(Debug)]
+pub struct ClientBodyError(pub BoxError);
+
+impl std::fmt::Display for ClientBodyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the client's request body failed: {}", self.0)
+    }
+}
+
+impl std::error::Error for ClientBodyError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}
+
+/// A client's request body whose failures say they are the client's.
+pub fn from_client<B>(body: B) -> impl http_body::Body<Data = Bytes, Error = ClientBodyError>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    body.map_err(|e| ClientBodyError(e.into()))
+}
+
 /// Whether `err` (or its source chain) is a body-limit overflow.
 pub fn is_length_limit(err: &(dyn std::error::Error + 'static)) -> bool {
+    in_chain::<http_body_util::LengthLimitError>(err)
+}
+
+/// Whether `err` (or its source chain) is a failure of the client's body.
+pub fn is_client_body_error(err: &(dyn std::error::Error + 'static)) -> bool {
+    in_chain::<ClientBodyError>(err)
+}
+
+fn in_chain<E: std::error::Error + 'static>(err: &(dyn std::error::Error + 'static)) -> bool {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
     while let Some(e) = cur {
-        if e.is::<http_body_util::LengthLimitError>() {
+        if e.is::<E>() {
             return true;
         }
         cur = e.source();

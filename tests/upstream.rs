@@ -414,3 +414,97 @@ async fn a_timed_out_dedicated_connection_is_never_reused() {
     holder.abort();
     proxy.stop().await;
 }
+
+/// An upstream that never answers and records every byte of each connection
+/// once fencegate closes it.
+async fn recorder() -> (String, Arc<Mutex<Vec<Vec<u8>>>>) {
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let closed = Arc::new(Mutex::new(Vec::new()));
+    let record = closed.clone();
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let record = record.clone();
+            tokio::spawn(async move {
+                let mut bytes = Vec::new();
+                let _ = sock.read_to_end(&mut bytes).await;
+                record.lock().unwrap().push(bytes);
+            });
+        }
+    });
+    (url, closed)
+}
+
+/// Bad chunking (or a body that breaks off) after part of a body was
+/// streamed: the client gets 400, and the backend never gets a complete
+/// request: a head and the valid part of the body, no last chunk, then the
+/// connection closes. Seen failing before: the answer was 502
+/// upstream-error, as if the backend had failed.
+#[tokio::test]
+async fn a_body_that_breaks_off_reaches_the_backend_only_as_an_incomplete_request() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (url, closed) = recorder().await;
+    let h = proxy_to(&url, 10_000);
+    let proxy = spawn(h.app.clone()).await;
+    let a = h.acquire("orders", "A", 60_000).await;
+    let head = |framing: &str| {
+        format!(
+            "PUT /kv/orders/1 HTTP/1.1\r\nHost: a\r\nFencing-Token: {}\r\nFencing-Lease-Id: {}\r\n{framing}\r\n",
+            a.token, a.lease_id
+        )
+    };
+    let cases = [
+        format!(
+            "{}5\r\nhello\r\nzz\r\nmore\r\n0\r\n\r\n",
+            head("Transfer-Encoding: chunked\r\n")
+        ),
+        format!(
+            "{}5\r\nhello\r\n5\nworld\r\n0\r\n\r\n",
+            head("Transfer-Encoding: chunked\r\n")
+        ),
+        format!(
+            "{}5\r\nhello\r\n0\r\nbroken trailer\n\r\n\r\n",
+            head("Transfer-Encoding: chunked\r\n")
+        ),
+    ];
+    for (i, request) in cases.iter().enumerate() {
+        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        s.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            s.read_to_end(&mut answer),
+        )
+        .await
+        .expect("an answer, then the close")
+        .unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 400 "), "case {i}: {answer}");
+        assert!(
+            answer.contains("\"reason\":\"invalid-request\""),
+            "case {i}: {answer}"
+        );
+        // The backend's connection was closed; what it got is incomplete.
+        let got = loop {
+            if let Some(bytes) = closed.lock().unwrap().get(i).cloned() {
+                break bytes;
+            }
+            tokio::task::yield_now().await;
+        };
+        let got = String::from_utf8_lossy(&got);
+        assert!(
+            got.starts_with("PUT /kv/orders/1 HTTP/1.1\r\n"),
+            "case {i}: {got:?}"
+        );
+        assert!(
+            !got.ends_with("0\r\n\r\n"),
+            "case {i}: the backend got a last chunk: {got:?}"
+        );
+        assert!(
+            !got.contains("zz") && !got.contains("world"),
+            "case {i}: {got:?}"
+        );
+    }
+    proxy.stop().await;
+}

@@ -433,6 +433,22 @@ impl Shared {
                 // got a cut-off request, and the connection was dropped.
                 outcome_unknown(Problem::payload_too_large(self.max_body_bytes).into_response())
             }
+            Ok(Err(err)) if body::is_client_body_error(&*err) => {
+                // The client's body broke off or its chunking was malformed
+                // after part of it was streamed: the upstream got a head and
+                // at most the valid part of the body, never its end (no last
+                // chunk, fewer bytes than declared), and the connection was
+                // closed, so a correct HTTP/1.1 server sees an incomplete
+                // request and does not apply it.
+                tracing::info!(upstream = %self.authority, error = %err, "request body failed; upstream request abandoned");
+                outcome_unknown(
+                    Problem::invalid_request(
+                        "the request body broke off or its chunked framing is malformed",
+                    )
+                    .closing_connection()
+                    .into_response(),
+                )
+            }
             Ok(Err(err)) => {
                 tracing::warn!(upstream = %self.authority, error = %err, "upstream request failed");
                 outcome_unknown(Problem::upstream_error().into_response())
