@@ -13,6 +13,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{HeaderValue, CONTENT_TYPE};
@@ -47,6 +48,8 @@ pub struct Api {
     history: Option<EmbeddedStore>,
     metrics: Metrics,
     surface: Surface,
+    /// Time a client has to send a request body the API reads.
+    body_read_timeout: Duration,
 }
 
 /// Which endpoints a listener serves.
@@ -103,11 +106,19 @@ fn ttl_from_json(value: &serde_json::Value, leases: &LeaseStore) -> Result<u64, 
     }
 }
 
+/// Reads a JSON body of the lease API, which must arrive within `timeout`
+/// (a client that declares a body and never sends it costs a connection
+/// slot only that long).
 async fn read_json<T: serde::de::DeserializeOwned>(
     body: Body,
     optional: bool,
+    timeout: Duration,
 ) -> Result<Option<T>, Problem> {
-    let bytes = match body::collect(body, MAX_API_BODY_BYTES).await {
+    let read = tokio::time::timeout(timeout, body::collect(body, MAX_API_BODY_BYTES));
+    let Ok(read) = read.await else {
+        return Err(Problem::request_timeout(timeout.as_millis() as u64));
+    };
+    let bytes = match read {
         Ok(bytes) => bytes,
         Err(body::ReadError::TooLarge) => {
             return Err(Problem::payload_too_large(MAX_API_BODY_BYTES as u64))
@@ -210,7 +221,14 @@ impl Api {
             history: None,
             metrics,
             surface: Surface::All,
+            body_read_timeout: Duration::from_millis(10_000),
         }
+    }
+
+    /// Gives clients `timeout` to send a request body the API reads.
+    pub fn with_body_read_timeout(mut self, timeout: Duration) -> Self {
+        self.body_read_timeout = timeout;
+        self
     }
 
     /// The same API restricted to the endpoints of one listener.
@@ -301,7 +319,7 @@ impl Api {
             },
             (["clock"], Method::GET) => self.clock(None),
             (["clock"], Method::POST) => {
-                let body: AdvanceBody = read_json(req.into_body(), false)
+                let body: AdvanceBody = read_json(req.into_body(), false, self.body_read_timeout)
                     .await?
                     .expect("required body");
                 self.clock(Some(body.advance_ms))
@@ -331,7 +349,7 @@ impl Api {
     async fn acquire(&self, name: &str, req: Request<Body>) -> Result<Response<Body>, Problem> {
         let name = self.name(name)?;
         let caller = caller(&req).cloned();
-        let body: AcquireBody = read_json(req.into_body(), false)
+        let body: AcquireBody = read_json(req.into_body(), false, self.body_read_timeout)
             .await?
             .expect("required body");
         // With authentication on, the caller is the holder.
@@ -363,7 +381,9 @@ impl Api {
         let (parts, body) = req.into_parts();
         let (token, lease_id) =
             credentials(&parts.headers, self.require_lease_id).map_err(|p| p.lease(name))?;
-        let body: RenewBody = read_json(body, true).await?.unwrap_or_default();
+        let body: RenewBody = read_json(body, true, self.body_read_timeout)
+            .await?
+            .unwrap_or_default();
         let ttl_ms = body
             .ttl_ms
             .as_ref()

@@ -18,6 +18,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, TRANSFER_ENCODING};
@@ -230,7 +231,8 @@ fn compose<S>(
         upstream_timeout_ms: config.proxy.timeout_ms,
     };
     let data = FenceLayer::new(policy).layer(backend);
-    let api = Api::new(leases, config.fence.require_lease_id, draining, metrics);
+    let api = Api::new(leases, config.fence.require_lease_id, draining, metrics)
+        .with_body_read_timeout(Duration::from_millis(config.limits.body_read_timeout_ms));
     let auth = Authenticator::from_config(&config.auth)?;
     Ok(App::new(Some(api), data, config.request_limits()).with_auth(auth))
 }

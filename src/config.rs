@@ -195,6 +195,7 @@ pub struct LimitsConfig {
     pub max_header_bytes: usize,
     pub max_connections: usize,
     pub header_read_timeout_ms: u64,
+    pub body_read_timeout_ms: u64,
     pub shutdown_grace_ms: u64,
 }
 
@@ -272,6 +273,7 @@ impl Default for LimitsConfig {
             max_header_bytes: server.max_header_bytes,
             max_connections: server.max_connections,
             header_read_timeout_ms: server.header_read_timeout_ms,
+            body_read_timeout_ms: 10_000,
             shutdown_grace_ms: server.shutdown_grace_ms,
         }
     }
@@ -383,6 +385,7 @@ impl Config {
             ("limits.max_header_bytes", lim.max_header_bytes as u64),
             ("limits.max_connections", lim.max_connections as u64),
             ("limits.header_read_timeout_ms", lim.header_read_timeout_ms),
+            ("limits.body_read_timeout_ms", lim.body_read_timeout_ms),
             ("proxy.connect_timeout_ms", self.proxy.connect_timeout_ms),
             ("proxy.timeout_ms", self.proxy.timeout_ms),
         ] {

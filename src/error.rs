@@ -213,6 +213,17 @@ impl Problem {
         )
     }
 
+    /// The client did not send the body it announced in time; the
+    /// connection is closed.
+    pub fn request_timeout(timeout_ms: u64) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "request-timeout",
+            format!("the request body did not arrive within {timeout_ms} ms"),
+        )
+        .closing_connection()
+    }
+
     pub fn upstream_error() -> Self {
         Self::new(
             StatusCode::BAD_GATEWAY,
@@ -397,6 +408,7 @@ fn title(reason: &str) -> &'static str {
         "too-many-leases" => "Too many leases",
         "rate-limited" => "Rate limited",
         "method-not-allowed" => "Method not allowed",
+        "request-timeout" => "Request timeout",
         _ => "Error",
     }
 }

@@ -9,11 +9,13 @@
 //! request before it goes on; `Fencing-Token` is passed on so backends that
 //! can compare tokens may do so.
 //!
-//! Admission also enforces the handover guarantee: an admitted write counts
-//! as in flight until its response body is complete (or, if its outcome is
-//! unknown, until the settle time has passed), and the first write of a newer
-//! term waits until no write of an older term is in flight. So the backend
-//! never receives a write of term t after one of a later term.
+//! Admission also enforces the handover guarantee: an admitted write holds
+//! back newer terms until the backend has answered and its response body has
+//! ended (a body still being sent, for at most the settle time after the
+//! answer, so a client that stops reading cannot hold the next term), or, if
+//! its outcome is unknown, until the settle time has passed. The first write
+//! of a newer term waits until no write of an older term holds it back. So
+//! the backend never receives a write of term t after one of a later term.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -449,10 +451,12 @@ pub fn visible_to(
     }
 }
 
-/// Keeps the write counted as in flight until the response body ends, or for
-/// the settle time if the backend's outcome is unknown.
+/// Counts the write answered once the backend's response head is here: it
+/// then holds back newer terms until the response body ends, or for at most
+/// the settle time (whether the client reads or not); for the settle time
+/// from now if the backend's outcome is unknown.
 fn attach_guard(res: Response<Body>, guard: Option<WriteGuard>) -> Response<Body> {
-    let Some(guard) = guard else {
+    let Some(mut guard) = guard else {
         return res;
     };
     if res.extensions().get::<OutcomeUnknown>().is_some() {
@@ -461,6 +465,11 @@ fn attach_guard(res: Response<Body>, guard: Option<WriteGuard>) -> Response<Body
         drop(guard);
         return res;
     }
+    if res.body().is_end_stream() {
+        guard.finish();
+        return res;
+    }
+    guard.answered();
     res.map(|b| GuardedBody::wrap(b, guard))
 }
 
@@ -518,10 +527,6 @@ struct GuardedBody {
 
 impl GuardedBody {
     fn wrap(inner: Body, guard: WriteGuard) -> Body {
-        if inner.is_end_stream() {
-            guard.finish();
-            return inner;
-        }
         crate::body::boxed(Self {
             inner,
             guard: Some(guard),

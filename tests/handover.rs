@@ -553,3 +553,121 @@ async fn a_crash_during_a_handover_holds_later_terms_until_earlier_writes_settle
     drop(p);
     upstream.stop().await;
 }
+
+/// A former holder that stops reading the answer to its write cannot hold
+/// the next term at the barrier: once the backend has answered, the write
+/// holds newer terms back until its response body has been sent or the
+/// settle time has passed, whichever comes first.
+///
+/// Seen failing when a write counted as in flight until its client had read
+/// the whole response: B's write waited for A's 8 MiB answer, which A never
+/// read, until the upstream deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_its_answer_holds_the_next_term_only_for_the_settle_time() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let big = bytes::Bytes::from(vec![b'x'; 8 << 20]);
+    let backend = spawn(tower::service_fn(
+        move |req: Request<hyper::body::Incoming>| {
+            let big = big.clone();
+            async move {
+                use http_body_util::BodyExt;
+                let answer_big = req.headers().contains_key("x-big");
+                let _ = req.into_body().collect().await;
+                let body = if answer_big {
+                    body::full(big)
+                } else {
+                    body::empty()
+                };
+                Ok::<_, std::convert::Infallible>(http::Response::new(body))
+            }
+        },
+    ))
+    .await;
+    let mut config = config(true);
+    config.clock = fencegate::clock::ClockKind::Manual;
+    config.upstream = backend.url();
+    config.proxy.timeout_ms = 60_000;
+    let up = Upstream::new(&backend.url().parse().unwrap(), &config.upstream_options()).unwrap();
+    let h = Harness::with_backend(config, Backend::Upstream(up), EmbeddedStore::new());
+    let proxy = spawn(h.app.clone()).await;
+    let c = HttpClient::new(&proxy.url());
+
+    let a = h.acquire("orders", "A", 500).await;
+    let mut zombie = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    zombie
+        .write_all(
+            format!(
+                "PUT /kv/orders/x HTTP/1.1\r\nHost: a\r\nFencing-Token: {}\r\nFencing-Lease-Id: {}\r\n\
+                 X-Big: 1\r\nContent-Length: 1\r\n\r\na",
+                a.token, a.lease_id
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    // The answer has begun (at proxy time 0); A reads its status line, then
+    // stops reading, like a paused process.
+    let mut status = [0u8; 12];
+    zombie.read_exact(&mut status).await.unwrap();
+    assert_eq!(&status, b"HTTP/1.1 200");
+
+    h.advance(500);
+    let b = h.acquire("orders", "B", 10_000).await;
+    let b_write = tokio::spawn({
+        let c = c.clone();
+        async move { c.send(write(&b, "b1", false)).await }
+    });
+    wait_for_barrier(&h).await;
+    h.advance(499);
+    // Real time here only gives a wrongly released write the chance to show.
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    assert!(
+        !b_write.is_finished(),
+        "B went before the settle time was over"
+    );
+    h.advance(1);
+    let r = tokio::time::timeout(std::time::Duration::from_secs(10), b_write)
+        .await
+        .expect("B's write is still held by A's unread answer")
+        .unwrap();
+    assert_eq!(r.status, 200);
+    drop(zombie);
+    proxy.stop().await;
+    backend.stop().await;
+}
+
+/// A client that goes away while its write is at the backend: fencegate
+/// stops waiting at once (its upstream request is dropped, which closes the
+/// upstream connection), and the write holds newer terms back for
+/// `settle_ms` from then, not from the upstream deadline. This is the bound
+/// the README states.
+#[tokio::test]
+async fn a_client_that_goes_away_leaves_its_write_settling_from_then() {
+    let mut c = config(true);
+    c.fence.settle_ms = 1000;
+    c.proxy.timeout_ms = 60_000;
+    let (h, backend) = Harness::holding(c);
+    let a = h.acquire("orders", "A", 1000).await;
+    let a_write = tokio::spawn({
+        let h = h.clone();
+        async move { h.send(write(&a, "a1", true)).await }
+    });
+    settle().await;
+    assert!(backend.arrived("a1"));
+    h.advance(200);
+    a_write.abort();
+    settle().await;
+    // A's term ends at 1000; the write it left behind settles until 1200.
+    h.advance(800);
+    let b = h.acquire("orders", "B", 10_000).await;
+    let b_write = tokio::spawn({
+        let h = h.clone();
+        async move { h.send(write(&b, "b1", false)).await }
+    });
+    settle().await;
+    h.advance(199);
+    settle().await;
+    assert!(!b_write.is_finished() && !backend.arrived("b1"));
+    h.advance(1);
+    assert_eq!(b_write.await.unwrap().status, 204);
+}

@@ -172,3 +172,59 @@ async fn an_upgrade_or_an_empty_line_does_not_open_the_connection_to_smuggling()
     assert!(h.store.is_empty(), "a smuggled request reached the storage");
     server.stop().await;
 }
+
+/// Clients that announce a lease-API body and never send it hold their
+/// connection slots only until `limits.body_read_timeout_ms`, then get 408
+/// and are closed, so other clients get in. (Real time here is the server's
+/// own timer, not a lease; the margins are wide.)
+///
+/// Seen failing before lease-API bodies had a deadline: with every slot
+/// taken by such a client, the next client was never served.
+#[tokio::test]
+async fn a_lease_api_body_that_never_comes_frees_its_connection_slot() {
+    use fencegate::server::{self, ServerOptions};
+    let mut config = fencegate::config::Config {
+        clock: fencegate::clock::ClockKind::Manual,
+        ..fencegate::config::Config::default()
+    };
+    config.limits.body_read_timeout_ms = 300;
+    let h = Harness::with_config(config);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let options = ServerOptions {
+        max_connections: 2,
+        ..ServerOptions::default()
+    };
+    let task = tokio::spawn(server::run(listener, h.app.clone(), options, async {
+        let _ = stopped.await;
+    }));
+    let mut silent = Vec::new();
+    for _ in 0..2 {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"POST /_fence/leases/x HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n")
+            .await
+            .unwrap();
+        silent.push(s);
+    }
+    // Every slot is taken; the next client is served once a body times out.
+    let served = tokio::time::timeout(
+        Duration::from_secs(10),
+        raw_status(addr, b"GET /_fence/livez HTTP/1.1\r\nHost: a\r\n\r\n"),
+    )
+    .await
+    .expect("no slot came free");
+    assert_eq!(served, 200);
+    for mut s in silent {
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut answer))
+            .await
+            .expect("the silent client was not closed")
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 408 "), "{answer}");
+        assert!(answer.contains("request-timeout"), "{answer}");
+    }
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+}

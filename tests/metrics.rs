@@ -82,3 +82,41 @@ async fn metrics_pass_promtool_and_count_decisions() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Every metric the README names exists under that name. Seen failing when
+/// the README said `fencegate_barrier_wait_milliseconds_total` and the
+/// binary exposed `fencegate_barrier_wait_seconds_total`.
+#[tokio::test]
+async fn every_metric_the_readme_names_is_exposed() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let h = Harness::new();
+    // A lease operation and a refused write, so labelled families have samples.
+    h.acquire("orders", "A", 1000).await;
+    h.send(Req::new("PUT", "/kv/orders/1").body("x")).await;
+    let text = h.send(Req::new("GET", "/_fence/metrics")).await.text();
+    // Family names (`# TYPE name kind`) and sample names.
+    let exposed: Vec<&str> = text
+        .lines()
+        .filter_map(|line| match line.strip_prefix("# TYPE ") {
+            Some(rest) => rest.split(' ').next(),
+            None if !line.starts_with('#') => line.split(['{', ' ']).next(),
+            None => None,
+        })
+        .collect();
+    // `name` or `name{labels}` in backticks.
+    let named: Vec<&str> = readme
+        .split('`')
+        .map(|s| s.split('{').next().unwrap_or_default())
+        .filter(|s| {
+            s.starts_with("fencegate_") && s.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+        })
+        .collect();
+    assert!(named.len() >= 8, "the README names only {named:?}");
+    for name in named {
+        assert!(
+            exposed.contains(&name),
+            "README names {name}, exposed: {exposed:?}"
+        );
+    }
+}

@@ -191,15 +191,29 @@ impl Default for AdmitOptions {
     }
 }
 
-/// An admitted write: it counts as in flight until the guard is finished
-/// (immediately released) or dropped (released after the settle time).
+/// An admitted write. It holds back newer terms' writes while it awaits the
+/// backend's answer, then while its response body is sent (at most the
+/// settle time after the answer, see [`WriteGuard::answered`]); dropped
+/// unfinished, its outcome is unknown and it holds them back for the settle
+/// time.
 #[must_use = "the write counts as in flight until the guard is finished or dropped"]
 pub struct WriteGuard {
     store: LeaseStore,
     cell: Arc<LeaseCell>,
     token: u64,
     settle_ms: u64,
-    finished: bool,
+    phase: Phase,
+}
+
+/// Where an admitted write is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Sent (or about to be), no answer yet.
+    Awaiting,
+    /// Answered; its response body is being sent until at most then.
+    Streaming { until_ms: u64 },
+    /// Over, and counted so.
+    Done,
 }
 
 /// A write that may go to the backend.
@@ -216,8 +230,9 @@ pub struct MustWait {
     pub older_token: u64,
     /// The waiting write's own term deadline.
     pub deadline_ms: u64,
-    /// When the wait ends at the latest, if that is known (writes from
-    /// before a restart settle at a fixed instant).
+    /// When the wait ends by the clock alone, if only time holds the write
+    /// back (answered or unknown-outcome writes settling, writes from before
+    /// a restart); `None` while an older write awaits its answer.
     pub until_ms: Option<u64>,
     /// When the check ran.
     pub now_ms: u64,
@@ -229,8 +244,8 @@ pub struct MustWait {
 pub enum AdmitError {
     Rejected(Reject),
     /// Writes of an earlier term were still unfinished at the wait limit
-    /// (or will be, which is known at once for writes from before a
-    /// restart: then `retry_after_ms` says when they will have settled).
+    /// (or will be, which is known at once when only time holds the write
+    /// back: then `retry_after_ms` says when they will have settled).
     DrainTimeout {
         older_token: u64,
         waited_ms: u64,
@@ -247,39 +262,64 @@ impl std::fmt::Debug for WriteGuard {
 }
 
 impl WriteGuard {
-    /// The write is complete (its response was read in full): it stops
+    /// The backend answered (the response head arrived) and a body follows.
+    /// From now on the write holds back newer terms only until the body ends
+    /// or the settle time has passed, whichever comes first: the backend has
+    /// answered, so a client that stops reading the body cannot hold the next
+    /// term at the barrier.
+    pub fn answered(&mut self) {
+        if self.phase != Phase::Awaiting {
+            return;
+        }
+        let until_ms = self.store.clock().now_ms().saturating_add(self.settle_ms);
+        if self.cell.inflight().answered(self.token, until_ms) {
+            self.cell.changed.notify_waiters();
+        }
+        self.phase = Phase::Streaming { until_ms };
+    }
+
+    /// The write is complete (its whole response has arrived): it stops
     /// counting as in flight now.
     pub fn finish(mut self) {
-        self.finished = true;
+        self.end(0);
     }
 
     /// The write's token.
     pub fn token(&self) -> u64 {
         self.token
     }
+
+    /// Counts the write over; it holds back newer terms until
+    /// `linger_until_ms` (0: not at all).
+    fn end(&mut self, linger_until_ms: u64) {
+        let streaming = match self.phase {
+            Phase::Done => return,
+            Phase::Awaiting => false,
+            Phase::Streaming { .. } => true,
+        };
+        self.phase = Phase::Done;
+        if self
+            .cell
+            .inflight()
+            .remove(self.token, streaming, linger_until_ms)
+        {
+            self.cell.changed.notify_waiters();
+        }
+    }
 }
 
 impl Drop for WriteGuard {
     fn drop(&mut self) {
-        let token = self.token;
-        if self.finished || self.settle_ms == 0 {
-            self.store.write_finished(&self.cell, token);
-            return;
-        }
-        // The outcome is unknown: the backend may still apply the write.
-        // Keep counting it until the settle time has passed.
-        let store = self.store.clone();
-        let cell = self.cell.clone();
-        let settle_at_ms = store.clock().now_ms().saturating_add(self.settle_ms);
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                rt.spawn(async move {
-                    store.clock().sleep_until(settle_at_ms).await;
-                    store.write_finished(&cell, token);
-                });
-            }
-            Err(_) => store.write_finished(&cell, token),
-        }
+        // Unfinished: the outcome is unknown, and the backend may still apply
+        // the write. It holds back newer terms for the settle time (from
+        // now, or, once answered, from the answer).
+        let linger_until_ms = match self.phase {
+            Phase::Done => return,
+            _ if self.settle_ms == 0 => 0,
+            Phase::Awaiting => self.store.clock().now_ms().saturating_add(self.settle_ms),
+            Phase::Streaming { until_ms } => until_ms,
+        };
+        self.end(linger_until_ms);
     }
 }
 
@@ -644,12 +684,12 @@ impl LeaseStore {
             .map_err(AdmitError::Rejected)?;
         let mut inflight = slot.cell.inflight();
         if options.barrier {
-            if let Some(older_token) = inflight.older_than(token) {
+            if let Some(blocked) = inflight.older_than(token, now_ms) {
                 inflight.note_waiter();
                 return Ok(Err(MustWait {
-                    older_token,
+                    older_token: blocked.older_token,
                     deadline_ms: admit.deadline_ms,
-                    until_ms: None,
+                    until_ms: blocked.until_ms,
                     now_ms,
                     cell: slot.cell.clone(),
                 }));
@@ -675,7 +715,7 @@ impl LeaseStore {
             cell: slot.cell.clone(),
             token,
             settle_ms: options.settle_ms,
-            finished: false,
+            phase: Phase::Awaiting,
         }))
     }
 
@@ -759,14 +799,6 @@ impl LeaseStore {
                 () = notified => {}
                 () = clock.sleep_until(wake_ms) => {}
             }
-        }
-    }
-
-    /// Counts one write of `token` finished; wakes waiters if it was the last
-    /// of its term.
-    fn write_finished(&self, cell: &LeaseCell, token: u64) {
-        if cell.inflight().remove(token) {
-            cell.changed.notify_waiters();
         }
     }
 
