@@ -478,6 +478,7 @@ impl Config {
             .fold(self.proxy.timeout_ms, u64::max);
         RestartRule {
             unsettled_ms: longest_timeout_ms.saturating_add(self.fence.settle_ms),
+            ..RestartRule::default()
         }
     }
 

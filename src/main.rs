@@ -1,6 +1,7 @@
 //! Process wiring only: arguments and environment → config → telemetry →
 //! `server::run(…, shutdown)`.
 
+use std::future::Future;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -18,7 +19,7 @@ use fencegate::cli::run::RunArgs;
 use fencegate::clock::{Clock, ClockKind};
 use fencegate::config::{Config, Overrides, UpstreamTarget};
 use fencegate::journal::{FileJournal, FileJournalOptions};
-use fencegate::lease::LeaseStore;
+use fencegate::lease::{LeaseStore, RestartRule};
 use fencegate::server::{self, ServerOptions};
 use fencegate::tls::Certificates;
 
@@ -52,6 +53,11 @@ enum Command {
         /// `system` (monotonic) or `manual` (moved by POST /_fence/clock).
         #[arg(long)]
         clock: Option<ClockKind>,
+        /// Start even though the data directory's journal is missing or
+        /// empty: every lease is then free, and its tokens continue above
+        /// the floor kept in store.meta (none is reissued).
+        #[arg(long)]
+        accept_journal_loss: bool,
     },
     /// Run the embedded key-value store alone, unfenced.
     Backend {
@@ -87,11 +93,19 @@ fn init_tracing() {
     }
 }
 
+/// Completes when `registered` reports its signal; never if watching for it
+/// failed: a failed registration must not look like a signal and stop the
+/// server at once.
+async fn on_signal(registered: impl Future<Output = std::io::Result<()>>, name: &str) {
+    if let Err(error) = registered.await {
+        tracing::warn!(%error, signal = name, "cannot watch for the signal; stop fencegate another way");
+        std::future::pending::<()>().await;
+    }
+}
+
 /// Completes on SIGINT or SIGTERM.
 async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+    let ctrl_c = on_signal(tokio::signal::ctrl_c(), "SIGINT");
     #[cfg(unix)]
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -145,23 +159,33 @@ fn reload_on_sighup(certs: Arc<Certificates>) {
 #[cfg(not(unix))]
 fn reload_on_sighup(_: Arc<Certificates>) {}
 
-async fn serve(config: Config) -> Result<(), String> {
+async fn serve(config: Config, accept_journal_loss: bool) -> Result<(), String> {
     let clock = Clock::new(config.clock);
     let stopwatch = Clock::system();
-    let (journal, recovered) = FileJournal::open(&config.data_dir, FileJournalOptions::default())
-        .map_err(|e| e.to_string())?;
+    let options = FileJournalOptions {
+        accept_journal_loss,
+        ..FileJournalOptions::default()
+    };
+    let (journal, recovered) =
+        FileJournal::open(&config.data_dir, options).map_err(|e| e.to_string())?;
     let recovered_leases = recovered.leases.len();
+    let rule = RestartRule {
+        token_floor: recovered.token_floor,
+        lost_records: recovered.lost_records.is_some(),
+        ..config.restart_rule()
+    };
     let leases = LeaseStore::restore(
         clock,
         config.lease_limits(),
         Arc::new(journal),
         recovered.leases,
-        config.restart_rule(),
+        rule,
     )?;
     tracing::info!(
         data_dir = %config.data_dir.display(),
         leases = recovered_leases,
         torn_bytes = recovered.torn_bytes,
+        token_floor = recovered.token_floor,
         recovery_ms = stopwatch.now_ms(),
         "lease store recovered"
     );
@@ -288,6 +312,7 @@ fn main() -> ExitCode {
             upstream,
             data_dir,
             clock,
+            accept_journal_loss,
         } => {
             let flags = Overrides {
                 listen,
@@ -296,7 +321,7 @@ fn main() -> ExitCode {
                 clock,
             };
             match Config::load(config.as_deref(), std::env::vars(), &flags) {
-                Ok(config) => (None, Some(config)),
+                Ok(config) => (None, Some((config, accept_journal_loss))),
                 Err(e) => {
                     eprintln!("fencegate: {e}");
                     return ExitCode::from(2);
@@ -307,7 +332,7 @@ fn main() -> ExitCode {
     };
     let threads = serve_config
         .as_ref()
-        .map_or(0, |c| c.runtime.worker_threads);
+        .map_or(0, |(c, _)| c.runtime.worker_threads);
     let runtime = match runtime(threads) {
         Ok(rt) => rt,
         Err(e) => {
@@ -317,8 +342,8 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         let Some(command) = command else {
-            let config = serve_config.expect("serve has a config");
-            return serve(config).await.map(|()| 0u8);
+            let (config, accept_journal_loss) = serve_config.expect("serve has a config");
+            return serve(config, accept_journal_loss).await.map(|()| 0u8);
         };
         match command {
             Command::Serve { .. } => unreachable!("handled above"),
@@ -340,5 +365,24 @@ fn main() -> ExitCode {
             eprintln!("fencegate: {e}");
             ExitCode::from(2)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Seen failing before: a failed Ctrl-C registration completed the
+    /// shutdown future, so the server stopped as soon as it started.
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_signal_registration_never_looks_like_a_signal() {
+        let failed = async { Err(std::io::Error::other("no signal handling here")) };
+        let waited = tokio::time::timeout(
+            std::time::Duration::from_secs(3600),
+            on_signal(failed, "SIGINT"),
+        )
+        .await;
+        assert!(waited.is_err(), "the failed registration ended the wait");
+        on_signal(async { Ok(()) }, "SIGINT").await;
     }
 }

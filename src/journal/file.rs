@@ -1,5 +1,6 @@
 //! The durable journal: an append-only, checksummed log in the data directory,
-//! with group commit and compaction.
+//! with group commit and compaction, and a token floor that makes a damaged
+//! log skip tokens rather than reissue them.
 //!
 //! # Why a log and not an embedded database
 //!
@@ -15,45 +16,84 @@
 //!
 //! # How it works
 //!
-//! One writer thread owns the file. Callers send records over a channel; the
-//! thread takes everything queued, appends it in one `write`, and calls
-//! `fdatasync` once if any record in the batch is waiting for durability
-//! (grants). Renewals and releases are appended lazily: they ride along with
-//! the next sync, and losing them is safe (the restart rule holds a live term
-//! for a full TTL, and an unreleased term only delays the next holder).
+//! One writer thread owns the file. Callers send records over a bounded
+//! channel; the thread takes everything queued, appends it in one `write`,
+//! and, if any record in the batch is waiting for durability (grants),
+//! rewrites the file's header (the length that is now durable) and calls
+//! `fdatasync` once. Renewals and releases are appended lazily: they ride
+//! along with the next sync, and losing them is safe (the restart rule holds
+//! a live term for a full TTL, and an unreleased term only delays the next
+//! holder).
 //!
 //! When a write or sync fails (disk full, EIO, read-only), every waiting grant
-//! fails, the file is cut back to its last good length, the journal reports
-//! itself unhealthy (readiness turns 503), and a probe retries once a second
-//! until the disk accepts writes again.
+//! fails, the file is cut back to its last good length (retried before any
+//! later write if the cut fails too), the journal reports itself unhealthy
+//! (readiness turns 503), and a probe retries once a second until the disk
+//! accepts writes again. A writer thread that dies marks the journal
+//! unhealthy for good.
 //!
-//! On open, the log is read front to back. A bad frame at the tail (a torn
-//! write) is cut off; a bad frame followed by any valid frame means the
-//! journal is corrupt, and the start fails rather than silently losing tokens.
+//! # Tokens are never reissued
+//!
+//! A torn tail (a write cut short by a crash) and an acknowledged record that
+//! was damaged or cut off later cannot be told apart by their bytes, so the
+//! design does not need to:
+//! - the header of every synced batch records how long the file was when it
+//!   was synced; after a crash the valid records must reach that length;
+//! - `store.meta`, a small file beside the log, holds a token floor that is
+//!   raised, and synced, before any grant above it is acknowledged (in
+//!   blocks of [`FLOOR_BLOCK`], as sequence generators reserve ids): every
+//!   token ever returned is at most that floor;
+//! - when the valid records end before the durable length, or a header is
+//!   unreadable, records that were acknowledged may be lost: the start then
+//!   continues every lease, known or not, above the floor, ends every
+//!   recovered term (none can be revived), keeps the damaged log as
+//!   `journal.log.damaged`, and writes a fresh one;
+//! - a data directory remembers that it was initialised (`store.meta`): a
+//!   missing or empty log next to it refuses the start, unless the operator
+//!   accepts the loss, and then every lease continues above the floor.
+//!
+//! A bad frame followed by any valid frame is corruption inside the log, not
+//! at its end: the start fails rather than guess.
+//!
 //! When the log grows past a threshold the writer rewrites it as one state
 //! record per lease (compaction): it replays the log from disk, writes the
 //! result to a temporary file, syncs it, and renames it over the log. The
-//! writer keeps no copy of the lease state between compactions: the lease
-//! store holds the only one in memory, so a held lease costs memory once.
+//! size after the last compaction is kept in the header, so the rule holds
+//! across restarts. The writer keeps no copy of the lease state between
+//! compactions: the lease store holds the only one in memory.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
-use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::io::{self, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::mpsc::{self, RecvTimeoutError, TrySendError};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-use super::record::{read_frame, Frame, LeaseRecord, Record, FILE_MAGIC};
+use super::record::{
+    read_frame, Frame, Header, LeaseRecord, Record, FILE_MAGIC, FILE_MAGIC_V1, HEADER_LEN,
+};
 use super::{GrantRecord, Journal, JournalError, JournalFuture};
 
 /// The log's file name in the data directory.
 pub const JOURNAL_FILE: &str = "journal.log";
+/// The store's meta file: it exists once the directory was initialised and
+/// holds the token floor.
+pub const META_FILE: &str = "store.meta";
+/// Where a log that lost acknowledged records is kept.
+pub const DAMAGED_FILE: &str = "journal.log.damaged";
 const COMPACT_TMP: &str = "journal.log.compact";
+const META_TMP: &str = "store.meta.tmp";
 const LOCK_FILE: &str = "LOCK";
+const META_MAGIC: &[u8; 8] = b"FGMETA01";
+
+/// Tokens reserved at a time: the floor in `store.meta` is raised this far
+/// above a grant that passes it, so it is rewritten once per this many
+/// tokens of the busiest lease.
+pub const FLOOR_BLOCK: u64 = 4096;
 
 /// Tuning of the file journal.
 #[derive(Clone, Debug)]
@@ -63,6 +103,12 @@ pub struct FileJournalOptions {
     pub compact_min_bytes: u64,
     /// How often an unhealthy journal retries the disk.
     pub probe_interval_ms: u64,
+    /// Records that may wait for the writer; past it grants fail at once
+    /// (503) and lazy records are dropped.
+    pub queue_capacity: usize,
+    /// Start even though the directory's log is missing or empty (every
+    /// lease then continues above the floor in `store.meta`).
+    pub accept_journal_loss: bool,
 }
 
 impl Default for FileJournalOptions {
@@ -70,22 +116,62 @@ impl Default for FileJournalOptions {
         Self {
             compact_min_bytes: 16 * 1024 * 1024,
             probe_interval_ms: 1000,
+            queue_capacity: 65_536,
+            accept_journal_loss: false,
         }
     }
 }
 
-/// A test seam: makes the writer's disk operations fail as a full disk would.
+const FAULT_FULL: u8 = 1;
+const FAULT_PARTIAL: u8 = 2;
+const FAULT_CUT: u8 = 4;
+const FAULT_PANIC: u8 = 8;
+const FAULT_STALL: u8 = 16;
+
+/// A test seam: makes the writer's disk operations fail.
 #[derive(Clone, Debug, Default)]
 pub struct FaultInjector(Arc<AtomicU8>);
 
 impl FaultInjector {
+    fn set(&self, bit: u8, on: bool) {
+        if on {
+            self.0.fetch_or(bit, Ordering::AcqRel);
+        } else {
+            self.0.fetch_and(!bit, Ordering::AcqRel);
+        }
+    }
+
+    fn has(&self, bit: u8) -> bool {
+        self.0.load(Ordering::Acquire) & bit != 0
+    }
+
     /// `true`: every write and sync fails with ENOSPC until set back.
     pub fn set_disk_full(&self, full: bool) {
-        self.0.store(u8::from(full), Ordering::Release);
+        self.set(FAULT_FULL, full);
+    }
+
+    /// `true`: writes put half their bytes on disk, then fail with ENOSPC.
+    pub fn set_partial_writes(&self, on: bool) {
+        self.set(FAULT_PARTIAL, on);
+    }
+
+    /// `true`: cutting a failed write back fails (EIO).
+    pub fn set_cut_fails(&self, on: bool) {
+        self.set(FAULT_CUT, on);
+    }
+
+    /// The writer thread panics at its next batch.
+    pub fn panic_writer(&self) {
+        self.set(FAULT_PANIC, true);
+    }
+
+    /// `true`: the writer stops taking records (a stalled disk).
+    pub fn set_stalled(&self, on: bool) {
+        self.set(FAULT_STALL, on);
     }
 
     fn check(&self) -> io::Result<()> {
-        if self.0.load(Ordering::Acquire) == 1 {
+        if self.has(FAULT_FULL) {
             Err(io::Error::from_raw_os_error(28)) // ENOSPC
         } else {
             Ok(())
@@ -103,7 +189,7 @@ struct Command {
 
 /// The durable journal; see the module docs.
 pub struct FileJournal {
-    tx: mpsc::Sender<Command>,
+    tx: mpsc::SyncSender<Command>,
     healthy: Arc<AtomicBool>,
     faults: FaultInjector,
 }
@@ -123,10 +209,112 @@ pub struct Recovered {
     pub leases: Vec<LeaseRecord>,
     /// Bytes cut from a torn tail (0 if the log ended cleanly).
     pub torn_bytes: u64,
+    /// Every lease's tokens, known or new, continue above this.
+    pub token_floor: u64,
+    /// Set when acknowledged records may have been lost (and how): every
+    /// recovered term was ended and every lease continues above the floor.
+    pub lost_records: Option<String>,
 }
 
 fn err(context: &str, path: &Path, e: impl std::fmt::Display) -> JournalError {
     JournalError(format!("{context} {}: {e}", path.display()))
+}
+
+/// The store's meta file: its token floors.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Meta {
+    /// No token above this was ever returned (raised before grants pass it).
+    reserved: u64,
+    /// Every lease's tokens continue above this (set when records were lost).
+    floor: u64,
+}
+
+impl Meta {
+    fn encode(&self) -> Vec<u8> {
+        let mut out = META_MAGIC.to_vec();
+        out.extend_from_slice(&self.reserved.to_le_bytes());
+        out.extend_from_slice(&self.floor.to_le_bytes());
+        let crc = crc32fast::hash(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() != 28 || &b[..8] != META_MAGIC {
+            return None;
+        }
+        let crc = u32::from_le_bytes(b[24..28].try_into().ok()?);
+        if crc32fast::hash(&b[..24]) != crc {
+            return None;
+        }
+        Some(Self {
+            reserved: u64::from_le_bytes(b[8..16].try_into().ok()?),
+            floor: u64::from_le_bytes(b[16..24].try_into().ok()?),
+        })
+    }
+}
+
+/// What the data directory's meta file says.
+enum MetaFile {
+    Missing,
+    Corrupt,
+    Found(Meta),
+}
+
+fn read_meta(dir: &Path) -> Result<MetaFile, JournalError> {
+    let path = dir.join(META_FILE);
+    match std::fs::read(&path) {
+        Ok(b) => Ok(Meta::decode(&b).map_or(MetaFile::Corrupt, MetaFile::Found)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(MetaFile::Missing),
+        Err(e) => Err(err("cannot read", &path, e)),
+    }
+}
+
+/// Replaces the meta file atomically and durably.
+fn write_meta(dir: &Path, meta: Meta) -> io::Result<()> {
+    let tmp = dir.join(META_TMP);
+    let mut file = File::create(&tmp)?;
+    file.write_all(&meta.encode())?;
+    file.sync_all()?;
+    std::fs::rename(&tmp, dir.join(META_FILE))?;
+    sync_dir(dir)
+}
+
+/// Writes a fresh version 2 log of `leases` at `path` (through a temporary
+/// file, synced, renamed over it); returns it open at its end, and its
+/// length.
+fn write_log<'a>(
+    dir: &Path,
+    path: &Path,
+    leases: impl Iterator<Item = &'a LeaseRecord>,
+    token_floor: u64,
+) -> io::Result<(File, u64)> {
+    let mut frames = Vec::new();
+    for lease in leases {
+        Record::State(lease.clone()).encode_frame(&mut frames);
+    }
+    let len = (HEADER_LEN + frames.len()) as u64;
+    let header = Header {
+        seq: 1,
+        durable_len: len,
+        compacted_len: len,
+        token_floor,
+    };
+    let mut buf = Vec::with_capacity(len as usize);
+    buf.extend_from_slice(FILE_MAGIC);
+    buf.resize(HEADER_LEN, 0);
+    let at = header.offset() as usize;
+    buf[at..at + super::record::SLOT_LEN].copy_from_slice(&header.encode());
+    buf.extend_from_slice(&frames);
+    let tmp_path = dir.join(COMPACT_TMP);
+    let mut tmp = open_log(&tmp_path).map_err(|e| io::Error::other(e.0))?;
+    tmp.set_len(0)?;
+    tmp.write_all(&buf)?;
+    tmp.sync_all()?;
+    std::fs::rename(&tmp_path, path)?;
+    sync_dir(dir)?;
+    tmp.seek(SeekFrom::Start(len))?;
+    Ok((tmp, len))
 }
 
 impl FileJournal {
@@ -150,46 +338,40 @@ impl FileJournal {
                 dir.display()
             ))
         })?;
+        let _ = std::fs::remove_file(dir.join(COMPACT_TMP));
+        let _ = std::fs::remove_file(dir.join(META_TMP));
 
         let path = dir.join(JOURNAL_FILE);
-        let _ = std::fs::remove_file(dir.join(COMPACT_TMP));
-        let mut file = open_log(&path)?;
-        let mut bytes = Vec::new();
-        file.read_to_end(&mut bytes)
-            .map_err(|e| err("cannot read", &path, e))?;
-        if bytes.is_empty() {
-            file.write_all(FILE_MAGIC)
-                .and_then(|()| file.sync_all())
-                .map_err(|e| err("cannot initialise", &path, e))?;
-            sync_dir(dir).map_err(|e| err("cannot sync", dir, e))?;
-            bytes.extend_from_slice(FILE_MAGIC);
-        }
-        let (state, good_len) = replay(&bytes, &path)?;
-        let torn_bytes = bytes.len() as u64 - good_len;
-        if torn_bytes > 0 {
-            tracing::warn!(
-                journal = %path.display(),
-                offset = good_len,
-                bytes = torn_bytes,
-                "journal tail torn (an unfinished write): cutting it off"
-            );
-            file.set_len(good_len)
-                .and_then(|()| file.sync_all())
-                .map_err(|e| err("cannot cut the torn tail of", &path, e))?;
-        }
-        file.seek(SeekFrom::Start(good_len))
-            .map_err(|e| err("cannot seek", &path, e))?;
+        let (bytes, missing) = match std::fs::read(&path) {
+            Ok(bytes) => (bytes, false),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => (Vec::new(), true),
+            Err(e) => return Err(err("cannot read", &path, e)),
+        };
+        let meta = read_meta(dir)?;
+        let opened = if bytes.is_empty() {
+            open_empty(dir, &path, meta, missing, &options)?
+        } else {
+            open_existing(dir, &path, &bytes, meta)?
+        };
+        let Opened {
+            file,
+            len,
+            header,
+            reserved,
+            recovered,
+        } = opened;
 
-        let leases: Vec<LeaseRecord> = state.values().cloned().collect();
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = mpsc::sync_channel(options.queue_capacity.max(1));
         let healthy = Arc::new(AtomicBool::new(true));
         let faults = FaultInjector::default();
         let writer = Writer {
             dir: dir.to_owned(),
             path,
             file,
-            len: good_len,
-            compacted_len: good_len,
+            len,
+            header,
+            reserved,
+            needs_cut: false,
             healthy: healthy.clone(),
             faults: faults.clone(),
             options,
@@ -205,7 +387,7 @@ impl FileJournal {
                 healthy,
                 faults,
             },
-            Recovered { leases, torn_bytes },
+            recovered,
         ))
     }
 
@@ -215,10 +397,241 @@ impl FileJournal {
     }
 
     fn send_lazy(&self, record: Record) {
-        // A closed channel means the writer is gone; the record is not needed
-        // for safety (see the module docs), so it is dropped.
-        let _ = self.tx.send(Command { record, ack: None });
+        // A full queue or a stopped writer: the record is not needed for
+        // safety (see the module docs), so it is dropped.
+        if let Err(TrySendError::Full(_)) = self.tx.try_send(Command { record, ack: None }) {
+            tracing::debug!("journal queue full; a renew or release record was dropped");
+        }
     }
+}
+
+/// A journal opened and checked, ready for its writer.
+struct Opened {
+    file: File,
+    len: u64,
+    header: Header,
+    reserved: u64,
+    recovered: Recovered,
+}
+
+/// No log (or an empty one): a new store, or a lost log.
+fn open_empty(
+    dir: &Path,
+    path: &Path,
+    meta: MetaFile,
+    missing: bool,
+    options: &FileJournalOptions,
+) -> Result<Opened, JournalError> {
+    let what = if missing { "missing" } else { "empty" };
+    let meta = match meta {
+        // A new data directory: the log first, then the meta file that says
+        // the directory was initialised.
+        MetaFile::Missing => Meta::default(),
+        MetaFile::Corrupt => {
+            return Err(JournalError(format!(
+                "{} is {what} and {} is damaged: the tokens already issued cannot be bounded; \
+                 restore both from a backup",
+                path.display(),
+                dir.join(META_FILE).display()
+            )))
+        }
+        MetaFile::Found(meta) if options.accept_journal_loss => Meta {
+            reserved: meta.reserved,
+            floor: meta.reserved.max(meta.floor),
+        },
+        MetaFile::Found(meta) => {
+            return Err(JournalError(format!(
+                "{} is {what}, but {} says this data directory holds a lease store: its leases \
+                 and terms are gone. Restore {JOURNAL_FILE} from a backup, or start once with \
+                 --accept-journal-loss to go on without it: every lease is then free, and its \
+                 tokens continue above {} (none is reissued)",
+                path.display(),
+                dir.join(META_FILE).display(),
+                meta.reserved.max(meta.floor)
+            )))
+        }
+    };
+    let (file, len) = write_log(dir, path, std::iter::empty(), meta.floor)
+        .map_err(|e| err("cannot initialise", path, e))?;
+    write_meta(dir, meta).map_err(|e| err("cannot write", &dir.join(META_FILE), e))?;
+    let lost_records = (meta.floor > 0).then(|| {
+        let why = format!("{JOURNAL_FILE} was {what} (started with --accept-journal-loss)");
+        tracing::error!(journal = %path.display(), token_floor = meta.floor, "{why}: every lease is free and continues above the token floor");
+        why
+    });
+    Ok(Opened {
+        file,
+        len,
+        header: Header {
+            seq: 1,
+            durable_len: len,
+            compacted_len: len,
+            token_floor: meta.floor,
+        },
+        reserved: meta.reserved,
+        recovered: Recovered {
+            leases: Vec::new(),
+            torn_bytes: 0,
+            token_floor: meta.floor,
+            lost_records,
+        },
+    })
+}
+
+/// A log with bytes: replay it, check it against its header, and repair
+/// what can be repaired without reissuing a token.
+fn open_existing(
+    dir: &Path,
+    path: &Path,
+    bytes: &[u8],
+    meta: MetaFile,
+) -> Result<Opened, JournalError> {
+    let v1 = bytes.starts_with(FILE_MAGIC_V1);
+    let (start, header) = if v1 {
+        (FILE_MAGIC_V1.len(), None)
+    } else if bytes.starts_with(FILE_MAGIC) && bytes.len() >= HEADER_LEN {
+        (HEADER_LEN, Header::read(bytes))
+    } else {
+        return Err(JournalError(format!(
+            "{} is not a fencegate journal (bad header); refusing to start",
+            path.display()
+        )));
+    };
+    let (mut state, good_len) = replay(bytes, start, path)?;
+    let max_token = state.values().map(|l| l.last_token).max().unwrap_or(0);
+    let header_floor = header.map_or(0, |h| h.token_floor);
+    // Why acknowledged records may be missing, if they may.
+    let lost = match header {
+        _ if v1 => None,
+        None => Some("both header slots of the log are damaged".to_owned()),
+        Some(h) if good_len < h.durable_len => Some(format!(
+            "the valid records end at byte {good_len}, but {} bytes were synced",
+            h.durable_len
+        )),
+        Some(_) => None,
+    };
+    let torn_bytes = bytes.len() as u64 - good_len;
+
+    let Some(why) = lost else {
+        // Intact: whatever follows the valid records was never acknowledged.
+        let floor = match meta {
+            MetaFile::Found(m) => m.floor.max(header_floor),
+            _ => header_floor,
+        };
+        let reserved = match meta {
+            MetaFile::Found(m) if m.reserved >= max_token && m.floor >= header_floor => m.reserved,
+            _ => {
+                // Rebuilt from the log (a missing meta file, a version 1 log).
+                let meta = Meta {
+                    reserved: max_token.max(floor).saturating_add(FLOOR_BLOCK),
+                    floor,
+                };
+                write_meta(dir, meta).map_err(|e| err("cannot write", &dir.join(META_FILE), e))?;
+                meta.reserved
+            }
+        };
+        let (file, len, header) = if v1 {
+            // Rewritten as version 2.
+            let (file, len) = write_log(dir, path, state.values(), floor)
+                .map_err(|e| err("cannot rewrite", path, e))?;
+            tracing::info!(journal = %path.display(), "journal rewritten in format version 2");
+            let header = Header {
+                seq: 1,
+                durable_len: len,
+                compacted_len: len,
+                token_floor: floor,
+            };
+            (file, len, header)
+        } else {
+            let mut file = open_log(path)?;
+            if torn_bytes > 0 {
+                tracing::warn!(
+                    journal = %path.display(),
+                    offset = good_len,
+                    bytes = torn_bytes,
+                    "journal tail torn (a write that was never acknowledged): cutting it off"
+                );
+                file.set_len(good_len)
+                    .and_then(|()| file.sync_all())
+                    .map_err(|e| err("cannot cut the torn tail of", path, e))?;
+            }
+            file.seek(SeekFrom::Start(good_len))
+                .map_err(|e| err("cannot seek", path, e))?;
+            (
+                file,
+                good_len,
+                header.expect("a version 2 log has a header"),
+            )
+        };
+        return Ok(Opened {
+            file,
+            len,
+            header,
+            reserved,
+            recovered: Recovered {
+                leases: state.into_values().collect(),
+                torn_bytes,
+                token_floor: floor,
+                lost_records: None,
+            },
+        });
+    };
+
+    // Acknowledged records may be gone: no token may be issued again, and no
+    // recovered term may come back to life (a later one may have been lost).
+    let MetaFile::Found(meta) = meta else {
+        return Err(JournalError(format!(
+            "{}: {why}, and {} is missing or damaged, so the tokens already issued cannot be \
+             bounded; restore both from a backup",
+            path.display(),
+            dir.join(META_FILE).display()
+        )));
+    };
+    let floor = meta
+        .reserved
+        .max(meta.floor)
+        .max(max_token)
+        .max(header_floor);
+    let meta = Meta {
+        reserved: floor,
+        floor,
+    };
+    write_meta(dir, meta).map_err(|e| err("cannot write", &dir.join(META_FILE), e))?;
+    for lease in state.values_mut() {
+        lease.last_token = lease.last_token.max(floor);
+        if let Some(term) = lease.term.as_mut() {
+            term.released = true;
+        }
+    }
+    let damaged = dir.join(DAMAGED_FILE);
+    std::fs::rename(path, &damaged).map_err(|e| err("cannot move aside", path, e))?;
+    let (file, len) =
+        write_log(dir, path, state.values(), floor).map_err(|e| err("cannot rewrite", path, e))?;
+    tracing::error!(
+        journal = %path.display(),
+        kept = %damaged.display(),
+        token_floor = floor,
+        leases = state.len(),
+        "journal lost acknowledged records ({why}): every lease continues above the token floor, \
+         and every recovered term has ended"
+    );
+    Ok(Opened {
+        file,
+        len,
+        header: Header {
+            seq: 1,
+            durable_len: len,
+            compacted_len: len,
+            token_floor: floor,
+        },
+        reserved: floor,
+        recovered: Recovered {
+            leases: state.into_values().collect(),
+            torn_bytes,
+            token_floor: floor,
+            lost_records: Some(why),
+        },
+    })
 }
 
 impl Journal for FileJournal {
@@ -234,11 +647,13 @@ impl Journal for FileJournal {
             },
             ack: Some(ack),
         };
-        let sent = self.tx.send(command).is_ok();
+        let sent = match self.tx.try_send(command) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => Err("the journal queue is full"),
+            Err(TrySendError::Disconnected(_)) => Err("the journal writer has stopped"),
+        };
         Box::pin(async move {
-            if !sent {
-                return Err(JournalError("the journal writer has stopped".into()));
-            }
+            sent.map_err(|why| JournalError(why.into()))?;
             done.await
                 .unwrap_or_else(|_| Err(JournalError("the journal writer has stopped".into())))
         })
@@ -273,24 +688,33 @@ fn open_log(path: &Path) -> Result<File, JournalError> {
         use std::os::unix::fs::OpenOptionsExt;
         options.mode(0o600);
     }
-    options.open(path).map_err(|e| err("cannot open", path, e))
+    let file = options
+        .open(path)
+        .map_err(|e| err("cannot open", path, e))?;
+    #[cfg(unix)]
+    {
+        // An existing file (restored from a backup, say) is tightened too.
+        use std::os::unix::fs::PermissionsExt;
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| err("cannot restrict the mode of", path, e))?;
+    }
+    Ok(file)
 }
 
 fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
-/// Folds every valid frame of `bytes`; returns the state and the length of
-/// the valid prefix. A bad frame with any valid frame after it is corruption.
-fn replay(bytes: &[u8], path: &Path) -> Result<(HashMap<String, LeaseRecord>, u64), JournalError> {
-    if bytes.len() < FILE_MAGIC.len() || &bytes[..FILE_MAGIC.len()] != FILE_MAGIC {
-        return Err(JournalError(format!(
-            "{} is not a fencegate journal (bad header); refusing to start",
-            path.display()
-        )));
-    }
+/// Folds every valid frame of `bytes` from `start`; returns the state and
+/// the length of the valid prefix. A bad frame with any valid frame after it
+/// is corruption.
+fn replay(
+    bytes: &[u8],
+    start: usize,
+    path: &Path,
+) -> Result<(HashMap<String, LeaseRecord>, u64), JournalError> {
     let mut state: HashMap<String, LeaseRecord> = HashMap::new();
-    let mut at = FILE_MAGIC.len();
+    let mut at = start;
     while at < bytes.len() {
         match read_frame(&bytes[at..]) {
             Frame::Record(record, len) => {
@@ -329,14 +753,31 @@ fn find_valid_frame(bytes: &[u8]) -> Option<usize> {
     })
 }
 
+/// Marks the journal unhealthy when the writer thread ends, by a panic too.
+struct AliveGuard(Arc<AtomicBool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+        if std::thread::panicking() {
+            tracing::error!("the journal writer died; refusing grants until fencegate restarts");
+        }
+    }
+}
+
 struct Writer {
     dir: PathBuf,
     path: PathBuf,
     file: File,
     /// Length of the log that was written successfully.
     len: u64,
-    /// Length right after the last compaction (or open).
-    compacted_len: u64,
+    /// The header last written (and synced).
+    header: Header,
+    /// The token floor in the meta file: no grant above it is acknowledged
+    /// before it is raised.
+    reserved: u64,
+    /// A failed write left bytes past `len` that could not be cut yet.
+    needs_cut: bool,
     healthy: Arc<AtomicBool>,
     faults: FaultInjector,
     options: FileJournalOptions,
@@ -349,6 +790,7 @@ const MAX_BATCH: usize = 4096;
 
 impl Writer {
     fn run(mut self, rx: mpsc::Receiver<Command>) {
+        let _alive = AliveGuard(self.healthy.clone());
         let probe = Duration::from_millis(self.options.probe_interval_ms);
         let mut buf = Vec::with_capacity(64 * 1024);
         let mut batch = Vec::with_capacity(256);
@@ -368,6 +810,13 @@ impl Writer {
                 }
                 Err(RecvTimeoutError::Disconnected) => break,
             }
+            while self.faults.has(FAULT_STALL) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert!(
+                !self.faults.has(FAULT_PANIC),
+                "journal writer panic (injected)"
+            );
             while batch.len() < MAX_BATCH {
                 match rx.try_recv() {
                     Ok(cmd) => batch.push(cmd),
@@ -375,14 +824,18 @@ impl Writer {
                 }
             }
             buf.clear();
+            let mut max_token = 0;
             for cmd in &batch {
                 cmd.record.encode_frame(&mut buf);
+                if let Record::Grant { token, .. } = cmd.record {
+                    max_token = max_token.max(token);
+                }
             }
             // An unhealthy journal syncs every batch, so a probe proves the
             // disk takes durable writes again.
             let sync =
                 !self.healthy.load(Ordering::Acquire) || batch.iter().any(|c| c.ack.is_some());
-            match self.append(&buf, sync) {
+            match self.append(&buf, sync, max_token) {
                 Ok(()) => {
                     if !self.healthy.swap(true, Ordering::AcqRel) {
                         tracing::warn!(journal = %self.path.display(), "journal writable again; lease store ready");
@@ -398,6 +851,7 @@ impl Writer {
                     if self.healthy.swap(false, Ordering::AcqRel) {
                         tracing::error!(journal = %self.path.display(), error = %e, "journal cannot persist; refusing grants until it can");
                     }
+                    self.needs_cut = true;
                     self.cut_back();
                     for cmd in batch.drain(..) {
                         if let Some(ack) = cmd.ack {
@@ -411,45 +865,79 @@ impl Writer {
         let _ = self.file.sync_data();
     }
 
-    fn append(&mut self, buf: &[u8], sync: bool) -> io::Result<()> {
+    /// Appends `buf`; with `sync`, rewrites the header and makes it all
+    /// durable. Grants above the meta file's floor raise it first.
+    fn append(&mut self, buf: &[u8], sync: bool, max_token: u64) -> io::Result<()> {
+        if self.needs_cut && !self.cut_back() {
+            return Err(io::Error::other("a failed write could not be cut back yet"));
+        }
         self.faults.check()?;
+        if max_token > self.reserved {
+            let meta = Meta {
+                reserved: max_token.saturating_add(FLOOR_BLOCK),
+                floor: self.header.token_floor,
+            };
+            write_meta(&self.dir, meta)?;
+            self.reserved = meta.reserved;
+        }
+        if self.faults.has(FAULT_PARTIAL) {
+            self.file.write_all(&buf[..buf.len() / 2])?;
+            return Err(io::Error::from_raw_os_error(28));
+        }
         self.file.write_all(buf)?;
+        let len = self.len + buf.len() as u64;
         if sync {
             self.faults.check()?;
+            let header = Header {
+                seq: self.header.seq + 1,
+                durable_len: len,
+                ..self.header
+            };
+            write_at(&self.file, &header.encode(), header.offset())?;
             self.file.sync_data()?;
+            self.header = header;
         }
-        self.len += buf.len() as u64;
+        self.len = len;
         Ok(())
     }
 
-    /// Drops whatever part of a failed batch reached the file.
-    fn cut_back(&mut self) {
+    /// Drops whatever part of a failed batch reached the file; returns
+    /// whether the file ends at the last good length again.
+    fn cut_back(&mut self) -> bool {
         let len = self.len;
-        if let Err(e) = self
-            .file
-            .set_len(len)
-            .and_then(|()| self.file.seek(SeekFrom::Start(len)).map(|_| ()))
-        {
-            tracing::warn!(journal = %self.path.display(), error = %e, "cannot cut a failed write back; will retry");
+        let cut = if self.faults.has(FAULT_CUT) {
+            Err(io::Error::from_raw_os_error(5)) // EIO
+        } else {
+            self.file
+                .set_len(len)
+                .and_then(|()| self.file.seek(SeekFrom::Start(len)).map(|_| ()))
+        };
+        match cut {
+            Ok(()) => {
+                self.needs_cut = false;
+                true
+            }
+            Err(e) => {
+                tracing::warn!(journal = %self.path.display(), error = %e, "cannot cut a failed write back; no record is written until it can be");
+                false
+            }
         }
     }
 
     fn maybe_compact(&mut self) {
         if self.len < self.options.compact_min_bytes
-            || self.len < self.compacted_len.saturating_mul(4)
+            || self.len < self.header.compacted_len.saturating_mul(4)
         {
             return;
         }
         match self.compact() {
             Ok((len, leases)) => {
                 tracing::info!(journal = %self.path.display(), before = self.len, after = len, leases, "journal compacted");
-                self.len = len;
-                self.compacted_len = len;
             }
             Err(e) => {
                 // The old log is intact; try again after the next growth.
                 tracing::warn!(journal = %self.path.display(), error = %e, "journal compaction failed");
-                self.compacted_len = self.len;
+                self.header.compacted_len = self.len;
                 let _ = std::fs::remove_file(self.dir.join(COMPACT_TMP));
             }
         }
@@ -459,11 +947,11 @@ impl Writer {
     /// length and the number of leases.
     fn compact(&mut self) -> io::Result<(u64, usize)> {
         self.faults.check()?;
-        let tmp_path = self.dir.join(COMPACT_TMP);
-        // Everything up to `len` was written and synced by this writer.
+        // Everything up to `len` was written by this writer.
         let mut bytes = std::fs::read(&self.path)?;
         bytes.truncate(usize::try_from(self.len).unwrap_or(usize::MAX));
-        let (state, good_len) = replay(&bytes, &self.path).map_err(|e| io::Error::other(e.0))?;
+        let (state, good_len) =
+            replay(&bytes, HEADER_LEN, &self.path).map_err(|e| io::Error::other(e.0))?;
         if good_len != self.len {
             return Err(io::Error::other(format!(
                 "the log reads back {good_len} good bytes of {}",
@@ -472,21 +960,38 @@ impl Writer {
         }
         drop(bytes);
         let leases = state.len();
-        let mut buf = Vec::with_capacity(leases * 96 + FILE_MAGIC.len());
-        buf.extend_from_slice(FILE_MAGIC);
-        for lease in state.into_values() {
-            Record::State(lease).encode_frame(&mut buf);
-        }
-        let mut tmp = open_log(&tmp_path).map_err(|e| io::Error::other(e.0))?;
-        tmp.set_len(0)?;
-        tmp.write_all(&buf)?;
-        tmp.sync_all()?;
-        std::fs::rename(&tmp_path, &self.path)?;
-        sync_dir(&self.dir)?;
-        tmp.seek(SeekFrom::Start(buf.len() as u64))?;
-        self.file = tmp;
-        Ok((buf.len() as u64, leases))
+        let (file, len) = write_log(
+            &self.dir,
+            &self.path,
+            state.values(),
+            self.header.token_floor,
+        )?;
+        self.file = file;
+        self.len = len;
+        self.header = Header {
+            seq: 1,
+            durable_len: len,
+            compacted_len: len,
+            token_floor: self.header.token_floor,
+        };
+        Ok((len, leases))
     }
+}
+
+#[cfg(unix)]
+fn write_at(file: &File, buf: &[u8], offset: u64) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    file.write_all_at(buf, offset)
+}
+
+#[cfg(not(unix))]
+fn write_at(file: &File, buf: &[u8], offset: u64) -> io::Result<()> {
+    use std::os::windows::fs::FileExt;
+    let mut written = 0;
+    while written < buf.len() {
+        written += file.seek_write(&buf[written..], offset + written as u64)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -510,6 +1015,27 @@ mod tests {
         }
     }
 
+    /// Polls a future once.
+    fn futures_poll<F: std::future::Future + Unpin>(f: &mut F) -> Option<F::Output> {
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        match std::pin::Pin::new(f).poll(&mut cx) {
+            std::task::Poll::Ready(out) => Some(out),
+            std::task::Poll::Pending => None,
+        }
+    }
+
+    /// Opens `dir` once the previous writer has let go of it.
+    fn reopen(dir: &Path, options: &FileJournalOptions) -> (FileJournal, Recovered) {
+        loop {
+            match FileJournal::open(dir, options.clone()) {
+                Ok(opened) => return opened,
+                Err(e) if e.0.contains("in use") => std::thread::sleep(Duration::from_millis(5)),
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+
     #[tokio::test]
     async fn grants_survive_reopen_and_compaction() {
         let dir = temp_dir("reopen");
@@ -529,22 +1055,72 @@ mod tests {
             // One more durable record so the lazy ones are surely written.
             j.persist_grant(grant("c", 1)).await.unwrap();
         }
-        // The writer thread has released the lock once it drained.
-        let (j, rec) = loop {
-            match FileJournal::open(&dir, options.clone()) {
-                Ok(opened) => break opened,
-                Err(e) if e.0.contains("in use") => std::thread::sleep(Duration::from_millis(5)),
-                Err(e) => panic!("{e}"),
-            }
-        };
+        let (j, rec) = reopen(&dir, &options);
         let mut leases = rec.leases;
         leases.sort_by(|x, y| x.lease.cmp(&y.lease));
         assert_eq!(leases.len(), 3);
         assert_eq!((leases[0].last_token, leases[0].transitions), (200, 200));
         assert_eq!(leases[0].term.as_ref().unwrap().ttl_ms, 2000);
         assert!(leases[1].term.as_ref().unwrap().released);
+        assert!(rec.lost_records.is_none());
         let size = std::fs::metadata(dir.join(JOURNAL_FILE)).unwrap().len();
         assert!(size < 4096 * 2, "the log was compacted ({size} bytes)");
+        drop(j);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Seen failing when the threshold was taken from the size at open: after
+    /// a restart the log grew to 4 times that size before it was compacted.
+    #[tokio::test]
+    async fn the_compaction_rule_holds_across_a_restart() {
+        let dir = temp_dir("compact-restart");
+        let options = FileJournalOptions {
+            compact_min_bytes: 2048,
+            ..FileJournalOptions::default()
+        };
+        let len = || std::fs::metadata(dir.join(JOURNAL_FILE)).unwrap().len();
+        let mut token = 0;
+        let compacted = {
+            let (j, _) = FileJournal::open(&dir, options.clone()).unwrap();
+            // Enough leases that 4 times the compacted log passes the minimum.
+            for i in 0..60 {
+                j.persist_grant(grant(&format!("lease-{i:03}"), 1))
+                    .await
+                    .unwrap();
+            }
+            // Grow until the first compaction shrinks the log.
+            let mut last = len();
+            loop {
+                assert!(token < 10_000, "the log never shrank");
+                token += 1;
+                j.persist_grant(grant("a", token)).await.unwrap();
+                let now = len();
+                if now < last {
+                    break now;
+                }
+                last = now;
+            }
+        };
+        // Grow to well under 4 times the compacted size, then restart.
+        {
+            let (j, _) = reopen(&dir, &options);
+            while len() < compacted * 4 - 1000 {
+                token += 1;
+                j.persist_grant(grant("a", token)).await.unwrap();
+            }
+        }
+        let at_restart = len();
+        let (j, _) = reopen(&dir, &options);
+        let mut peak = len();
+        while len() >= peak && len() < at_restart * 2 {
+            peak = len();
+            token += 1;
+            j.persist_grant(grant("a", token)).await.unwrap();
+        }
+        assert!(
+            peak < compacted * 4 + 1000,
+            "compacted at {peak} bytes, not near 4 x {compacted} (size at restart {at_restart})"
+        );
         drop(j);
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -578,6 +1154,108 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// Seen failing when a failed cut was only logged: the next batch was
+    /// appended after the torn bytes, and the next start refused the log.
+    #[tokio::test]
+    async fn a_write_that_cannot_be_cut_back_blocks_appends_until_it_is() {
+        let dir = temp_dir("cut");
+        let options = FileJournalOptions {
+            probe_interval_ms: 10,
+            ..FileJournalOptions::default()
+        };
+        {
+            let (j, _) = FileJournal::open(&dir, options.clone()).unwrap();
+            j.persist_grant(grant("a", 1)).await.unwrap();
+            j.faults().set_partial_writes(true);
+            j.faults().set_cut_fails(true);
+            assert!(j.persist_grant(grant("a", 2)).await.is_err());
+            j.faults().set_partial_writes(false);
+            assert!(
+                j.persist_grant(grant("a", 3)).await.is_err(),
+                "appended after torn bytes"
+            );
+            j.faults().set_cut_fails(false);
+            // The probe cuts the torn bytes; grants work again.
+            for _ in 0..500 {
+                if j.is_healthy() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            j.persist_grant(grant("a", 4)).await.unwrap();
+        }
+        let (_j, rec) = reopen(&dir, &options);
+        assert!(rec.lost_records.is_none(), "{:?}", rec.lost_records);
+        assert_eq!(rec.torn_bytes, 0);
+        assert_eq!(rec.leases[0].last_token, 4);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Seen failing before the writer had a drop guard: after its thread
+    /// died the journal still said it was healthy.
+    #[tokio::test]
+    async fn a_dead_writer_makes_the_journal_unhealthy() {
+        let dir = temp_dir("panic");
+        let (j, _) = FileJournal::open(&dir, FileJournalOptions::default()).unwrap();
+        j.persist_grant(grant("a", 1)).await.unwrap();
+        j.faults().panic_writer();
+        assert!(j.persist_grant(grant("a", 2)).await.is_err());
+        for _ in 0..500 {
+            if !j.is_healthy() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert!(!j.is_healthy());
+        assert!(j.persist_grant(grant("a", 3)).await.is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Seen failing with the unbounded queue: grants queued behind a stalled
+    /// disk without limit.
+    #[tokio::test]
+    async fn a_full_queue_refuses_grants_at_once() {
+        let dir = temp_dir("queue");
+        let (j, _) = FileJournal::open(
+            &dir,
+            FileJournalOptions {
+                queue_capacity: 4,
+                ..FileJournalOptions::default()
+            },
+        )
+        .unwrap();
+        j.faults().set_stalled(true);
+        // The stalled writer may hold one record; four more wait in the
+        // queue; the next is refused without waiting.
+        let mut waiting = Vec::new();
+        let refused = loop {
+            let token = waiting.len() as u64 + 1;
+            let mut persist = j.persist_grant(grant("a", token));
+            match futures_poll(&mut persist) {
+                Some(Err(e)) => break (token, e),
+                Some(Ok(())) => panic!("a stalled writer persisted a grant"),
+                None => waiting.push(persist),
+            }
+            assert!(
+                waiting.len() < 10,
+                "the queue took {} grants",
+                waiting.len()
+            );
+        };
+        assert!(
+            matches!(refused.0, 5 | 6),
+            "refused only grant {}",
+            refused.0
+        );
+        assert!(refused.1 .0.contains("queue is full"), "{}", refused.1);
+        j.faults().set_stalled(false);
+        for w in waiting {
+            w.await.unwrap();
+        }
+        drop(j);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn a_second_journal_on_the_same_directory_is_refused() {
         let dir = temp_dir("lock");
@@ -586,10 +1264,25 @@ mod tests {
         assert!(e.0.contains("in use"), "{e}");
     }
 
+    /// Seen failing before: an existing journal restored with mode 0644
+    /// stayed readable by every user.
+    #[cfg(unix)]
+    #[test]
+    fn the_journal_is_readable_by_its_owner_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = temp_dir("mode");
+        drop(FileJournal::open(&dir, FileJournalOptions::default()).unwrap());
+        let path = dir.join(JOURNAL_FILE);
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let (_j, _) = reopen(&dir, &FileJournalOptions::default());
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+    }
+
     #[test]
     fn replay_cuts_torn_tails_and_refuses_corruption() {
         let path = Path::new("test.log");
-        let mut bytes = FILE_MAGIC.to_vec();
+        let mut bytes = FILE_MAGIC_V1.to_vec();
         for token in 1..=3 {
             Record::Release {
                 lease: "a".into(),
@@ -600,16 +1293,12 @@ mod tests {
         let good = bytes.len() as u64;
         let mut torn = bytes.clone();
         torn.extend_from_slice(&bytes[8..20]);
-        assert_eq!(replay(&torn, path).unwrap().1, good);
+        assert_eq!(replay(&torn, 8, path).unwrap().1, good);
         let mut zeros = bytes.clone();
         zeros.extend_from_slice(&[0; 100]);
-        assert_eq!(replay(&zeros, path).unwrap().1, good);
+        assert_eq!(replay(&zeros, 8, path).unwrap().1, good);
         let mut corrupt = bytes.clone();
         corrupt[12] ^= 1;
-        assert!(replay(&corrupt, path).unwrap_err().0.contains("corrupt"));
-        assert!(replay(b"NOTAJRNL", path)
-            .unwrap_err()
-            .0
-            .contains("not a fencegate journal"));
+        assert!(replay(&corrupt, 8, path).unwrap_err().0.contains("corrupt"));
     }
 }

@@ -1,11 +1,16 @@
 //! Journal records and their framing on disk.
 //!
-//! A journal file starts with an 8-byte header, [`FILE_MAGIC`], followed by
-//! frames:
+//! A journal file starts with [`FILE_MAGIC`] and two header slots
+//! ([`Header`], [`HEADER_LEN`] bytes in all), followed by frames:
 //!
 //! ```text
 //! 0xF7 | payload length: u32 LE | CRC-32 of payload: u32 LE | payload
 //! ```
+//!
+//! The header slots are written in turn, each with a sequence number and a
+//! checksum, so a slot torn by a crash leaves the other one readable.
+//! Version 1 files ([`FILE_MAGIC_V1`]) have no header; they are read and
+//! rewritten as version 2.
 //!
 //! A payload is a kind byte followed by the kind's fields: integers are
 //! little-endian u64, strings a length (u8 for lease names, u16 for holders)
@@ -13,8 +18,73 @@
 
 use bytes::{Buf, BufMut};
 
-/// The first bytes of every journal file (format version 1).
-pub const FILE_MAGIC: &[u8; 8] = b"FGJRNL01";
+/// The first bytes of every journal file (format version 2).
+pub const FILE_MAGIC: &[u8; 8] = b"FGJRNL02";
+/// The first bytes of a version 1 journal (no header slots).
+pub const FILE_MAGIC_V1: &[u8; 8] = b"FGJRNL01";
+/// Bytes of one header slot.
+pub const SLOT_LEN: usize = 40;
+/// Bytes before the first frame of a version 2 journal.
+pub const HEADER_LEN: usize = FILE_MAGIC.len() + 2 * SLOT_LEN;
+
+/// What a journal's header says. Written with every synced batch, in the
+/// same `fdatasync` as the batch, so after a crash the valid records reach
+/// at least `durable_len`, unless records that were acknowledged were lost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Header {
+    /// Which write of the header this is (the newer valid slot wins).
+    pub seq: u64,
+    /// The file was this long, all of it synced, when the slot was written.
+    pub durable_len: u64,
+    /// The file's length right after its last compaction.
+    pub compacted_len: u64,
+    /// Every lease's tokens continue above this (0 unless records were once
+    /// lost); a copy of the store's meta file.
+    pub token_floor: u64,
+}
+
+impl Header {
+    /// The slot's bytes.
+    pub fn encode(&self) -> [u8; SLOT_LEN] {
+        let mut out = [0u8; SLOT_LEN];
+        out[0..8].copy_from_slice(&self.seq.to_le_bytes());
+        out[8..16].copy_from_slice(&self.durable_len.to_le_bytes());
+        out[16..24].copy_from_slice(&self.compacted_len.to_le_bytes());
+        out[24..32].copy_from_slice(&self.token_floor.to_le_bytes());
+        let crc = crc32fast::hash(&out[..32]);
+        out[32..36].copy_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// Where this header's slot lives in the file.
+    pub fn offset(&self) -> u64 {
+        (FILE_MAGIC.len() + SLOT_LEN * (self.seq % 2) as usize) as u64
+    }
+
+    /// The newest valid slot of a version 2 file's first [`HEADER_LEN`]
+    /// bytes; `None` if neither slot is valid.
+    pub fn read(file: &[u8]) -> Option<Self> {
+        let slot = |i: usize| {
+            let at = FILE_MAGIC.len() + i * SLOT_LEN;
+            let b = file.get(at..at + SLOT_LEN)?;
+            let crc = u32::from_le_bytes(b[32..36].try_into().expect("4 bytes"));
+            if crc32fast::hash(&b[..32]) != crc || b[36..] != [0; 4] {
+                return None;
+            }
+            let u = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+            Some(Self {
+                seq: u(0),
+                durable_len: u(8),
+                compacted_len: u(16),
+                token_floor: u(24),
+            })
+        };
+        match (slot(0), slot(1)) {
+            (Some(a), Some(b)) => Some(if a.seq >= b.seq { a } else { b }),
+            (a, b) => a.or(b),
+        }
+    }
+}
 /// The first byte of every frame.
 pub const FRAME_MAGIC: u8 = 0xF7;
 /// Bytes of a frame before its payload.
@@ -415,6 +485,28 @@ mod tests {
                 "cut at {i}"
             );
         }
+    }
+
+    #[test]
+    fn the_newer_valid_header_slot_wins() {
+        let mut file = vec![0u8; HEADER_LEN];
+        file[..8].copy_from_slice(FILE_MAGIC);
+        assert_eq!(Header::read(&file), None, "zeroed slots are not valid");
+        let h = |seq| Header {
+            seq,
+            durable_len: 100 + seq,
+            compacted_len: 88,
+            token_floor: 7,
+        };
+        for seq in [1, 2, 3] {
+            let at = h(seq).offset() as usize;
+            file[at..at + SLOT_LEN].copy_from_slice(&h(seq).encode());
+        }
+        assert_eq!(Header::read(&file), Some(h(3)));
+        // A torn newest slot leaves the older one.
+        let at = h(3).offset() as usize;
+        file[at + 9] ^= 1;
+        assert_eq!(Header::read(&file), Some(h(2)));
     }
 
     #[test]

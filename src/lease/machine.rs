@@ -186,6 +186,15 @@ impl LeaseState {
         }
     }
 
+    /// A lease never granted whose tokens must continue above `floor` (a
+    /// store that may have lost records of it).
+    pub fn above(floor: u64) -> Self {
+        Self {
+            last_token: floor,
+            ..Self::default()
+        }
+    }
+
     /// The current (latest) term, live or not.
     pub fn term(&self) -> Option<&Term> {
         self.term.as_ref()

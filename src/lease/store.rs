@@ -142,6 +142,11 @@ struct Shared {
     /// Until this instant, writes of recovered leases may still be at the
     /// backend from before the restart (0: no restart to wait for).
     unsettled_until_ms: u64,
+    /// Tokens of leases not in the store yet continue above this.
+    token_floor: u64,
+    /// The journal may have lost records: leases not in the store may have
+    /// had terms, and writes, before the restart too.
+    lost_records: bool,
 }
 
 /// What a restart must respect besides the recovered leases.
@@ -151,6 +156,11 @@ pub struct RestartRule {
     /// the backend: the longest upstream deadline plus the settle time. Until
     /// then, no write of a recovered lease's later terms is forwarded.
     pub unsettled_ms: u64,
+    /// Every lease's tokens, recovered or new, continue above this.
+    pub token_floor: u64,
+    /// The journal may have lost records: every lease, recovered or not,
+    /// counts as recovered (its earlier terms may have had writes in flight).
+    pub lost_records: bool,
 }
 
 /// Counters of the handover barrier, for metrics.
@@ -350,6 +360,8 @@ impl LeaseStore {
                 stats: HandoverStats::default(),
                 buckets: DashMap::new(),
                 unsettled_until_ms: 0,
+                token_floor: 0,
+                lost_records: false,
             }),
         }
     }
@@ -367,9 +379,10 @@ impl LeaseStore {
     ) -> Result<Self, String> {
         let mut store = Self::new(clock, limits, journal);
         let now_ms = store.shared.clock.now_ms();
-        Arc::get_mut(&mut store.shared)
-            .expect("a new store is not shared yet")
-            .unsettled_until_ms = now_ms.saturating_add(rule.unsettled_ms);
+        let shared = Arc::get_mut(&mut store.shared).expect("a new store is not shared yet");
+        shared.unsettled_until_ms = now_ms.saturating_add(rule.unsettled_ms);
+        shared.token_floor = rule.token_floor;
+        shared.lost_records = rule.lost_records;
         for lease in recovered {
             if !super::is_valid_lease_name(&lease.lease) {
                 return Err(format!(
@@ -393,7 +406,8 @@ impl LeaseStore {
                     released: t.released,
                 }),
             };
-            let state = LeaseState::restored(now_ms, lease.last_token, lease.transitions, term);
+            let last_token = lease.last_token.max(rule.token_floor);
+            let state = LeaseState::restored(now_ms, last_token, lease.transitions, term);
             store.shared.leases.insert(
                 lease.lease,
                 Slot {
@@ -474,7 +488,7 @@ impl LeaseStore {
                 .shared
                 .leases
                 .entry(name.to_owned())
-                .or_default()
+                .or_insert_with(|| self.new_slot())
                 .cell
                 .clone();
             // Listen before trying, so a release between the attempt and the
@@ -485,7 +499,11 @@ impl LeaseStore {
 
             let now_ms = clock.now_ms();
             let (outcome, previous, persisted) = {
-                let mut slot = self.shared.leases.entry(name.to_owned()).or_default();
+                let mut slot = self
+                    .shared
+                    .leases
+                    .entry(name.to_owned())
+                    .or_insert_with(|| self.new_slot());
                 let previous = slot.state.term().cloned();
                 let outcome = slot.state.acquire(now_ms, holder, ttl_ms, lease_id.clone());
                 // The record is queued while the shard is still locked: the
@@ -546,6 +564,15 @@ impl LeaseStore {
                     }
                 }
             }
+        }
+    }
+
+    /// The entry of a lease not in the store yet.
+    fn new_slot(&self) -> Slot {
+        Slot {
+            state: LeaseState::above(self.shared.token_floor),
+            recovered: self.shared.lost_records,
+            ..Slot::default()
         }
     }
 
