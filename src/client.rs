@@ -341,7 +341,27 @@ impl LeaseClient {
     ) -> Result<LeaseGuard, ClientError> {
         let sent = Instant::now();
         let grant = self.acquire(lease, holder, ttl_ms, wait_ms).await?;
-        Ok(LeaseGuard::start(self.clone(), grant, sent, options))
+        // The local deadline counts from when the request was sent, the only
+        // instant known to be before the server's answer. After a wait that
+        // instant says nothing useful (the term began when the wait ended),
+        // so a renewal right away gives the deadline a fresh start.
+        if sent.elapsed() < Duration::from_millis(grant.ttl_ms / 10) {
+            return Ok(LeaseGuard::start(self.clone(), grant, sent, options));
+        }
+        let sent = Instant::now();
+        match self.renew(lease, grant.token, &grant.lease_id, None).await {
+            Ok(renewed) => {
+                let grant = Grant {
+                    expires_in_ms: renewed.expires_in_ms,
+                    ..grant
+                };
+                Ok(LeaseGuard::start(self.clone(), grant, sent, options))
+            }
+            Err(e) => {
+                let _ = self.release(lease, grant.token, &grant.lease_id).await;
+                Err(e)
+            }
+        }
     }
 }
 

@@ -9,6 +9,14 @@ use std::process::Command;
 use support::proc::{serve_args, Proc, TempDir};
 
 fn loadtest(args: &[&str], json: &std::path::Path) -> (i32, serde_json::Value, String) {
+    loadtest_writes(args, "2000", json)
+}
+
+fn loadtest_writes(
+    args: &[&str],
+    writes: &str,
+    json: &std::path::Path,
+) -> (i32, serde_json::Value, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_fencegate"))
         .arg("loadtest")
         .args(args)
@@ -18,7 +26,7 @@ fn loadtest(args: &[&str], json: &std::path::Path) -> (i32, serde_json::Value, S
             "--leases",
             "4",
             "--writes",
-            "2000",
+            writes,
             "--ttl",
             "300ms",
         ])
@@ -129,4 +137,144 @@ fn a_run_that_never_exercised_the_fault_does_not_pass() {
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(r["findings"]["stale_writes_applied"], 0);
     assert_eq!(r["findings"]["acknowledged"], 50);
+}
+
+/// Seen failing before: an unreachable target was retried every 10 ms,
+/// forever, with no output. Now the run fails once the lease API has not
+/// answered for a few seconds. (Real time: the loadtest's own limit; the
+/// margin is wide.)
+#[test]
+fn an_unreachable_target_fails_the_run_instead_of_hanging() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .args(["loadtest", "--target", &format!("http://127.0.0.1:{port}")])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = fencegate::clock::Stopwatch::start();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed_ms() > 60_000 {
+            let _ = child.kill();
+            panic!("the load test hung on an unreachable target");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("cannot reach"), "{stderr}");
+}
+
+/// A backend fault: a relay between fencegate and the recording backend
+/// drops the connection after the backend applied every 25th write, so
+/// fencegate answers `502 upstream-error` for writes that did land. The
+/// report counts them as outcome unknown, and the run passes.
+///
+/// Seen failing when every answer with a reason counted as rejected: the
+/// same run said "rejected but applied" and UNSAFE, with no stale write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backend_faults_are_outcome_unknown_not_violations() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    use http_body_util::BodyExt;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+
+    let dir = TempDir::new("loadtest-faults");
+    let log = dir.path().join("servers.log");
+    let backend = Proc::start(
+        &["backend", "--listen", "127.0.0.1:0", "--record"],
+        &log,
+        &[],
+    );
+    let client: Client<_, fencegate::body::Body> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let puts = Arc::new(AtomicU64::new(0));
+    let backend_url = backend.url.clone();
+    let relay_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let relay_url = format!("http://{}", relay_listener.local_addr().unwrap());
+    let relay = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+        let (client, puts, backend_url) = (client.clone(), puts.clone(), backend_url.clone());
+        async move {
+            let drop_answer = req.method() == http::Method::PUT
+                && puts.fetch_add(1, Ordering::Relaxed) % 25 == 24;
+            let (mut parts, body) = req.into_parts();
+            let pq = parts
+                .uri
+                .path_and_query()
+                .map_or("/", |pq| pq.as_str())
+                .to_owned();
+            parts.uri = format!("{backend_url}{pq}").parse().unwrap();
+            let res = client
+                .request(http::Request::from_parts(
+                    parts,
+                    fencegate::body::boxed(body),
+                ))
+                .await
+                .map_err(std::io::Error::other)?;
+            let (parts, body) = res.into_parts();
+            let body = body
+                .collect()
+                .await
+                .map_err(std::io::Error::other)?
+                .to_bytes();
+            if drop_answer {
+                // Applied by the backend; the answer never comes back.
+                return Err(std::io::Error::other(
+                    "connection dropped after the backend applied the write",
+                ));
+            }
+            Ok::<_, std::io::Error>(http::Response::from_parts(
+                parts,
+                fencegate::body::full(body),
+            ))
+        }
+    });
+    // A service error makes hyper close the connection without an answer.
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = relay_listener.accept().await {
+            let relay = relay.clone();
+            tokio::spawn(async move {
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(io, relay)
+                    .await;
+            });
+        }
+    });
+    let data = dir.path().join("data");
+    let proxy = Proc::start(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            &relay_url,
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        &log,
+        &[],
+    );
+    let json = dir.path().join("faults.json");
+    let args = ["--target", &proxy.url, "--history", &backend.url].map(str::to_owned);
+    let (code, r, stdout) = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        loadtest_writes(&args, "600", &json)
+    })
+    .await
+    .unwrap();
+    let f = &r["findings"];
+    assert_eq!(f["rejected_present"], 0, "{stdout}");
+    assert_eq!(f["stale_writes_applied"], 0, "{stdout}");
+    assert_eq!(code, 0, "{stdout}");
+    assert!(f["outcome_unknown"].as_u64().unwrap() >= 10, "{stdout}");
+    assert!(stdout.contains("SAFE"), "{stdout}");
+    assert!(stdout.contains("outcome unknown"), "{stdout}");
 }

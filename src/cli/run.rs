@@ -7,8 +7,9 @@
 //! [`LeaseGuard`]; when the guard reports the lease lost (a refused renewal,
 //! or the local deadline, which is `--margin` before the proxy's, passing
 //! without a successful renewal), the whole group gets SIGTERM, then SIGKILL
-//! after `--grace`, and `run` exits with code 6. When the command exits by
-//! itself, the lease is released and `run` exits with the command's status.
+//! after `--grace`, `run` releases the term if the proxy still has it (best
+//! effort), and exits with code 6. When the command exits by itself, the
+//! lease is released and `run` exits with the command's status.
 //! SIGINT and SIGTERM sent to `run` are forwarded to the group.
 
 use std::path::PathBuf;
@@ -53,6 +54,9 @@ pub struct RunArgs {
     #[arg(trailing_var_arg = true, required = true, num_args = 1..)]
     pub command: Vec<String>,
 }
+
+/// The longest `run` tries to release a lost term once its command is gone.
+const RELEASE_AFTER_LOSS: Duration = Duration::from_secs(1);
 
 /// Signals the whole process group `pgid`.
 fn signal_group(pgid: i32, sig: libc::c_int) {
@@ -153,6 +157,13 @@ pub async fn run(args: RunArgs) -> u8 {
                 // Whatever is left of the group, grandchildren included.
                 signal_group(pgid, libc::SIGKILL);
                 let _ = child.wait().await;
+                // The group is gone: if the term still lives at the proxy (a
+                // missed local deadline), the next holder need not wait for
+                // it. Best effort and brief, within the part of the margin
+                // the grace did not use: the proxy may be unreachable.
+                let bound = Duration::from_millis(margin_ms.saturating_sub(grace_ms) / 2)
+                    .min(RELEASE_AFTER_LOSS);
+                let _ = tokio::time::timeout(bound, guard.release()).await;
                 return EXIT_LEASE_LOST;
             }
             _ = sigint.recv() => signal_group(pgid, libc::SIGINT),

@@ -13,11 +13,18 @@ use crate::backend::embedded::Applied;
 pub enum Outcome {
     /// 2xx: the storage (through the proxy) acknowledged it.
     Acknowledged,
-    /// Refused with a problem document's `reason`.
+    /// Refused with a problem document's `reason`: it must not be applied.
     Rejected(String),
+    /// The proxy could not tell whether the storage applied it (`502
+    /// upstream-error`, `504 upstream-timeout`: a backend fault): applied or
+    /// not, both are fine.
+    Unknown(String),
     /// No answer (connection failed) or an unexpected status.
     Failed(String),
 }
+
+/// The problem reasons whose writes may or may not have been applied.
+pub const OUTCOME_UNKNOWN_REASONS: [&str; 2] = ["upstream-error", "upstream-timeout"];
 
 /// One write a client sent.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,6 +47,9 @@ pub struct Findings {
     pub acknowledged: u64,
     pub rejected: u64,
     pub rejected_by_reason: BTreeMap<String, u64>,
+    /// Answered with a backend fault: applied or not, both fine.
+    pub outcome_unknown: u64,
+    pub outcome_unknown_by_reason: BTreeMap<String, u64>,
     pub failed: u64,
     pub stale_attempts: u64,
     pub stale_attempts_rejected: u64,
@@ -78,6 +88,12 @@ pub fn check(log: &[Applied], writes: &[ClientWrite]) -> Findings {
             Outcome::Rejected(reason) => {
                 f.rejected += 1;
                 *f.rejected_by_reason.entry(reason.clone()).or_default() += 1;
+            }
+            Outcome::Unknown(reason) => {
+                f.outcome_unknown += 1;
+                *f.outcome_unknown_by_reason
+                    .entry(reason.clone())
+                    .or_default() += 1;
             }
             Outcome::Failed(_) => f.failed += 1,
         }
@@ -227,6 +243,24 @@ mod tests {
             applied(3, "b1", 2),
         ];
         assert_eq!(check(&log, &writes).stale_writes_applied, 0);
+    }
+
+    /// Seen failing when every answer with a reason counted as rejected: a
+    /// write answered 502 that the backend had applied was reported as
+    /// "rejected but applied".
+    #[test]
+    fn backend_faults_are_outcome_unknown_and_fine_either_way() {
+        let unknown = |reason: &str| Outcome::Unknown(reason.into());
+        let writes = [
+            write("a1", "l", 1, false, unknown("upstream-error")),
+            write("a2", "l", 1, false, unknown("upstream-timeout")),
+            write("a3", "l", 1, false, Outcome::Acknowledged),
+        ];
+        let log = [applied(1, "a1", 1), applied(2, "a3", 1)];
+        let f = check(&log, &writes);
+        assert_eq!(f.violations(), 0, "{f:?}");
+        assert_eq!((f.outcome_unknown, f.rejected), (2, 0));
+        assert_eq!(f.outcome_unknown_by_reason["upstream-error"], 1);
     }
 
     #[test]

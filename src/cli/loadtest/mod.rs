@@ -131,6 +131,10 @@ pub struct Report {
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
+/// A writer gives up (and the run fails) once the lease API has not answered
+/// for this long.
+const UNREACHABLE_LIMIT_MS: u64 = 5_000;
+
 struct Shared {
     client: HttpClient,
     args: LoadtestArgs,
@@ -236,12 +240,14 @@ async fn writer(index: u32, shared: Arc<Shared>, seed: u64) -> Result<(), String
     let args = &shared.args;
     let skew_ms = if index % 2 == 1 { args.skew } else { 0 };
     let mut n = 0u64;
+    // Since when the lease API has not answered at all.
+    let mut unreachable_since: Option<Stopwatch> = None;
     while !shared.done() {
         let lease = format!("lt-{}", rng.below(u64::from(args.leases)));
         let sent_ms = shared.started.elapsed_ms();
         let body =
             json!({"holder": name, "ttl_ms": args.ttl, "wait_ms": (args.ttl * 4).min(60_000)});
-        let Ok(answer) = call(
+        let answer = match call(
             &shared.client,
             Method::POST,
             format!("{}/_fence/leases/{lease}", args.target),
@@ -249,9 +255,23 @@ async fn writer(index: u32, shared: Arc<Shared>, seed: u64) -> Result<(), String
             Bytes::from(body.to_string()),
         )
         .await
-        else {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            continue;
+        {
+            Ok(answer) => {
+                unreachable_since = None;
+                answer
+            }
+            Err(e) => {
+                let since = *unreachable_since.get_or_insert_with(Stopwatch::start);
+                if since.elapsed_ms() >= UNREACHABLE_LIMIT_MS {
+                    return Err(format!(
+                        "cannot reach {} for {} s: {e}",
+                        args.target,
+                        UNREACHABLE_LIMIT_MS / 1000
+                    ));
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
         };
         match answer.status {
             StatusCode::CREATED => {}
@@ -394,6 +414,9 @@ async fn write(
     let outcome = match answer {
         Ok(a) if a.status.is_success() => Outcome::Acknowledged,
         Ok(a) => match a.json["reason"].as_str() {
+            Some(reason) if check::OUTCOME_UNKNOWN_REASONS.contains(&reason) => {
+                Outcome::Unknown(reason.to_owned())
+            }
             Some(reason) => Outcome::Rejected(reason.to_owned()),
             None => Outcome::Failed(format!("status {}", a.status)),
         },
@@ -483,6 +506,7 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
     let pause_ms = args.pause.unwrap_or(args.ttl * 3 / 2);
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(Duration::from_secs(2)));
     let client = Client::builder(TokioExecutor::new()).build(connector);
     let write_base = args.direct.clone().unwrap_or_else(|| args.target.clone());
     let history_url = args
@@ -632,6 +656,11 @@ pub fn summary(r: &Report) -> String {
         .iter()
         .map(|(k, v)| format!("{k} {v}"))
         .collect();
+    let unknown: Vec<String> = f
+        .outcome_unknown_by_reason
+        .iter()
+        .map(|(k, v)| format!("{k} {v}"))
+        .collect();
     let ms = |us: u64| us as f64 / 1000.0;
     let mut out = format!(
         "fencegate loadtest {}: {} writers, {} leases, ttl {} ms, pause p={} ({} ms), skew {} ms, seed {}\n\
@@ -647,6 +676,14 @@ pub fn summary(r: &Report) -> String {
                 f.rejected.to_string()
             } else {
                 format!("{} ({})", f.rejected, reasons.join(", "))
+            },
+        ),
+        (
+            "outcome unknown",
+            if unknown.is_empty() {
+                f.outcome_unknown.to_string()
+            } else {
+                format!("{} ({})", f.outcome_unknown, unknown.join(", "))
             },
         ),
         ("failed (no answer)", f.failed.to_string()),
