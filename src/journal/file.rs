@@ -90,9 +90,10 @@ const META_TMP: &str = "store.meta.tmp";
 const LOCK_FILE: &str = "LOCK";
 const META_MAGIC: &[u8; 8] = b"FGMETA01";
 
-/// Tokens reserved at a time: the floor in `store.meta` is raised this far
-/// above a grant that passes it, so it is rewritten once per this many
-/// tokens of the busiest lease.
+/// Tokens reserved at a time (the default of
+/// [`FileJournalOptions::floor_block`]): the floor in `store.meta` is raised
+/// this far above a grant that passes it, so it is rewritten once per this
+/// many tokens of the busiest lease.
 pub const FLOOR_BLOCK: u64 = 4096;
 
 /// Tuning of the file journal.
@@ -109,6 +110,8 @@ pub struct FileJournalOptions {
     /// Start even though the directory's log is missing or empty (every
     /// lease then continues above the floor in `store.meta`).
     pub accept_journal_loss: bool,
+    /// Tokens the floor in `store.meta` is raised ahead at a time.
+    pub floor_block: u64,
 }
 
 impl Default for FileJournalOptions {
@@ -118,6 +121,7 @@ impl Default for FileJournalOptions {
             probe_interval_ms: 1000,
             queue_capacity: 65_536,
             accept_journal_loss: false,
+            floor_block: FLOOR_BLOCK,
         }
     }
 }
@@ -280,15 +284,25 @@ fn write_meta(dir: &Path, meta: Meta) -> io::Result<()> {
     sync_dir(dir)
 }
 
-/// Writes a fresh version 2 log of `leases` at `path` (through a temporary
-/// file, synced, renamed over it); returns it open at its end, and its
-/// length.
+/// A fresh log, in place under its name.
+struct Written {
+    /// Open at its end.
+    file: File,
+    len: u64,
+    /// Whether the rename reached the disk: until the directory is synced, a
+    /// power loss may bring the old log back.
+    dir_synced: bool,
+}
+
+/// Writes a fresh version 2 log of `leases` at `path`, through a temporary
+/// file that is synced and renamed over it. An error before the rename
+/// leaves the old log as it was.
 fn write_log<'a>(
     dir: &Path,
     path: &Path,
     leases: impl Iterator<Item = &'a LeaseRecord>,
     token_floor: u64,
-) -> io::Result<(File, u64)> {
+) -> io::Result<Written> {
     let mut frames = Vec::new();
     for lease in leases {
         Record::State(lease.clone()).encode_frame(&mut frames);
@@ -307,14 +321,33 @@ fn write_log<'a>(
     buf[at..at + super::record::SLOT_LEN].copy_from_slice(&header.encode());
     buf.extend_from_slice(&frames);
     let tmp_path = dir.join(COMPACT_TMP);
-    let mut tmp = open_log(&tmp_path).map_err(|e| io::Error::other(e.0))?;
-    tmp.set_len(0)?;
-    tmp.write_all(&buf)?;
-    tmp.sync_all()?;
+    let mut file = open_log(&tmp_path).map_err(|e| io::Error::other(e.0))?;
+    file.set_len(0)?;
+    file.write_all(&buf)?;
+    file.sync_all()?;
     std::fs::rename(&tmp_path, path)?;
-    sync_dir(dir)?;
-    tmp.seek(SeekFrom::Start(len))?;
-    Ok((tmp, len))
+    let dir_synced = sync_dir(dir).is_ok();
+    Ok(Written {
+        file,
+        len,
+        dir_synced,
+    })
+}
+
+/// [`write_log`] at start, where anything short of a durable rename stops
+/// the start.
+fn write_log_at_start<'a>(
+    dir: &Path,
+    path: &Path,
+    leases: impl Iterator<Item = &'a LeaseRecord>,
+    token_floor: u64,
+    what: &str,
+) -> Result<(File, u64), JournalError> {
+    let written = write_log(dir, path, leases, token_floor).map_err(|e| err(what, path, e))?;
+    if !written.dir_synced {
+        return Err(err(what, dir, "the directory could not be synced"));
+    }
+    Ok((written.file, written.len))
 }
 
 impl FileJournal {
@@ -351,7 +384,7 @@ impl FileJournal {
         let opened = if bytes.is_empty() {
             open_empty(dir, &path, meta, missing, &options)?
         } else {
-            open_existing(dir, &path, &bytes, meta)?
+            open_existing(dir, &path, &bytes, meta, &options)?
         };
         let Opened {
             file,
@@ -372,6 +405,7 @@ impl FileJournal {
             header,
             reserved,
             needs_cut: false,
+            needs_dir_sync: false,
             healthy: healthy.clone(),
             faults: faults.clone(),
             options,
@@ -430,7 +464,7 @@ fn open_empty(
         MetaFile::Corrupt => {
             return Err(JournalError(format!(
                 "{} is {what} and {} is damaged: the tokens already issued cannot be bounded; \
-                 restore both from a backup",
+                 put back the files this directory had",
                 path.display(),
                 dir.join(META_FILE).display()
             )))
@@ -442,17 +476,23 @@ fn open_empty(
         MetaFile::Found(meta) => {
             return Err(JournalError(format!(
                 "{} is {what}, but {} says this data directory holds a lease store: its leases \
-                 and terms are gone. Restore {JOURNAL_FILE} from a backup, or start once with \
-                 --accept-journal-loss to go on without it: every lease is then free, and its \
-                 tokens continue above {} (none is reissued)",
+                 and terms are gone. Put back the {JOURNAL_FILE} this directory had (not an older \
+                 copy: it would issue tokens again), or start once with --accept-journal-loss to \
+                 go on without it: every lease is then free, and its tokens continue above {} \
+                 (none is reissued)",
                 path.display(),
                 dir.join(META_FILE).display(),
                 meta.reserved.max(meta.floor)
             )))
         }
     };
-    let (file, len) = write_log(dir, path, std::iter::empty(), meta.floor)
-        .map_err(|e| err("cannot initialise", path, e))?;
+    let (file, len) = write_log_at_start(
+        dir,
+        path,
+        std::iter::empty(),
+        meta.floor,
+        "cannot initialise",
+    )?;
     write_meta(dir, meta).map_err(|e| err("cannot write", &dir.join(META_FILE), e))?;
     let lost_records = (meta.floor > 0).then(|| {
         let why = format!("{JOURNAL_FILE} was {what} (started with --accept-journal-loss)");
@@ -485,30 +525,52 @@ fn open_existing(
     path: &Path,
     bytes: &[u8],
     meta: MetaFile,
+    options: &FileJournalOptions,
 ) -> Result<Opened, JournalError> {
     let v1 = bytes.starts_with(FILE_MAGIC_V1);
+    let magic = bytes.len().min(FILE_MAGIC.len());
     let (start, header) = if v1 {
         (FILE_MAGIC_V1.len(), None)
-    } else if bytes.starts_with(FILE_MAGIC) && bytes.len() >= HEADER_LEN {
-        (HEADER_LEN, Header::read(bytes))
+    } else if bytes[..magic] == FILE_MAGIC[..magic] {
+        if bytes.len() >= HEADER_LEN {
+            (HEADER_LEN, Header::read(bytes))
+        } else {
+            // Cut inside its header: whatever it held is gone.
+            (bytes.len(), None)
+        }
     } else {
         return Err(JournalError(format!(
             "{} is not a fencegate journal (bad header); refusing to start",
             path.display()
         )));
     };
-    let (mut state, good_len) = replay(bytes, start, path)?;
+    // Past the durable length nothing was acknowledged: a bad frame there is
+    // a torn write (a power loss may leave zeros before later, valid bytes),
+    // never corruption. Before it, a bad frame followed by a valid one is.
+    let torn_from = header.map_or(u64::MAX, |h| h.durable_len);
+    let (mut state, good_len) = replay(bytes, start, torn_from, path)?;
     let max_token = state.values().map(|l| l.last_token).max().unwrap_or(0);
     let header_floor = header.map_or(0, |h| h.token_floor);
     // Why acknowledged records may be missing, if they may.
-    let lost = match header {
+    let lost = match (header, &meta) {
         _ if v1 => None,
-        None => Some("both header slots of the log are damaged".to_owned()),
-        Some(h) if good_len < h.durable_len => Some(format!(
+        (None, _) => Some("its header is damaged or cut off".to_owned()),
+        (Some(h), _) if good_len < h.durable_len => Some(format!(
             "the valid records end at byte {good_len}, but {} bytes were synced",
             h.durable_len
         )),
-        Some(_) => None,
+        // The floor is raised only a block ahead of the highest token: a log
+        // whose tokens end far below it is an older copy put back.
+        (Some(_), MetaFile::Found(m))
+            if m.reserved > max_token.saturating_add(2 * options.floor_block) =>
+        {
+            Some(format!(
+                "its highest token is {max_token}, far below the floor of {} in {META_FILE}: \
+                 it is an older copy",
+                m.reserved
+            ))
+        }
+        _ => None,
     };
     let torn_bytes = bytes.len() as u64 - good_len;
 
@@ -523,7 +585,7 @@ fn open_existing(
             _ => {
                 // Rebuilt from the log (a missing meta file, a version 1 log).
                 let meta = Meta {
-                    reserved: max_token.max(floor).saturating_add(FLOOR_BLOCK),
+                    reserved: max_token.max(floor).saturating_add(options.floor_block),
                     floor,
                 };
                 write_meta(dir, meta).map_err(|e| err("cannot write", &dir.join(META_FILE), e))?;
@@ -532,8 +594,8 @@ fn open_existing(
         };
         let (file, len, header) = if v1 {
             // Rewritten as version 2.
-            let (file, len) = write_log(dir, path, state.values(), floor)
-                .map_err(|e| err("cannot rewrite", path, e))?;
+            let (file, len) =
+                write_log_at_start(dir, path, state.values(), floor, "cannot rewrite")?;
             tracing::info!(journal = %path.display(), "journal rewritten in format version 2");
             let header = Header {
                 seq: 1,
@@ -557,11 +619,11 @@ fn open_existing(
             }
             file.seek(SeekFrom::Start(good_len))
                 .map_err(|e| err("cannot seek", path, e))?;
-            (
-                file,
-                good_len,
-                header.expect("a version 2 log has a header"),
-            )
+            let header = Header {
+                token_floor: floor,
+                ..header.expect("a version 2 log has a header")
+            };
+            (file, good_len, header)
         };
         return Ok(Opened {
             file,
@@ -582,7 +644,7 @@ fn open_existing(
     let MetaFile::Found(meta) = meta else {
         return Err(JournalError(format!(
             "{}: {why}, and {} is missing or damaged, so the tokens already issued cannot be \
-             bounded; restore both from a backup",
+             bounded; put back the files this directory had",
             path.display(),
             dir.join(META_FILE).display()
         )));
@@ -603,10 +665,20 @@ fn open_existing(
             term.released = true;
         }
     }
-    let damaged = dir.join(DAMAGED_FILE);
-    std::fs::rename(path, &damaged).map_err(|e| err("cannot move aside", path, e))?;
-    let (file, len) =
-        write_log(dir, path, state.values(), floor).map_err(|e| err("cannot rewrite", path, e))?;
+    // A copy of the damaged log is kept (never over an earlier one); the
+    // fresh log then replaces it in one rename, so a crash in between finds
+    // the damaged log again and repeats this.
+    let damaged = (0..)
+        .map(|n| match n {
+            0 => dir.join(DAMAGED_FILE),
+            n => dir.join(format!("{DAMAGED_FILE}.{n}")),
+        })
+        .find(|p| !p.exists())
+        .expect("a free name");
+    std::fs::copy(path, &damaged)
+        .and_then(|_| File::open(&damaged)?.sync_all())
+        .map_err(|e| err("cannot keep a copy of", path, e))?;
+    let (file, len) = write_log_at_start(dir, path, state.values(), floor, "cannot rewrite")?;
     tracing::error!(
         journal = %path.display(),
         kept = %damaged.display(),
@@ -706,11 +778,12 @@ fn sync_dir(dir: &Path) -> io::Result<()> {
 }
 
 /// Folds every valid frame of `bytes` from `start`; returns the state and
-/// the length of the valid prefix. A bad frame with any valid frame after it
-/// is corruption.
+/// the length of the valid prefix. A bad frame before `torn_from` with any
+/// valid frame after it is corruption.
 fn replay(
     bytes: &[u8],
     start: usize,
+    torn_from: u64,
     path: &Path,
 ) -> Result<(HashMap<String, LeaseRecord>, u64), JournalError> {
     let mut state: HashMap<String, LeaseRecord> = HashMap::new();
@@ -730,13 +803,15 @@ fn replay(
                 at += len;
             }
             Frame::Invalid(why) => {
-                if let Some(next) = find_valid_frame(&bytes[at + 1..]) {
-                    return Err(JournalError(format!(
+                if (at as u64) < torn_from {
+                    if let Some(next) = find_valid_frame(&bytes[at + 1..]) {
+                        return Err(JournalError(format!(
                         "{} is corrupt: bad record at byte {at} ({why}) followed by a valid record at byte {}; \
                          refusing to start rather than lose fencing tokens (restore the file or move it away)",
                         path.display(),
                         at + 1 + next
                     )));
+                    }
                 }
                 break;
             }
@@ -778,6 +853,10 @@ struct Writer {
     reserved: u64,
     /// A failed write left bytes past `len` that could not be cut yet.
     needs_cut: bool,
+    /// A compaction's rename is not durable yet (the directory sync failed):
+    /// nothing is acknowledged until it is, or a power loss could bring back
+    /// the old log without the records written since.
+    needs_dir_sync: bool,
     healthy: Arc<AtomicBool>,
     faults: FaultInjector,
     options: FileJournalOptions,
@@ -871,10 +950,14 @@ impl Writer {
         if self.needs_cut && !self.cut_back() {
             return Err(io::Error::other("a failed write could not be cut back yet"));
         }
+        if self.needs_dir_sync {
+            sync_dir(&self.dir)?;
+            self.needs_dir_sync = false;
+        }
         self.faults.check()?;
         if max_token > self.reserved {
             let meta = Meta {
-                reserved: max_token.saturating_add(FLOOR_BLOCK),
+                reserved: max_token.saturating_add(self.options.floor_block),
                 floor: self.header.token_floor,
             };
             write_meta(&self.dir, meta)?;
@@ -935,7 +1018,8 @@ impl Writer {
                 tracing::info!(journal = %self.path.display(), before = self.len, after = len, leases, "journal compacted");
             }
             Err(e) => {
-                // The old log is intact; try again after the next growth.
+                // Failed before the rename: the old log is intact; try again
+                // after the next growth.
                 tracing::warn!(journal = %self.path.display(), error = %e, "journal compaction failed");
                 self.header.compacted_len = self.len;
                 let _ = std::fs::remove_file(self.dir.join(COMPACT_TMP));
@@ -951,7 +1035,7 @@ impl Writer {
         let mut bytes = std::fs::read(&self.path)?;
         bytes.truncate(usize::try_from(self.len).unwrap_or(usize::MAX));
         let (state, good_len) =
-            replay(&bytes, HEADER_LEN, &self.path).map_err(|e| io::Error::other(e.0))?;
+            replay(&bytes, HEADER_LEN, u64::MAX, &self.path).map_err(|e| io::Error::other(e.0))?;
         if good_len != self.len {
             return Err(io::Error::other(format!(
                 "the log reads back {good_len} good bytes of {}",
@@ -960,14 +1044,17 @@ impl Writer {
         }
         drop(bytes);
         let leases = state.len();
-        let (file, len) = write_log(
+        let written = write_log(
             &self.dir,
             &self.path,
             state.values(),
             self.header.token_floor,
         )?;
-        self.file = file;
+        // Renamed: from here on the new log is the log, whatever else fails.
+        let len = written.len;
+        self.file = written.file;
         self.len = len;
+        self.needs_dir_sync = !written.dir_synced;
         self.header = Header {
             seq: 1,
             durable_len: len,
@@ -1256,6 +1343,96 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// Past the durable length nothing was acknowledged: after a power loss
+    /// the page cache may leave zeros before later, valid bytes there. That
+    /// is a torn write, cut off, never "corruption" refusing the start.
+    #[tokio::test]
+    async fn garbage_past_the_durable_length_is_a_torn_tail() {
+        let dir = temp_dir("torn-gap");
+        let options = FileJournalOptions::default();
+        {
+            let (j, _) = FileJournal::open(&dir, options.clone()).unwrap();
+            j.persist_grant(grant("a", 1)).await.unwrap();
+        }
+        let path = dir.join(JOURNAL_FILE);
+        let (_j, _) = reopen(&dir, &options); // waits for the writer to let go
+        drop(_j);
+        let mut bytes = std::fs::read(&path).unwrap();
+        let synced = bytes.len() as u64;
+        bytes.extend_from_slice(&[0; 20]);
+        Record::Release {
+            lease: "a".into(),
+            token: 1,
+        }
+        .encode_frame(&mut bytes);
+        std::fs::write(&path, &bytes).unwrap();
+        let (_j, rec) = reopen(&dir, &options);
+        assert!(rec.lost_records.is_none(), "{:?}", rec.lost_records);
+        assert_eq!(rec.torn_bytes, bytes.len() as u64 - synced);
+        assert_eq!(rec.leases[0].last_token, 1);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// An older copy of the log put back beside the store's meta file would
+    /// issue again every token granted since: when its tokens end far below
+    /// the floor, the start treats it as a log that lost records.
+    #[tokio::test]
+    async fn an_older_copy_of_the_log_continues_above_the_floor() {
+        let dir = temp_dir("old-copy");
+        let options = FileJournalOptions {
+            floor_block: 16,
+            ..FileJournalOptions::default()
+        };
+        let path = dir.join(JOURNAL_FILE);
+        let copy = dir.join("copy.log");
+        {
+            let (j, _) = FileJournal::open(&dir, options.clone()).unwrap();
+            j.persist_grant(grant("a", 1)).await.unwrap();
+            std::fs::copy(&path, &copy).unwrap();
+            for token in 2..=60 {
+                j.persist_grant(grant("a", token)).await.unwrap();
+            }
+        }
+        let (j, _) = reopen(&dir, &options);
+        drop(j);
+        let (_j, _) = reopen(&dir, &options);
+        drop(_j);
+        std::fs::copy(&copy, &path).unwrap();
+        let (_j, rec) = reopen(&dir, &options);
+        let why = rec
+            .lost_records
+            .expect("the old copy was taken for the log");
+        assert!(why.contains("older copy"), "{why}");
+        assert!(rec.token_floor >= 60, "floor {}", rec.token_floor);
+        assert!(rec.leases[0].last_token >= 60);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A log cut inside its header lost whatever it held: with the meta file
+    /// beside it, every lease continues above the floor.
+    #[tokio::test]
+    async fn a_log_cut_inside_its_header_continues_above_the_floor() {
+        let dir = temp_dir("cut-header");
+        let options = FileJournalOptions::default();
+        {
+            let (j, _) = FileJournal::open(&dir, options.clone()).unwrap();
+            j.persist_grant(grant("a", 7)).await.unwrap();
+        }
+        let (j, _) = reopen(&dir, &options);
+        drop(j);
+        let path = dir.join(JOURNAL_FILE);
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..20]).unwrap();
+        let (_j, rec) = reopen(&dir, &options);
+        assert!(rec.lost_records.is_some());
+        assert!(rec.token_floor >= 7, "floor {}", rec.token_floor);
+        assert!(
+            dir.join(DAMAGED_FILE).exists(),
+            "a copy of the damaged log is kept"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn a_second_journal_on_the_same_directory_is_refused() {
         let dir = temp_dir("lock");
@@ -1293,12 +1470,15 @@ mod tests {
         let good = bytes.len() as u64;
         let mut torn = bytes.clone();
         torn.extend_from_slice(&bytes[8..20]);
-        assert_eq!(replay(&torn, 8, path).unwrap().1, good);
+        assert_eq!(replay(&torn, 8, u64::MAX, path).unwrap().1, good);
         let mut zeros = bytes.clone();
         zeros.extend_from_slice(&[0; 100]);
-        assert_eq!(replay(&zeros, 8, path).unwrap().1, good);
+        assert_eq!(replay(&zeros, 8, u64::MAX, path).unwrap().1, good);
         let mut corrupt = bytes.clone();
         corrupt[12] ^= 1;
-        assert!(replay(&corrupt, 8, path).unwrap_err().0.contains("corrupt"));
+        assert!(replay(&corrupt, 8, u64::MAX, path)
+            .unwrap_err()
+            .0
+            .contains("corrupt"));
     }
 }
