@@ -26,7 +26,7 @@ fn self_signed(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
 
 /// curl's exit code and body (headers included with `-i`).
 fn curl(args: &[&str]) -> (i32, String) {
-    let out = Command::new("curl")
+    let out = Command::new(support::tools::program("curl"))
         .args(["-sS", "--max-time", "10"])
         .args(args)
         .output()

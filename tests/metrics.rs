@@ -61,13 +61,13 @@ async fn metrics_pass_promtool_and_count_decisions() {
     // No lease names, holders or ids as labels.
     assert!(!text.contains("orders") && !text.contains(&a.lease_id));
 
-    let mut promtool = Command::new("promtool")
+    let mut promtool = Command::new(support::tools::program("promtool"))
         .args(["check", "metrics"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("promtool is not installed: apt-get install prometheus (.ci/run does)");
+        .expect("promtool runs");
     promtool
         .stdin
         .take()

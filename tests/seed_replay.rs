@@ -1,15 +1,19 @@
 //! Runs examples/seed-replay.sh against the real binary, as CI and users do.
 
+mod support;
+
 use std::process::Command;
 
 #[test]
 fn seed_replay_script_passes() {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/seed-replay.sh");
+    // The script talks to the server with curl.
+    support::tools::program("curl");
     let out = Command::new("bash")
         .arg(script)
         .env("FENCEGATE_BIN", env!("CARGO_BIN_EXE_fencegate"))
         .output()
-        .expect("bash runs (the script also needs curl)");
+        .expect("bash runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

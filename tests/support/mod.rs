@@ -5,6 +5,7 @@
 
 pub mod proc;
 pub mod servers;
+pub mod tools;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

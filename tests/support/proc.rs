@@ -105,10 +105,10 @@ impl Proc {
 
     /// Sends a signal (e.g. "-KILL", "-TERM", "-STOP") to the process.
     pub fn signal(&self, sig: &str) {
-        let ok = Command::new("kill")
+        let ok = Command::new(super::tools::program("kill"))
             .args([sig, &self.child.id().to_string()])
             .status()
-            .expect("the kill command (procps)")
+            .expect("kill runs")
             .success();
         assert!(ok, "kill {sig} failed");
     }

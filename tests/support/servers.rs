@@ -8,6 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use super::proc::TempDir;
+use super::tools::program;
 
 /// A free loopback port (bound and released; the window for a clash is tiny).
 pub fn free_port() -> u16 {
@@ -16,20 +17,6 @@ pub fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
-}
-
-/// Finds a program on PATH or in the sbin directories Debian puts servers in.
-/// Panics with the install hint if it is missing: a missing server is a
-/// failed test, never a skipped one.
-fn program(name: &str, package: &str) -> PathBuf {
-    let path = std::env::var("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/usr/bin", "/sbin"].map(PathBuf::from))
-        .map(|dir| dir.join(name))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| {
-            panic!("{name} is not installed: apt-get install {package} (.ci/run does)")
-        })
 }
 
 /// Waits (bounded, real time: a server starting, not a lease) until `port`
@@ -74,7 +61,7 @@ impl Drop for Server {
 
 /// nginx serving WebDAV under `/dav/`, in one process (no daemon, no master).
 pub async fn nginx() -> Server {
-    let bin = program("nginx", "nginx");
+    let bin = program("nginx");
     let dir = TempDir::new("nginx");
     let d = dir.path().to_owned();
     let root = d.join("www");
@@ -134,7 +121,7 @@ http {{
 
 /// A single-node etcd with the v2 keys API enabled.
 pub async fn etcd() -> Server {
-    let bin = program("etcd", "etcd-server");
+    let bin = program("etcd");
     let dir = TempDir::new("etcd");
     let d = dir.path().to_owned();
     let (client, peer) = (free_port(), free_port());

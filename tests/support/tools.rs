@@ -1,0 +1,110 @@
+//! The system programs the test suite runs, installed on demand.
+//!
+//! `cargo test` is the whole test command: a test that needs a program calls
+//! [`program`]. If the program is missing, it is installed with apt-get when
+//! the tests run as root on Debian (every missing package at once, after an
+//! `apt-get update`, without starting any service), and otherwise the test
+//! fails at once with the exact command to run. A missing program never
+//! skips a test.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Mutex;
+
+/// Every program the suite runs, with the Debian package that has it.
+pub const PROGRAMS: [(&str, &str); 5] = [
+    ("curl", "curl"),
+    ("kill", "procps"),
+    ("nginx", "nginx"),
+    ("etcd", "etcd-server"),
+    ("promtool", "prometheus"),
+];
+
+/// Where `name` is installed, if it is: on PATH or in the sbin directories
+/// Debian puts servers in.
+fn find(name: &str) -> Option<PathBuf> {
+    let path = std::env::var("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/usr/bin", "/sbin", "/bin"].map(PathBuf::from))
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+}
+
+/// The packages of the suite's programs that are missing.
+fn missing_packages() -> Vec<&'static str> {
+    PROGRAMS
+        .iter()
+        .filter(|(name, _)| find(name).is_none())
+        .map(|(_, package)| *package)
+        .collect()
+}
+
+/// The path of `name`, one of [`PROGRAMS`], installing what is missing first
+/// (see the module docs). Panics with the install command when it cannot.
+pub fn program(name: &str) -> PathBuf {
+    if let Some(path) = find(name) {
+        return path;
+    }
+    // One installer at a time in this process; apt's own lock keeps other
+    // test processes out (they wait for it).
+    static INSTALL: Mutex<()> = Mutex::new(());
+    let _one = INSTALL.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(path) = find(name) {
+        return path;
+    }
+    let packages = missing_packages();
+    let line = format!(
+        "apt-get update && apt-get install -y --no-install-recommends {}",
+        packages.join(" ")
+    );
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root || find("apt-get").is_none() {
+        panic!(
+            "the tests need {name}, which is not installed. Run the tests as root on Debian \
+             and they install what is missing, or install it yourself:\n    sudo sh -c '{line}'"
+        );
+    }
+    eprintln!("installing what the tests need: {line}");
+    install(&packages);
+    find(name).unwrap_or_else(|| panic!("{name} is still missing after: {line}"))
+}
+
+/// Installs `packages` with apt-get, keeping their services from starting
+/// (the tests start their own servers on free ports).
+fn install(packages: &[&str]) {
+    let policy = std::path::Path::new("/usr/sbin/policy-rc.d");
+    let added_policy =
+        !policy.exists() && std::fs::write(policy, "#!/bin/sh\nexit 101\n").is_ok() && {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(policy, std::fs::Permissions::from_mode(0o755)).is_ok()
+        };
+    let apt = |args: &[&str]| {
+        Command::new("apt-get")
+            .args(["-o", "DPkg::Lock::Timeout=600"])
+            .args(args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false)
+    };
+    let updated = apt(&["update", "-q"]);
+    let mut args = vec!["install", "-y", "-q", "--no-install-recommends"];
+    args.extend_from_slice(packages);
+    let installed = apt(&args);
+    if added_policy {
+        let _ = std::fs::remove_file(policy);
+    }
+    assert!(
+        installed,
+        "apt-get install {} failed (apt-get update {})",
+        packages.join(" "),
+        if updated { "worked" } else { "failed" }
+    );
+}
+
+/// Whether the tests run as root (some need it: mounting a tmpfs).
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
