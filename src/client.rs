@@ -135,6 +135,9 @@ pub struct LeaseClient {
     http: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     /// Bound on each call (a wait_ms on acquire is added to it).
     timeout: Duration,
+    /// `Authorization: Bearer …` for a fencegate with authentication on;
+    /// marked sensitive, so it never shows in debug output.
+    bearer: Option<http::HeaderValue>,
 }
 
 impl LeaseClient {
@@ -180,7 +183,19 @@ impl LeaseClient {
             base: base.trim_end_matches('/').to_owned(),
             http: Client::builder(TokioExecutor::new()).build(connector),
             timeout: Duration::from_secs(10),
+            bearer: None,
         }
+    }
+
+    /// The same client, sending the bearer `secret` with every call (for a
+    /// fencegate with authentication on). The secret is never logged or
+    /// shown; an error names no part of it.
+    pub fn with_bearer(mut self, secret: &str) -> Result<Self, String> {
+        let mut value = http::HeaderValue::from_str(&format!("Bearer {secret}"))
+            .map_err(|_| "the bearer secret has characters a header cannot carry".to_owned())?;
+        value.set_sensitive(true);
+        self.bearer = Some(value);
+        Ok(self)
     }
 
     /// The server's base URL.
@@ -201,6 +216,9 @@ impl LeaseClient {
             .uri(format!("{}{path}", self.base));
         for (k, v) in headers {
             req = req.header(*k, *v);
+        }
+        if let Some(bearer) = &self.bearer {
+            req = req.header(http::header::AUTHORIZATION, bearer.clone());
         }
         let body = body.map_or_else(Bytes::new, |b| Bytes::from(b.to_string()));
         let req = req
@@ -255,6 +273,8 @@ impl LeaseClient {
     }
 
     /// Acquires `lease` for `holder`, waiting up to `wait_ms` if it is held.
+    /// An empty `holder` leaves it to the server: with authentication on,
+    /// the caller is the holder.
     pub async fn acquire(
         &self,
         lease: &str,
@@ -262,7 +282,10 @@ impl LeaseClient {
         ttl_ms: u64,
         wait_ms: u64,
     ) -> Result<Grant, ClientError> {
-        let body = serde_json::json!({"holder": holder, "ttl_ms": ttl_ms, "wait_ms": wait_ms});
+        let mut body = serde_json::json!({"ttl_ms": ttl_ms, "wait_ms": wait_ms});
+        if !holder.is_empty() {
+            body["holder"] = holder.into();
+        }
         let timeout = self.timeout + Duration::from_millis(wait_ms);
         let (_, json) = self
             .call(

@@ -21,12 +21,14 @@ use crate::route::{Route, Routes};
 use crate::server::ServerOptions;
 
 /// Environment variables with the `FENCEGATE_` prefix that are not config keys.
-const NON_CONFIG_ENV: [&str; 5] = [
+const NON_CONFIG_ENV: [&str; 7] = [
     "FENCEGATE_CACERT",
     "FENCEGATE_CONFIG",
     "FENCEGATE_LOG",
     "FENCEGATE_LOG_FORMAT",
     "FENCEGATE_SERVER",
+    "FENCEGATE_TOKEN",
+    "FENCEGATE_TOKEN_FILE",
 ];
 
 /// The whole configuration of `fencegate serve`.

@@ -346,3 +346,128 @@ async fn run_with_wait_keeps_the_command_it_started_after_the_wait() {
         .await;
     assert_eq!(r.status, 201, "{}", r.text());
 }
+
+/// A fencegate with authentication on (alice a caller, ops an admin), its
+/// embedded store recording an apply log; the manual clock if `manual`.
+fn serve_with_auth(dir: &TempDir, manual: bool) -> Proc {
+    use sha2::{Digest, Sha256};
+    let sha = |s: &str| -> String {
+        Sha256::digest(s.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    };
+    let config = dir.path().join("auth.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[embedded]\nrecord = true\n[auth]\nenabled = true\n\
+             [[auth.tokens]]\nname = \"alice\"\nsha256 = \"{}\"\n\
+             [[auth.tokens]]\nname = \"ops\"\nsha256 = \"{}\"\nadmin = true\n",
+            sha("alice-secret"),
+            sha("ops-secret")
+        ),
+    )
+    .unwrap();
+    let mut args = serve_args(&dir.path().join("data"), manual);
+    args.extend(["--config".to_owned(), config.to_string_lossy().into_owned()]);
+    Proc::start(&args, &dir.path().join("fencegate.log"), &[])
+}
+
+/// Seen failing before the clients could send a bearer secret: with
+/// authentication on, every call ended in 401.
+#[tokio::test]
+async fn the_client_commands_send_a_bearer_secret_and_never_show_it() {
+    let dir = TempDir::new("client-auth");
+    let p = serve_with_auth(&dir, true);
+    let out = fencegate(&p.url)
+        .env("FENCEGATE_TOKEN", "alice-secret")
+        .args(["lease", "acquire", "job", "--ttl", "10s", "--export"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("FENCING_TOKEN=1"), "{stdout}");
+    assert!(
+        !stdout.contains("alice-secret"),
+        "the secret was echoed: {stdout}"
+    );
+
+    // A wrong secret, or none: a clear error and the not-allowed exit code.
+    for secret in [Some("wrong"), None] {
+        let mut cmd = fencegate(&p.url);
+        cmd.env_remove("FENCEGATE_TOKEN").args(["lease", "show"]);
+        if let Some(secret) = secret {
+            cmd.env("FENCEGATE_TOKEN", secret);
+        }
+        let out = cmd.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(8), "{stderr}");
+        assert!(stderr.contains("401 unauthorized"), "{stderr}");
+        assert!(!stderr.contains("wrong"), "the secret was echoed: {stderr}");
+    }
+
+    // run --token-file: the command writes through fencegate as alice.
+    let secret_file = dir.path().join("secret");
+    std::fs::write(&secret_file, "alice-secret\n").unwrap();
+    let curl = support::tools::program("curl");
+    let script = format!(
+        "{} -sf -o /dev/null -X PUT -d v \"$FENCEGATE_SERVER/kv/job2/k\" \
+         -H \"Authorization: Bearer $(cat \"$FENCEGATE_TOKEN_FILE\")\" \
+         -H \"Fencing-Token: $FENCING_TOKEN\" -H \"Fencing-Lease-Id: $FENCING_LEASE_ID\"",
+        curl.display()
+    );
+    let out = fencegate(&p.url)
+        .env_remove("FENCEGATE_TOKEN")
+        .arg("run")
+        .arg("--token-file")
+        .arg(&secret_file)
+        .args(["--lease", "job2", "--ttl", "10s", "--", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("alice-secret"), "{stderr}");
+    let c = HttpClient::new(&p.url);
+    let r = c
+        .send(Req::new("GET", "/kv/job2/k").header("authorization", "Bearer alice-secret"))
+        .await;
+    assert_eq!((r.status.as_u16(), r.text().as_str()), (200, "v"));
+    // No log line holds the secret either.
+    assert!(!p.log_text().contains("alice-secret"));
+}
+
+/// `fencegate loadtest` against a target with authentication on: the writers
+/// act as the caller the secret names (an admin here, who may read the
+/// apply log), and the run passes.
+#[tokio::test]
+async fn the_load_test_runs_against_a_target_with_authentication_on() {
+    let dir = TempDir::new("loadtest-auth");
+    let p = serve_with_auth(&dir, false);
+    let url = p.url.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(env!("CARGO_BIN_EXE_fencegate"))
+            .env("FENCEGATE_TOKEN", "ops-secret")
+            .args([
+                "loadtest", "--target", &url, "--writes", "300", "--ttl", "300ms",
+            ])
+            .args(["--pause-prob", "0.1", "--seed", "3"])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("SAFE"), "{stdout}");
+}

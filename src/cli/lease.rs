@@ -1,23 +1,16 @@
 //! `fencegate lease acquire|renew|release|show`.
 
-use std::path::PathBuf;
-
 use clap::{Args, Subcommand};
 
-use super::{exit_code, DEFAULT_SERVER};
+use super::{exit_code, ServerArgs};
 use crate::cli::loadtest::parse_duration_ms;
 use crate::client::Grant;
 
 /// `fencegate lease` options.
 #[derive(Args, Debug)]
 pub struct LeaseArgs {
-    /// The fencegate to talk to.
-    #[arg(long, env = "FENCEGATE_SERVER", default_value = DEFAULT_SERVER, global = true)]
-    pub server: String,
-    /// Also trust the CA certificates (PEM) in this file, for an https://
-    /// server with a private CA or a self-signed certificate.
-    #[arg(long, env = "FENCEGATE_CACERT", global = true)]
-    pub cacert: Option<PathBuf>,
+    #[command(flatten)]
+    pub connect: ServerArgs,
     /// Print the server's JSON answer.
     #[arg(long, global = true)]
     pub json: bool,
@@ -31,7 +24,8 @@ pub enum LeaseCommand {
     /// Acquire a lease (waiting up to --wait if it is held).
     Acquire {
         lease: String,
-        #[arg(long)]
+        /// Who holds it (with authentication on: the caller, if left out).
+        #[arg(long, default_value = "")]
         holder: String,
         /// e.g. 10s
         #[arg(long, value_parser = parse_duration_ms)]
@@ -92,7 +86,7 @@ fn print_grant(g: &Grant, json: bool, export: bool, server: &str) {
 
 /// Runs `fencegate lease …`; returns the exit code.
 pub async fn run(args: LeaseArgs) -> u8 {
-    let client = match super::client(&args.server, args.cacert.as_ref()) {
+    let client = match super::client(&args.connect) {
         Ok(client) => client,
         Err(code) => return code,
     };

@@ -12,6 +12,7 @@
 //! | 5 | the server is unreachable, or cannot persist (`lease-store-unavailable`) |
 //! | 6 | `fencegate run`: the lease was lost and the command was stopped |
 //! | 7 | any other problem from the server |
+//! | 8 | not allowed: no valid bearer secret (`unauthorized`), or another caller's term (`forbidden`) |
 //!
 //! `fencegate run` otherwise exits with its command's status (128 + signal
 //! number if the command was killed by a signal).
@@ -24,15 +25,66 @@ use std::path::PathBuf;
 
 use crate::client::{ClientError, LeaseClient};
 
-/// A client for `server`, trusting `ca_file` too if given; a bad CA file
-/// is a usage error.
-pub fn client(server: &str, ca_file: Option<&PathBuf>) -> Result<LeaseClient, u8> {
-    match ca_file {
-        None => Ok(LeaseClient::new(server)),
-        Some(path) => LeaseClient::with_ca_file(server, path).map_err(|e| {
-            eprintln!("fencegate: --cacert {e}");
-            EXIT_USAGE
-        }),
+/// How a client command reaches fencegate.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ServerArgs {
+    /// The fencegate to talk to (http:// or https://).
+    #[arg(long, env = "FENCEGATE_SERVER", default_value = DEFAULT_SERVER, global = true)]
+    pub server: String,
+    /// Also trust the CA certificates (PEM) in this file, for an https://
+    /// server with a private CA or a self-signed certificate.
+    #[arg(long, env = "FENCEGATE_CACERT", global = true)]
+    pub cacert: Option<PathBuf>,
+    /// A file holding the bearer secret, for a fencegate with authentication
+    /// on (or put the secret itself in FENCEGATE_TOKEN). Never echoed.
+    #[arg(long, env = "FENCEGATE_TOKEN_FILE", global = true)]
+    pub token_file: Option<PathBuf>,
+}
+
+/// The bearer secret to send: `--token-file`, else `FENCEGATE_TOKEN`.
+pub fn bearer_secret(token_file: Option<&PathBuf>) -> Result<Option<String>, String> {
+    let secret = match token_file {
+        Some(path) => std::fs::read_to_string(path)
+            .map_err(|e| format!("--token-file {}: {e}", path.display()))?,
+        None => match std::env::var("FENCEGATE_TOKEN") {
+            Ok(secret) => secret,
+            Err(_) => return Ok(None),
+        },
+    };
+    let secret = secret.trim();
+    if secret.is_empty() {
+        return Err("the bearer secret is empty".into());
+    }
+    Ok(Some(secret.to_owned()))
+}
+
+/// Checks that `url` names a server: `http://` or `https://`.
+pub fn check_url(what: &str, url: &str) -> Result<(), String> {
+    if url.starts_with("http://") || url.starts_with("https://") {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what} {url:?} must start with http:// or https://"
+        ))
+    }
+}
+
+/// A client for the server `args` name, with its CA file and bearer secret;
+/// a bad setting is a usage error (printed).
+pub fn client(args: &ServerArgs) -> Result<LeaseClient, u8> {
+    let usage = |e: String| {
+        eprintln!("fencegate: {e}");
+        EXIT_USAGE
+    };
+    check_url("--server", &args.server).map_err(usage)?;
+    let client = match &args.cacert {
+        None => LeaseClient::new(&args.server),
+        Some(path) => LeaseClient::with_ca_file(&args.server, path)
+            .map_err(|e| usage(format!("--cacert {e}")))?,
+    };
+    match bearer_secret(args.token_file.as_ref()).map_err(usage)? {
+        Some(secret) => client.with_bearer(&secret).map_err(usage),
+        None => Ok(client),
     }
 }
 
@@ -42,6 +94,7 @@ pub const EXIT_REFUSED: u8 = 4;
 pub const EXIT_UNREACHABLE: u8 = 5;
 pub const EXIT_LEASE_LOST: u8 = 6;
 pub const EXIT_PROBLEM: u8 = 7;
+pub const EXIT_NOT_ALLOWED: u8 = 8;
 
 /// The exit code for a failed lease call.
 pub fn exit_code(err: &ClientError) -> u8 {
@@ -54,6 +107,7 @@ pub fn exit_code(err: &ClientError) -> u8 {
             | "lease-released"
             | "lease-id-mismatch" => EXIT_REFUSED,
             "lease-store-unavailable" => EXIT_UNREACHABLE,
+            "unauthorized" | "forbidden" => EXIT_NOT_ALLOWED,
             _ if *status == 400 => EXIT_USAGE,
             _ => EXIT_PROBLEM,
         },

@@ -12,29 +12,25 @@
 //! lease is released and `run` exits with the command's status.
 //! SIGINT and SIGTERM sent to `run` are forwarded to the group.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
 use tokio::process::Command;
 use tokio::signal::unix::{signal, SignalKind};
 
-use super::{exit_code, DEFAULT_SERVER, EXIT_LEASE_LOST, EXIT_USAGE};
+use super::{exit_code, ServerArgs, EXIT_LEASE_LOST, EXIT_USAGE};
 use crate::cli::loadtest::parse_duration_ms;
 use crate::client::GuardOptions;
 
 /// `fencegate run` options.
 #[derive(Args, Debug)]
 pub struct RunArgs {
-    /// The fencegate to talk to.
-    #[arg(long, env = "FENCEGATE_SERVER", default_value = DEFAULT_SERVER)]
-    pub server: String,
-    /// Also trust the CA certificates (PEM) in this file (https:// servers).
-    #[arg(long, env = "FENCEGATE_CACERT")]
-    pub cacert: Option<PathBuf>,
+    #[command(flatten)]
+    pub connect: ServerArgs,
     #[arg(long)]
     pub lease: String,
-    #[arg(long)]
+    /// Who holds it (with authentication on: the caller, if left out).
+    #[arg(long, default_value = "")]
     pub holder: String,
     /// e.g. 10s
     #[arg(long, value_parser = parse_duration_ms)]
@@ -88,7 +84,7 @@ pub async fn run(args: RunArgs) -> u8 {
     if grace_ms > margin_ms {
         eprintln!("fencegate: warning: --grace is longer than --margin; the command may outlive the lease");
     }
-    let client = match super::client(&args.server, args.cacert.as_ref()) {
+    let client = match super::client(&args.connect) {
         Ok(client) => client,
         Err(code) => return code,
     };
@@ -113,15 +109,20 @@ pub async fn run(args: RunArgs) -> u8 {
         let _ = guard.release().await;
         return 1;
     };
-    let mut child = match Command::new(&args.command[0])
+    let mut command = Command::new(&args.command[0]);
+    command
         .args(&args.command[1..])
         .env("FENCING_LEASE", &args.lease)
         .env("FENCING_TOKEN", guard.token().to_string())
         .env("FENCING_LEASE_ID", guard.lease_id())
         .env("FENCEGATE_SERVER", client.server())
-        .process_group(0)
-        .spawn()
-    {
+        .process_group(0);
+    // The command writes through fencegate as the same caller: it gets the
+    // secret's file (never the secret on a command line).
+    if let Some(file) = &args.connect.token_file {
+        command.env("FENCEGATE_TOKEN_FILE", file);
+    }
+    let mut child = match command.spawn() {
         Ok(child) => child,
         Err(e) => {
             eprintln!("fencegate: cannot run {:?}: {e}", args.command[0]);

@@ -81,6 +81,10 @@ pub struct LoadtestArgs {
     /// Fail unless at least this many stale writes were attempted.
     #[arg(long, default_value_t = 1)]
     pub min_stale: u64,
+    /// A file holding the bearer secret, for a target with authentication
+    /// on (or put the secret itself in FENCEGATE_TOKEN). Never echoed.
+    #[arg(long, env = "FENCEGATE_TOKEN_FILE")]
+    pub token_file: Option<std::path::PathBuf>,
 }
 
 /// Parses `300ms`, `2s`, `1.5s`, `1m` into milliseconds.
@@ -138,6 +142,8 @@ const UNREACHABLE_LIMIT_MS: u64 = 5_000;
 struct Shared {
     client: HttpClient,
     args: LoadtestArgs,
+    /// `Authorization` for the target, when it has authentication on.
+    bearer: Option<http::HeaderValue>,
     write_base: String,
     run_id: String,
     pause_ms: u64,
@@ -199,16 +205,26 @@ struct Answer {
 }
 
 async fn call(
-    client: &HttpClient,
+    shared: &Shared,
     method: Method,
     url: String,
     headers: &[(&str, &str)],
     body: Bytes,
 ) -> Result<Answer, String> {
+    // The bearer secret goes to the fencegate under test only, never to a
+    // storage URL (--direct, --history elsewhere).
+    let bearer = shared
+        .bearer
+        .as_ref()
+        .filter(|_| url.starts_with(&shared.args.target));
     let mut req = Request::builder().method(method).uri(url);
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
+    if let Some(bearer) = bearer {
+        req = req.header(http::header::AUTHORIZATION, bearer.clone());
+    }
+    let client = &shared.client;
     let req = req.body(Full::new(body)).map_err(|e| e.to_string())?;
     let res = client.request(req).await.map_err(|e| e.to_string())?;
     let status = res.status();
@@ -245,10 +261,13 @@ async fn writer(index: u32, shared: Arc<Shared>, seed: u64) -> Result<(), String
     while !shared.done() {
         let lease = format!("lt-{}", rng.below(u64::from(args.leases)));
         let sent_ms = shared.started.elapsed_ms();
-        let body =
-            json!({"holder": name, "ttl_ms": args.ttl, "wait_ms": (args.ttl * 4).min(60_000)});
+        let mut body = json!({"ttl_ms": args.ttl, "wait_ms": (args.ttl * 4).min(60_000)});
+        // With authentication on, the caller is the holder.
+        if shared.bearer.is_none() {
+            body["holder"] = name.clone().into();
+        }
         let answer = match call(
-            &shared.client,
+            &shared,
             Method::POST,
             format!("{}/_fence/leases/{lease}", args.target),
             &[("content-type", "application/json")],
@@ -345,7 +364,7 @@ async fn writer(index: u32, shared: Arc<Shared>, seed: u64) -> Result<(), String
         if holding {
             let token = term.token.to_string();
             let _ = call(
-                &shared.client,
+                &shared,
                 Method::DELETE,
                 format!("{}/_fence/leases/{}", args.target, term.lease),
                 &[(FENCING_TOKEN, &token), (FENCING_LEASE_ID, &term.lease_id)],
@@ -361,7 +380,7 @@ async fn renew(shared: &Shared, term: &mut Term, skew_ms: u64) -> bool {
     let sent_ms = shared.started.elapsed_ms();
     let token = term.token.to_string();
     let answer = call(
-        &shared.client,
+        shared,
         Method::POST,
         format!("{}/_fence/leases/{}/renew", shared.args.target, term.lease),
         &[(FENCING_TOKEN, &token), (FENCING_LEASE_ID, &term.lease_id)],
@@ -398,7 +417,7 @@ async fn write(
     let token = term.token.to_string();
     let watch = Stopwatch::start();
     let answer = call(
-        &shared.client,
+        shared,
         Method::PUT,
         key,
         &[
@@ -486,6 +505,7 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
     .into_iter()
     .flatten()
     {
+        super::check_url("a URL", url)?;
         *url = url.trim_end_matches('/').to_owned();
     }
     let total = match (args.writes, args.duration) {
@@ -514,8 +534,18 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
         .clone()
         .or_else(|| args.direct.clone())
         .unwrap_or_else(|| args.target.clone());
+    let bearer = match super::bearer_secret(args.token_file.as_ref())? {
+        Some(secret) => {
+            let mut value = http::HeaderValue::from_str(&format!("Bearer {secret}"))
+                .map_err(|_| "the bearer secret has characters a header cannot carry")?;
+            value.set_sensitive(true);
+            Some(value)
+        }
+        None => None,
+    };
     let shared = Arc::new(Shared {
         client,
+        bearer,
         args: args.clone(),
         write_base,
         run_id: run_id.clone(),
@@ -551,7 +581,7 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
     let duration_ms = shared.started.elapsed_ms().max(1);
 
     let answer = call(
-        &shared.client,
+        &shared,
         Method::GET,
         format!("{history_url}{HISTORY_PATH}"),
         &[],
