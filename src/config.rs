@@ -213,6 +213,9 @@ pub struct ProxyConfig {
     pub x_forwarded: bool,
     pub forwarded: bool,
     pub upstream_connections: ConnectionMode,
+    /// PEM CA certificates trusted beside the system's for an https://
+    /// upstream (empty: the system's only).
+    pub upstream_ca_file: String,
 }
 
 impl Default for Config {
@@ -293,6 +296,7 @@ impl Default for ProxyConfig {
             x_forwarded: o.x_forwarded,
             forwarded: o.forwarded,
             upstream_connections: o.mode,
+            upstream_ca_file: String::new(),
         }
     }
 }
@@ -430,9 +434,9 @@ impl Config {
             .upstream
             .parse()
             .map_err(|_| format!("upstream: {:?} is not a URL", self.upstream))?;
-        if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
             return Err(format!(
-                "upstream: {:?} must be `embedded` or an http://host:port URL",
+                "upstream: {:?} must be `embedded` or an http:// or https://host:port URL",
                 self.upstream
             ));
         }
@@ -496,6 +500,8 @@ impl Config {
             forwarded: self.proxy.forwarded,
             max_body_bytes: self.limits.max_body_bytes,
             mode: self.proxy.upstream_connections,
+            ca_file: (!self.proxy.upstream_ca_file.is_empty())
+                .then(|| PathBuf::from(&self.proxy.upstream_ca_file)),
         }
     }
 }

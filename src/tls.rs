@@ -8,7 +8,9 @@
 //!
 //! The crypto provider is rustls's `ring` build: protocol versions and cipher
 //! suites are rustls's safe defaults (TLS 1.2 and 1.3), and ALPN offers
-//! `http/1.1` only, since fencegate speaks HTTP/1.1.
+//! `http/1.1` only, since fencegate speaks HTTP/1.1. [`client_config`] is
+//! the other side: the upstream client's trust (system roots plus a private
+//! CA).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
@@ -18,7 +20,7 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::rustls::crypto::{ring, CryptoProvider};
 use tokio_rustls::rustls::server::{ClientHello, ResolvesServerCert};
 use tokio_rustls::rustls::sign::CertifiedKey;
-use tokio_rustls::rustls::ServerConfig;
+use tokio_rustls::rustls::{ClientConfig, RootCertStore, ServerConfig};
 use tokio_rustls::TlsAcceptor;
 
 /// The certificate and key of a TLS listener, reloadable in place.
@@ -103,4 +105,39 @@ fn load_pair(
         )
     })?;
     Ok(Arc::new(pair))
+}
+
+/// A client configuration that trusts the system's CA certificates plus
+/// those (PEM) in `ca_file`, for reaching an upstream over HTTPS. Offers
+/// ALPN `http/1.1` only. `what` names the setting in errors.
+pub fn client_config(ca_file: Option<&Path>, what: &str) -> Result<Arc<ClientConfig>, String> {
+    let mut roots = RootCertStore::empty();
+    let native = rustls_native_certs::load_native_certs();
+    for err in &native.errors {
+        tracing::debug!(error = %err, "cannot read a system CA certificate");
+    }
+    roots.add_parsable_certificates(native.certs);
+    if let Some(path) = ca_file {
+        let extra = CertificateDer::pem_file_iter(path)
+            .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| format!("{what} {}: {e}", path.display()))?;
+        if extra.is_empty() {
+            return Err(format!(
+                "{what} {}: no CERTIFICATE in the file",
+                path.display()
+            ));
+        }
+        for cert in extra {
+            roots
+                .add(cert)
+                .map_err(|e| format!("{what} {}: {e}", path.display()))?;
+        }
+    }
+    let mut config = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("tls: {e}"))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
 }

@@ -19,7 +19,8 @@ use http::{Request, Response};
 use http_body_util::{BodyExt, Channel};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use support::servers::{etcd, nginx};
+use support::proc::{serve_args, Proc, TempDir};
+use support::servers::{etcd, nginx, nginx_tls};
 use support::{spawn, Harness, HttpClient, Req};
 
 fn route(pattern: &str, upstream_prefix: Option<&str>) -> RouteConfig {
@@ -395,4 +396,91 @@ async fn etcd_v2_keys_behind_fencegate() {
     assert_eq!(r.status, 200);
     assert_eq!(direct.send(Req::new("GET", key)).await.status, 404);
     fg.stop().await;
+}
+
+/// A test CA and a certificate for 127.0.0.1 it signed, as PEM files in
+/// `dir`: (CA certificate, server certificate, server key).
+fn test_ca(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = ca.self_signed(&ca_key).unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])
+        .unwrap()
+        .signed_by(&key, &ca, &ca_key)
+        .unwrap();
+    let paths = (
+        dir.join("ca.pem"),
+        dir.join("server.pem"),
+        dir.join("server.key"),
+    );
+    std::fs::write(&paths.0, ca.pem()).unwrap();
+    std::fs::write(&paths.1, cert.pem()).unwrap();
+    std::fs::write(&paths.2, key.serialize_pem()).unwrap();
+    (paths.0, paths.1, paths.2)
+}
+
+/// Storage over HTTPS: nginx with a certificate from a private CA. With
+/// the CA in `proxy.upstream_ca_file`, a fenced write lands (dedicated and
+/// pooled upstream connections); without it the certificate cannot be
+/// verified: 502 upstream-error, a log line naming the certificate, and
+/// nothing written (never a plain-text fallback).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nginx_over_https_behind_fencegate() {
+    let dir = TempDir::new("https-upstream");
+    let (ca, cert, key) = test_ca(dir.path());
+    let nginx = nginx_tls(&cert, &key).await;
+    assert!(nginx.url.starts_with("https://"));
+    for mode in [
+        fencegate::backend::ConnectionMode::PerClient,
+        fencegate::backend::ConnectionMode::Pooled,
+    ] {
+        let h = proxy_with(&nginx.url, vec![route("/dav/{lease}", None)], |c| {
+            c.proxy.upstream_ca_file = ca.to_string_lossy().into_owned();
+            c.proxy.upstream_connections = mode;
+        });
+        let fg = spawn(h.app.clone()).await;
+        let c = HttpClient::new(&fg.url());
+        let a = h.acquire("orders", "A", 5000).await;
+        let key = format!("/dav/orders/{mode:?}");
+        let r = c
+            .send(Req::new("PUT", &key).held(&a).body("over tls"))
+            .await;
+        assert!(r.status.is_success(), "{mode:?}: {}", r.text());
+        assert_eq!(
+            std::fs::read_to_string(nginx.root.join(&key[1..])).unwrap(),
+            "over tls"
+        );
+        fg.stop().await;
+    }
+
+    // The real binary without the CA: refused, and the log says why.
+    let log = dir.path().join("fencegate.log");
+    let mut args = serve_args(&dir.path().join("data"), true);
+    args.extend(["--upstream".to_owned(), nginx.url.clone()]);
+    let p = Proc::start(&args, &log, &[]);
+    let c = HttpClient::new(&p.url);
+    let a = support::held_from(
+        &c.send(
+            Req::new("POST", "/_fence/leases/orders")
+                .json(serde_json::json!({"holder": "A", "ttl_ms": 5000})),
+        )
+        .await,
+    );
+    let r = c
+        .send(Req::new("PUT", "/kv/orders/untrusted").held(&a).body("x"))
+        .await;
+    assert_eq!(
+        (r.status.as_u16(), r.reason().as_str()),
+        (502, "upstream-error"),
+        "{}",
+        r.text()
+    );
+    assert!(!nginx.root.join("kv/orders/untrusted").exists());
+    let text = p.log_text();
+    assert!(
+        text.contains("upstream request failed") && text.contains("certificate"),
+        "{text}"
+    );
 }

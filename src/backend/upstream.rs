@@ -1,4 +1,7 @@
-//! The HTTP upstream: forwards admitted requests to an existing server.
+//! The HTTP upstream: forwards admitted requests to an existing server, over
+//! `http://` or `https://` (rustls: the system's CA certificates plus
+//! `proxy.upstream_ca_file`, SNI from the upstream's host; a certificate
+//! that cannot be verified fails the connection, never a silent downgrade).
 //!
 //! Two ways to reach it ([`ConnectionMode`]): hyper-util's pooled client
 //! (any client connection takes any idle upstream connection), or one
@@ -22,9 +25,11 @@ use http::header::{HeaderName, HeaderValue, CONNECTION, FORWARDED, HOST};
 use http::uri::{PathAndQuery, Uri};
 use http::{HeaderMap, Request, Response};
 use hyper::client::conn::http1::SendRequest;
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio_rustls::rustls::ClientConfig;
 use tower::Service;
 
 use crate::body::{self, Body, BoxError};
@@ -55,6 +60,9 @@ pub struct UpstreamOptions {
     pub max_body_bytes: u64,
     /// Pooled, or one upstream connection per client connection.
     pub mode: ConnectionMode,
+    /// PEM CA certificates trusted beside the system's, for an `https://`
+    /// upstream with a private CA.
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 /// How client connections map onto upstream connections.
@@ -80,6 +88,7 @@ impl Default for UpstreamOptions {
             forwarded: false,
             max_body_bytes: 1024 * 1024,
             mode: ConnectionMode::default(),
+            ca_file: None,
         }
     }
 }
@@ -90,7 +99,9 @@ pub struct Upstream(Arc<Shared>);
 
 #[derive(Debug)]
 struct Shared {
-    client: Client<HttpConnector, Body>,
+    client: Client<HttpsConnector<HttpConnector>, Body>,
+    /// TLS to the upstream, for an `https://` base URL.
+    tls: Option<UpstreamTls>,
     scheme: http::uri::Scheme,
     authority: http::uri::Authority,
     /// The base URL's path without a trailing slash ("" for the root).
@@ -108,6 +119,22 @@ struct Shared {
     dial: String,
     /// The upstream's `Host` header.
     host: HeaderValue,
+}
+
+/// How dedicated connections reach an `https://` upstream.
+#[derive(Clone)]
+struct UpstreamTls {
+    connector: tokio_rustls::TlsConnector,
+    /// The upstream's host, for SNI and the certificate check.
+    server_name: rustls_pki_types::ServerName<'static>,
+}
+
+impl std::fmt::Debug for UpstreamTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamTls")
+            .field("server_name", &self.server_name)
+            .finish()
+    }
 }
 
 /// A request extension: the client connection, with the forwarding header
@@ -219,11 +246,18 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 impl Upstream {
-    /// A client for `base` (an `http://host:port[/prefix]` URL).
+    /// A client for `base` (an `http://` or `https://host:port[/prefix]`
+    /// URL).
     pub fn new(base: &Uri, options: &UpstreamOptions) -> Result<Self, String> {
-        if base.scheme_str() != Some("http") {
-            return Err(format!("upstream {base} must be an http:// URL"));
-        }
+        let https = match base.scheme_str() {
+            Some("http") => false,
+            Some("https") => true,
+            _ => {
+                return Err(format!(
+                    "upstream {base} must be an http:// or https:// URL"
+                ))
+            }
+        };
         let authority = base
             .authority()
             .cloned()
@@ -231,16 +265,60 @@ impl Upstream {
         if base.query().is_some() {
             return Err(format!("upstream {base} must not have a query"));
         }
+        let tls_config = match (https, &options.ca_file) {
+            (true, ca_file) => Some(crate::tls::client_config(
+                ca_file.as_deref(),
+                "proxy.upstream_ca_file",
+            )?),
+            (false, Some(_)) => {
+                return Err(format!(
+                    "proxy.upstream_ca_file is set, but upstream {base} is not an https:// URL"
+                ))
+            }
+            (false, None) => None,
+        };
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_millis(options.connect_timeout_ms)));
         connector.set_nodelay(true);
+        connector.enforce_http(false);
+        // An http:// upstream never does TLS: its connector trusts nothing.
+        let mut config = match &tls_config {
+            Some(config) => ClientConfig::clone(config),
+            None => ClientConfig::builder_with_provider(Arc::new(
+                tokio_rustls::rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("tls: {e}"))?
+            .with_root_certificates(tokio_rustls::rustls::RootCertStore::empty())
+            .with_no_client_auth(),
+        };
+        // The builder sets ALPN itself (and refuses a config that has it).
+        config.alpn_protocols.clear();
+        let connector = HttpsConnectorBuilder::new()
+            .with_tls_config(config)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_millis(options.pool_idle_timeout_ms))
             .pool_max_idle_per_host(options.pool_max_idle)
             .build(connector);
+        let host = authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        let tls = match tls_config {
+            Some(config) => Some(UpstreamTls {
+                connector: tokio_rustls::TlsConnector::from(config),
+                server_name: rustls_pki_types::ServerName::try_from(host.to_owned())
+                    .map_err(|e| format!("upstream {base}: {e}"))?,
+            }),
+            None => None,
+        };
+        let default_port = if https { 443 } else { 80 };
         let dial = match authority.port_u16() {
             Some(_) => authority.as_str().to_owned(),
-            None => format!("{}:80", authority.as_str()),
+            None => format!("{}:{default_port}", authority.as_str()),
         };
         let host = HeaderValue::from_str(authority.as_str())
             .map_err(|_| format!("upstream {base} has an unusable host"))?;
@@ -250,7 +328,12 @@ impl Upstream {
             dial,
             host,
             client,
-            scheme: http::uri::Scheme::HTTP,
+            tls,
+            scheme: if https {
+                http::uri::Scheme::HTTPS
+            } else {
+                http::uri::Scheme::HTTP
+            },
             authority,
             prefix: base.path().trim_end_matches('/').to_owned(),
             timeout_ms: options.timeout_ms,
@@ -377,8 +460,25 @@ impl Shared {
         .await
         .map_err(|_| format!("connecting to {} timed out", self.dial))??;
         stream.set_nodelay(true)?;
+        let Some(tls) = &self.tls else {
+            return Self::handshake(TokioIo::new(stream)).await;
+        };
+        let stream = tokio::time::timeout(
+            self.connect_timeout,
+            tls.connector.connect(tls.server_name.clone(), stream),
+        )
+        .await
+        .map_err(|_| format!("the TLS handshake with {} timed out", self.dial))??;
+        Self::handshake(TokioIo::new(stream)).await
+    }
+
+    /// Starts HTTP/1.1 on an open connection, its driver on a task of its own.
+    async fn handshake<T>(io: T) -> Result<Dedicated, BoxError>
+    where
+        T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    {
         let (sender, conn) = hyper::client::conn::http1::Builder::new()
-            .handshake(TokioIo::new(stream))
+            .handshake(io)
             .await?;
         let driver = tokio::spawn(async move {
             if let Err(err) = conn.await {
@@ -450,7 +550,17 @@ impl Shared {
                 )
             }
             Ok(Err(err)) => {
-                tracing::warn!(upstream = %self.authority, error = %err, "upstream request failed");
+                // The whole chain: a pooled client's error says only
+                // "client error (Connect)"; the cause (a refused connection,
+                // a certificate that cannot be verified) is in its sources.
+                let mut cause = err.to_string();
+                let mut source = err.source();
+                while let Some(e) = source {
+                    cause.push_str(": ");
+                    cause.push_str(&e.to_string());
+                    source = e.source();
+                }
+                tracing::warn!(upstream = %self.authority, error = %cause, "upstream request failed");
                 outcome_unknown(Problem::upstream_error().into_response())
             }
             Err(_) => {
@@ -584,6 +694,6 @@ mod tests {
             up.0.target(&"/kv/a".parse().unwrap()).unwrap(),
             "http://127.0.0.1:9/kv/a"
         );
-        assert!(Upstream::new(&"https://x".parse().unwrap(), &UpstreamOptions::default()).is_err());
+        assert!(Upstream::new(&"ftp://x".parse().unwrap(), &UpstreamOptions::default()).is_err());
     }
 }

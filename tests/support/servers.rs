@@ -61,6 +61,15 @@ impl Drop for Server {
 
 /// nginx serving WebDAV under `/dav/`, in one process (no daemon, no master).
 pub async fn nginx() -> Server {
+    nginx_with(None).await
+}
+
+/// [`nginx`] over TLS, with this PEM certificate (chain) and key.
+pub async fn nginx_tls(cert: &std::path::Path, key: &std::path::Path) -> Server {
+    nginx_with(Some((cert, key))).await
+}
+
+async fn nginx_with(tls: Option<(&std::path::Path, &std::path::Path)>) -> Server {
     let bin = program("nginx");
     let dir = TempDir::new("nginx");
     let d = dir.path().to_owned();
@@ -83,7 +92,8 @@ http {{
     scgi_temp_path {d}/scgi;
     client_max_body_size 64m;
     server {{
-        listen 127.0.0.1:{port};
+        listen 127.0.0.1:{port}{ssl};
+        {certs}
         root {root};
         location /dav/ {{
             dav_methods PUT DELETE MKCOL COPY MOVE;
@@ -95,6 +105,12 @@ http {{
 "#,
         d = d.display(),
         root = root.display(),
+        ssl = if tls.is_some() { " ssl" } else { "" },
+        certs = tls.map_or(String::new(), |(cert, key)| format!(
+            "ssl_certificate {}; ssl_certificate_key {};",
+            cert.display(),
+            key.display()
+        )),
     );
     std::fs::write(d.join("nginx.conf"), conf).unwrap();
     let log = d.join("error.log");
@@ -111,9 +127,10 @@ http {{
         .spawn()
         .unwrap();
     wait_for_port(port, &mut child, "nginx", &log).await;
+    let scheme = if tls.is_some() { "https" } else { "http" };
     Server {
         child,
-        url: format!("http://127.0.0.1:{port}"),
+        url: format!("{scheme}://127.0.0.1:{port}"),
         root,
         _dir: dir,
     }
