@@ -198,6 +198,19 @@ fn grant_response(name: &str, granted: &Acquired, acquire: bool) -> Response<Bod
     res
 }
 
+/// The methods an endpoint (its path segments after `/_fence/`) takes, for
+/// the `Allow` header of a 405; `None` for no endpoint.
+fn allowed_methods(endpoint: &[&str]) -> Option<&'static str> {
+    Some(match endpoint {
+        ["leases"] | ["metrics"] | ["backend", "history"] => "GET",
+        ["leases", _] => "GET, POST, DELETE",
+        ["leases", _, "renew"] => "POST",
+        ["livez"] | ["readyz"] => "GET, HEAD",
+        ["clock"] => "GET, POST",
+        _ => return None,
+    })
+}
+
 /// The answer of the admin listener outside its endpoints.
 pub fn admin_listener_only() -> Problem {
     Problem::new(
@@ -324,17 +337,10 @@ impl Api {
                     .expect("required body");
                 self.clock(Some(body.advance_ms))
             }
-            (
-                ["leases"]
-                | ["leases", _]
-                | ["leases", _, "renew"]
-                | ["livez"]
-                | ["readyz"]
-                | ["metrics"]
-                | ["clock"],
-                _,
-            ) => Err(Problem::method_not_allowed()),
-            _ => Err(Problem::not_found()),
+            (endpoint, _) => match allowed_methods(endpoint) {
+                Some(allow) => Err(Problem::method_not_allowed(allow)),
+                None => Err(Problem::not_found()),
+            },
         }
     }
 

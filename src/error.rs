@@ -52,6 +52,9 @@ struct Doc {
     /// Answer with `Connection: close`.
     #[serde(skip)]
     close: bool,
+    /// The `Allow` header of a 405.
+    #[serde(skip)]
+    allow: Option<&'static str>,
 }
 
 fn ser_status<S: serde::Serializer>(status: &StatusCode, s: S) -> Result<S::Ok, S::Error> {
@@ -73,6 +76,7 @@ impl Problem {
             expires_in_ms: None,
             retry_after_s: None,
             close: false,
+            allow: None,
         }))
     }
 
@@ -260,12 +264,15 @@ impl Problem {
         )
     }
 
-    pub fn method_not_allowed() -> Self {
-        Self::new(
+    /// 405, with the `Allow` header listing the methods that are.
+    pub fn method_not_allowed(allow: &'static str) -> Self {
+        let mut p = Self::new(
             StatusCode::METHOD_NOT_ALLOWED,
             "method-not-allowed",
-            "this endpoint does not take that method",
-        )
+            format!("this endpoint takes {allow} only"),
+        );
+        p.0.allow = Some(allow);
+        p
     }
 
     /// A refused write, renew or release of `lease`.
@@ -365,6 +372,10 @@ impl Problem {
         if let Some(secs) = self.0.retry_after_s {
             res.headers_mut()
                 .insert(RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if let Some(allow) = self.0.allow {
+            res.headers_mut()
+                .insert(http::header::ALLOW, HeaderValue::from_static(allow));
         }
         if self.0.close {
             res.headers_mut()

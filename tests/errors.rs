@@ -509,11 +509,28 @@ async fn unknown_lease_is_404() {
     assert_eq!(r.json(), json!({"leases": []}));
     let r = h.send(Req::new("GET", "/_fence/nope")).await;
     assert_eq!((r.status.as_u16(), r.reason().as_str()), (404, "not-found"));
-    let r = h.send(Req::new("PUT", "/_fence/leases")).await;
-    assert_eq!(
-        (r.status.as_u16(), r.reason().as_str()),
-        (405, "method-not-allowed")
-    );
+    // A wrong method is 405 with the methods that are right (seen failing
+    // before: no Allow header).
+    for (method, path, allow) in [
+        ("PUT", "/_fence/leases", "GET"),
+        ("PUT", "/_fence/leases/x", "GET, POST, DELETE"),
+        ("GET", "/_fence/leases/x/renew", "POST"),
+        ("POST", "/_fence/readyz", "GET, HEAD"),
+        ("PATCH", "/kv/x/1", "GET, HEAD, PUT, DELETE"),
+    ] {
+        let mut req = Req::new(method, path);
+        if method == "PATCH" {
+            let held = h.acquire("x", "A", 1000).await;
+            req = req.held(&held);
+        }
+        let r = h.send(req).await;
+        assert_eq!(
+            (r.status.as_u16(), r.reason().as_str()),
+            (405, "method-not-allowed"),
+            "{method} {path}"
+        );
+        assert_eq!(r.headers["allow"], allow, "{method} {path}");
+    }
 }
 
 #[tokio::test]

@@ -125,6 +125,30 @@ async fn nginx_webdav_behind_fencegate() {
         .await;
     assert!(r.status.is_success(), "{}", r.text());
     assert!(nginx.root.join("dav/orders/copy").exists());
+    // A Destination that names the proxy, as a client naturally writes it
+    // (here by the name `localhost`), reaches nginx as the upstream's own
+    // address: nginx checks its host against the Host it was sent. Seen
+    // failing before: nginx refused the COPY with 400.
+    let proxy_by_name = format!("http://localhost:{}", fg.addr.port());
+    let lc = HttpClient::new(&proxy_by_name);
+    let r = lc
+        .send(
+            Req::new("COPY", key)
+                .held(&b)
+                .header("destination", &format!("{proxy_by_name}/dav/orders/copy2")),
+        )
+        .await;
+    assert!(r.status.is_success(), "{}", r.text());
+    assert!(nginx.root.join("dav/orders/copy2").exists());
+    // A redirect from nginx (a directory without its slash) points at the
+    // proxy as the client named it, not at the storage. Seen failing
+    // before: it named nginx.
+    let r = lc.send(Req::new("GET", "/dav/orders/dir")).await;
+    assert_eq!(r.status, 301, "{}", r.text());
+    assert_eq!(
+        r.headers["location"].to_str().unwrap(),
+        format!("{proxy_by_name}/dav/orders/dir/")
+    );
     let r = c.send(Req::new("GET", "/dav/orders/missing")).await;
     assert_eq!(r.status, 404);
     assert!(

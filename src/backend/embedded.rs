@@ -14,7 +14,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use dashmap::DashMap;
-use http::header::{HeaderValue, ALLOW, CONTENT_LENGTH, CONTENT_TYPE};
+use http::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use http::{Method, Request, Response, StatusCode};
 use tower::Service;
 
@@ -252,12 +252,7 @@ impl EmbeddedStore {
                 }
                 None => no_such_key(),
             },
-            _ => {
-                let mut res = Problem::method_not_allowed().into_response();
-                res.headers_mut()
-                    .insert(ALLOW, HeaderValue::from_static("GET, HEAD, PUT, DELETE"));
-                res
-            }
+            _ => Problem::method_not_allowed("GET, HEAD, PUT, DELETE").into_response(),
         }
     }
 }

@@ -21,7 +21,9 @@ use std::time::Duration;
 
 use std::net::SocketAddr;
 
-use http::header::{HeaderName, HeaderValue, CONNECTION, FORWARDED, HOST};
+use http::header::{
+    HeaderName, HeaderValue, CONNECTION, CONTENT_LOCATION, FORWARDED, HOST, LOCATION,
+};
 use http::uri::{PathAndQuery, Uri};
 use http::{HeaderMap, Request, Response};
 use hyper::client::conn::http1::SendRequest;
@@ -106,6 +108,9 @@ struct Shared {
     authority: http::uri::Authority,
     /// The base URL's path without a trailing slash ("" for the root).
     prefix: String,
+    /// `scheme://authority` plus the base path: what the upstream's own
+    /// absolute URLs start with.
+    origin: String,
     /// Deadline of requests without a route deadline.
     timeout_ms: u64,
     preserve_host: bool,
@@ -189,6 +194,7 @@ impl ClientAddr {
     }
 }
 
+const DESTINATION: HeaderName = HeaderName::from_static("destination");
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
@@ -322,7 +328,13 @@ impl Upstream {
         };
         let host = HeaderValue::from_str(authority.as_str())
             .map_err(|_| format!("upstream {base} has an unusable host"))?;
+        let origin = format!(
+            "{}://{authority}{}",
+            if https { "https" } else { "http" },
+            base.path().trim_end_matches('/')
+        );
         Ok(Self(Arc::new(Shared {
+            origin,
             mode: options.mode,
             connect_timeout: Duration::from_millis(options.connect_timeout_ms),
             dial,
@@ -499,9 +511,26 @@ impl Shared {
         }
         strip_hop_by_hop(req.headers_mut());
         self.add_forwarded(&mut req);
+        // The address the client used (its Host header, and whether it came
+        // over TLS), for translating absolute URLs both ways. A cheap clone;
+        // the origin string is made only when a header needs it.
+        let client = req.headers().get(HOST).cloned().map(|host| {
+            let https = req
+                .extensions()
+                .get::<ClientAddr>()
+                .is_some_and(|c| c.0.https);
+            (host, https)
+        });
         if !self.preserve_host {
-            // The client sets Host from the upstream URL.
+            // The client sets Host from the upstream URL. A WebDAV
+            // Destination naming the proxy then names the upstream instead,
+            // as servers check it against the Host they were sent.
             req.headers_mut().remove(HOST);
+            if let (true, Some(client)) = (req.headers().contains_key(DESTINATION), &client) {
+                if let Some(origin) = client_origin(client) {
+                    rebase(req.headers_mut(), &DESTINATION, &origin, &self.origin);
+                }
+            }
         }
         let timeout_ms = req
             .extensions()
@@ -526,6 +555,14 @@ impl Shared {
             Ok(Ok(res)) => {
                 let (mut parts, incoming) = res.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
+                // A redirect that names the upstream's own address names the
+                // proxy instead (nginx's `proxy_redirect default`).
+                let located = parts.headers.contains_key(LOCATION)
+                    || parts.headers.contains_key(CONTENT_LOCATION);
+                if let (true, Some(origin)) = (located, client.as_ref().and_then(client_origin)) {
+                    rebase(&mut parts.headers, &LOCATION, &self.origin, &origin);
+                    rebase(&mut parts.headers, &CONTENT_LOCATION, &self.origin, &origin);
+                }
                 Response::from_parts(parts, body::boxed(incoming))
             }
             Ok(Err(err)) if body::is_length_limit(&*err) => {
@@ -570,6 +607,33 @@ impl Shared {
                 outcome_unknown(Problem::upstream_timeout(timeout_ms).into_response())
             }
         }
+    }
+}
+
+/// `scheme://host` of the address a client used, from its Host header; `None`
+/// for a Host that is not a plain authority.
+fn client_origin((host, https): &(HeaderValue, bool)) -> Option<String> {
+    let host = host.to_str().ok()?;
+    let authority: http::uri::Authority = host.parse().ok()?;
+    let scheme = if *https { "https" } else { "http" };
+    Some(format!("{scheme}://{authority}"))
+}
+
+/// Rewrites an absolute URL in header `name` that starts with origin `from`
+/// (followed by `/` or nothing) to start with `to` instead.
+fn rebase(headers: &mut HeaderMap, name: &HeaderName, from: &str, to: &str) {
+    let Some(value) = headers.get(name).and_then(|v| v.to_str().ok()) else {
+        return;
+    };
+    let rest = match value.get(..from.len()) {
+        Some(head) if head.eq_ignore_ascii_case(from) => &value[from.len()..],
+        _ => return,
+    };
+    if !(rest.is_empty() || rest.starts_with('/')) {
+        return;
+    }
+    if let Ok(v) = HeaderValue::from_str(&format!("{to}{rest}")) {
+        headers.insert(name.clone(), v);
     }
 }
 
@@ -674,6 +738,36 @@ mod tests {
         up.0.add_forwarded(&mut req);
         assert_eq!(req.headers()["x-forwarded-for"], "192.0.2.1, ::1");
         assert_eq!(req.headers()["forwarded"], "for=\"[::1]\";proto=http");
+    }
+
+    #[test]
+    fn absolute_urls_are_rebased_only_on_their_origin() {
+        let rebased = |value: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(LOCATION, value.parse().unwrap());
+            rebase(&mut h, &LOCATION, "http://up:9000/base", "https://proxy");
+            h[LOCATION].to_str().unwrap().to_owned()
+        };
+        assert_eq!(rebased("http://up:9000/base/a?b"), "https://proxy/a?b");
+        assert_eq!(rebased("HTTP://UP:9000/base"), "https://proxy");
+        for kept in [
+            "http://up:9000/basement",
+            "http://other/base/a",
+            "/base/a",
+            "x",
+        ] {
+            assert_eq!(rebased(kept), kept);
+        }
+        let origin = |host: &str, https| client_origin(&(host.parse().unwrap(), https));
+        assert_eq!(
+            origin("proxy:8080", false).as_deref(),
+            Some("http://proxy:8080")
+        );
+        assert_eq!(
+            origin("[::1]:8443", true).as_deref(),
+            Some("https://[::1]:8443")
+        );
+        assert_eq!(origin("a b", false), None);
     }
 
     #[tokio::test]
