@@ -230,20 +230,24 @@ impl LeaseClient {
                 .http
                 .request(req)
                 .await
-                .map_err(|e| ClientError::Unreachable(e.to_string()))?;
+                .map_err(|e| ClientError::Unreachable(self.cause(&e)))?;
             let status = res.status();
             let bytes = res
                 .into_body()
                 .collect()
                 .await
-                .map_err(|e| ClientError::Unreachable(e.to_string()))?
+                .map_err(|e| ClientError::Unreachable(self.cause(&e)))?
                 .to_bytes();
             Ok::<_, ClientError>((status, bytes))
         };
         let (status, bytes) = tokio::time::timeout(timeout, exchange)
             .await
             .map_err(|_| {
-                ClientError::Unreachable(format!("no answer within {} ms", timeout.as_millis()))
+                ClientError::Unreachable(format!(
+                    "{}: no answer within {} ms",
+                    self.base,
+                    timeout.as_millis()
+                ))
             })??;
         let json: serde_json::Value = if bytes.is_empty() {
             serde_json::Value::Null
@@ -266,6 +270,19 @@ impl LeaseClient {
                 "{status} without a problem document"
             ))),
         }
+    }
+
+    /// "URL: what went wrong", with the error's causes (a pooled client's
+    /// own message says only "client error (Connect)").
+    fn cause(&self, err: &dyn std::error::Error) -> String {
+        let mut text = format!("{}: {err}", self.base);
+        let mut source = err.source();
+        while let Some(e) = source {
+            text.push_str(": ");
+            text.push_str(&e.to_string());
+            source = e.source();
+        }
+        text
     }
 
     fn grant(json: serde_json::Value) -> Result<Grant, ClientError> {

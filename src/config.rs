@@ -335,9 +335,9 @@ impl Config {
             None => toml::Table::new(),
         };
         apply_env(&mut table, env)?;
-        let mut config: Config = table
-            .try_into()
-            .map_err(|e: toml::de::Error| format!("config: {}", e.message()))?;
+        // The error names the key: `limits.max_body_bytes: invalid type…`.
+        let mut config: Config = serde_path_to_error::deserialize(toml::Value::Table(table))
+            .map_err(|e| format!("config: {}: {}", e.path(), e.inner().message()))?;
         if let Some(listen) = &flags.listen {
             config.listen.clone_from(listen);
         }
@@ -644,5 +644,18 @@ mod tests {
         assert!(load(&[("FENCEGATE_CLOCK", "sundial")]).is_err());
         assert!(load(&[("FENCEGATE_LEASES__MIN_TTL_MS", "0")]).is_err());
         assert!(load(&[("FENCEGATE_FENCE__ROUTES", "x")]).is_err());
+    }
+
+    /// Seen failing before: the message said only "invalid type: string
+    /// \"lots\", expected u64", not which key.
+    #[test]
+    fn a_type_error_in_the_file_names_its_key() {
+        let dir = std::env::temp_dir().join(format!("fencegate-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("bad.toml");
+        std::fs::write(&file, "[limits]\nmax_body_bytes = \"lots\"\n").unwrap();
+        let err = Config::load(Some(&file), env(&[]), &Overrides::default()).unwrap_err();
+        assert!(err.contains("limits.max_body_bytes"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -176,6 +176,22 @@ async fn lease_commands_export_shell_assignments_and_exit_by_class() {
         Some(5),
         "unreachable"
     );
+    // The message names the server and the cause (seen failing before: it
+    // said only "client error (Connect)").
+    let out = fencegate(&p.url)
+        .args(["lease", "show", "--server", "http://127.0.0.1:1"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("http://127.0.0.1:1") && stderr.contains("Connection refused"),
+        "{stderr}"
+    );
+    assert_eq!(
+        code(&["lease", "show", "--server", "127.0.0.1:8080"], &[]),
+        Some(2),
+        "a server without a scheme"
+    );
     let out = fencegate(&p.url)
         .args(["lease", "show", "orders", "--json"])
         .output()

@@ -168,6 +168,23 @@ fn an_unreachable_target_fails_the_run_instead_of_hanging() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("cannot reach"), "{stderr}");
+
+    // An unreachable apply log fails the run before it starts, too.
+    let dir = TempDir::new("loadtest-no-history");
+    let proxy = Proc::start(
+        &serve_args(&dir.path().join("data"), false),
+        &dir.path().join("fencegate.log"),
+        &[],
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .args(["loadtest", "--target", &proxy.url])
+        .args(["--history", &format!("http://127.0.0.1:{port}")])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("cannot read the apply log"), "{stderr}");
+    assert!(out.stdout.is_empty(), "the run started");
 }
 
 /// A backend fault: a relay between fencegate and the recording backend

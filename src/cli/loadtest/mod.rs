@@ -87,28 +87,40 @@ pub struct LoadtestArgs {
     pub token_file: Option<std::path::PathBuf>,
 }
 
-/// Parses `300ms`, `2s`, `1.5s`, `1m` into milliseconds.
+/// Parses `300ms`, `2s`, `1.5s`, `1m`, `1m30s`, `2h` into milliseconds.
 pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .ok_or_else(|| format!("{text:?}: add a unit (ms, s, m)"))?;
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{text:?} is not a duration"))?;
-    let factor = match unit {
-        "ms" => 1.0,
-        "s" => 1000.0,
-        "m" => 60_000.0,
-        "h" => 3_600_000.0,
-        _ => return Err(format!("{text:?}: unknown unit {unit:?} (ms, s, m, h)")),
-    };
-    let ms = n * factor;
-    if !ms.is_finite() || ms < 0.0 || ms > u64::MAX as f64 {
+    let mut rest = text.trim();
+    if rest.is_empty() {
+        return Err("an empty duration: write e.g. 300ms, 2s, 1m30s".into());
+    }
+    let mut total = 0.0f64;
+    // A sum of parts like `1m`, `30s`, `1.5s`.
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(|| format!("{text:?}: add a unit (ms, s, m, h)"))?;
+        let (num, tail) = rest.split_at(digits);
+        let letters = tail
+            .find(|c: char| !c.is_ascii_alphabetic())
+            .unwrap_or(tail.len());
+        let (unit, tail) = tail.split_at(letters);
+        let n: f64 = num
+            .parse()
+            .map_err(|_| format!("{text:?} is not a duration"))?;
+        let factor = match unit {
+            "ms" => 1.0,
+            "s" => 1000.0,
+            "m" => 60_000.0,
+            "h" => 3_600_000.0,
+            _ => return Err(format!("{text:?}: unknown unit {unit:?} (ms, s, m, h)")),
+        };
+        total += n * factor;
+        rest = tail;
+    }
+    if !total.is_finite() || total > u64::MAX as f64 {
         return Err(format!("{text:?} is out of range"));
     }
-    Ok(ms.round() as u64)
+    Ok(total.round() as u64)
 }
 
 /// The JSON report.
@@ -558,6 +570,12 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
         sent: AtomicU64::new(0),
         log: Mutex::new(Vec::new()),
     });
+    // Both ends must answer before the run starts, not only at its end.
+    let live = format!("{}/_fence/livez", args.target);
+    call(&shared, Method::GET, live, &[], Bytes::new())
+        .await
+        .map_err(|e| format!("cannot reach {}: {e}", args.target))?;
+    read_history(&shared, &history_url).await?;
     let bar = tokio::spawn(progress(shared.clone(), total));
     let mut seeds = Rng(seed);
     let tasks: Vec<_> = (0..args.writers)
@@ -580,23 +598,7 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
     }
     let duration_ms = shared.started.elapsed_ms().max(1);
 
-    let answer = call(
-        &shared,
-        Method::GET,
-        format!("{history_url}{HISTORY_PATH}"),
-        &[],
-        Bytes::new(),
-    )
-    .await
-    .map_err(|e| format!("cannot read the apply log at {history_url}: {e}"))?;
-    if answer.status != StatusCode::OK {
-        return Err(format!(
-            "{history_url}{HISTORY_PATH} answered {}: run the backend with --record (or [embedded] record = true)",
-            answer.status
-        ));
-    }
-    let history: History = serde_json::from_value(answer.json)
-        .map_err(|e| format!("the apply log is not readable: {e}"))?;
+    let history = read_history(&shared, &history_url).await?;
     let prefix = format!("{run_id}-");
     let log: Vec<_> = history
         .entries
@@ -672,6 +674,26 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
         std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     }
     Ok((report, status))
+}
+
+/// Reads the storage's apply log at `history_url`.
+async fn read_history(shared: &Shared, history_url: &str) -> Result<History, String> {
+    let answer = call(
+        shared,
+        Method::GET,
+        format!("{history_url}{HISTORY_PATH}"),
+        &[],
+        Bytes::new(),
+    )
+    .await
+    .map_err(|e| format!("cannot read the apply log at {history_url}: {e}"))?;
+    if answer.status != StatusCode::OK {
+        return Err(format!(
+            "{history_url}{HISTORY_PATH} answered {}: run the backend with --record (or [embedded] record = true)",
+            answer.status
+        ));
+    }
+    serde_json::from_value(answer.json).map_err(|e| format!("the apply log is not readable: {e}"))
 }
 
 /// The summary table people read.
@@ -766,7 +788,10 @@ mod tests {
         assert_eq!(parse_duration_ms("2s"), Ok(2000));
         assert_eq!(parse_duration_ms("1.5s"), Ok(1500));
         assert_eq!(parse_duration_ms("1m"), Ok(60_000));
-        for bad in ["", "5", "ms", "5 parsecs", "-1s", "1e400s"] {
+        assert_eq!(parse_duration_ms("1m30s"), Ok(90_000));
+        assert_eq!(parse_duration_ms("2h"), Ok(7_200_000));
+        assert_eq!(parse_duration_ms("1h0m1s5ms"), Ok(3_601_005));
+        for bad in ["", "5", "ms", "5 parsecs", "-1s", "1e400s", "1m30", "s1"] {
             assert!(parse_duration_ms(bad).is_err(), "{bad:?}");
         }
     }
