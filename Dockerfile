@@ -25,7 +25,8 @@ ENV FENCEGATE_CONFIG=/etc/fencegate/fencegate.toml \
     FENCEGATE_AUTH__ALLOW_UNAUTHENTICATED_NON_LOOPBACK=true
 VOLUME ["/var/lib/fencegate"]
 EXPOSE 8080
+# Readiness on whatever port FENCEGATE_LISTEN names.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
-    CMD ["curl", "-fsS", "-o", "/dev/null", "http://127.0.0.1:8080/_fence/readyz"]
+    CMD ["sh", "-c", "curl -fsS -o /dev/null \"http://127.0.0.1:${FENCEGATE_LISTEN##*:}/_fence/readyz\""]
 ENTRYPOINT ["fencegate"]
 CMD ["serve"]

@@ -12,8 +12,9 @@ use std::process::Command;
 use std::sync::Mutex;
 
 /// Every program the suite runs, with the Debian package that has it.
-pub const PROGRAMS: [(&str, &str); 5] = [
+pub const PROGRAMS: [(&str, &str); 6] = [
     ("curl", "curl"),
+    ("openssl", "openssl"),
     ("kill", "procps"),
     ("nginx", "nginx"),
     ("etcd", "etcd-server"),
