@@ -1102,6 +1102,21 @@ mod tests {
         }
     }
 
+    /// Waits (bounded, real time: the writer thread's probe) until the
+    /// journal's health is `healthy`.
+    async fn wait_for_health(j: &FileJournal, healthy: bool) {
+        for _ in 0..500 {
+            if j.is_healthy() == healthy {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        panic!(
+            "the journal never became {}",
+            if healthy { "healthy" } else { "unhealthy" }
+        );
+    }
+
     /// Polls a future once.
     fn futures_poll<F: std::future::Future + Unpin>(f: &mut F) -> Option<F::Output> {
         let waker = std::task::Waker::noop();
@@ -1229,13 +1244,7 @@ mod tests {
         assert!(!j.is_healthy());
         j.faults().set_disk_full(false);
         // The probe brings it back without any caller.
-        for _ in 0..500 {
-            if j.is_healthy() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        assert!(j.is_healthy());
+        wait_for_health(&j, true).await;
         j.persist_grant(grant("a", 3)).await.unwrap();
         drop(j);
         let _ = std::fs::remove_dir_all(&dir);
@@ -1263,12 +1272,7 @@ mod tests {
             );
             j.faults().set_cut_fails(false);
             // The probe cuts the torn bytes; grants work again.
-            for _ in 0..500 {
-                if j.is_healthy() {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
+            wait_for_health(&j, true).await;
             j.persist_grant(grant("a", 4)).await.unwrap();
         }
         let (_j, rec) = reopen(&dir, &options);
@@ -1287,13 +1291,7 @@ mod tests {
         j.persist_grant(grant("a", 1)).await.unwrap();
         j.faults().panic_writer();
         assert!(j.persist_grant(grant("a", 2)).await.is_err());
-        for _ in 0..500 {
-            if !j.is_healthy() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        assert!(!j.is_healthy());
+        wait_for_health(&j, false).await;
         assert!(j.persist_grant(grant("a", 3)).await.is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }
