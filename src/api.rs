@@ -27,13 +27,13 @@ use crate::backend::EmbeddedStore;
 use crate::body::{self, Body};
 use crate::clock::ClockKind;
 use crate::error::Problem;
-use crate::fence::{credentials, visible_to, FENCING_LEASE_ID, FENCING_TOKEN};
+use crate::fence::{credentials, visible_to};
 use crate::lease::{is_valid_lease_name, Acquired, LeaseStore, View};
 use crate::metrics::Metrics;
 use crate::route::decode_path;
 
-/// The path prefix fencegate keeps for itself.
-pub const PREFIX: &str = "/_fence/";
+pub use crate::wire::PREFIX;
+use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
 
 /// Largest JSON body the lease API reads.
 const MAX_API_BODY_BYTES: usize = 64 * 1024;

@@ -37,8 +37,7 @@ use crate::fence::{Fence, FenceLayer, FencePolicy};
 use crate::lease::LeaseStore;
 use crate::metrics::Metrics;
 
-/// The request-id header.
-pub const X_REQUEST_ID: &str = "x-request-id";
+pub use crate::wire::X_REQUEST_ID;
 
 const REQUEST_ID_NAME: HeaderName = HeaderName::from_static(X_REQUEST_ID);
 const CONFLICT_NAME: HeaderName = HeaderName::from_static(crate::framing::CONFLICT_HEADER);
@@ -50,6 +49,16 @@ pub struct RequestLimits {
     pub max_body_bytes: u64,
     /// Largest request head (target plus all header lines), in bytes.
     pub max_header_bytes: usize,
+}
+
+impl RequestLimits {
+    /// The limits `config` sets.
+    pub fn from_config(config: &Config) -> Self {
+        Self {
+            max_body_bytes: config.limits.max_body_bytes,
+            max_header_bytes: config.limits.max_header_bytes,
+        }
+    }
 }
 
 /// Makes request ids: a random per-process prefix and a counter, so ids are
@@ -234,7 +243,7 @@ fn compose<S>(
     let api = Api::new(leases, config.fence.require_lease_id, draining, metrics)
         .with_body_read_timeout(Duration::from_millis(config.limits.body_read_timeout_ms));
     let auth = Authenticator::from_config(&config.auth)?;
-    Ok(App::new(Some(api), data, config.request_limits()).with_auth(auth))
+    Ok(App::new(Some(api), data, RequestLimits::from_config(config)).with_auth(auth))
 }
 
 impl<S> App<S> {

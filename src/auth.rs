@@ -14,7 +14,33 @@ use http::header::AUTHORIZATION;
 use http::HeaderMap;
 use sha2::{Digest, Sha256};
 
-use crate::config::AuthConfig;
+use serde::{Deserialize, Serialize};
+
+/// Authentication of callers.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// Require `Authorization: Bearer <secret>` on every request but health.
+    pub enabled: bool,
+    /// Allow listening on a non-loopback address with authentication off.
+    pub allow_unauthenticated_non_loopback: bool,
+    /// Known callers.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tokens: Vec<AuthToken>,
+}
+
+/// One caller's credential.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthToken {
+    /// The caller's name: the holder of the leases it acquires.
+    pub name: String,
+    /// SHA-256 of the bearer secret, as 64 hex digits.
+    pub sha256: String,
+    /// May use the clock, metrics and apply-log endpoints, and inspect every lease.
+    #[serde(default)]
+    pub admin: bool,
+}
 
 /// Who is calling.
 #[derive(Debug, PartialEq, Eq)]

@@ -45,7 +45,7 @@ use tokio::time::Instant;
 use tokio_rustls::rustls::crypto::ring;
 use tokio_rustls::rustls::{ClientConfig, RootCertStore};
 
-use crate::fence::{FENCING_LEASE_ID, FENCING_TOKEN};
+use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
 
 /// A granted or renewed term.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,4 +1,8 @@
-//! The proxy's clock: the only place in fencegate that reads time.
+//! The proxy's clock: the only source of the time that lease deadlines, the
+//! settle window, the handover barrier and the restart window are measured
+//! on. (I/O deadlines, such as the header read timeout or the upstream
+//! deadline, are tokio timers; the client side measures its own deadlines on
+//! tokio's monotonic clock; `.clippy.toml` bans the std clocks everywhere.)
 //!
 //! Lease deadlines live on a monotonic millisecond timeline that starts when the
 //! process starts. Wall time is never used for deadlines, so a clock step (NTP,

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::app::RequestLimits;
+pub use crate::auth::{AuthConfig, AuthToken};
 use crate::backend::{ConnectionMode, UpstreamOptions};
 use crate::clock::ClockKind;
 use crate::lease::{AdmitOptions, LeaseLimits, RestartRule};
@@ -93,32 +93,6 @@ impl TlsConfig {
 pub struct AdminConfig {
     /// Its address; empty for none (everything on the main listener).
     pub listen: String,
-}
-
-/// Authentication of callers.
-#[derive(Clone, Debug, Default, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct AuthConfig {
-    /// Require `Authorization: Bearer <secret>` on every request but health.
-    pub enabled: bool,
-    /// Allow listening on a non-loopback address with authentication off.
-    pub allow_unauthenticated_non_loopback: bool,
-    /// Known callers.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub tokens: Vec<AuthToken>,
-}
-
-/// One caller's credential.
-#[derive(Clone, Debug, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct AuthToken {
-    /// The caller's name: the holder of the leases it acquires.
-    pub name: String,
-    /// SHA-256 of the bearer secret, as 64 hex digits.
-    pub sha256: String,
-    /// May use the clock, metrics and apply-log endpoints, and inspect every lease.
-    #[serde(default)]
-    pub admin: bool,
 }
 
 /// The embedded key-value backend.
@@ -451,14 +425,6 @@ impl Config {
             max_wait_ms: self.leases.max_wait_ms,
             max_leases: self.leases.max_leases,
             acquire_rate_per_holder: self.leases.acquire_rate_per_holder,
-        }
-    }
-
-    /// Per-request limits.
-    pub fn request_limits(&self) -> RequestLimits {
-        RequestLimits {
-            max_body_bytes: self.limits.max_body_bytes,
-            max_header_bytes: self.limits.max_header_bytes,
         }
     }
 

@@ -36,10 +36,7 @@ use crate::lease::{is_valid_lease_name, AdmitError, AdmitOptions, LeaseStore, Wr
 use crate::metrics::Metrics;
 use crate::route::{RouteTimeout, Routes};
 
-/// The header that carries the fencing token.
-pub const FENCING_TOKEN: &str = "fencing-token";
-/// The header that carries the lease id; never forwarded.
-pub const FENCING_LEASE_ID: &str = "fencing-lease-id";
+pub use crate::wire::{OutcomeUnknown, FENCING_LEASE_ID, FENCING_TOKEN};
 
 // The names as parsed header names, so lookups on the hot path skip parsing.
 const TOKEN_NAME: HeaderName = HeaderName::from_static(FENCING_TOKEN);
@@ -255,12 +252,6 @@ impl FencePolicy {
         }
     }
 }
-
-/// Set by a backend on a response it made up because the request's outcome
-/// at the storage is unknown (connection lost, upstream timeout): the write
-/// then keeps counting as in flight for the settle time.
-#[derive(Clone, Copy, Debug)]
-pub struct OutcomeUnknown;
 
 /// Builds [`Fence`] services around a backend.
 #[derive(Clone, Debug)]

@@ -12,27 +12,35 @@
 //! # Module map, along the data path
 //!
 //! - [`server`]: accept loop (plain or TLS, see [`tls`]), connection limits,
-//!   graceful shutdown;
-//!   [`framing`] guards each connection's bytes against ambiguous framing.
+//!   graceful shutdown; [`framing`] guards each connection's bytes against
+//!   ambiguous framing, reading them as hyper does.
 //! - [`app`]: composes everything into one service: request ids and limits,
 //!   then the lease API or the fenced data path.
 //! - [`auth`]: bearer-token callers (off by default).
 //! - [`api`]: the lease API under `/_fence/` (acquire, renew, release, inspect).
 //! - [`fence`]: the tower layer that admits or rejects a write; [`route`] maps
 //!   paths to the leases that guard them.
-//! - [`backend`]: the embedded key-value store and the HTTP upstream client.
+//! - [`backend`]: the embedded key-value store and the HTTP(S) upstream client.
 //! - [`lease`]: the pure lease state machine and the concurrent store around
 //!   it; [`journal`] makes grants durable (an fsync'd, checksummed log with
-//!   group commit); [`clock`] is the only place that reads time.
+//!   group commit and a token floor); [`clock`] is the proxy's clock, the only
+//!   source of the time leases, settle windows and the handover barrier are
+//!   measured on (I/O deadlines are tokio timers).
 //! - [`client`]: a lease API client whose guard renews in the background and
 //!   fails closed; [`cli`]: the client commands built on it (`lease`, `run`,
 //!   `loadtest`).
 //! - [`metrics`]: Prometheus counters and the scrape-time collector.
 //! - [`error`]: the one mapping from errors to problem+json; [`body`]: the
-//!   body type shared by all services; [`config`]: typed settings.
+//!   body type shared by all services; [`wire`]: header names and markers
+//!   several layers share; [`config`]: typed settings, read by start-up only.
 //!
-//! Dependencies point one way: clock, journal ← lease ← fence, api ← app ←
-//! server ← main.
+//! Dependencies point one way (`tests/layering.rs` checks the crate's own
+//! imports for cycles): the leaves `clock`, `journal`, `body`, `wire`,
+//! `framing`, `tls` and `auth` import nothing from the crate; `lease` ←
+//! `error`, `route`, `metrics` ← `fence` ← `api`; `backend` ← `server`;
+//! `app` composes `api`, `fence` and `backend`; `config` knows the options of
+//! `lease`, `route`, `backend`, `server` and `auth`, and only `app` and
+//! `main` read it; `client` ← `cli`.
 
 pub mod api;
 pub mod app;
@@ -52,3 +60,4 @@ pub mod metrics;
 pub mod route;
 pub mod server;
 pub mod tls;
+pub mod wire;

@@ -268,7 +268,7 @@ async fn backend(listen: String, record: bool) -> Result<(), String> {
     } else {
         EmbeddedStore::new()
     };
-    let app = App::new(None, store, defaults.request_limits());
+    let app = App::new(None, store, app::RequestLimits::from_config(&defaults));
     let addr: std::net::SocketAddr = listen
         .parse()
         .map_err(|_| format!("{listen:?} is not an address like 127.0.0.1:9000"))?;

@@ -38,7 +38,7 @@ async fn fenced_writes_reach_a_standalone_backend_and_stale_ones_do_not() {
     let backend = spawn(App::new(
         None,
         storage.clone(),
-        Config::default().request_limits(),
+        fencegate::app::RequestLimits::from_config(&Config::default()),
     ))
     .await;
     let h = proxy_to(&backend.url(), 5_000);

@@ -20,7 +20,7 @@ use tower::Service;
 
 use crate::body::{self, Body};
 use crate::error::Problem;
-use crate::fence::FENCING_TOKEN;
+use crate::wire::FENCING_TOKEN;
 
 /// The path prefix the embedded store serves.
 pub const KV_PREFIX: &str = "/kv/";

@@ -37,9 +37,9 @@ use tower::Service;
 use crate::body::{self, Body, BoxError};
 use crate::clock::Stopwatch;
 use crate::error::Problem;
-use crate::fence::OutcomeUnknown;
 use crate::metrics::Metrics;
 use crate::route::RouteTimeout;
+use crate::wire::OutcomeUnknown;
 
 /// How the upstream client behaves.
 #[derive(Clone, Debug)]

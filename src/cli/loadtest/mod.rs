@@ -32,7 +32,7 @@ use serde_json::json;
 
 use crate::backend::embedded::{History, HISTORY_PATH, WRITER_HEADER, WRITE_ID_HEADER};
 use crate::clock::Stopwatch;
-use crate::fence::{FENCING_LEASE_ID, FENCING_TOKEN};
+use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
 use check::{ClientWrite, Findings, Outcome};
 
 /// `fencegate loadtest` options.

@@ -1,0 +1,114 @@
+//! "Dependencies point one way", checked: the crate's own `use` lines (and
+//! `crate::` paths) between top-level modules of `src/` form no cycle, and
+//! the leaves named in `lib.rs` import nothing from the crate.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// Top-level module → the top-level modules its code (not its tests) names.
+fn imports() -> BTreeMap<String, BTreeSet<String>> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut stack = vec![src.clone()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+                continue;
+            }
+            let rel = path
+                .strip_prefix(&src)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
+            let module = rel
+                .trim_end_matches(".rs")
+                .split('/')
+                .next()
+                .unwrap()
+                .to_owned();
+            if module == "main" || module == "lib" {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+            let names = graph.entry(module.clone()).or_default();
+            for (at, _) in code.match_indices("crate::") {
+                let name: String = code[at + 7..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                    .collect();
+                if !name.is_empty() && name != module {
+                    names.insert(name);
+                }
+            }
+        }
+    }
+    graph
+}
+
+/// A cycle in `graph`, if there is one.
+fn cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
+    fn visit(
+        node: &str,
+        graph: &BTreeMap<String, BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|n| n == node) {
+            let mut found = path[at..].to_vec();
+            found.push(node.to_owned());
+            return Some(found);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.to_owned());
+        for next in graph.get(node).into_iter().flatten() {
+            if let Some(found) = visit(next, graph, path, done) {
+                return Some(found);
+            }
+        }
+        path.pop();
+        done.insert(node.to_owned());
+        None
+    }
+    let mut done = BTreeSet::new();
+    graph
+        .keys()
+        .find_map(|node| visit(node, graph, &mut Vec::new(), &mut done))
+}
+
+#[test]
+fn modules_import_each_other_in_one_direction_only() {
+    let graph = imports();
+    assert!(graph.len() > 10, "{graph:?}");
+    if let Some(found) = cycle(&graph) {
+        panic!(
+            "the modules import each other in a cycle: {}",
+            found.join(" -> ")
+        );
+    }
+    for leaf in ["auth", "body", "clock", "framing", "journal", "tls", "wire"] {
+        assert_eq!(
+            graph[leaf],
+            BTreeSet::new(),
+            "{leaf} imports from the crate"
+        );
+    }
+}
+
+#[test]
+fn the_check_finds_a_cycle() {
+    let graph: BTreeMap<String, BTreeSet<String>> = [
+        ("a", vec!["b"]),
+        ("b", vec!["c"]),
+        ("c", vec!["a"]),
+        ("d", vec![]),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.into_iter().map(str::to_owned).collect()))
+    .collect();
+    assert_eq!(cycle(&graph).unwrap().len(), 4);
+}
