@@ -11,6 +11,9 @@
 //!
 //! # Module map, along the data path
 //!
+//! - [`serve`]: start-up of `fencegate serve`: recovers the lease store,
+//!   builds the backend and the app, binds the listeners, stops gracefully
+//!   (`main.rs` only parses arguments and passes the signals in).
 //! - [`server`]: accept loop (plain or TLS, see [`tls`]), connection limits,
 //!   graceful shutdown; [`framing`] guards each connection's bytes against
 //!   ambiguous framing, reading them as hyper does.
@@ -40,7 +43,8 @@
 //! `error`, `route`, `metrics` ← `fence` ← `api`; `backend` ← `server`;
 //! `app` composes `api`, `fence` and `backend`; `config` knows the options of
 //! `lease`, `route`, `backend`, `server` and `auth`, and only `app` and
-//! `main` read it; `client` ← `cli`.
+//! `serve` read it; `serve` is the top, imported by nothing; `client` ←
+//! `cli`.
 
 pub mod api;
 pub mod app;
@@ -58,6 +62,7 @@ pub mod journal;
 pub mod lease;
 pub mod metrics;
 pub mod route;
+pub mod serve;
 pub mod server;
 pub mod tls;
 pub mod wire;

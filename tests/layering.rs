@@ -39,6 +39,10 @@ fn imports() -> BTreeMap<String, BTreeSet<String>> {
                     .chars()
                     .take_while(|c| c.is_ascii_lowercase() || *c == '_')
                     .collect();
+                assert!(
+                    !code[at + 7..].starts_with('{'),
+                    "{rel}: name each module in its own `use crate::…` line, so this check sees it"
+                );
                 if !name.is_empty() && name != module {
                     names.insert(name);
                 }
@@ -97,6 +101,19 @@ fn modules_import_each_other_in_one_direction_only() {
             "{leaf} imports from the crate"
         );
     }
+    let importers = |target: &str| -> BTreeSet<&str> {
+        graph
+            .iter()
+            .filter(|(_, names)| names.contains(target))
+            .map(|(module, _)| module.as_str())
+            .collect()
+    };
+    assert_eq!(importers("serve"), BTreeSet::new(), "start-up is the top");
+    assert_eq!(
+        importers("config"),
+        BTreeSet::from(["app", "serve"]),
+        "the config is read by start-up only"
+    );
 }
 
 #[test]

@@ -1,0 +1,360 @@
+//! Start-up of `fencegate serve` (and of `fencegate backend`): the lease
+//! store recovered from its journal, the backend, the app, TLS, the
+//! listeners, and a graceful stop. The stop is an input: `main.rs` parses
+//! the arguments and passes the process's signals in.
+
+use std::future::Future;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+
+use crate::app::{self, App, Parts};
+use crate::backend::{Backend, EmbeddedStore, Upstream};
+use crate::clock::{Clock, ClockKind};
+use crate::config::{Config, Overrides, UpstreamTarget};
+use crate::journal::{FileJournal, FileJournalOptions, JournalError};
+use crate::lease::{LeaseStore, RestartRule};
+use crate::server::{self, ServerOptions};
+use crate::tls::Certificates;
+
+/// `fencegate serve` options.
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// TOML config file (see config/fencegate.toml).
+    #[arg(long, env = "FENCEGATE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Listener address, e.g. 127.0.0.1:8080 (port 0 picks a free port).
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// `embedded`, or the http:// or https:// base URL of the storage to
+    /// protect.
+    #[arg(long)]
+    pub upstream: Option<String>,
+    /// Directory of the lease store.
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// `system` (monotonic) or `manual` (moved by POST /_fence/clock).
+    #[arg(long)]
+    pub clock: Option<ClockKind>,
+    /// Start even though the data directory's journal is missing or empty:
+    /// every lease is then free, and its tokens continue above the floor kept
+    /// in store.meta (none is reissued).
+    #[arg(long)]
+    pub accept_journal_loss: bool,
+}
+
+impl ServeArgs {
+    /// The config (defaults, file, the `FENCEGATE_*` variables of `env`,
+    /// these flags) and the start's options.
+    pub fn load(
+        &self,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<(Config, StartOptions), String> {
+        let flags = Overrides {
+            listen: self.listen.clone(),
+            upstream: self.upstream.clone(),
+            data_dir: self.data_dir.clone(),
+            clock: self.clock,
+        };
+        let config = Config::load(self.config.as_deref(), env, &flags)?;
+        let options = StartOptions {
+            accept_journal_loss: self.accept_journal_loss,
+        };
+        Ok((config, options))
+    }
+}
+
+/// `fencegate backend` options.
+#[derive(clap::Args, Debug)]
+pub struct BackendArgs {
+    /// Listener address, e.g. 127.0.0.1:9000.
+    #[arg(long)]
+    pub listen: String,
+    /// Keep an apply log of writes at GET /_fence/backend/history.
+    #[arg(long)]
+    pub record: bool,
+}
+
+/// Choices made for one start, beside the config.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StartOptions {
+    /// Start even though the journal is missing or empty (see
+    /// [`FileJournalOptions::accept_journal_loss`]).
+    pub accept_journal_loss: bool,
+}
+
+/// Why fencegate could not start (or stopped serving).
+#[derive(Debug)]
+pub enum StartError {
+    /// A setting is wrong.
+    Config(String),
+    /// The lease store could not be opened or recovered.
+    Journal(JournalError),
+    /// The TLS certificate or key is unusable.
+    Tls(String),
+    /// A listener could not be bound: (setting, address, cause).
+    Listen(&'static str, String, std::io::Error),
+    /// Serving failed.
+    Io(std::io::Error),
+}
+
+impl std::fmt::Display for StartError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StartError::Config(e) | StartError::Tls(e) => f.write_str(e),
+            StartError::Journal(e) => write!(f, "{e}"),
+            StartError::Listen(setting, addr, e) => {
+                write!(f, "cannot listen on {addr} ({setting}): {e}")
+            }
+            StartError::Io(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for StartError {}
+
+/// Starts `fencegate serve` with `config` and serves until `shutdown`
+/// completes: recovers the lease store, builds the backend and the app,
+/// binds the listeners (announcing them on stdout), and drains gracefully.
+pub async fn run(
+    config: Config,
+    options: StartOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), StartError> {
+    let clock = Clock::new(config.clock);
+    let stopwatch = Clock::system();
+    let journal_options = FileJournalOptions {
+        accept_journal_loss: options.accept_journal_loss,
+        ..FileJournalOptions::default()
+    };
+    let (journal, recovered) =
+        FileJournal::open(&config.data_dir, journal_options).map_err(StartError::Journal)?;
+    let recovered_leases = recovered.leases.len();
+    let rule = RestartRule {
+        token_floor: recovered.token_floor,
+        lost_records: recovered.lost_records.is_some(),
+        ..config.restart_rule()
+    };
+    let leases = LeaseStore::restore(
+        clock,
+        config.lease_limits(),
+        Arc::new(journal),
+        recovered.leases,
+        rule,
+    )
+    .map_err(|e| StartError::Journal(JournalError(e)))?;
+    tracing::info!(
+        data_dir = %config.data_dir.display(),
+        leases = recovered_leases,
+        torn_bytes = recovered.torn_bytes,
+        token_floor = recovered.token_floor,
+        recovery_ms = stopwatch.now_ms(),
+        "lease store recovered"
+    );
+    let backend = match config.upstream_target().map_err(StartError::Config)? {
+        UpstreamTarget::Embedded if config.embedded.record => Backend::Embedded(
+            EmbeddedStore::recording(config.embedded.history_max_entries),
+        ),
+        UpstreamTarget::Embedded => Backend::Embedded(EmbeddedStore::new()),
+        UpstreamTarget::Http(uri) => Backend::Upstream(
+            Upstream::new(&uri, &config.upstream_options()).map_err(StartError::Config)?,
+        ),
+    };
+    let draining = Arc::new(AtomicBool::new(false));
+    let mut app = app::build(
+        &config,
+        Parts {
+            leases,
+            backend,
+            draining: draining.clone(),
+        },
+    )
+    .map_err(StartError::Config)?;
+    let tls = match config.tls.files().map_err(StartError::Tls)? {
+        Some((cert, key)) => {
+            let certs = Arc::new(Certificates::load(&cert, &key).map_err(StartError::Tls)?);
+            reload_on_sighup(certs.clone());
+            Some(certs.acceptor().map_err(StartError::Tls)?)
+        }
+        None => None,
+    };
+    let listen = config.listen_addr().map_err(StartError::Config)?;
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|e| StartError::Listen("listen", listen.to_string(), e))?;
+    let admin = match config.admin_addr().map_err(StartError::Config)? {
+        Some(addr) => {
+            let listener = TcpListener::bind(addr)
+                .await
+                .map_err(|e| StartError::Listen("admin.listen", addr.to_string(), e))?;
+            Some((listener, app.split_admin()))
+        }
+        None => None,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut lines = vec![("fencegate", scheme, &listener)];
+    if let Some((admin, _)) = &admin {
+        lines.push(("fencegate admin", "http", admin));
+    }
+    announce(&lines).map_err(StartError::Io)?;
+    tracing::info!(upstream = %config.upstream, clock = ?config.clock, tls = tls.is_some(), "fencegate serving");
+    let options = ServerOptions {
+        max_connections: config.limits.max_connections,
+        header_read_timeout_ms: config.limits.header_read_timeout_ms,
+        max_header_bytes: config.limits.max_header_bytes,
+        shutdown_grace_ms: config.limits.shutdown_grace_ms,
+    };
+    // One signal stops both listeners; readyz turns 503 first.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        draining.store(true, Ordering::Release);
+        let _ = stop.send(true);
+    });
+    let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let main = server::run_with_tls(listener, tls, app, options, until_stopped(stopped.clone()));
+    match admin {
+        None => main.await,
+        Some((listener, admin_app)) => {
+            let admin = server::run(listener, admin_app, options, until_stopped(stopped));
+            tokio::try_join!(main, admin).map(|_| ())
+        }
+    }
+    .map_err(StartError::Io)
+}
+
+/// Runs the embedded key-value store alone (`fencegate backend`), unfenced,
+/// until `shutdown` completes.
+pub async fn backend(
+    listen: &str,
+    record: bool,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), StartError> {
+    let defaults = Config::default();
+    let store = if record {
+        EmbeddedStore::recording(defaults.embedded.history_max_entries)
+    } else {
+        EmbeddedStore::new()
+    };
+    let app = App::new(None, store, app::RequestLimits::from_config(&defaults));
+    let addr: std::net::SocketAddr = listen.parse().map_err(|_| {
+        StartError::Config(format!("{listen:?} is not an address like 127.0.0.1:9000"))
+    })?;
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|e| StartError::Listen("--listen", listen.to_owned(), e))?;
+    announce(&[("fencegate backend", "http", &listener)]).map_err(StartError::Io)?;
+    server::run(listener, app, ServerOptions::default(), shutdown)
+        .await
+        .map_err(StartError::Io)
+}
+
+/// Completes when `registered` reports its signal; never if watching for it
+/// failed: a failed registration must not look like a signal and stop the
+/// server at once.
+async fn on_signal(registered: impl Future<Output = std::io::Result<()>>, name: &str) {
+    if let Err(error) = registered.await {
+        tracing::warn!(%error, signal = name, "cannot watch for the signal; stop fencegate another way");
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Completes on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = on_signal(tokio::signal::ctrl_c(), "SIGINT");
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}
+
+/// Announces the bound addresses on stdout, so scripts using port 0 can find
+/// them: one line per listener, main first, in a single write.
+fn announce(lines: &[(&str, &str, &TcpListener)]) -> std::io::Result<()> {
+    let mut text = String::new();
+    for (what, scheme, listener) in lines {
+        let addr = listener.local_addr()?;
+        text.push_str(&format!("{what} listening on {scheme}://{addr}\n"));
+    }
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())?;
+    out.flush()
+}
+
+/// Reloads the TLS certificate and key on every SIGHUP.
+#[cfg(unix)]
+fn reload_on_sighup(certs: Arc<Certificates>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::warn!("cannot watch SIGHUP; TLS certificates reload only on restart");
+        return;
+    };
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            match certs.reload() {
+                Ok(()) => tracing::info!("TLS certificate reloaded"),
+                Err(err) => {
+                    tracing::error!(error = %err, "TLS reload failed; keeping the old certificate")
+                }
+            }
+        }
+    });
+}
+
+#[cfg(not(unix))]
+fn reload_on_sighup(_: Arc<Certificates>) {}
+
+/// The runtime `serve` runs on: `worker_threads` 0 means one per CPU the
+/// process may run on, and one thread means tokio's current-thread
+/// scheduler (measured faster on one core than a one-worker multi-thread
+/// runtime, whose accept loop and workers hand off across threads).
+pub fn runtime(worker_threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    let worker_threads = match worker_threads {
+        0 => std::thread::available_parallelism().map_or(1, usize::from),
+        n => n,
+    };
+    if worker_threads == 1 {
+        return tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build();
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(worker_threads)
+        .enable_all()
+        .build()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Seen failing before: a failed Ctrl-C registration completed the
+    /// shutdown future, so the server stopped as soon as it started.
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_signal_registration_never_looks_like_a_signal() {
+        let failed = async { Err(std::io::Error::other("no signal handling here")) };
+        let waited = tokio::time::timeout(
+            std::time::Duration::from_secs(3600),
+            on_signal(failed, "SIGINT"),
+        )
+        .await;
+        assert!(waited.is_err(), "the failed registration ended the wait");
+        on_signal(async { Ok(()) }, "SIGINT").await;
+    }
+}
