@@ -226,7 +226,10 @@ async fn memory_child(leases: usize) {
     // What the heap still holds once freed memory is handed back: the live
     // size, without the allocator's slack from table growth.
     // SAFETY: malloc_trim only releases free heap memory.
-    unsafe { libc::malloc_trim(0) };
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::malloc_trim(0)
+    };
     let live = rss_bytes();
     let ns = check_ns(&store, &sample);
     println!(

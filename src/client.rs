@@ -45,6 +45,7 @@ use tokio::time::Instant;
 use tokio_rustls::rustls::crypto::ring;
 use tokio_rustls::rustls::{ClientConfig, RootCertStore};
 
+use crate::clock::instant_now;
 use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
 
 /// A granted or renewed term.
@@ -379,7 +380,7 @@ impl LeaseClient {
         wait_ms: u64,
         options: GuardOptions,
     ) -> Result<LeaseGuard, ClientError> {
-        let sent = Instant::now();
+        let sent = instant_now();
         let grant = self.acquire(lease, holder, ttl_ms, wait_ms).await?;
         // The local deadline counts from when the request was sent, the only
         // instant known to be before the server's answer. After a wait that
@@ -388,7 +389,7 @@ impl LeaseClient {
         if sent.elapsed() < Duration::from_millis(grant.ttl_ms / 10) {
             return Ok(LeaseGuard::start(self.clone(), grant, sent, options));
         }
-        let sent = Instant::now();
+        let sent = instant_now();
         match self.renew(lease, grant.token, &grant.lease_id, None).await {
             Ok(renewed) => {
                 let grant = Grant {
@@ -522,7 +523,7 @@ async fn renew_loop(
             }
             () = tokio::time::sleep_until(next_renew) => {}
         }
-        let sent = Instant::now();
+        let sent = instant_now();
         // The renewal itself is bounded by the local deadline.
         let renewal = tokio::time::timeout_at(
             deadline,
@@ -546,7 +547,7 @@ async fn renew_loop(
             }
             // Unreachable for now: retry soon, until the deadline decides.
             Ok(Err(_)) => {
-                next_renew = Instant::now() + Duration::from_millis(50);
+                next_renew = instant_now() + Duration::from_millis(50);
             }
         }
     }

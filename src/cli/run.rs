@@ -58,7 +58,8 @@ const RELEASE_AFTER_LOSS: Duration = Duration::from_secs(1);
 fn signal_group(pgid: i32, sig: libc::c_int) {
     // SAFETY: kill(2) with a negative pid signals a process group; it has no
     // memory-safety preconditions. Errors (ESRCH: the group is gone) are
-    // expected and ignored.
+    // expected and ignored. (One of the crate's two unsafe blocks.)
+    #[allow(unsafe_code)]
     unsafe {
         libc::kill(-pgid, sig);
     }

@@ -1,7 +1,8 @@
 //! Shared fixtures: an in-process fencegate on a manual clock, driven either
 //! as a tower service (no sockets) or over real HTTP on a loopback port.
 
-#![allow(dead_code)]
+// Each test crate includes these fixtures and uses a part of them.
+#![allow(dead_code, unreachable_pub)]
 
 pub mod proc;
 pub mod servers;

@@ -58,9 +58,7 @@ pub fn program(name: &str) -> PathBuf {
         "apt-get update && apt-get install -y --no-install-recommends {}",
         packages.join(" ")
     );
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let root = unsafe { libc::geteuid() } == 0;
-    if !root || find("apt-get").is_none() {
+    if !is_root() || find("apt-get").is_none() {
         panic!(
             "the tests need {name}, which is not installed. Run the tests as root on Debian \
              and they install what is missing, or install it yourself:\n    sudo sh -c '{line}'"
@@ -107,5 +105,8 @@ fn install(packages: &[&str]) {
 /// Whether the tests run as root (some need it: mounting a tmpfs).
 pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() == 0 }
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::geteuid() == 0
+    }
 }
