@@ -13,7 +13,8 @@
 //!
 //! - [`serve`]: start-up of `fencegate serve`: recovers the lease store,
 //!   builds the backend and the app, binds the listeners, stops gracefully
-//!   (`main.rs` only parses arguments and passes the signals in).
+//!   (`main.rs` only parses arguments and passes the signals in; tests start
+//!   it in process with [`serve::start`]).
 //! - [`server`]: accept loop (plain or TLS, see [`tls`]), connection limits,
 //!   graceful shutdown; [`framing`] guards each connection's bytes against
 //!   ambiguous framing, reading them as hyper does.

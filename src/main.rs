@@ -1,16 +1,15 @@
-//! Process wiring only: arguments and environment → config → telemetry →
-//! `serve::run(config, options, shutdown_signal())` (or a client command).
+//! Process wiring only: arguments → telemetry → a runtime →
+//! `serve::run(config, options, shutdown_signal())` (the config is loaded
+//! first, as it picks the runtime) or a client command.
 
+use std::future::Future;
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use fencegate::cli::lease::LeaseArgs;
-use fencegate::cli::loadtest::LoadtestArgs;
-use fencegate::cli::run::RunArgs;
-use fencegate::config::Config;
-use fencegate::serve::{self, shutdown_signal, BackendArgs, ServeArgs, StartOptions};
+use fencegate::cli::{self, lease::LeaseArgs, loadtest::LoadtestArgs, run::RunArgs};
+use fencegate::serve::{self, shutdown_signal, BackendArgs, ServeArgs};
 
 #[derive(Parser)]
 #[command(
@@ -54,65 +53,48 @@ fn init_tracing() {
     }
 }
 
-/// What `main` runs once the arguments are read: `serve` has its config
-/// loaded first, because the config picks the runtime.
-enum Job {
-    Serve(Config, StartOptions),
-    Other(Command),
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing();
-    let job = match cli.command {
-        Command::Serve(args) => match args.load(std::env::vars()) {
-            Ok((config, options)) => Job::Serve(config, options),
-            Err(e) => {
-                eprintln!("fencegate: {e}");
-                return ExitCode::from(2);
-            }
-        },
-        other => Job::Other(other),
+    let outcome = match cli.command {
+        Command::Serve(args) => args.load(std::env::vars()).and_then(|(config, options)| {
+            // The config picks the runtime.
+            block_on(config.runtime.worker_threads, async move {
+                stopped(serve::run(config, options, shutdown_signal()).await)
+            })
+        }),
+        Command::Backend(args) => block_on(0, async move {
+            stopped(serve::backend(&args.listen, args.record, shutdown_signal()).await)
+        }),
+        Command::Lease(args) => block_on(0, async { Ok(cli::lease::run(args).await) }),
+        Command::Run(args) => block_on(0, async { Ok(cli::run::run(args).await) }),
+        Command::Loadtest(args) => block_on(0, async {
+            let (report, status) = cli::loadtest::run(args).await?;
+            print!("{}", cli::loadtest::summary(&report));
+            Ok(status)
+        }),
     };
-    let threads = match &job {
-        Job::Serve(config, _) => config.runtime.worker_threads,
-        Job::Other(_) => 0,
-    };
-    let runtime = match serve::runtime(threads) {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("fencegate: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let result: Result<u8, String> = runtime.block_on(async {
-        match job {
-            Job::Serve(config, options) => serve::run(config, options, shutdown_signal())
-                .await
-                .map(|()| 0)
-                .map_err(|e| e.to_string()),
-            Job::Other(Command::Serve(_)) => Err("serve's config was not loaded".into()),
-            Job::Other(Command::Backend(args)) => {
-                serve::backend(&args.listen, args.record, shutdown_signal())
-                    .await
-                    .map(|()| 0)
-                    .map_err(|e| e.to_string())
-            }
-            Job::Other(Command::Lease(args)) => Ok(fencegate::cli::lease::run(args).await),
-            Job::Other(Command::Run(args)) => Ok(fencegate::cli::run::run(args).await),
-            Job::Other(Command::Loadtest(args)) => {
-                let (report, status) = fencegate::cli::loadtest::run(args).await?;
-                print!("{}", fencegate::cli::loadtest::summary(&report));
-                Ok(status)
-            }
-        }
-    });
-    match result {
-        Ok(0) => ExitCode::SUCCESS,
+    match outcome {
         Ok(status) => ExitCode::from(status),
         Err(e) => {
             eprintln!("fencegate: {e}");
             ExitCode::from(2)
         }
     }
+}
+
+/// Runs `job` on a runtime of `worker_threads` (0: one per CPU); its `Ok` is
+/// the exit status.
+fn block_on(
+    worker_threads: usize,
+    job: impl Future<Output = Result<u8, String>>,
+) -> Result<u8, String> {
+    let runtime =
+        serve::runtime(worker_threads).map_err(|e| format!("cannot start the runtime: {e}"))?;
+    runtime.block_on(job)
+}
+
+/// A server's end as an exit status: 0 once it stopped when told.
+fn stopped(served: Result<(), serve::StartError>) -> Result<u8, String> {
+    served.map(|()| 0).map_err(|e| e.to_string())
 }

@@ -5,6 +5,7 @@
 
 use std::future::Future;
 use std::io::Write;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -117,43 +118,33 @@ impl std::fmt::Display for StartError {
 impl std::error::Error for StartError {}
 
 /// Starts `fencegate serve` with `config` and serves until `shutdown`
-/// completes: recovers the lease store, builds the backend and the app,
-/// binds the listeners (announcing them on stdout), and drains gracefully.
+/// completes: [`start`], then the bound addresses announced on stdout, then
+/// [`Bound::serve`].
 pub async fn run(
     config: Config,
     options: StartOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartError> {
-    let clock = Clock::new(config.clock);
-    let stopwatch = Clock::system();
-    let journal_options = FileJournalOptions {
-        accept_journal_loss: options.accept_journal_loss,
-        ..FileJournalOptions::default()
-    };
-    let (journal, recovered) =
-        FileJournal::open(&config.data_dir, journal_options).map_err(StartError::Journal)?;
-    let recovered_leases = recovered.leases.len();
-    let rule = RestartRule {
-        token_floor: recovered.token_floor,
-        lost_records: recovered.lost_records.is_some(),
-        ..config.restart_rule()
-    };
-    let leases = LeaseStore::restore(
-        clock,
-        config.lease_limits(),
-        Arc::new(journal),
-        recovered.leases,
-        rule,
-    )
-    .map_err(|e| StartError::Journal(JournalError(e)))?;
-    tracing::info!(
-        data_dir = %config.data_dir.display(),
-        leases = recovered_leases,
-        torn_bytes = recovered.torn_bytes,
-        token_floor = recovered.token_floor,
-        recovery_ms = stopwatch.now_ms(),
-        "lease store recovered"
-    );
+    let bound = start(config, options).await?;
+    bound.announce().map_err(StartError::Io)?;
+    bound.serve(shutdown).await
+}
+
+/// A fencegate whose parts are built and whose listeners are bound, not yet
+/// accepting: tests learn its addresses (port 0) before they connect.
+pub struct Bound {
+    app: app::FencegateApp,
+    listener: TcpListener,
+    admin: Option<(TcpListener, app::AdminApp)>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    options: ServerOptions,
+    draining: Arc<AtomicBool>,
+}
+
+/// Recovers the lease store from its journal, builds the backend and the
+/// app, loads TLS and binds the listeners.
+pub async fn start(config: Config, options: StartOptions) -> Result<Bound, StartError> {
+    let leases = recover(&config, options)?;
     let backend = match config.upstream_target().map_err(StartError::Config)? {
         UpstreamTarget::Embedded if config.embedded.record => Backend::Embedded(
             EmbeddedStore::recording(config.embedded.history_max_entries),
@@ -194,38 +185,114 @@ pub async fn run(
         }
         None => None,
     };
-    let scheme = if tls.is_some() { "https" } else { "http" };
-    let mut lines = vec![("fencegate", scheme, &listener)];
-    if let Some((admin, _)) = &admin {
-        lines.push(("fencegate admin", "http", admin));
-    }
-    announce(&lines).map_err(StartError::Io)?;
     tracing::info!(upstream = %config.upstream, clock = ?config.clock, tls = tls.is_some(), "fencegate serving");
-    let options = ServerOptions {
-        max_connections: config.limits.max_connections,
-        header_read_timeout_ms: config.limits.header_read_timeout_ms,
-        max_header_bytes: config.limits.max_header_bytes,
-        shutdown_grace_ms: config.limits.shutdown_grace_ms,
+    Ok(Bound {
+        app,
+        listener,
+        admin,
+        tls,
+        options: ServerOptions {
+            max_connections: config.limits.max_connections,
+            header_read_timeout_ms: config.limits.header_read_timeout_ms,
+            max_header_bytes: config.limits.max_header_bytes,
+            shutdown_grace_ms: config.limits.shutdown_grace_ms,
+        },
+        draining,
+    })
+}
+
+/// The lease store, recovered from the journal in `config.data_dir`.
+fn recover(config: &Config, options: StartOptions) -> Result<LeaseStore, StartError> {
+    let stopwatch = Clock::system();
+    let journal_options = FileJournalOptions {
+        accept_journal_loss: options.accept_journal_loss,
+        ..FileJournalOptions::default()
     };
-    // One signal stops both listeners; readyz turns 503 first.
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
-        shutdown.await;
-        draining.store(true, Ordering::Release);
-        let _ = stop.send(true);
-    });
-    let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|stop| *stop).await;
+    let (journal, recovered) =
+        FileJournal::open(&config.data_dir, journal_options).map_err(StartError::Journal)?;
+    let recovered_leases = recovered.leases.len();
+    let rule = RestartRule {
+        token_floor: recovered.token_floor,
+        lost_records: recovered.lost_records.is_some(),
+        ..config.restart_rule()
     };
-    let main = server::run_with_tls(listener, tls, app, options, until_stopped(stopped.clone()));
-    match admin {
-        None => main.await,
-        Some((listener, admin_app)) => {
-            let admin = server::run(listener, admin_app, options, until_stopped(stopped));
-            tokio::try_join!(main, admin).map(|_| ())
-        }
+    let leases = LeaseStore::restore(
+        Clock::new(config.clock),
+        config.lease_limits(),
+        Arc::new(journal),
+        recovered.leases,
+        rule,
+    )
+    .map_err(|e| StartError::Journal(JournalError(e)))?;
+    tracing::info!(
+        data_dir = %config.data_dir.display(),
+        leases = recovered_leases,
+        torn_bytes = recovered.torn_bytes,
+        token_floor = recovered.token_floor,
+        recovery_ms = stopwatch.now_ms(),
+        "lease store recovered"
+    );
+    Ok(leases)
+}
+
+impl Bound {
+    /// The main listener's address.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
     }
-    .map_err(StartError::Io)
+
+    /// The admin listener's address, if `admin.listen` is set.
+    pub fn admin_addr(&self) -> Option<std::io::Result<SocketAddr>> {
+        self.admin
+            .as_ref()
+            .map(|(listener, _)| listener.local_addr())
+    }
+
+    /// Announces the bound addresses on stdout, so scripts using port 0 can
+    /// find them: one line per listener, main first, in a single write.
+    pub fn announce(&self) -> std::io::Result<()> {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let mut lines = vec![("fencegate", scheme, &self.listener)];
+        if let Some((admin, _)) = &self.admin {
+            lines.push(("fencegate admin", "http", admin));
+        }
+        announce(&lines)
+    }
+
+    /// Serves until `shutdown` completes, then drains: readyz turns 503,
+    /// both listeners stop accepting, and connections get the grace period.
+    pub async fn serve(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), StartError> {
+        let Bound {
+            app,
+            listener,
+            admin,
+            tls,
+            options,
+            draining,
+        } = self;
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            shutdown.await;
+            draining.store(true, Ordering::Release);
+            let _ = stop.send(true);
+        });
+        let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        };
+        let main =
+            server::run_with_tls(listener, tls, app, options, until_stopped(stopped.clone()));
+        match admin {
+            None => main.await,
+            Some((listener, admin_app)) => {
+                let admin = server::run(listener, admin_app, options, until_stopped(stopped));
+                tokio::try_join!(main, admin).map(|_| ())
+            }
+        }
+        .map_err(StartError::Io)
+    }
 }
 
 /// Runs the embedded key-value store alone (`fencegate backend`), unfenced,
@@ -284,8 +351,8 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// Announces the bound addresses on stdout, so scripts using port 0 can find
-/// them: one line per listener, main first, in a single write.
+/// Writes one "… listening on scheme://addr" line per listener, in a
+/// single write.
 fn announce(lines: &[(&str, &str, &TcpListener)]) -> std::io::Result<()> {
     let mut text = String::new();
     for (what, scheme, listener) in lines {
