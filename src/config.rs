@@ -344,6 +344,17 @@ impl Config {
                 ));
             }
         }
+        if self.clock == ClockKind::Manual {
+            if let Some(open) = std::iter::once(addr)
+                .chain(admin)
+                .find(|a| !a.ip().is_loopback())
+            {
+                return Err(format!(
+                    "refusing to listen on {open} with the manual clock: its time moves only \
+                     when told, so it is for tests and demos on loopback addresses"
+                ));
+            }
+        }
         if admin.is_some_and(|a| a == addr && addr.port() != 0) {
             return Err(format!(
                 "admin.listen: {addr} is the main listener's address too"
@@ -610,6 +621,29 @@ mod tests {
         assert!(load(&[("FENCEGATE_CLOCK", "sundial")]).is_err());
         assert!(load(&[("FENCEGATE_LEASES__MIN_TTL_MS", "0")]).is_err());
         assert!(load(&[("FENCEGATE_FENCE__ROUTES", "x")]).is_err());
+    }
+
+    #[test]
+    fn the_manual_clock_listens_on_loopback_only() {
+        let load = |pairs: &[(&str, &str)]| Config::load(None, env(pairs), &Overrides::default());
+        let open = [
+            ("FENCEGATE_CLOCK", "manual"),
+            ("FENCEGATE_LISTEN", "0.0.0.0:8080"),
+            ("FENCEGATE_AUTH__ALLOW_UNAUTHENTICATED_NON_LOOPBACK", "true"),
+        ];
+        let err = load(&open).unwrap_err();
+        assert!(err.contains("manual clock"), "{err}");
+        assert!(
+            load(&open[1..]).is_ok(),
+            "the system clock may listen anywhere"
+        );
+        let admin = [
+            ("FENCEGATE_CLOCK", "manual"),
+            ("FENCEGATE_ADMIN__LISTEN", "0.0.0.0:9090"),
+            ("FENCEGATE_AUTH__ALLOW_UNAUTHENTICATED_NON_LOOPBACK", "true"),
+        ];
+        assert!(load(&admin).is_err(), "the admin listener moves the clock");
+        assert!(load(&[("FENCEGATE_CLOCK", "manual")]).is_ok());
     }
 
     /// Seen failing before: the message said only "invalid type: string

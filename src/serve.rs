@@ -186,6 +186,7 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
         None => None,
     };
     tracing::info!(upstream = %config.upstream, clock = ?config.clock, tls = tls.is_some(), "fencegate serving");
+    warn_of_test_seams(&config);
     Ok(Bound {
         app,
         listener,
@@ -199,6 +200,22 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
         },
         draining,
     })
+}
+
+/// Settings that exist for tests and demos say so at every start.
+fn warn_of_test_seams(config: &Config) {
+    if config.clock == ClockKind::Manual {
+        tracing::warn!(
+            "the manual clock is on: leases expire only when POST /_fence/clock moves it; \
+             it is for tests and demos, never for production"
+        );
+    }
+    if !config.fence.drain_barrier {
+        tracing::warn!(
+            "fence.drain_barrier is off: a write of an old term can reach the backend after \
+             one of a newer term; it is off only to show what the barrier prevents"
+        );
+    }
 }
 
 /// The lease store, recovered from the journal in `config.data_dir`.

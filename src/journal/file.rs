@@ -66,7 +66,7 @@ use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, TrySendError};
 use std::sync::Arc;
 use std::time::Duration;
@@ -126,16 +126,21 @@ impl Default for FileJournalOptions {
     }
 }
 
+#[cfg(any(test, feature = "test-util"))]
 const FAULT_FULL: u8 = 1;
 const FAULT_PARTIAL: u8 = 2;
 const FAULT_CUT: u8 = 4;
 const FAULT_PANIC: u8 = 8;
 const FAULT_STALL: u8 = 16;
 
-/// A test seam: makes the writer's disk operations fail.
+/// A test seam: makes the writer's disk operations fail. It exists only with
+/// the `test-util` feature, which the crate's own tests turn on; a release
+/// build carries the no-op below instead.
+#[cfg(any(test, feature = "test-util"))]
 #[derive(Clone, Debug, Default)]
-pub struct FaultInjector(Arc<AtomicU8>);
+pub struct FaultInjector(Arc<std::sync::atomic::AtomicU8>);
 
+#[cfg(any(test, feature = "test-util"))]
 impl FaultInjector {
     fn set(&self, bit: u8, on: bool) {
         if on {
@@ -183,6 +188,22 @@ impl FaultInjector {
     }
 }
 
+/// Without the `test-util` feature, no fault is ever on.
+#[cfg(not(any(test, feature = "test-util")))]
+#[derive(Clone, Debug, Default)]
+struct FaultInjector;
+
+#[cfg(not(any(test, feature = "test-util")))]
+impl FaultInjector {
+    fn has(&self, _bit: u8) -> bool {
+        false
+    }
+
+    fn check(&self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
 type Ack = oneshot::Sender<Result<(), JournalError>>;
 
 struct Command {
@@ -195,6 +216,7 @@ struct Command {
 pub struct FileJournal {
     tx: mpsc::SyncSender<Command>,
     healthy: Arc<AtomicBool>,
+    #[cfg(any(test, feature = "test-util"))]
     faults: FaultInjector,
 }
 
@@ -419,13 +441,15 @@ impl FileJournal {
             Self {
                 tx,
                 healthy,
+                #[cfg(any(test, feature = "test-util"))]
                 faults,
             },
             recovered,
         ))
     }
 
-    /// The fault-injection seam of this journal (for tests).
+    /// The fault-injection seam of this journal (`test-util` feature).
+    #[cfg(any(test, feature = "test-util"))]
     pub fn faults(&self) -> FaultInjector {
         self.faults.clone()
     }
