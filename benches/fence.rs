@@ -27,6 +27,7 @@ use fencegate::clock::Clock;
 use fencegate::config::{Config, Overrides};
 use fencegate::journal::MemoryJournal;
 use fencegate::lease::LeaseStore;
+use fencegate::names::{Holder, LeaseName};
 use http::Request;
 use http_body_util::{BodyExt, Full};
 use tower::ServiceExt;
@@ -79,7 +80,12 @@ async fn run(mode: &Mode, n: u32) -> f64 {
     )
     .expect("app");
     let held = leases
-        .acquire("orders", "bench", 3_600_000, 0)
+        .acquire(
+            &LeaseName::new("orders").unwrap(),
+            &Holder::new("bench").unwrap(),
+            3_600_000,
+            0,
+        )
         .await
         .expect("acquire");
     let token = held.token.to_string();

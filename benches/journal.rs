@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use fencegate::clock::Clock;
 use fencegate::journal::{FileJournal, FileJournalOptions, GrantRecord, Journal};
 use fencegate::lease::{AdmitOptions, LeaseLimits, LeaseStore, RestartRule};
+use fencegate::names::{Holder, LeaseName};
 
 fn scratch(tag: &str) -> PathBuf {
     let dir =
@@ -35,6 +36,10 @@ fn limits() -> LeaseLimits {
         acquire_rate_per_holder: 0,
         ..LeaseLimits::default()
     }
+}
+
+fn bench_holder() -> Holder {
+    Holder::new("bench").expect("a holder name")
 }
 
 fn open_store(dir: &Path) -> LeaseStore {
@@ -63,7 +68,12 @@ async fn acquires_per_second(clients: usize, duration: Duration) -> (f64, u64) {
                 let mut n = 0u64;
                 while start.elapsed() < duration {
                     store
-                        .acquire(&format!("c{c}-{n}"), "bench", 60_000, 0)
+                        .acquire(
+                            &LeaseName::new(&format!("c{c}-{n}")).unwrap(),
+                            &bench_holder(),
+                            60_000,
+                            0,
+                        )
                         .await
                         .expect("acquire");
                     n += 1;
@@ -88,7 +98,7 @@ async fn renews_per_second(duration: Duration) -> f64 {
     let dir = scratch("renew");
     let store = open_store(&dir);
     let held = store
-        .acquire("r", "bench", 60_000, 0)
+        .acquire(&LeaseName::new("r").unwrap(), &bench_holder(), 60_000, 0)
         .await
         .expect("acquire");
     let id = held.lease_id.expose().as_bytes().to_vec();
@@ -206,7 +216,12 @@ async fn memory_child(leases: usize) {
                 for i in (c..leases).step_by(64) {
                     let name = format!("tenant-{i:08}");
                     let held = store
-                        .acquire(&name, "bench", 3_600_000, 0)
+                        .acquire(
+                            &LeaseName::new(&name).unwrap(),
+                            &bench_holder(),
+                            3_600_000,
+                            0,
+                        )
                         .await
                         .expect("acquire");
                     if i % (leases / 1000).max(1) == 0 {

@@ -28,8 +28,9 @@ use crate::body::{self, Body};
 use crate::clock::ClockKind;
 use crate::error::Problem;
 use crate::fence::{credentials, visible_to};
-use crate::lease::{is_valid_lease_name, Acquired, LeaseStore, View};
+use crate::lease::{Acquired, LeaseStore, View};
 use crate::metrics::Metrics;
+use crate::names::{Holder, LeaseName};
 use crate::route::decode_path;
 
 pub use crate::wire::PREFIX;
@@ -344,35 +345,34 @@ impl Api {
         }
     }
 
-    fn name<'a>(&self, name: &'a str) -> Result<&'a str, Problem> {
-        if is_valid_lease_name(name) {
-            Ok(name)
-        } else {
-            Err(Problem::invalid_lease_name(name))
-        }
+    fn name(&self, name: &str) -> Result<LeaseName, Problem> {
+        LeaseName::new(name).map_err(|_| Problem::invalid_lease_name(name))
     }
 
     async fn acquire(&self, name: &str, req: Request<Body>) -> Result<Response<Body>, Problem> {
-        let name = self.name(name)?;
+        let lease = self.name(name)?;
+        let name = lease.as_str();
         let caller = caller(&req).cloned();
         let body: AcquireBody = read_json(req.into_body(), false, self.body_read_timeout)
             .await?
             .expect("required body");
         // With authentication on, the caller is the holder.
         let holder = match (&caller, body.holder) {
-            (Some(c), Some(h)) if h != c.name => {
+            (Some(c), Some(h)) if h != c.name.as_str() => {
                 return Err(Problem::forbidden(
                     "the holder must be the authenticated caller",
                 ))
             }
             (Some(c), _) => c.name.clone(),
-            (None, Some(h)) => h,
+            (None, Some(h)) => {
+                Holder::new(&h).map_err(|e| Problem::invalid_request(e.to_string()))?
+            }
             (None, None) => return Err(Problem::invalid_request("the body needs a holder")),
         };
         let ttl_ms = ttl_from_json(&body.ttl_ms, &self.leases)?;
         let granted = self
             .leases
-            .acquire(name, &holder, ttl_ms, body.wait_ms.unwrap_or(0))
+            .acquire(&lease, &holder, ttl_ms, body.wait_ms.unwrap_or(0))
             .await
             .map_err(|e| {
                 let problem = Problem::acquire_failed(name, e);
@@ -383,6 +383,7 @@ impl Api {
 
     async fn renew(&self, name: &str, req: Request<Body>) -> Result<Response<Body>, Problem> {
         let name = self.name(name)?;
+        let name = name.as_str();
         let caller = caller(&req).cloned();
         let (parts, body) = req.into_parts();
         let (token, lease_id) =
@@ -420,6 +421,7 @@ impl Api {
 
     fn release(&self, name: &str, req: &Request<Body>) -> Result<Response<Body>, Problem> {
         let name = self.name(name)?;
+        let name = name.as_str();
         let (token, lease_id) =
             credentials(req.headers(), self.require_lease_id).map_err(|p| p.lease(name))?;
         let caller = caller(req);
@@ -437,12 +439,13 @@ impl Api {
 
     fn inspect(&self, name: &str, caller: Option<&Identity>) -> Result<Response<Body>, Problem> {
         let name = self.name(name)?;
+        let name = name.as_str();
         let view = self
             .leases
             .inspect(name)
             .ok_or_else(|| Problem::unknown_lease(name))?;
         if let Some(c) = caller.filter(|c| !c.admin) {
-            if view.holder != c.name {
+            if view.holder != c.name.as_str() {
                 return Err(Problem::forbidden("this lease is held by another caller").lease(name));
             }
         }
@@ -455,7 +458,7 @@ impl Api {
             .list()
             .iter()
             // Callers who are not admins see their own leases only.
-            .filter(|(_, view)| caller.is_none_or(|c| c.admin || view.holder == c.name))
+            .filter(|(_, view)| caller.is_none_or(|c| c.admin || view.holder == c.name.as_str()))
             .map(|(name, view)| view_json(name, view))
             .collect();
         json_response(StatusCode::OK, &json!({ "leases": leases }))

@@ -7,6 +7,8 @@
 //! release, inspect or write under them. Admin callers may also use the
 //! clock, metrics and apply-log endpoints and inspect every lease.
 
+use crate::names::Holder;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -45,7 +47,7 @@ pub struct AuthToken {
 /// Who is calling.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Identity {
-    pub name: String,
+    pub name: Holder,
     pub admin: bool,
 }
 
@@ -81,16 +83,12 @@ impl Authenticator {
         }
         let mut by_digest = HashMap::new();
         for t in &config.tokens {
-            if t.name.is_empty() || t.name.len() > 256 || t.name.chars().any(char::is_control) {
-                return Err(format!(
-                    "auth token name {:?} is not a valid holder name",
-                    t.name
-                ));
-            }
+            let name = Holder::new(t.name.as_str())
+                .map_err(|e| format!("auth token name {:?}: {e}", t.name))?;
             let digest = parse_hex(&t.sha256.to_ascii_lowercase())
                 .ok_or_else(|| format!("auth token {:?}: sha256 must be 64 hex digits", t.name))?;
             let identity = Arc::new(Identity {
-                name: t.name.clone(),
+                name,
                 admin: t.admin,
             });
             if by_digest.insert(digest, identity).is_some() {
@@ -145,8 +143,8 @@ mod tests {
             h.insert(AUTHORIZATION, v.parse().unwrap());
             auth.authenticate(&h)
         };
-        assert_eq!(with("Bearer s3cret").unwrap().name, "w1");
-        assert_eq!(with("bearer s3cret").unwrap().name, "w1");
+        assert_eq!(with("Bearer s3cret").unwrap().name.as_str(), "w1");
+        assert_eq!(with("bearer s3cret").unwrap().name.as_str(), "w1");
         assert!(with("Bearer wrong").is_none());
         assert!(with("Basic s3cret").is_none());
         assert!(with("Bearer ").is_none());

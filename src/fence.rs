@@ -32,8 +32,9 @@ use tower::{Layer, Service};
 use crate::auth::{Caller, Identity};
 use crate::body::Body;
 use crate::error::Problem;
-use crate::lease::{is_valid_lease_name, AdmitError, AdmitOptions, LeaseStore, WriteGuard};
+use crate::lease::{AdmitError, AdmitOptions, LeaseStore, WriteGuard};
 use crate::metrics::Metrics;
+use crate::names::LeaseName;
 use crate::route::{RouteTimeout, Routes};
 
 pub use crate::wire::{OutcomeUnknown, FENCING_LEASE_ID, FENCING_TOKEN};
@@ -134,7 +135,7 @@ enum Decision {
     Reject(Problem),
     /// A fenced request: admit it through the lease store.
     Fenced {
-        lease: String,
+        lease: LeaseName,
         token: u64,
         lease_id: Option<HeaderValue>,
         /// The authenticated caller, who must hold the term (auth on only).
@@ -189,10 +190,10 @@ impl FencePolicy {
             req.headers_mut().remove(&LEASE_ID_NAME);
             return Decision::Pass;
         }
-        let lease = route.lease;
-        if !is_valid_lease_name(&lease) {
-            return Decision::Reject(Problem::invalid_lease_name(&lease));
-        }
+        let lease = match route.lease {
+            Ok(lease) => lease,
+            Err(segment) => return Decision::Reject(Problem::invalid_lease_name(&segment)),
+        };
         if let Err(problem) = self.check_destination(req.headers(), Some(&lease)) {
             return Decision::Reject(problem);
         }
@@ -239,7 +240,7 @@ impl FencePolicy {
             .and_then(|d| d.parse().ok())
             .ok_or_else(|| bad(same_lease()))?;
         match (self.routes.resolve(uri.path()), lease) {
-            (Ok(Some(m)), Some(lease)) if m.lease == lease => Ok(()),
+            (Ok(Some(m)), Some(lease)) if m.lease.as_deref() == Ok(lease) => Ok(()),
             (Ok(None), None) => Ok(()),
             _ => Err(bad(same_lease())),
         }
@@ -329,7 +330,7 @@ where
         {
             Ok(Ok(guard)) => {
                 self.policy.metrics.write_forwarded();
-                tracing::debug!(lease, token, method = %req.method(), "write admitted");
+                tracing::debug!(lease = %lease, token, method = %req.method(), "write admitted");
                 FenceFuture::forward(self.inner.call(req), Some(guard))
             }
             Err(AdmitError::Rejected(reject)) => FenceFuture::ready(reject_write(
@@ -377,7 +378,7 @@ where
                         }) => {
                             policy.metrics.write_rejected("upstream-timeout");
                             tracing::warn!(
-                                lease,
+                                lease = %lease,
                                 token,
                                 older_token,
                                 waited_ms,
@@ -402,7 +403,7 @@ where
                         }
                     };
                     policy.metrics.write_forwarded();
-                    tracing::debug!(lease, token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted after the handover barrier");
+                    tracing::debug!(lease = %lease, token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted after the handover barrier");
                     let res = forward(req).await?;
                     Ok(attach_guard(res, Some(admitted.guard)))
                 }))
@@ -435,7 +436,12 @@ pub fn visible_to(
     caller: Option<&Identity>,
 ) -> Problem {
     match caller {
-        Some(c) if !c.admin && leases.holder(lease).is_none_or(|(_, h)| h != c.name) => {
+        Some(c)
+            if !c.admin
+                && leases
+                    .holder(lease)
+                    .is_none_or(|(_, h)| h != c.name.as_str()) =>
+        {
             problem.without_term_details()
         }
         _ => problem,

@@ -21,6 +21,7 @@
 //! - [`app`]: composes everything into one service: request ids and limits,
 //!   then the lease API or the fenced data path.
 //! - [`auth`]: bearer-token callers (off by default).
+//! - [`names`]: lease and holder names, checked once where they enter.
 //! - [`api`]: the lease API under `/_fence/` (acquire, renew, release, inspect).
 //! - [`fence`]: the tower layer that admits or rejects a write; [`route`] maps
 //!   paths to the leases that guard them.
@@ -40,7 +41,8 @@
 //!
 //! Dependencies point one way (`tests/layering.rs` checks the crate's own
 //! imports for cycles): the leaves `clock`, `journal`, `body`, `wire`,
-//! `framing`, `tls` and `auth` import nothing from the crate; `lease` ←
+//! `names`, `framing` and `tls` import nothing from the crate; `auth` imports
+//! only `names`; `lease` ←
 //! `error`, `route`, `metrics` ← `fence` ← `api`; `backend` ← `server`;
 //! `app` composes `api`, `fence` and `backend`; `config` knows the options of
 //! `lease`, `route`, `backend`, `server` and `auth`, and only `app` and
@@ -62,6 +64,7 @@ pub mod framing;
 pub mod journal;
 pub mod lease;
 pub mod metrics;
+pub mod names;
 pub mod route;
 pub mod serve;
 pub mod server;

@@ -16,6 +16,8 @@ use std::borrow::Cow;
 
 use smallvec::SmallVec;
 
+use crate::names::LeaseName;
+
 /// One segment of a pattern.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Segment {
@@ -30,7 +32,7 @@ enum LeaseSource {
     /// The segment at this index.
     Segment(usize),
     /// Always this lease.
-    Fixed(String),
+    Fixed(LeaseName),
 }
 
 /// One compiled route.
@@ -50,8 +52,9 @@ pub struct Route {
 /// A path that matched a route.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Matched<'r> {
-    /// The guarding lease (not yet validated as a lease name).
-    pub lease: String,
+    /// The guarding lease, or the path segment in its place that is not a
+    /// lease name.
+    pub lease: Result<LeaseName, String>,
     /// The route's pattern, for logs.
     pub pattern: &'r str,
     pub fence_reads: bool,
@@ -126,10 +129,9 @@ impl Route {
         let lease = match (captures.as_slice(), lease) {
             ([i], None) => LeaseSource::Segment(*i),
             ([], Some(name)) => {
-                if !crate::lease::is_valid_lease_name(name) {
-                    return Err(format!("route {pattern:?}: {name:?} is not a lease name"));
-                }
-                LeaseSource::Fixed(name.to_owned())
+                let name = LeaseName::new(name)
+                    .map_err(|e| format!("route {pattern:?}: {name:?}: {e}"))?;
+                LeaseSource::Fixed(name)
             }
             ([], None) => {
                 return Err(format!(
@@ -186,8 +188,11 @@ impl Route {
             }
         }
         let lease = match &self.lease {
-            LeaseSource::Segment(i) => path[*i].as_ref().to_owned(),
-            LeaseSource::Fixed(name) => name.clone(),
+            LeaseSource::Segment(i) => {
+                let segment = path[*i].as_ref();
+                LeaseName::new(segment).map_err(|_| segment.to_owned())
+            }
+            LeaseSource::Fixed(name) => Ok(name.clone()),
         };
         let literal_prefix = self
             .segments
@@ -313,7 +318,10 @@ mod tests {
     }
 
     fn lease_of(path: &str) -> Option<String> {
-        kv().resolve(path).unwrap().map(|m| m.lease)
+        kv().resolve(path).unwrap().map(|m| match m.lease {
+            Ok(name) => name.into(),
+            Err(segment) => segment,
+        })
     }
 
     #[test]

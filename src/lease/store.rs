@@ -18,6 +18,7 @@ use super::inflight::Inflight;
 use super::machine::{AcquireRefused, Admit, Held, LeaseState, Reject, Term, View};
 use crate::clock::Clock;
 use crate::journal::{GrantRecord, Journal, LeaseRecord};
+use crate::names::{Holder, LeaseName};
 
 /// Bounds the store enforces on every acquire and renew.
 #[derive(Clone, Copy, Debug)]
@@ -47,9 +48,6 @@ impl Default for LeaseLimits {
         }
     }
 }
-
-/// Longest holder name, in bytes.
-pub const MAX_HOLDER_LEN: usize = 256;
 
 /// A granted term, as the acquirer sees it.
 #[derive(Clone, Debug)]
@@ -384,9 +382,9 @@ impl LeaseStore {
         shared.token_floor = rule.token_floor;
         shared.lost_records = rule.lost_records;
         for lease in recovered {
-            if !super::is_valid_lease_name(&lease.lease) {
+            if let Err(e) = LeaseName::new(lease.lease.as_str()) {
                 return Err(format!(
-                    "the journal holds an invalid lease name {:?}",
+                    "the journal holds an invalid lease name {:?}: {e}",
                     lease.lease
                 ));
             }
@@ -447,27 +445,19 @@ impl LeaseStore {
     /// Grants a new term of `name` to `holder`, waiting up to `wait_ms` for a
     /// live term to end. The token is persisted before this returns.
     ///
-    /// `name` must already be a valid lease name.
     pub async fn acquire(
         &self,
-        name: &str,
-        holder: &str,
+        name: &LeaseName,
+        holder: &Holder,
         ttl_ms: u64,
         wait_ms: u64,
     ) -> Result<Acquired, AcquireError> {
+        let (name, holder) = (name.as_str(), holder.as_str());
         self.check_ttl(ttl_ms)
             .map_err(|(min_ttl_ms, max_ttl_ms)| AcquireError::InvalidTtl {
                 min_ttl_ms,
                 max_ttl_ms,
             })?;
-        if holder.is_empty()
-            || holder.len() > MAX_HOLDER_LEN
-            || holder.chars().any(char::is_control)
-        {
-            return Err(AcquireError::Invalid(format!(
-                "holder must be 1-{MAX_HOLDER_LEN} bytes without control characters"
-            )));
-        }
         if wait_ms > self.shared.limits.max_wait_ms {
             return Err(AcquireError::Invalid(format!(
                 "wait_ms must be at most {}",
@@ -883,6 +873,14 @@ impl LeaseStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn lease(name: &str) -> LeaseName {
+        LeaseName::new(name).unwrap()
+    }
+
+    fn holder(name: &str) -> Holder {
+        Holder::new(name).unwrap()
+    }
     use crate::journal::MemoryJournal;
 
     fn store(clock: &Clock) -> (LeaseStore, Arc<MemoryJournal>) {
@@ -897,10 +895,13 @@ mod tests {
     async fn waiting_acquire_wakes_on_release() {
         let clock = Clock::manual(0);
         let (leases, _) = store(&clock);
-        let a = leases.acquire("l", "A", 10_000, 0).await.unwrap();
+        let a = leases
+            .acquire(&lease("l"), &holder("A"), 10_000, 0)
+            .await
+            .unwrap();
         let waiter = tokio::spawn({
             let leases = leases.clone();
-            async move { leases.acquire("l", "B", 1000, 5_000).await }
+            async move { leases.acquire(&lease("l"), &holder("B"), 1000, 5_000).await }
         });
         tokio::task::yield_now().await;
         assert!(!waiter.is_finished());
@@ -915,10 +916,13 @@ mod tests {
     async fn waiting_acquire_wakes_at_expiry_and_gives_up_at_wait_end() {
         let clock = Clock::manual(0);
         let (leases, _) = store(&clock);
-        leases.acquire("l", "A", 1000, 0).await.unwrap();
+        leases
+            .acquire(&lease("l"), &holder("A"), 1000, 0)
+            .await
+            .unwrap();
         let waiter = tokio::spawn({
             let leases = leases.clone();
-            async move { leases.acquire("l", "B", 1000, 5_000).await }
+            async move { leases.acquire(&lease("l"), &holder("B"), 1000, 5_000).await }
         });
         tokio::task::yield_now().await;
         clock.advance(999);
@@ -931,7 +935,7 @@ mod tests {
         // B holds for 1 s; C waits 300 ms and gives up with the holder's details.
         let waiter = tokio::spawn({
             let leases = leases.clone();
-            async move { leases.acquire("l", "C", 1000, 300).await }
+            async move { leases.acquire(&lease("l"), &holder("C"), 1000, 300).await }
         });
         tokio::task::yield_now().await;
         clock.advance(300);
@@ -948,13 +952,16 @@ mod tests {
         journal.set_failing(true);
         assert!(!leases.is_ready());
         assert!(matches!(
-            leases.acquire("l", "A", 1000, 0).await,
+            leases.acquire(&lease("l"), &holder("A"), 1000, 0).await,
             Err(AcquireError::Unavailable(_))
         ));
         assert_eq!(leases.inspect("l"), None);
         journal.set_failing(false);
         assert!(leases.is_ready());
-        let a = leases.acquire("l", "A", 1000, 0).await.unwrap();
+        let a = leases
+            .acquire(&lease("l"), &holder("A"), 1000, 0)
+            .await
+            .unwrap();
         // The abandoned token 1 is never reused.
         assert_eq!(a.token, 2);
     }
@@ -990,9 +997,15 @@ mod tests {
         let probe = Arc::new(LockProbe::default());
         let leases = LeaseStore::new(clock.clone(), LeaseLimits::default(), probe.clone());
         probe.store.set(leases.clone()).unwrap();
-        leases.acquire("l", "A", 1000, 0).await.unwrap();
+        leases
+            .acquire(&lease("l"), &holder("A"), 1000, 0)
+            .await
+            .unwrap();
         clock.advance(1000);
-        leases.acquire("l", "B", 1000, 0).await.unwrap();
+        leases
+            .acquire(&lease("l"), &holder("B"), 1000, 0)
+            .await
+            .unwrap();
         assert_eq!(*probe.locked.lock().unwrap(), [true, true]);
     }
 
@@ -1004,17 +1017,30 @@ mod tests {
             ..LeaseLimits::default()
         };
         let leases = LeaseStore::new(clock, limits, Arc::new(MemoryJournal::default()));
-        leases.acquire("a", "A", 1000, 0).await.unwrap();
-        let b = leases.acquire("b", "A", 1000, 0).await.unwrap();
+        leases
+            .acquire(&lease("a"), &holder("A"), 1000, 0)
+            .await
+            .unwrap();
+        let b = leases
+            .acquire(&lease("b"), &holder("A"), 1000, 0)
+            .await
+            .unwrap();
         assert!(matches!(
-            leases.acquire("c", "A", 1000, 0).await,
+            leases.acquire(&lease("c"), &holder("A"), 1000, 0).await,
             Err(AcquireError::TooManyLeases { max_leases: 2 })
         ));
         // Known names keep working.
         leases
             .release("b", b.token, Some(b.lease_id.expose().as_bytes()), None)
             .unwrap();
-        assert_eq!(leases.acquire("b", "B", 1000, 0).await.unwrap().token, 2);
+        assert_eq!(
+            leases
+                .acquire(&lease("b"), &holder("B"), 1000, 0)
+                .await
+                .unwrap()
+                .token,
+            2
+        );
     }
 
     #[tokio::test]
@@ -1025,40 +1051,61 @@ mod tests {
             ..LeaseLimits::default()
         };
         let leases = LeaseStore::new(clock.clone(), limits, Arc::new(MemoryJournal::default()));
-        leases.acquire("a", "A", 1000, 0).await.unwrap();
-        leases.acquire("b", "A", 1000, 0).await.unwrap();
-        match leases.acquire("c", "A", 1000, 0).await {
+        leases
+            .acquire(&lease("a"), &holder("A"), 1000, 0)
+            .await
+            .unwrap();
+        leases
+            .acquire(&lease("b"), &holder("A"), 1000, 0)
+            .await
+            .unwrap();
+        match leases.acquire(&lease("c"), &holder("A"), 1000, 0).await {
             Err(AcquireError::RateLimited { retry_after_ms }) => assert_eq!(retry_after_ms, 500),
             other => panic!("{other:?}"),
         }
         // Another holder has its own bucket; time refills A's.
-        leases.acquire("c", "B", 1000, 0).await.unwrap();
+        leases
+            .acquire(&lease("c"), &holder("B"), 1000, 0)
+            .await
+            .unwrap();
         clock.advance(499);
-        assert!(leases.acquire("d", "A", 1000, 0).await.is_err());
+        assert!(leases
+            .acquire(&lease("d"), &holder("A"), 1000, 0)
+            .await
+            .is_err());
         clock.advance(1);
-        leases.acquire("d", "A", 1000, 0).await.unwrap();
+        leases
+            .acquire(&lease("d"), &holder("A"), 1000, 0)
+            .await
+            .unwrap();
     }
 
     #[tokio::test]
     async fn bounds_are_inclusive() {
         let clock = Clock::manual(0);
         let (leases, _) = store(&clock);
-        assert!(leases.acquire("a", "A", 100, 0).await.is_ok());
-        assert!(leases.acquire("b", "A", 3_600_000, 0).await.is_ok());
+        assert!(leases
+            .acquire(&lease("a"), &holder("A"), 100, 0)
+            .await
+            .is_ok());
+        assert!(leases
+            .acquire(&lease("b"), &holder("A"), 3_600_000, 0)
+            .await
+            .is_ok());
         assert!(matches!(
-            leases.acquire("c", "A", 99, 0).await,
+            leases.acquire(&lease("c"), &holder("A"), 99, 0).await,
             Err(AcquireError::InvalidTtl { .. })
         ));
         assert!(matches!(
-            leases.acquire("c", "A", 3_600_001, 0).await,
+            leases
+                .acquire(&lease("c"), &holder("A"), 3_600_001, 0)
+                .await,
             Err(AcquireError::InvalidTtl { .. })
         ));
         assert!(matches!(
-            leases.acquire("c", "", 1000, 0).await,
-            Err(AcquireError::Invalid(_))
-        ));
-        assert!(matches!(
-            leases.acquire("c", "A", 1000, 60_001).await,
+            leases
+                .acquire(&lease("c"), &holder("A"), 1000, 60_001)
+                .await,
             Err(AcquireError::Invalid(_))
         ));
     }
