@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use fencegate::clock::Clock;
 use fencegate::journal::{FileJournal, FileJournalOptions, GrantRecord, Journal};
-use fencegate::lease::{AdmitOptions, LeaseLimits, LeaseStore, RestartRule};
+use fencegate::lease::{Admission, AdmitOptions, LeaseLimits, LeaseStore, RestartRule};
 use fencegate::names::{Holder, LeaseName};
 
 fn scratch(tag: &str) -> PathBuf {
@@ -193,7 +193,7 @@ fn check_ns(store: &LeaseStore, sample: &[(String, u64, Vec<u8>)]) -> f64 {
     for _ in 0..rounds {
         for (name, token, id) in sample {
             match store.try_admit_write(name, *token, Some(id), None, &options) {
-                Ok(Ok(guard)) => guard.finish(),
+                Admission::Admitted(guard) => guard.finish(),
                 _ => panic!("a held lease refused a write"),
             }
         }

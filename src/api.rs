@@ -26,7 +26,7 @@ use crate::auth::{Caller, Identity};
 use crate::backend::EmbeddedStore;
 use crate::body::{self, Body};
 use crate::clock::ClockKind;
-use crate::error::Problem;
+use crate::error::{Problem, Reason};
 use crate::fence::{credentials, visible_to};
 use crate::lease::{Acquired, LeaseStore, View};
 use crate::metrics::Metrics;
@@ -215,8 +215,7 @@ fn allowed_methods(endpoint: &[&str]) -> Option<&'static str> {
 /// The answer of the admin listener outside its endpoints.
 pub fn admin_listener_only() -> Problem {
     Problem::new(
-        StatusCode::NOT_FOUND,
-        "not-found",
+        Reason::NotFound,
         "the admin listener serves only health, metrics, clock and the apply log",
     )
 }
@@ -255,7 +254,7 @@ impl Api {
     fn count(&self, op: &'static str, result: &Result<Response<Body>, Problem>) {
         let outcome = match result {
             Ok(_) => "ok",
-            Err(p) => p.reason(),
+            Err(p) => p.reason().slug(),
         };
         self.metrics.lease_op(op, outcome);
     }
@@ -286,8 +285,7 @@ impl Api {
         match self.surface {
             Surface::Data if admin_only => {
                 return Err(Problem::new(
-                    StatusCode::NOT_FOUND,
-                    "not-found",
+                    Reason::NotFound,
                     "this endpoint is served on the admin listener",
                 ))
             }
@@ -326,8 +324,7 @@ impl Api {
             (["backend", "history"], Method::GET) => match &self.history {
                 Some(store) => Ok(store.history_response()),
                 None => Err(Problem::new(
-                    StatusCode::NOT_FOUND,
-                    "not-found",
+                    Reason::NotFound,
                     "the backend is not a recording embedded store",
                 )),
             },
@@ -466,12 +463,7 @@ impl Api {
 
     fn readyz(&self) -> Response<Body> {
         if self.draining.load(Ordering::Acquire) {
-            Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "draining",
-                "fencegate is shutting down",
-            )
-            .into_response()
+            Problem::new(Reason::Draining, "fencegate is shutting down").into_response()
         } else if !self.leases.is_ready() {
             Problem::store_unavailable("the lease store cannot persist grants").into_response()
         } else {
@@ -492,8 +484,7 @@ impl Api {
         let clock = self.leases.clock();
         if clock.kind() != ClockKind::Manual {
             return Err(Problem::new(
-                StatusCode::NOT_FOUND,
-                "not-found",
+                Reason::NotFound,
                 "the clock endpoint exists only with --clock manual",
             ));
         }

@@ -31,8 +31,8 @@ use tower::{Layer, Service};
 
 use crate::auth::{Caller, Identity};
 use crate::body::Body;
-use crate::error::Problem;
-use crate::lease::{AdmitError, AdmitOptions, LeaseStore, WriteGuard};
+use crate::error::{Problem, Reason};
+use crate::lease::{Admission, AdmitError, AdmitOptions, LeaseStore, WriteGuard};
 use crate::metrics::Metrics;
 use crate::names::LeaseName;
 use crate::route::{RouteTimeout, Routes};
@@ -134,14 +134,30 @@ enum Decision {
     /// Refused before the lease store was asked.
     Reject(Problem),
     /// A fenced request: admit it through the lease store.
-    Fenced {
-        lease: LeaseName,
-        token: u64,
-        lease_id: Option<HeaderValue>,
-        /// The authenticated caller, who must hold the term (auth on only).
-        caller: Option<Caller>,
-        max_wait_ms: u64,
-    },
+    Fenced(Fenced),
+}
+
+/// A request the lease store must admit.
+struct Fenced {
+    lease: LeaseName,
+    token: u64,
+    lease_id: Option<HeaderValue>,
+    /// The authenticated caller, who must hold the term (auth on only).
+    caller: Option<Caller>,
+    /// The longest wait at the barrier (the route's upstream deadline).
+    max_wait_ms: u64,
+}
+
+impl Fenced {
+    /// The lease id presented.
+    fn presented(&self) -> Option<&[u8]> {
+        self.lease_id.as_ref().map(HeaderValue::as_bytes)
+    }
+
+    /// The authenticated caller's name.
+    fn holder(&self) -> Option<&str> {
+        self.caller.as_ref().map(|c| c.0.name.as_str())
+    }
 }
 
 impl FencePolicy {
@@ -201,13 +217,13 @@ impl FencePolicy {
             Ok((token, _)) => token,
             Err(p) => return Decision::Reject(p.lease(&lease)),
         };
-        Decision::Fenced {
+        Decision::Fenced(Fenced {
             lease,
             token,
             lease_id: req.headers_mut().remove(&LEASE_ID_NAME),
             caller,
             max_wait_ms: timeout_ms,
-        }
+        })
     }
 
     /// WebDAV `COPY` and `MOVE` write to their `Destination` too: it must be
@@ -305,125 +321,118 @@ where
     }
 
     fn call(&mut self, mut req: Request<Body>) -> Self::Future {
-        let (lease, token, lease_id, caller, max_wait_ms) = match self.policy.decide(&mut req) {
+        let fenced = match self.policy.decide(&mut req) {
             Decision::Pass => return FenceFuture::forward(self.inner.call(req), None),
             Decision::Reject(problem) => {
-                self.policy.metrics.write_rejected(problem.reason());
+                self.policy.metrics.write_rejected(problem.reason().slug());
                 return FenceFuture::ready(problem.into_response());
             }
-            Decision::Fenced {
-                lease,
-                token,
-                lease_id,
-                caller,
-                max_wait_ms,
-            } => (lease, token, lease_id, caller, max_wait_ms),
+            Decision::Fenced(fenced) => fenced,
         };
-        let options = self.policy.admit_options(max_wait_ms);
-        let presented = lease_id.as_ref().map(HeaderValue::as_bytes);
-        let holder = caller.as_ref().map(|c| c.0.name.as_str());
+        let options = self.policy.admit_options(fenced.max_wait_ms);
         // The common case decides without waiting or allocating.
-        match self
-            .policy
-            .leases
-            .try_admit_write(&lease, token, presented, holder, &options)
-        {
-            Ok(Ok(guard)) => {
+        match self.policy.leases.try_admit_write(
+            &fenced.lease,
+            fenced.token,
+            fenced.presented(),
+            fenced.holder(),
+            &options,
+        ) {
+            Admission::Admitted(guard) => {
                 self.policy.metrics.write_forwarded();
-                tracing::debug!(lease = %lease, token, method = %req.method(), "write admitted");
+                tracing::debug!(lease = %fenced.lease, token = fenced.token, method = %req.method(), "write admitted");
                 FenceFuture::forward(self.inner.call(req), Some(guard))
             }
-            Err(AdmitError::Rejected(reject)) => FenceFuture::ready(reject_write(
-                &self.policy,
-                &lease,
-                token,
-                caller.as_ref(),
-                &req,
-                reject,
-            )),
-            Err(AdmitError::DrainTimeout { .. }) | Ok(Err(_)) => {
-                // A newer term's first write while older writes are in
-                // flight: wait at the barrier. Call the instance that was
-                // polled ready later, and keep a clone for the next call.
-                let fresh = self.inner.clone();
-                let mut inner = std::mem::replace(&mut self.inner, fresh);
-                // Boxed outside the async block, so the block holds no
-                // generic future type (which keeps it provably Send).
-                let mut forward =
-                    move |req: Request<Body>| -> BoxResponseFuture { Box::pin(inner.call(req)) };
-                let policy = self.policy.clone();
-                FenceFuture::boxed(Box::pin(async move {
-                    let presented = lease_id.as_ref().map(HeaderValue::as_bytes);
-                    let holder = caller.as_ref().map(|c| c.0.name.as_str());
-                    let admitted = match policy
-                        .leases
-                        .admit_write(&lease, token, presented, holder, options)
-                        .await
-                    {
-                        Ok(admitted) => admitted,
-                        Err(AdmitError::Rejected(reject)) => {
-                            return Ok(reject_write(
-                                &policy,
-                                &lease,
-                                token,
-                                caller.as_ref(),
-                                &req,
-                                reject,
-                            ));
-                        }
-                        Err(AdmitError::DrainTimeout {
-                            older_token,
-                            waited_ms,
-                            retry_after_ms,
-                        }) => {
-                            policy.metrics.write_rejected("upstream-timeout");
-                            tracing::warn!(
-                                lease = %lease,
-                                token,
-                                older_token,
-                                waited_ms,
-                                retry_after_ms,
-                                "write refused: an earlier term's writes did not finish in time"
-                            );
-                            let detail = if retry_after_ms.is_some() {
-                                "writes of an earlier term of this lease sent before fencegate restarted may still be unfinished at the backend"
-                            } else {
-                                "writes of an earlier term of this lease are still unfinished at the backend"
-                            };
-                            let mut problem = Problem::new(
-                                http::StatusCode::GATEWAY_TIMEOUT,
-                                "upstream-timeout",
-                                detail,
-                            )
-                            .lease(&lease);
-                            if let Some(ms) = retry_after_ms {
-                                problem = problem.retry_after_ms(ms);
-                            }
-                            return Ok(problem.into_response());
-                        }
-                    };
-                    policy.metrics.write_forwarded();
-                    tracing::debug!(lease = %lease, token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted after the handover barrier");
-                    let res = forward(req).await?;
-                    Ok(attach_guard(res, Some(admitted.guard)))
-                }))
+            Admission::Refused(reject) => {
+                FenceFuture::ready(reject_write(&self.policy, &fenced, &req, reject))
             }
+            Admission::MustWait(_) => self.wait_at_barrier(req, fenced, options),
         }
+    }
+}
+
+impl<S> Fence<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    /// A newer term's first write while older writes are in flight: it
+    /// waits at the handover barrier, then goes to the backend (or is
+    /// refused if its term ends or the wait runs out first).
+    fn wait_at_barrier(
+        &mut self,
+        req: Request<Body>,
+        fenced: Fenced,
+        options: AdmitOptions,
+    ) -> FenceFuture<S::Future> {
+        // Call the instance that was polled ready later, and keep a clone
+        // for the next call.
+        let fresh = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, fresh);
+        // Boxed outside the async block, so the block holds no generic
+        // future type (which keeps it provably Send).
+        let mut forward =
+            move |req: Request<Body>| -> BoxResponseFuture { Box::pin(inner.call(req)) };
+        let policy = self.policy.clone();
+        FenceFuture::boxed(Box::pin(async move {
+            let admitted = policy
+                .leases
+                .admit_write(
+                    &fenced.lease,
+                    fenced.token,
+                    fenced.presented(),
+                    fenced.holder(),
+                    options,
+                )
+                .await;
+            let admitted = match admitted {
+                Ok(admitted) => admitted,
+                Err(AdmitError::Rejected(reject)) => {
+                    return Ok(reject_write(&policy, &fenced, &req, reject));
+                }
+                Err(AdmitError::DrainTimeout {
+                    older_token,
+                    waited_ms,
+                    retry_after_ms,
+                }) => {
+                    policy
+                        .metrics
+                        .write_rejected(Reason::UpstreamTimeout.slug());
+                    tracing::warn!(
+                        lease = %fenced.lease,
+                        token = fenced.token,
+                        older_token,
+                        waited_ms,
+                        retry_after_ms,
+                        "write refused: an earlier term's writes did not finish in time"
+                    );
+                    let problem = Problem::barrier_timeout(&fenced.lease, retry_after_ms);
+                    return Ok(problem.into_response());
+                }
+            };
+            policy.metrics.write_forwarded();
+            tracing::debug!(lease = %fenced.lease, token = fenced.token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted after the handover barrier");
+            let res = forward(req).await?;
+            Ok(attach_guard(res, Some(admitted.guard)))
+        }))
     }
 }
 
 fn reject_write(
     policy: &FencePolicy,
-    lease: &str,
-    token: u64,
-    caller: Option<&Caller>,
+    fenced: &Fenced,
     req: &Request<Body>,
     reject: crate::lease::Reject,
 ) -> Response<Body> {
-    policy.metrics.write_rejected(reject.reason());
-    tracing::info!(target: "audit", lease, token, reason = reject.reason(), method = %req.method(), "write rejected");
-    let problem = Problem::rejected(lease, reject);
-    visible_to(problem, &policy.leases, lease, caller.map(|c| &*c.0)).into_response()
+    let reason = Reason::from(&reject).slug();
+    policy.metrics.write_rejected(reason);
+    tracing::info!(target: "audit", lease = %fenced.lease, token = fenced.token, reason, method = %req.method(), "write rejected");
+    let problem = Problem::rejected(&fenced.lease, reject);
+    let caller = fenced.caller.as_ref().map(|c| &*c.0);
+    visible_to(problem, &policy.leases, &fenced.lease, caller).into_response()
 }
 
 /// With authentication on, a problem about `lease` shows the current term's
@@ -605,7 +614,7 @@ mod tests {
             "abc",
         ] {
             assert_eq!(
-                ok(bad).unwrap_err().reason(),
+                ok(bad).unwrap_err().reason().slug(),
                 "malformed-fencing-token",
                 "{bad:?}"
             );
@@ -616,7 +625,12 @@ mod tests {
 
     #[test]
     fn presence_is_checked_before_form() {
-        let r = |pairs: &[(&str, &str)]| credentials(&headers(pairs), true).unwrap_err().reason();
+        let r = |pairs: &[(&str, &str)]| {
+            credentials(&headers(pairs), true)
+                .unwrap_err()
+                .reason()
+                .slug()
+        };
         assert_eq!(r(&[]), "missing-fencing-token");
         assert_eq!(r(&[("fencing-lease-id", "x")]), "missing-fencing-token");
         // A malformed token with no lease id: the missing header decides.

@@ -19,7 +19,7 @@ use http::{Method, Request, Response, StatusCode};
 use tower::Service;
 
 use crate::body::{self, Body};
-use crate::error::Problem;
+use crate::error::{Problem, Reason};
 use crate::wire::FENCING_TOKEN;
 
 /// The path prefix the embedded store serves.
@@ -96,12 +96,8 @@ impl EmbeddedStore {
     /// The apply log as JSON (404 when not recording).
     pub fn history_response(&self) -> Response<Body> {
         let Some(history) = &self.history else {
-            return Problem::new(
-                StatusCode::NOT_FOUND,
-                "not-found",
-                "this backend does not record writes",
-            )
-            .into_response();
+            return Problem::new(Reason::NotFound, "this backend does not record writes")
+                .into_response();
         };
         let json = {
             let h = history
@@ -185,12 +181,8 @@ impl EmbeddedStore {
             return self.history_response();
         }
         if !path.starts_with(KV_PREFIX) || path.len() == KV_PREFIX.len() {
-            return Problem::new(
-                StatusCode::NOT_FOUND,
-                "not-found",
-                "the embedded store serves /kv/{key}",
-            )
-            .into_response();
+            return Problem::new(Reason::NotFound, "the embedded store serves /kv/{key}")
+                .into_response();
         }
         match *req.method() {
             Method::GET | Method::HEAD => {
@@ -216,8 +208,7 @@ impl EmbeddedStore {
                     Ok(bytes) => bytes,
                     Err(body::ReadError::TooLarge) => {
                         return Problem::new(
-                            StatusCode::PAYLOAD_TOO_LARGE,
-                            "payload-too-large",
+                            Reason::PayloadTooLarge,
                             "the body is over the configured limit",
                         )
                         .into_response()
@@ -258,12 +249,7 @@ impl EmbeddedStore {
 }
 
 fn no_such_key() -> Response<Body> {
-    Problem::new(
-        StatusCode::NOT_FOUND,
-        "not-found",
-        "no value is stored at this key",
-    )
-    .into_response()
+    Problem::new(Reason::NotFound, "no value is stored at this key").into_response()
 }
 
 impl Service<Request<Body>> for EmbeddedStore {

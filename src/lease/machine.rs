@@ -81,18 +81,6 @@ pub enum Reject {
 }
 
 impl Reject {
-    /// The stable `reason` of the problem document.
-    pub fn reason(&self) -> &'static str {
-        match self {
-            Reject::UnknownToken { .. } => "unknown-fencing-token",
-            Reject::StaleToken { .. } => "stale-fencing-token",
-            Reject::LeaseIdMismatch { .. } => "lease-id-mismatch",
-            Reject::NotHolder { .. } => "forbidden",
-            Reject::Released { .. } => "lease-released",
-            Reject::Expired { .. } => "lease-expired",
-        }
-    }
-
     /// The lease's current token when the check ran (0 if none was issued).
     pub fn current_token(&self) -> u64 {
         match *self {

@@ -10,6 +10,6 @@ pub mod store;
 pub use id::LeaseId;
 pub use machine::{Admit, Grant, Held, LeaseState, Reject, TermState, View};
 pub use store::{
-    AcquireError, Acquired, AdmitError, AdmitOptions, Admitted, LeaseLimits, LeaseStore,
+    AcquireError, Acquired, Admission, AdmitError, AdmitOptions, Admitted, LeaseLimits, LeaseStore,
     RenewError, RestartRule, WriteGuard,
 };

@@ -1,0 +1,339 @@
+//! The handover barrier: while a write of an older term of a lease may still
+//! reach the backend, a write of a newer term waits. A write counts as in
+//! flight from its admission until its answer has been sent (bounded by the
+//! settle time after the answer), or, if its outcome is unknown, for the
+//! settle time; writes sent before a restart count until the restart's
+//! unsettled window ends.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::{LeaseCell, LeaseStore};
+use crate::lease::machine::{Admit, Reject};
+
+/// Counters of the handover barrier, for metrics.
+#[derive(Debug, Default)]
+pub struct HandoverStats {
+    /// Writes that waited for an earlier term's writes to finish.
+    pub barrier_waits: AtomicU64,
+    /// Milliseconds spent waiting, all waits together.
+    pub barrier_wait_ms: AtomicU64,
+    /// Writes refused because earlier writes did not finish in time.
+    pub barrier_timeouts: AtomicU64,
+}
+
+/// How a write is admitted.
+#[derive(Clone, Copy, Debug)]
+pub struct AdmitOptions {
+    /// A write needs more than this much of its term left.
+    pub margin_ms: u64,
+    /// Whether a newer term's writes wait for an older term's to finish.
+    /// Switching it off voids the handover guarantee; it exists so tests can
+    /// show what the barrier prevents.
+    pub barrier: bool,
+    /// Longest wait for an older term's writes (the upstream deadline).
+    pub max_wait_ms: u64,
+    /// How long a write whose outcome is unknown (upstream connection lost,
+    /// upstream timeout, client gone) still counts as in flight.
+    pub settle_ms: u64,
+}
+
+impl Default for AdmitOptions {
+    fn default() -> Self {
+        Self {
+            margin_ms: 0,
+            barrier: true,
+            max_wait_ms: 30_000,
+            settle_ms: 1_000,
+        }
+    }
+}
+
+/// An admitted write. It holds back newer terms' writes while it awaits the
+/// backend's answer, then while its response body is sent (at most the
+/// settle time after the answer, see [`WriteGuard::answered`]); dropped
+/// unfinished, its outcome is unknown and it holds them back for the settle
+/// time.
+#[must_use = "the write counts as in flight until the guard is finished or dropped"]
+pub struct WriteGuard {
+    store: LeaseStore,
+    cell: Arc<LeaseCell>,
+    token: u64,
+    settle_ms: u64,
+    phase: Phase,
+}
+
+/// Where an admitted write is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Sent (or about to be), no answer yet.
+    Awaiting,
+    /// Answered; its response body is being sent until at most then.
+    Streaming { until_ms: u64 },
+    /// Over, and counted so.
+    Done,
+}
+
+/// A write that may go to the backend.
+pub struct Admitted {
+    pub guard: WriteGuard,
+    /// Time spent waiting for an earlier term's writes (0 almost always).
+    pub waited_ms: u64,
+}
+
+/// A write that must wait for an earlier term's writes to finish.
+#[derive(Debug)]
+pub struct MustWait {
+    /// The newest earlier term with writes in flight.
+    pub older_token: u64,
+    /// The waiting write's own term deadline.
+    pub deadline_ms: u64,
+    /// When the wait ends by the clock alone, if only time holds the write
+    /// back (answered or unknown-outcome writes settling, writes from before
+    /// a restart); `None` while an older write awaits its answer.
+    pub until_ms: Option<u64>,
+    /// When the check ran.
+    pub now_ms: u64,
+    cell: Arc<LeaseCell>,
+}
+
+/// What [`LeaseStore::try_admit_write`] decided, at once.
+#[derive(Debug)]
+pub enum Admission {
+    /// The write may go to the backend now; it counts as in flight.
+    Admitted(WriteGuard),
+    /// The write must wait for an earlier term's writes to finish.
+    MustWait(MustWait),
+    /// The write is refused.
+    Refused(Reject),
+}
+
+/// Why a write was not admitted.
+#[derive(Debug)]
+pub enum AdmitError {
+    Rejected(Reject),
+    /// Writes of an earlier term were still unfinished at the wait limit
+    /// (or will be, which is known at once when only time holds the write
+    /// back: then `retry_after_ms` says when they will have settled).
+    DrainTimeout {
+        older_token: u64,
+        waited_ms: u64,
+        retry_after_ms: Option<u64>,
+    },
+}
+
+impl std::fmt::Debug for WriteGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WriteGuard")
+            .field("token", &self.token)
+            .finish()
+    }
+}
+
+impl WriteGuard {
+    /// The backend answered (the response head arrived) and a body follows.
+    /// From now on the write holds back newer terms only until the body ends
+    /// or the settle time has passed, whichever comes first: the backend has
+    /// answered, so a client that stops reading the body cannot hold the next
+    /// term at the barrier.
+    pub fn answered(&mut self) {
+        if self.phase != Phase::Awaiting {
+            return;
+        }
+        let until_ms = self.store.clock().now_ms().saturating_add(self.settle_ms);
+        if self.cell.inflight().answered(self.token, until_ms) {
+            self.cell.changed.notify_waiters();
+        }
+        self.phase = Phase::Streaming { until_ms };
+    }
+
+    /// The write is complete (its whole response has arrived): it stops
+    /// counting as in flight now.
+    pub fn finish(mut self) {
+        self.end(0);
+    }
+
+    /// The write's token.
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+
+    /// Counts the write over; it holds back newer terms until
+    /// `linger_until_ms` (0: not at all).
+    fn end(&mut self, linger_until_ms: u64) {
+        let streaming = match self.phase {
+            Phase::Done => return,
+            Phase::Awaiting => false,
+            Phase::Streaming { .. } => true,
+        };
+        self.phase = Phase::Done;
+        if self
+            .cell
+            .inflight()
+            .remove(self.token, streaming, linger_until_ms)
+        {
+            self.cell.changed.notify_waiters();
+        }
+    }
+}
+
+impl Drop for WriteGuard {
+    fn drop(&mut self) {
+        // Unfinished: the outcome is unknown, and the backend may still apply
+        // the write. It holds back newer terms for the settle time (from
+        // now, or, once answered, from the answer).
+        let linger_until_ms = match self.phase {
+            Phase::Done => return,
+            _ if self.settle_ms == 0 => 0,
+            Phase::Awaiting => self.store.clock().now_ms().saturating_add(self.settle_ms),
+            Phase::Streaming { until_ms } => until_ms,
+        };
+        self.end(linger_until_ms);
+    }
+}
+
+impl LeaseStore {
+    /// Decides at once whether a write with `token` may reach the storage
+    /// now. The hot path: one map lookup, no allocation, no await.
+    pub fn try_admit_write(
+        &self,
+        name: &str,
+        token: u64,
+        lease_id: Option<&[u8]>,
+        holder: Option<&str>,
+        options: &AdmitOptions,
+    ) -> Admission {
+        let now_ms = self.shared.clock.now_ms();
+        let Some(slot) = self.shared.leases.get(name) else {
+            return Admission::Refused(Reject::UnknownToken { current: 0 });
+        };
+        let admit: Admit =
+            match slot
+                .state
+                .check_write(now_ms, options.margin_ms, token, lease_id, holder)
+            {
+                Ok(admit) => admit,
+                Err(reject) => return Admission::Refused(reject),
+            };
+        let mut inflight = slot.cell.inflight();
+        if options.barrier {
+            if let Some(blocked) = inflight.older_than(token, now_ms) {
+                inflight.note_waiter();
+                return Admission::MustWait(MustWait {
+                    older_token: blocked.older_token,
+                    deadline_ms: admit.deadline_ms,
+                    until_ms: blocked.until_ms,
+                    now_ms,
+                    cell: slot.cell.clone(),
+                });
+            }
+            // Writes of earlier terms sent before a restart may still be at
+            // the backend: they left no trace but the time of the restart.
+            // (A lease's first term has no earlier term to wait for.)
+            let unsettled_until_ms = self.shared.unsettled_until_ms;
+            if slot.recovered && token > 1 && now_ms < unsettled_until_ms {
+                return Admission::MustWait(MustWait {
+                    older_token: token - 1,
+                    deadline_ms: admit.deadline_ms,
+                    until_ms: Some(unsettled_until_ms),
+                    now_ms,
+                    cell: slot.cell.clone(),
+                });
+            }
+        }
+        inflight.add(token);
+        drop(inflight);
+        Admission::Admitted(WriteGuard {
+            store: self.clone(),
+            cell: slot.cell.clone(),
+            token,
+            settle_ms: options.settle_ms,
+            phase: Phase::Awaiting,
+        })
+    }
+
+    /// [`LeaseStore::try_admit_write`], waiting as long as it allows.
+    ///
+    /// The handover barrier: while any write of an older term is in flight,
+    /// a write of a newer term waits (re-checked whenever a term drains, and
+    /// at its own deadline, which still applies). Writes of one term never
+    /// wait for each other.
+    pub async fn admit_write(
+        &self,
+        name: &str,
+        token: u64,
+        lease_id: Option<&[u8]>,
+        holder: Option<&str>,
+        options: AdmitOptions,
+    ) -> Result<Admitted, AdmitError> {
+        let clock = &self.shared.clock;
+        let mut started_ms = None;
+        let admitted = |guard: WriteGuard, started_ms: Option<u64>| {
+            let waited_ms = started_ms.map_or(0, |s| clock.now_ms().saturating_sub(s));
+            if started_ms.is_some() {
+                self.shared
+                    .stats
+                    .barrier_wait_ms
+                    .fetch_add(waited_ms, Ordering::Relaxed);
+            }
+            Admitted { guard, waited_ms }
+        };
+        loop {
+            let wait = match self.try_admit_write(name, token, lease_id, holder, &options) {
+                Admission::Admitted(guard) => return Ok(admitted(guard, started_ms)),
+                Admission::MustWait(wait) => wait,
+                Admission::Refused(reject) => return Err(AdmitError::Rejected(reject)),
+            };
+            let now_ms = wait.now_ms;
+            let started = *started_ms.get_or_insert_with(|| {
+                self.shared
+                    .stats
+                    .barrier_waits
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(
+                    lease = name,
+                    token,
+                    older_token = wait.older_token,
+                    "write waits for an earlier term's writes"
+                );
+                now_ms
+            });
+            let wait_until_ms = started.saturating_add(options.max_wait_ms);
+            // A wait known to outlast the limit is refused at once.
+            let hopeless = wait.until_ms.filter(|&until| until > wait_until_ms);
+            if now_ms >= wait_until_ms || hopeless.is_some() {
+                self.shared
+                    .stats
+                    .barrier_timeouts
+                    .fetch_add(1, Ordering::Relaxed);
+                return Err(AdmitError::DrainTimeout {
+                    older_token: wait.older_token,
+                    waited_ms: now_ms - started,
+                    retry_after_ms: hopeless.map(|until| until - now_ms),
+                });
+            }
+            // Listen first, then re-check: a drain between the check above
+            // and this registration is then not missed.
+            let cell = wait.cell;
+            let notified = cell.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let wait = match self.try_admit_write(name, token, lease_id, holder, &options) {
+                Admission::Admitted(guard) => return Ok(admitted(guard, started_ms)),
+                Admission::MustWait(wait) => wait,
+                Admission::Refused(reject) => return Err(AdmitError::Rejected(reject)),
+            };
+            // The term's own deadline (less the margin) still applies: wake
+            // then and let the check refuse the write.
+            let wake_ms = wait
+                .deadline_ms
+                .saturating_sub(options.margin_ms)
+                .min(wait_until_ms)
+                .min(wait.until_ms.unwrap_or(u64::MAX));
+            tokio::select! {
+                () = notified => {}
+                () = clock.sleep_until(wake_ms) => {}
+            }
+        }
+    }
+}
