@@ -22,9 +22,9 @@ use bucket::HolderBuckets;
 
 use super::id::LeaseId;
 use super::inflight::Inflight;
-use super::machine::{AcquireRefused, Held, LeaseState, Reject, Term, View};
+use super::machine::{AcquireRefused, Grant, Held, LeaseState, Reject, Term, View};
 use crate::clock::Clock;
-use crate::journal::{GrantRecord, Journal, LeaseRecord};
+use crate::journal::{GrantRecord, Journal, JournalFuture, LeaseRecord};
 use crate::names::{Holder, LeaseName};
 
 /// Bounds the store enforces on every acquire and renew.
@@ -81,6 +81,15 @@ pub enum AcquireError {
     TooManyLeases { max_leases: usize },
     /// The holder is over its acquire rate; try again after this long.
     RateLimited { retry_after_ms: u64 },
+}
+
+/// A grant made under its lease's lock, its record queued, not yet durable.
+struct Pending {
+    grant: Grant,
+    lease_id: LeaseId,
+    /// The term it replaced, put back if the record cannot be made durable.
+    previous: Option<Term>,
+    persisted: JournalFuture,
 }
 
 /// Why a renew failed.
@@ -270,7 +279,6 @@ impl LeaseStore {
 
     /// Grants a new term of `name` to `holder`, waiting up to `wait_ms` for a
     /// live term to end. The token is persisted before this returns.
-    ///
     pub async fn acquire(
         &self,
         name: &LeaseName,
@@ -278,99 +286,29 @@ impl LeaseStore {
         ttl_ms: u64,
         wait_ms: u64,
     ) -> Result<Acquired, AcquireError> {
-        let (name, holder) = (name.as_str(), holder.as_str());
-        self.check_ttl(ttl_ms)
-            .map_err(|(min_ttl_ms, max_ttl_ms)| AcquireError::InvalidTtl {
-                min_ttl_ms,
-                max_ttl_ms,
-            })?;
-        if wait_ms > self.shared.limits.max_wait_ms {
-            return Err(AcquireError::Invalid(format!(
-                "wait_ms must be at most {}",
-                self.shared.limits.max_wait_ms
-            )));
-        }
-        self.shared
-            .buckets
-            .take(
-                holder,
-                self.shared.limits.acquire_rate_per_holder,
-                self.shared.clock.now_ms(),
-            )
-            .map_err(|retry_after_ms| AcquireError::RateLimited { retry_after_ms })?;
-        let max_leases = self.shared.limits.max_leases;
-        if self.shared.leases.len() >= max_leases && !self.shared.leases.contains_key(name) {
-            return Err(AcquireError::TooManyLeases { max_leases });
-        }
+        self.check_acquire(name, holder, ttl_ms, wait_ms)?;
         let clock = &self.shared.clock;
         let wait_until_ms = clock.now_ms().saturating_add(wait_ms);
         loop {
             let lease_id = LeaseId::generate()
                 .map_err(|e| AcquireError::Unavailable(format!("OS RNG failed: {e}")))?;
-            let freed = self
+            let mut slot = self
                 .shared
                 .leases
-                .entry(name.to_owned())
-                .or_insert_with(|| self.new_slot())
-                .cell
-                .clone();
-            // Listen before trying, so a release between the attempt and the
-            // wait below still wakes this acquirer.
-            let notified = freed.changed.notified();
+                .entry(name.as_str().to_owned())
+                .or_insert_with(|| self.new_slot());
+            // Listen before trying, under the lease's lock, so a release
+            // between the attempt and the wait below still wakes this
+            // acquirer.
+            let cell = slot.cell.clone();
+            let notified = cell.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-
             let now_ms = clock.now_ms();
-            let (outcome, previous, persisted) = {
-                let mut slot = self
-                    .shared
-                    .leases
-                    .entry(name.to_owned())
-                    .or_insert_with(|| self.new_slot());
-                let previous = slot.state.term().cloned();
-                let outcome = slot.state.acquire(now_ms, holder, ttl_ms, lease_id.clone());
-                // The record is queued while the shard is still locked: the
-                // next term of this lease can only be granted after this
-                // guard drops, so its record always follows this one in the
-                // journal, and a replay never ends on an older term.
-                let persisted = outcome.as_ref().ok().map(|grant| {
-                    self.shared.journal.persist_grant(GrantRecord {
-                        lease: name.to_owned(),
-                        token: grant.token,
-                        holder: holder.to_owned(),
-                        ttl_ms,
-                        lease_id: lease_id.to_text(),
-                    })
-                });
-                (outcome, previous, persisted)
-            };
-            match outcome {
-                Ok(grant) => {
-                    let persisted = persisted.expect("a grant has a journal record");
-                    if let Err(err) = persisted.await {
-                        self.abandon(name, grant.token, previous);
-                        tracing::warn!(target: "audit", lease = name, token = grant.token, error = %err, "grant not persisted; refused");
-                        return Err(AcquireError::Unavailable(
-                            "the lease store cannot persist grants right now".into(),
-                        ));
-                    }
-                    tracing::info!(
-                        target: "audit",
-                        lease = name,
-                        token = grant.token,
-                        holder,
-                        ttl_ms,
-                        "lease acquired"
-                    );
-                    return Ok(Acquired {
-                        holder: holder.to_owned(),
-                        token: grant.token,
-                        lease_id,
-                        ttl_ms,
-                        // Time spent persisting counts against the term.
-                        expires_in_ms: grant.deadline_ms.saturating_sub(clock.now_ms()),
-                    });
-                }
+            let attempt = self.attempt(&mut slot, name, holder, ttl_ms, lease_id, now_ms);
+            drop(slot);
+            match attempt {
+                Ok(pending) => return self.confirm(name, holder, ttl_ms, pending).await,
                 Err(AcquireRefused::TokensExhausted) => {
                     return Err(AcquireError::Unavailable(
                         "every fencing token of this lease has been issued".into(),
@@ -388,6 +326,109 @@ impl LeaseStore {
                 }
             }
         }
+    }
+
+    /// The checks an acquire passes before it tries: TTL and wait bounds,
+    /// the holder's rate, the number of leases.
+    fn check_acquire(
+        &self,
+        name: &LeaseName,
+        holder: &Holder,
+        ttl_ms: u64,
+        wait_ms: u64,
+    ) -> Result<(), AcquireError> {
+        let limits = self.shared.limits;
+        self.check_ttl(ttl_ms)
+            .map_err(|(min_ttl_ms, max_ttl_ms)| AcquireError::InvalidTtl {
+                min_ttl_ms,
+                max_ttl_ms,
+            })?;
+        if wait_ms > limits.max_wait_ms {
+            return Err(AcquireError::Invalid(format!(
+                "wait_ms must be at most {}",
+                limits.max_wait_ms
+            )));
+        }
+        self.shared
+            .buckets
+            .take(
+                holder,
+                limits.acquire_rate_per_holder,
+                self.shared.clock.now_ms(),
+            )
+            .map_err(|retry_after_ms| AcquireError::RateLimited { retry_after_ms })?;
+        let leases = &self.shared.leases;
+        if leases.len() >= limits.max_leases && !leases.contains_key(name.as_str()) {
+            return Err(AcquireError::TooManyLeases {
+                max_leases: limits.max_leases,
+            });
+        }
+        Ok(())
+    }
+
+    /// One try at a grant, under the lease's lock. The record is queued
+    /// while the lock is held: the next term of this lease can only be
+    /// granted after it is released, so its record always follows this one
+    /// in the journal, and a replay never ends on an older term.
+    fn attempt(
+        &self,
+        slot: &mut Slot,
+        name: &LeaseName,
+        holder: &Holder,
+        ttl_ms: u64,
+        lease_id: LeaseId,
+        now_ms: u64,
+    ) -> Result<Pending, AcquireRefused> {
+        let previous = slot.state.term().cloned();
+        let grant = slot
+            .state
+            .acquire(now_ms, holder, ttl_ms, lease_id.clone())?;
+        let persisted = self.shared.journal.persist_grant(GrantRecord {
+            lease: name.as_str().to_owned(),
+            token: grant.token,
+            holder: holder.as_str().to_owned(),
+            ttl_ms,
+            lease_id: lease_id.to_text(),
+        });
+        Ok(Pending {
+            grant,
+            lease_id,
+            previous,
+            persisted,
+        })
+    }
+
+    /// Waits for `pending`'s record to be durable; if it cannot be, the
+    /// grant is taken back and the acquire fails closed.
+    async fn confirm(
+        &self,
+        name: &LeaseName,
+        holder: &Holder,
+        ttl_ms: u64,
+        pending: Pending,
+    ) -> Result<Acquired, AcquireError> {
+        let Pending {
+            grant,
+            lease_id,
+            previous,
+            persisted,
+        } = pending;
+        if let Err(err) = persisted.await {
+            self.abandon(name, grant.token, previous);
+            tracing::warn!(target: "audit", lease = %name, token = grant.token, error = %err, "grant not persisted; refused");
+            return Err(AcquireError::Unavailable(
+                "the lease store cannot persist grants right now".into(),
+            ));
+        }
+        tracing::info!(target: "audit", lease = %name, token = grant.token, holder = %holder, ttl_ms, "lease acquired");
+        Ok(Acquired {
+            holder: holder.as_str().to_owned(),
+            token: grant.token,
+            lease_id,
+            ttl_ms,
+            // Time spent persisting counts against the term.
+            expires_in_ms: grant.deadline_ms.saturating_sub(self.shared.clock.now_ms()),
+        })
     }
 
     /// The entry of a lease not in the store yet.
