@@ -262,37 +262,73 @@ struct Term {
     next_renew_ms: u64,
 }
 
+/// One writer: acquires a random lease, writes with it (sometimes pausing
+/// past its term and writing on with the old token, as a stale writer
+/// would), releases it if it still holds it, and again until the run is done.
 async fn writer(index: u32, shared: Arc<Shared>, seed: u64) -> Result<(), String> {
-    let mut rng = Rng(seed);
     let name = format!("{}-w{index}", shared.run_id);
-    let args = &shared.args;
-    let skew_ms = if index % 2 == 1 { args.skew } else { 0 };
-    let mut n = 0u64;
-    // Since when the lease API has not answered at all.
-    let mut unreachable_since: Option<Stopwatch> = None;
-    while !shared.done() {
-        let lease = format!("lt-{}", rng.below(u64::from(args.leases)));
-        let sent_ms = shared.started.elapsed_ms();
+    let skew_ms = if index % 2 == 1 { shared.args.skew } else { 0 };
+    let mut writer = Writer {
+        shared,
+        rng: Rng(seed),
+        name,
+        skew_ms,
+        n: 0,
+        unreachable_since: None,
+    };
+    while !writer.shared.done() {
+        let Some(mut term) = writer.acquire().await? else {
+            continue;
+        };
+        if writer.write_with(&mut term).await {
+            writer.release(&term).await;
+        }
+    }
+    Ok(())
+}
+
+/// One writer's state.
+struct Writer {
+    shared: Arc<Shared>,
+    rng: Rng,
+    /// The writer's name (its holder name without authentication).
+    name: String,
+    /// How much later than the proxy this writer believes its terms end.
+    skew_ms: u64,
+    /// Writes sent so far.
+    n: u64,
+    /// Since when the lease API has not answered at all.
+    unreachable_since: Option<Stopwatch>,
+}
+
+impl Writer {
+    /// Acquires a random lease: `None` to try again (held past the wait,
+    /// the store briefly unavailable, rate-limited, or the proxy
+    /// unreachable for less than the limit).
+    async fn acquire(&mut self) -> Result<Option<Term>, String> {
+        let args = &self.shared.args;
+        let lease = format!("lt-{}", self.rng.below(u64::from(args.leases)));
+        let sent_ms = self.shared.started.elapsed_ms();
         let mut body = json!({"ttl_ms": args.ttl, "wait_ms": (args.ttl * 4).min(60_000)});
         // With authentication on, the caller is the holder.
-        if shared.bearer.is_none() {
-            body["holder"] = name.clone().into();
+        if self.shared.bearer.is_none() {
+            body["holder"] = self.name.clone().into();
         }
-        let answer = match call(
-            &shared,
+        let answer = call(
+            &self.shared,
             Method::POST,
             format!("{}/_fence/leases/{lease}", args.target),
             &[("content-type", "application/json")],
             Bytes::from(body.to_string()),
         )
-        .await
-        {
+        .await;
+        let answer = match answer {
             Ok(answer) => {
-                unreachable_since = None;
+                self.unreachable_since = None;
                 answer
             }
             Err(e) => {
-                let since = *unreachable_since.get_or_insert_with(Stopwatch::start);
+                let since = *self.unreachable_since.get_or_insert_with(Stopwatch::start);
                 if since.elapsed_ms() >= UNREACHABLE_LIMIT_MS {
                     return Err(format!(
                         "cannot reach {} for {} s: {e}",
@@ -301,17 +337,16 @@ async fn writer(index: u32, shared: Arc<Shared>, seed: u64) -> Result<(), String
                     ));
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
-                continue;
+                return Ok(None);
             }
         };
         match answer.status {
             StatusCode::CREATED => {}
-            // Held past the wait, the store briefly unavailable, or rate-limited.
             StatusCode::CONFLICT
             | StatusCode::SERVICE_UNAVAILABLE
             | StatusCode::TOO_MANY_REQUESTS => {
                 tokio::time::sleep(Duration::from_millis(5)).await;
-                continue;
+                return Ok(None);
             }
             other => {
                 return Err(format!(
@@ -321,7 +356,7 @@ async fn writer(index: u32, shared: Arc<Shared>, seed: u64) -> Result<(), String
             }
         }
         let expires = answer.json["expires_in_ms"].as_u64().unwrap_or(0);
-        let mut term = Term {
+        Ok(Some(Term {
             lease,
             token: answer.json["token"].as_u64().unwrap_or(0),
             lease_id: answer.json["lease_id"]
@@ -329,43 +364,40 @@ async fn writer(index: u32, shared: Arc<Shared>, seed: u64) -> Result<(), String
                 .unwrap_or_default()
                 .to_owned(),
             true_deadline_ms: sent_ms + expires,
-            believed_deadline_ms: sent_ms + expires + skew_ms,
+            believed_deadline_ms: sent_ms + expires + self.skew_ms,
             next_renew_ms: sent_ms + args.ttl / 3,
-        };
+        }))
+    }
+
+    /// A few writes with `term`, renewing it on the way; sometimes a pause
+    /// (no renewals) and then two writes with the old token. Whether the
+    /// writer still holds the term at the end.
+    async fn write_with(&mut self, term: &mut Term) -> bool {
+        let shared = self.shared.clone();
         let mut zombie_writes = 0u32;
         let mut holding = true;
-        for _ in 0..(3 + rng.below(10)) {
-            if zombie_writes == 0 && rng.chance(args.pause_prob) {
-                // A pause: no renewals, then writes with the old token.
+        for _ in 0..(3 + self.rng.below(10)) {
+            if zombie_writes == 0 && self.rng.chance(shared.args.pause_prob) {
                 tokio::time::sleep(Duration::from_millis(shared.pause_ms)).await;
                 zombie_writes = 2;
                 holding = false;
             }
             if zombie_writes == 0 {
                 let now_ms = shared.started.elapsed_ms();
-                if now_ms >= term.next_renew_ms && !renew(&shared, &mut term, skew_ms).await {
-                    holding = false;
-                    break;
+                if now_ms >= term.next_renew_ms && !renew(&shared, term, self.skew_ms).await {
+                    return false;
                 }
                 if shared.started.elapsed_ms() >= term.believed_deadline_ms {
-                    holding = false;
-                    break;
+                    return false;
                 }
             }
             if !shared.claim_write() {
                 break;
             }
-            n += 1;
+            self.n += 1;
             let stale = zombie_writes > 0 || shared.started.elapsed_ms() >= term.true_deadline_ms;
-            write(
-                &shared,
-                &name,
-                &format!("{name}-{n}"),
-                &term,
-                stale,
-                &mut rng,
-            )
-            .await;
+            let id = format!("{}-{}", self.name, self.n);
+            write(&shared, &self.name, &id, term, stale, &mut self.rng).await;
             if zombie_writes > 0 {
                 zombie_writes -= 1;
                 if zombie_writes == 0 {
@@ -373,19 +405,22 @@ async fn writer(index: u32, shared: Arc<Shared>, seed: u64) -> Result<(), String
                 }
             }
         }
-        if holding {
-            let token = term.token.to_string();
-            let _ = call(
-                &shared,
-                Method::DELETE,
-                format!("{}/_fence/leases/{}", args.target, term.lease),
-                &[(FENCING_TOKEN, &token), (FENCING_LEASE_ID, &term.lease_id)],
-                Bytes::new(),
-            )
-            .await;
-        }
+        holding
     }
-    Ok(())
+
+    /// Releases `term` (best effort: an expired term is refused, and that
+    /// is fine).
+    async fn release(&self, term: &Term) {
+        let token = term.token.to_string();
+        let _ = call(
+            &self.shared,
+            Method::DELETE,
+            format!("{}/_fence/leases/{}", self.shared.args.target, term.lease),
+            &[(FENCING_TOKEN, &token), (FENCING_LEASE_ID, &term.lease_id)],
+            Bytes::new(),
+        )
+        .await;
+    }
 }
 
 async fn renew(shared: &Shared, term: &mut Term, skew_ms: u64) -> bool {
@@ -503,6 +538,75 @@ async fn progress(shared: Arc<Shared>, total: Option<u64>) {
 
 /// Runs the load test; returns the report and the process exit status.
 pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
+    check_args(&mut args)?;
+    let total = match (args.writes, args.duration) {
+        (Some(n), _) => Some(n),
+        (None, Some(_)) => None,
+        (None, None) => Some(2000),
+    };
+    let seed = args.seed.unwrap_or_else(|| {
+        let mut b = [0u8; 8];
+        let _ = getrandom::fill(&mut b);
+        u64::from_le_bytes(b)
+    });
+    let history_url = args
+        .history
+        .clone()
+        .or_else(|| args.direct.clone())
+        .unwrap_or_else(|| args.target.clone());
+    let shared = prepare(&args, total)?;
+    // Both ends must answer before the run starts, not only at its end.
+    let live = format!("{}/_fence/livez", args.target);
+    call(&shared, Method::GET, live, &[], Bytes::new())
+        .await
+        .map_err(|e| format!("cannot reach {}: {e}", args.target))?;
+    read_history(&shared, &history_url).await?;
+    drive(&shared, total, seed).await?;
+    let duration_ms = shared.started.elapsed_ms().max(1);
+
+    let history = read_history(&shared, &history_url).await?;
+    let prefix = format!("{}-", shared.run_id);
+    let log: Vec<_> = history
+        .entries
+        .into_iter()
+        .filter(|e| e.writer.as_deref().is_some_and(|w| w.starts_with(&prefix)))
+        .collect();
+    let writes = std::mem::take(
+        &mut *shared
+            .log
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    );
+    let findings = check::check(&log, &writes);
+    let (safe, verdict, status) = verdict(&findings, history.truncated, args.min_stale);
+    let report = Report {
+        target: args.target.clone(),
+        direct: args.direct.clone(),
+        run_id: shared.run_id.clone(),
+        seed,
+        writers: args.writers,
+        leases: args.leases,
+        ttl_ms: args.ttl,
+        pause_prob: args.pause_prob,
+        pause_ms: shared.pause_ms,
+        skew_ms: args.skew,
+        duration_ms,
+        throughput_per_s: writes.len() as f64 * 1000.0 / duration_ms as f64,
+        latency_us: latency_quantiles(&writes)?,
+        log_truncated: history.truncated,
+        findings,
+        safe,
+        verdict,
+    };
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+        std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    Ok((report, status))
+}
+
+/// Refuses arguments no run can use; trims the URLs' trailing slashes.
+fn check_args(args: &mut LoadtestArgs) -> Result<(), String> {
     if args.leases == 0 || args.writers == 0 || args.ttl == 0 {
         return Err("--leases, --writers and --ttl must be greater than 0".into());
     }
@@ -520,32 +624,21 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
         super::check_url("a URL", url)?;
         *url = url.trim_end_matches('/').to_owned();
     }
-    let total = match (args.writes, args.duration) {
-        (Some(n), _) => Some(n),
-        (None, Some(_)) => None,
-        (None, None) => Some(2000),
-    };
-    let seed = args.seed.unwrap_or_else(|| {
-        let mut b = [0u8; 8];
-        let _ = getrandom::fill(&mut b);
-        u64::from_le_bytes(b)
-    });
+    Ok(())
+}
+
+/// What the writers share: the HTTP client, the credentials, the run's id
+/// and counters.
+fn prepare(args: &LoadtestArgs, total: Option<u64>) -> Result<Arc<Shared>, String> {
     let run_id = {
         let mut b = [0u8; 4];
         let _ = getrandom::fill(&mut b);
         format!("r{:08x}", u32::from_le_bytes(b))
     };
-    let pause_ms = args.pause.unwrap_or(args.ttl * 3 / 2);
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(Duration::from_secs(2)));
     let client = Client::builder(TokioExecutor::new()).build(connector);
-    let write_base = args.direct.clone().unwrap_or_else(|| args.target.clone());
-    let history_url = args
-        .history
-        .clone()
-        .or_else(|| args.direct.clone())
-        .unwrap_or_else(|| args.target.clone());
     let bearer = match super::bearer_secret(args.token_file.as_ref())? {
         Some(secret) => {
             let mut value = http::HeaderValue::from_str(&format!("Bearer {secret}"))
@@ -555,13 +648,13 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
         }
         None => None,
     };
-    let shared = Arc::new(Shared {
+    Ok(Arc::new(Shared {
         client,
         bearer,
         args: args.clone(),
-        write_base,
-        run_id: run_id.clone(),
-        pause_ms,
+        write_base: args.direct.clone().unwrap_or_else(|| args.target.clone()),
+        run_id,
+        pause_ms: args.pause.unwrap_or(args.ttl * 3 / 2),
         writes_left: AtomicI64::new(
             total.map_or(i64::MAX, |t| i64::try_from(t).unwrap_or(i64::MAX)),
         ),
@@ -569,23 +662,21 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
         started: Stopwatch::start(),
         sent: AtomicU64::new(0),
         log: Mutex::new(Vec::new()),
-    });
-    // Both ends must answer before the run starts, not only at its end.
-    let live = format!("{}/_fence/livez", args.target);
-    call(&shared, Method::GET, live, &[], Bytes::new())
-        .await
-        .map_err(|e| format!("cannot reach {}: {e}", args.target))?;
-    read_history(&shared, &history_url).await?;
+    }))
+}
+
+/// Runs the writers (and the progress line) until they are done; the first
+/// writer that fails stops the others.
+async fn drive(shared: &Arc<Shared>, total: Option<u64>, seed: u64) -> Result<(), String> {
     let bar = tokio::spawn(progress(shared.clone(), total));
     let mut seeds = Rng(seed);
-    let tasks: Vec<_> = (0..args.writers)
+    let tasks: Vec<_> = (0..shared.args.writers)
         .map(|i| tokio::spawn(writer(i, shared.clone(), seeds.next())))
         .collect();
     let mut failure = None;
     for t in tasks {
         if let Err(e) = t.await.map_err(|e| format!("a writer failed: {e}"))? {
             failure.get_or_insert(e);
-            // Stop the others too.
             shared.stop.store(true, Ordering::Relaxed);
         }
     }
@@ -596,50 +687,44 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
     if std::io::stderr().is_terminal() && shared.started.elapsed_ms() >= 2000 {
         eprintln!();
     }
-    let duration_ms = shared.started.elapsed_ms().max(1);
+    Ok(())
+}
 
-    let history = read_history(&shared, &history_url).await?;
-    let prefix = format!("{run_id}-");
-    let log: Vec<_> = history
-        .entries
-        .into_iter()
-        .filter(|e| e.writer.as_deref().is_some_and(|w| w.starts_with(&prefix)))
-        .collect();
-    let writes = std::mem::take(
-        &mut *shared
-            .log
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner),
-    );
-    let findings = check::check(&log, &writes);
-
+/// p50, p99 and p99.9 of the writes' latencies, in microseconds.
+fn latency_quantiles(writes: &[ClientWrite]) -> Result<BTreeMap<String, u64>, String> {
     let mut hist = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3)
         .map_err(|e| e.to_string())?;
-    for w in &writes {
+    for w in writes {
         let _ = hist.record(w.latency_us.max(1));
     }
-    let latency_us: BTreeMap<String, u64> = [("p50", 50.0), ("p99", 99.0), ("p99.9", 99.9)]
+    Ok([("p50", 50.0), ("p99", 99.0), ("p99.9", 99.9)]
         .into_iter()
         .map(|(k, q)| (k.to_owned(), hist.value_at_quantile(q / 100.0)))
-        .collect();
-    let (safe, verdict, status) = if findings.violations() > 0 {
+        .collect())
+}
+
+/// `(safe, verdict line, exit status)`: unsafe on any violation;
+/// inconclusive when the apply log was truncated or too few stale writes
+/// were tried.
+fn verdict(findings: &Findings, truncated: bool, min_stale: u64) -> (bool, String, u8) {
+    if findings.violations() > 0 {
         (
             false,
             format!("UNSAFE: {} safety violations", findings.violations()),
             1,
         )
-    } else if history.truncated {
+    } else if truncated {
         (
             false,
             "INCONCLUSIVE: the apply log was truncated".to_owned(),
             1,
         )
-    } else if findings.stale_attempts < args.min_stale {
+    } else if findings.stale_attempts < min_stale {
         (
             true,
             format!(
                 "INCONCLUSIVE: only {} stale writes attempted (--min-stale {})",
-                findings.stale_attempts, args.min_stale
+                findings.stale_attempts, min_stale
             ),
             1,
         )
@@ -649,31 +734,7 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
             "SAFE: no stale write reached the storage".to_owned(),
             0,
         )
-    };
-    let report = Report {
-        target: args.target.clone(),
-        direct: args.direct.clone(),
-        run_id,
-        seed,
-        writers: args.writers,
-        leases: args.leases,
-        ttl_ms: args.ttl,
-        pause_prob: args.pause_prob,
-        pause_ms,
-        skew_ms: args.skew,
-        duration_ms,
-        throughput_per_s: writes.len() as f64 * 1000.0 / duration_ms as f64,
-        latency_us,
-        log_truncated: history.truncated,
-        findings,
-        safe,
-        verdict,
-    };
-    if let Some(path) = &args.json {
-        let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
-        std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     }
-    Ok((report, status))
 }
 
 /// Reads the storage's apply log at `history_url`.
