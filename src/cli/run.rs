@@ -15,12 +15,12 @@
 use std::time::Duration;
 
 use clap::Args;
-use tokio::process::Command;
+use tokio::process::{Child, Command};
 use tokio::signal::unix::{signal, SignalKind};
 
 use super::{exit_code, ServerArgs, EXIT_LEASE_LOST, EXIT_USAGE};
 use crate::cli::loadtest::parse_duration_ms;
-use crate::client::GuardOptions;
+use crate::client::{GuardOptions, LeaseClient, LeaseGuard};
 
 /// `fencegate run` options.
 #[derive(Args, Debug)]
@@ -53,6 +53,34 @@ pub struct RunArgs {
 
 /// The longest `run` tries to release a lost term once its command is gone.
 const RELEASE_AFTER_LOSS: Duration = Duration::from_secs(1);
+
+/// The command to run, in a process group of its own, with the term in its
+/// environment.
+fn command(args: &RunArgs, client: &LeaseClient, guard: &LeaseGuard) -> Command {
+    let mut command = Command::new(&args.command[0]);
+    command
+        .args(&args.command[1..])
+        .env("FENCING_LEASE", &args.lease)
+        .env("FENCING_TOKEN", guard.token().to_string())
+        .env("FENCING_LEASE_ID", guard.lease_id())
+        .env("FENCEGATE_SERVER", client.server())
+        .process_group(0);
+    // The command writes through fencegate as the same caller: it gets the
+    // secret's file (never the secret on a command line).
+    if let Some(file) = &args.connect.token_file {
+        command.env("FENCEGATE_TOKEN_FILE", file);
+    }
+    command
+}
+
+/// Stops the command's whole process group: SIGTERM, up to `grace_ms` for
+/// it to exit, then SIGKILL for whatever is left, grandchildren included.
+async fn stop_group(child: &mut Child, pgid: i32, grace_ms: u64) {
+    signal_group(pgid, libc::SIGTERM);
+    let _ = tokio::time::timeout(Duration::from_millis(grace_ms), child.wait()).await;
+    signal_group(pgid, libc::SIGKILL);
+    let _ = child.wait().await;
+}
 
 /// Signals the whole process group `pgid`.
 fn signal_group(pgid: i32, sig: libc::c_int) {
@@ -110,20 +138,7 @@ pub async fn run(args: RunArgs) -> u8 {
         let _ = guard.release().await;
         return 1;
     };
-    let mut command = Command::new(&args.command[0]);
-    command
-        .args(&args.command[1..])
-        .env("FENCING_LEASE", &args.lease)
-        .env("FENCING_TOKEN", guard.token().to_string())
-        .env("FENCING_LEASE_ID", guard.lease_id())
-        .env("FENCEGATE_SERVER", client.server())
-        .process_group(0);
-    // The command writes through fencegate as the same caller: it gets the
-    // secret's file (never the secret on a command line).
-    if let Some(file) = &args.connect.token_file {
-        command.env("FENCEGATE_TOKEN_FILE", file);
-    }
-    let mut child = match command.spawn() {
+    let mut child = match command(&args, &client, &guard).spawn() {
         Ok(child) => child,
         Err(e) => {
             eprintln!("fencegate: cannot run {:?}: {e}", args.command[0]);
@@ -154,11 +169,7 @@ pub async fn run(args: RunArgs) -> u8 {
             () = guard.lost() => {
                 let why = guard.lost_reason().map_or_else(|| "the renewer stopped".to_owned(), |l| l.to_string());
                 eprintln!("fencegate: lease {} lost ({why}): stopping the command", args.lease);
-                signal_group(pgid, libc::SIGTERM);
-                let _ = tokio::time::timeout(Duration::from_millis(grace_ms), child.wait()).await;
-                // Whatever is left of the group, grandchildren included.
-                signal_group(pgid, libc::SIGKILL);
-                let _ = child.wait().await;
+                stop_group(&mut child, pgid, grace_ms).await;
                 // The group is gone: if the term still lives at the proxy (a
                 // missed local deadline), the next holder need not wait for
                 // it. Best effort and brief, within the part of the margin
