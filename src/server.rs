@@ -7,6 +7,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,7 +17,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 use tower::{Service, ServiceExt};
@@ -87,13 +88,7 @@ where
     // 431 problem; larger ones get hyper's bare 431. The framing guard holds
     // no more of an incomplete head than this either.
     let head_buffer = head_buffer_bytes(options.max_header_bytes);
-    let mut builder = http1::Builder::new();
-    builder
-        .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_millis(options.header_read_timeout_ms))
-        .max_buf_size(head_buffer)
-        .keep_alive(true);
-    let builder = Arc::new(builder);
+    let builder = Arc::new(http1_builder(&options, head_buffer));
     let handshake_timeout = Duration::from_millis(options.header_read_timeout_ms);
     let graceful = GracefulShutdown::new();
     let permits = Arc::new(Semaphore::new(options.max_connections));
@@ -133,18 +128,10 @@ where
                     watcher.watch(builder.serve_connection(io, service)).await
                 }
                 Some(tls) => {
-                    let stream =
-                        match tokio::time::timeout(handshake_timeout, tls.accept(stream)).await {
-                            Ok(Ok(stream)) => stream,
-                            Ok(Err(err)) => {
-                                tracing::debug!(%peer, error = %err, "TLS handshake failed");
-                                return;
-                            }
-                            Err(_) => {
-                                tracing::debug!(%peer, "TLS handshake timed out");
-                                return;
-                            }
-                        };
+                    let Some(stream) = handshake(&tls, stream, peer, handshake_timeout).await
+                    else {
+                        return;
+                    };
                     let io = TokioIo::new(Guarded::new(stream, head_buffer));
                     watcher.watch(builder.serve_connection(io, service)).await
                 }
@@ -155,16 +142,50 @@ where
         });
     }
     drop(listener);
-    let grace = Duration::from_millis(options.shutdown_grace_ms);
-    tracing::info!(
-        grace_ms = options.shutdown_grace_ms,
-        "shutting down; draining connections"
-    );
+    drain(graceful, options.shutdown_grace_ms).await;
+    Ok(())
+}
+
+/// HTTP/1.1 with keep-alive, the header read timeout, and a read buffer of
+/// `head_buffer` bytes.
+fn http1_builder(options: &ServerOptions, head_buffer: usize) -> http1::Builder {
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_millis(options.header_read_timeout_ms))
+        .max_buf_size(head_buffer)
+        .keep_alive(true);
+    builder
+}
+
+/// The TLS handshake, within `timeout`; `None` (logged) if it failed.
+async fn handshake(
+    tls: &TlsAcceptor,
+    stream: TcpStream,
+    peer: SocketAddr,
+    timeout: Duration,
+) -> Option<tokio_rustls::server::TlsStream<TcpStream>> {
+    match tokio::time::timeout(timeout, tls.accept(stream)).await {
+        Ok(Ok(stream)) => Some(stream),
+        Ok(Err(err)) => {
+            tracing::debug!(%peer, error = %err, "TLS handshake failed");
+            None
+        }
+        Err(_) => {
+            tracing::debug!(%peer, "TLS handshake timed out");
+            None
+        }
+    }
+}
+
+/// Lets the open connections finish for up to `grace_ms`, then closes them.
+async fn drain(graceful: GracefulShutdown, grace_ms: u64) {
+    tracing::info!(grace_ms, "shutting down; draining connections");
+    let grace = Duration::from_millis(grace_ms);
     if tokio::time::timeout(grace, graceful.shutdown())
         .await
         .is_err()
     {
         tracing::warn!("grace period over; closing remaining connections");
     }
-    Ok(())
 }

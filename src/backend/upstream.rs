@@ -283,32 +283,7 @@ impl Upstream {
             }
             (false, None) => None,
         };
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(Duration::from_millis(options.connect_timeout_ms)));
-        connector.set_nodelay(true);
-        connector.enforce_http(false);
-        // An http:// upstream never does TLS: its connector trusts nothing.
-        let mut config = match &tls_config {
-            Some(config) => ClientConfig::clone(config),
-            None => ClientConfig::builder_with_provider(Arc::new(
-                tokio_rustls::rustls::crypto::ring::default_provider(),
-            ))
-            .with_safe_default_protocol_versions()
-            .map_err(|e| format!("tls: {e}"))?
-            .with_root_certificates(tokio_rustls::rustls::RootCertStore::empty())
-            .with_no_client_auth(),
-        };
-        // The builder sets ALPN itself (and refuses a config that has it).
-        config.alpn_protocols.clear();
-        let connector = HttpsConnectorBuilder::new()
-            .with_tls_config(config)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(connector);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_millis(options.pool_idle_timeout_ms))
-            .pool_max_idle_per_host(options.pool_max_idle)
-            .build(connector);
+        let client = pooled_client(tls_config.as_ref(), options)?;
         let host = authority
             .host()
             .trim_start_matches('[')
@@ -502,15 +477,52 @@ impl Shared {
     }
 
     async fn forward(&self, mut req: Request<Body>) -> Response<Body> {
-        match self.target(req.uri()) {
-            Ok(uri) => *req.uri_mut() = uri,
+        let client = match self.prepare(&mut req) {
+            Ok(client) => client,
+            Err(problem) => return problem.into_response(),
+        };
+        let timeout_ms = req
+            .extensions()
+            .get::<RouteTimeout>()
+            .map_or(self.timeout_ms, |t| t.0);
+        let watch = Stopwatch::start();
+        let peer = match self.mode {
+            ConnectionMode::PerClient => req.extensions().get::<ClientAddr>().cloned(),
+            ConnectionMode::Pooled => None,
+        };
+        let send = async {
+            match &peer {
+                Some(peer) => self.send_dedicated(&peer.0.upstream, req).await,
+                None => self.client.request(req).await.map_err(BoxError::from),
+            }
+        };
+        let result = tokio::time::timeout(Duration::from_millis(timeout_ms), send).await;
+        if let Some(m) = self.metrics.get() {
+            m.upstream_latency(watch.elapsed_us() as f64 / 1e6);
+        }
+        match result {
+            Ok(Ok(res)) => self.relay(res, client.as_ref()),
+            Ok(Err(err)) => self.failed(&*err),
             Err(_) => {
-                return Problem::invalid_request("the request target cannot be forwarded")
-                    .into_response()
+                // Dropping the request future closes its connection, so it is
+                // never reused.
+                tracing::warn!(upstream = %self.authority, timeout_ms, "upstream timed out");
+                outcome_unknown(Problem::upstream_timeout(timeout_ms).into_response())
             }
         }
+    }
+
+    /// Readies `req` for the upstream: its target, hop-by-hop headers
+    /// removed, forwarding headers added, `Host` and `Destination` for the
+    /// upstream. The address the client used (its `Host`, and whether it
+    /// came over TLS), for translating absolute URLs back.
+    fn prepare(&self, req: &mut Request<Body>) -> Result<Option<(HeaderValue, bool)>, Problem> {
+        let uri = self
+            .target(req.uri())
+            .map_err(|_| Problem::invalid_request("the request target cannot be forwarded"))?;
+        *req.uri_mut() = uri;
         strip_hop_by_hop(req.headers_mut());
-        self.add_forwarded(&mut req);
+        self.add_forwarded(req);
         // The address the client used (its Host header, and whether it came
         // over TLS), for translating absolute URLs both ways. A cheap clone;
         // the origin string is made only when a header needs it.
@@ -532,82 +544,101 @@ impl Shared {
                 }
             }
         }
-        let timeout_ms = req
-            .extensions()
-            .get::<RouteTimeout>()
-            .map_or(self.timeout_ms, |t| t.0);
-        let watch = Stopwatch::start();
-        let peer = match self.mode {
-            ConnectionMode::PerClient => req.extensions().get::<ClientAddr>().cloned(),
-            ConnectionMode::Pooled => None,
-        };
-        let send = async {
-            match &peer {
-                Some(peer) => self.send_dedicated(&peer.0.upstream, req).await,
-                None => self.client.request(req).await.map_err(BoxError::from),
-            }
-        };
-        let result = tokio::time::timeout(Duration::from_millis(timeout_ms), send).await;
-        if let Some(m) = self.metrics.get() {
-            m.upstream_latency(watch.elapsed_us() as f64 / 1e6);
-        }
-        match result {
-            Ok(Ok(res)) => {
-                let (mut parts, incoming) = res.into_parts();
-                strip_hop_by_hop(&mut parts.headers);
-                // A redirect that names the upstream's own address names the
-                // proxy instead (nginx's `proxy_redirect default`).
-                let located = parts.headers.contains_key(LOCATION)
-                    || parts.headers.contains_key(CONTENT_LOCATION);
-                if let (true, Some(origin)) = (located, client.as_ref().and_then(client_origin)) {
-                    rebase(&mut parts.headers, &LOCATION, &self.origin, &origin);
-                    rebase(&mut parts.headers, &CONTENT_LOCATION, &self.origin, &origin);
-                }
-                Response::from_parts(parts, body::boxed(incoming))
-            }
-            Ok(Err(err)) if body::is_length_limit(&*err) => {
-                // The client streamed more than the body limit: the upstream
-                // got a cut-off request, and the connection was dropped.
-                outcome_unknown(Problem::payload_too_large(self.max_body_bytes).into_response())
-            }
-            Ok(Err(err)) if body::is_client_body_error(&*err) => {
-                // The client's body broke off or its chunking was malformed
-                // after part of it was streamed: the upstream got a head and
-                // at most the valid part of the body, never its end (no last
-                // chunk, fewer bytes than declared), and the connection was
-                // closed, so a correct HTTP/1.1 server sees an incomplete
-                // request and does not apply it.
-                tracing::info!(upstream = %self.authority, error = %err, "request body failed; upstream request abandoned");
-                outcome_unknown(
-                    Problem::invalid_request(
-                        "the request body broke off or its chunked framing is malformed",
-                    )
-                    .closing_connection()
-                    .into_response(),
-                )
-            }
-            Ok(Err(err)) => {
-                // The whole chain: a pooled client's error says only
-                // "client error (Connect)"; the cause (a refused connection,
-                // a certificate that cannot be verified) is in its sources.
-                let mut cause = err.to_string();
-                let mut source = err.source();
-                while let Some(e) = source {
-                    cause.push_str(": ");
-                    cause.push_str(&e.to_string());
-                    source = e.source();
-                }
-                tracing::warn!(upstream = %self.authority, error = %cause, "upstream request failed");
-                outcome_unknown(Problem::upstream_error().into_response())
-            }
-            Err(_) => {
-                // Dropping the request future closes its connection, so it is
-                // never reused.
-                tracing::warn!(upstream = %self.authority, timeout_ms, "upstream timed out");
-                outcome_unknown(Problem::upstream_timeout(timeout_ms).into_response())
-            }
-        }
+        Ok(client)
     }
+
+    /// The upstream's answer, relayed: hop-by-hop headers removed, and a
+    /// redirect that names the upstream's own address made to name the
+    /// proxy instead (nginx's `proxy_redirect default`).
+    fn relay(
+        &self,
+        res: Response<hyper::body::Incoming>,
+        client: Option<&(HeaderValue, bool)>,
+    ) -> Response<Body> {
+        let (mut parts, incoming) = res.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        let located =
+            parts.headers.contains_key(LOCATION) || parts.headers.contains_key(CONTENT_LOCATION);
+        if let (true, Some(origin)) = (located, client.and_then(client_origin)) {
+            rebase(&mut parts.headers, &LOCATION, &self.origin, &origin);
+            rebase(&mut parts.headers, &CONTENT_LOCATION, &self.origin, &origin);
+        }
+        Response::from_parts(parts, body::boxed(incoming))
+    }
+
+    /// The answer when the exchange with the upstream failed; its outcome
+    /// is unknown whichever way it failed.
+    fn failed(&self, err: &(dyn std::error::Error + Send + Sync + 'static)) -> Response<Body> {
+        if body::is_length_limit(err) {
+            // The client streamed more than the body limit: the upstream
+            // got a cut-off request, and the connection was dropped.
+            return outcome_unknown(
+                Problem::payload_too_large(self.max_body_bytes).into_response(),
+            );
+        }
+        if body::is_client_body_error(err) {
+            // The client's body broke off or its chunking was malformed
+            // after part of it was streamed: the upstream got a head and at
+            // most the valid part of the body, never its end (no last chunk,
+            // fewer bytes than declared), and the connection was closed, so
+            // a correct HTTP/1.1 server sees an incomplete request and does
+            // not apply it.
+            tracing::info!(upstream = %self.authority, error = %err, "request body failed; upstream request abandoned");
+            return outcome_unknown(
+                Problem::invalid_request(
+                    "the request body broke off or its chunked framing is malformed",
+                )
+                .closing_connection()
+                .into_response(),
+            );
+        }
+        // The whole chain: a pooled client's error says only "client error
+        // (Connect)"; the cause (a refused connection, a certificate that
+        // cannot be verified) is in its sources.
+        let mut cause = err.to_string();
+        let mut source = err.source();
+        while let Some(e) = source {
+            cause.push_str(": ");
+            cause.push_str(&e.to_string());
+            source = e.source();
+        }
+        tracing::warn!(upstream = %self.authority, error = %cause, "upstream request failed");
+        outcome_unknown(Problem::upstream_error().into_response())
+    }
+}
+
+/// The pooled HTTP(S) client of an upstream: TLS with `tls_config` (an
+/// `http://` upstream's connector trusts nothing, so it never does TLS).
+fn pooled_client(
+    tls_config: Option<&Arc<ClientConfig>>,
+    options: &UpstreamOptions,
+) -> Result<Client<HttpsConnector<HttpConnector>, Body>, String> {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(Duration::from_millis(options.connect_timeout_ms)));
+    connector.set_nodelay(true);
+    connector.enforce_http(false);
+    // An http:// upstream never does TLS: its connector trusts nothing.
+    let mut config = match tls_config {
+        Some(config) => ClientConfig::clone(config),
+        None => ClientConfig::builder_with_provider(Arc::new(
+            tokio_rustls::rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("tls: {e}"))?
+        .with_root_certificates(tokio_rustls::rustls::RootCertStore::empty())
+        .with_no_client_auth(),
+    };
+    // The builder sets ALPN itself (and refuses a config that has it).
+    config.alpn_protocols.clear();
+    let connector = HttpsConnectorBuilder::new()
+        .with_tls_config(config)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(connector);
+    Ok(Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_millis(options.pool_idle_timeout_ms))
+        .pool_max_idle_per_host(options.pool_max_idle)
+        .build(connector))
 }
 
 /// `scheme://host` of the address a client used, from its Host header; `None`
