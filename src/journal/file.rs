@@ -542,6 +542,28 @@ fn open_empty(
     })
 }
 
+/// What the start of a log says about it.
+#[derive(Clone, Copy)]
+enum Start {
+    /// A version 1 log: no header.
+    V1,
+    /// A version 2 log with a readable header.
+    V2(Header),
+    /// A version 2 log whose header is damaged or cut off.
+    V2Damaged,
+}
+
+/// The records of a log, replayed.
+struct Replayed {
+    leases: HashMap<String, LeaseRecord>,
+    /// Where the valid records end.
+    good_len: u64,
+    /// Bytes past them.
+    torn_bytes: u64,
+    /// The highest token of any lease.
+    max_token: u64,
+}
+
 /// A log with bytes: replay it, check it against its header, and repair
 /// what can be repaired without reissuing a token.
 fn open_existing(
@@ -551,75 +573,132 @@ fn open_existing(
     meta: MetaFile,
     options: &FileJournalOptions,
 ) -> Result<Opened, JournalError> {
-    let v1 = bytes.starts_with(FILE_MAGIC_V1);
+    let (offset, start) = read_start(bytes, path)?;
+    // Past the durable length nothing was acknowledged: a bad frame there is
+    // a torn write (a power loss may leave zeros before later, valid bytes),
+    // never corruption. Before it, a bad frame followed by a valid one is.
+    let torn_from = match start {
+        Start::V2(h) => h.durable_len,
+        Start::V1 | Start::V2Damaged => u64::MAX,
+    };
+    let (leases, good_len) = replay(bytes, offset, torn_from, path)?;
+    let replayed = Replayed {
+        max_token: leases.values().map(|l| l.last_token).max().unwrap_or(0),
+        leases,
+        good_len,
+        torn_bytes: bytes.len() as u64 - good_len,
+    };
+    match lost_records(start, &meta, &replayed, options) {
+        None => match start {
+            Start::V1 => open_intact(dir, path, replayed, None, meta, options),
+            Start::V2(header) => open_intact(dir, path, replayed, Some(header), meta, options),
+            Start::V2Damaged => open_after_loss(
+                dir,
+                path,
+                replayed,
+                start,
+                meta,
+                "its header is damaged".into(),
+            ),
+        },
+        Some(why) => open_after_loss(dir, path, replayed, start, meta, why),
+    }
+}
+
+/// The log's format, and where its records begin.
+fn read_start(bytes: &[u8], path: &Path) -> Result<(usize, Start), JournalError> {
+    if bytes.starts_with(FILE_MAGIC_V1) {
+        return Ok((FILE_MAGIC_V1.len(), Start::V1));
+    }
     let magic = bytes.len().min(FILE_MAGIC.len());
-    let (start, header) = if v1 {
-        (FILE_MAGIC_V1.len(), None)
-    } else if bytes[..magic] == FILE_MAGIC[..magic] {
-        if bytes.len() >= HEADER_LEN {
-            (HEADER_LEN, Header::read(bytes))
-        } else {
-            // Cut inside its header: whatever it held is gone.
-            (bytes.len(), None)
-        }
-    } else {
+    if bytes[..magic] != FILE_MAGIC[..magic] {
         return Err(JournalError(format!(
             "{} is not a fencegate journal (bad header); refusing to start",
             path.display()
         )));
+    }
+    if bytes.len() < HEADER_LEN {
+        // Cut inside its header: whatever it held is gone.
+        return Ok((bytes.len(), Start::V2Damaged));
+    }
+    match Header::read(bytes) {
+        Some(header) => Ok((HEADER_LEN, Start::V2(header))),
+        None => Ok((HEADER_LEN, Start::V2Damaged)),
+    }
+}
+
+/// Why acknowledged records may be missing from the log, if they may.
+fn lost_records(
+    start: Start,
+    meta: &MetaFile,
+    replayed: &Replayed,
+    options: &FileJournalOptions,
+) -> Option<String> {
+    let header = match start {
+        Start::V1 => return None,
+        Start::V2Damaged => return Some("its header is damaged or cut off".to_owned()),
+        Start::V2(header) => header,
     };
-    // Past the durable length nothing was acknowledged: a bad frame there is
-    // a torn write (a power loss may leave zeros before later, valid bytes),
-    // never corruption. Before it, a bad frame followed by a valid one is.
-    let torn_from = header.map_or(u64::MAX, |h| h.durable_len);
-    let (mut state, good_len) = replay(bytes, start, torn_from, path)?;
-    let max_token = state.values().map(|l| l.last_token).max().unwrap_or(0);
-    let header_floor = header.map_or(0, |h| h.token_floor);
-    // Why acknowledged records may be missing, if they may.
-    let lost = match (header, &meta) {
-        _ if v1 => None,
-        (None, _) => Some("its header is damaged or cut off".to_owned()),
-        (Some(h), _) if good_len < h.durable_len => Some(format!(
-            "the valid records end at byte {good_len}, but {} bytes were synced",
-            h.durable_len
-        )),
-        // The floor is raised only a block ahead of the highest token: a log
-        // whose tokens end far below it is an older copy put back.
-        (Some(_), MetaFile::Found(m))
-            if m.reserved > max_token.saturating_add(2 * options.floor_block) =>
+    if replayed.good_len < header.durable_len {
+        return Some(format!(
+            "the valid records end at byte {}, but {} bytes were synced",
+            replayed.good_len, header.durable_len
+        ));
+    }
+    // The floor is raised only a block ahead of the highest token: a log
+    // whose tokens end far below it is an older copy put back.
+    match meta {
+        MetaFile::Found(m)
+            if m.reserved > replayed.max_token.saturating_add(2 * options.floor_block) =>
         {
             Some(format!(
-                "its highest token is {max_token}, far below the floor of {} in {META_FILE}: \
+                "its highest token is {}, far below the floor of {} in {META_FILE}: \
                  it is an older copy",
-                m.reserved
+                replayed.max_token, m.reserved
             ))
         }
         _ => None,
-    };
-    let torn_bytes = bytes.len() as u64 - good_len;
+    }
+}
 
-    let Some(why) = lost else {
-        // Intact: whatever follows the valid records was never acknowledged.
-        let floor = match meta {
-            MetaFile::Found(m) => m.floor.max(header_floor),
-            _ => header_floor,
-        };
-        let reserved = match meta {
-            MetaFile::Found(m) if m.reserved >= max_token && m.floor >= header_floor => m.reserved,
-            _ => {
-                // Rebuilt from the log (a missing meta file, a version 1 log).
-                let meta = Meta {
-                    reserved: max_token.max(floor).saturating_add(options.floor_block),
-                    floor,
-                };
-                write_meta(dir, meta).map_err(|e| err("cannot write", &dir.join(META_FILE), e))?;
-                meta.reserved
-            }
-        };
-        let (file, len, header) = if v1 {
-            // Rewritten as version 2.
+/// Opens a log that lost nothing acknowledged: whatever follows the valid
+/// records was never acknowledged and is cut off; a version 1 log
+/// (`header` `None`) is rewritten as version 2.
+fn open_intact(
+    dir: &Path,
+    path: &Path,
+    replayed: Replayed,
+    header: Option<Header>,
+    meta: MetaFile,
+    options: &FileJournalOptions,
+) -> Result<Opened, JournalError> {
+    let Replayed {
+        leases,
+        good_len,
+        torn_bytes,
+        max_token,
+    } = replayed;
+    let header_floor = header.map_or(0, |h| h.token_floor);
+    let floor = match meta {
+        MetaFile::Found(m) => m.floor.max(header_floor),
+        _ => header_floor,
+    };
+    let reserved = match meta {
+        MetaFile::Found(m) if m.reserved >= max_token && m.floor >= header_floor => m.reserved,
+        _ => {
+            // Rebuilt from the log (a missing meta file, a version 1 log).
+            let meta = Meta {
+                reserved: max_token.max(floor).saturating_add(options.floor_block),
+                floor,
+            };
+            write_meta(dir, meta).map_err(|e| err("cannot write", &dir.join(META_FILE), e))?;
+            meta.reserved
+        }
+    };
+    let (file, len, header) = match header {
+        None => {
             let (file, len) =
-                write_log_at_start(dir, path, state.values(), floor, "cannot rewrite")?;
+                write_log_at_start(dir, path, leases.values(), floor, "cannot rewrite")?;
             tracing::info!(journal = %path.display(), "journal rewritten in format version 2");
             let header = Header {
                 seq: 1,
@@ -628,7 +707,8 @@ fn open_existing(
                 token_floor: floor,
             };
             (file, len, header)
-        } else {
+        }
+        Some(header) => {
             let mut file = open_log(path)?;
             if torn_bytes > 0 {
                 tracing::warn!(
@@ -645,26 +725,43 @@ fn open_existing(
                 .map_err(|e| err("cannot seek", path, e))?;
             let header = Header {
                 token_floor: floor,
-                ..header.expect("a version 2 log has a header")
+                ..header
             };
             (file, good_len, header)
-        };
-        return Ok(Opened {
-            file,
-            len,
-            header,
-            reserved,
-            recovered: Recovered {
-                leases: state.into_values().collect(),
-                torn_bytes,
-                token_floor: floor,
-                lost_records: None,
-            },
-        });
+        }
     };
+    Ok(Opened {
+        file,
+        len,
+        header,
+        reserved,
+        recovered: Recovered {
+            leases: leases.into_values().collect(),
+            torn_bytes,
+            token_floor: floor,
+            lost_records: None,
+        },
+    })
+}
 
-    // Acknowledged records may be gone: no token may be issued again, and no
-    // recovered term may come back to life (a later one may have been lost).
+/// Opens a log that may have lost acknowledged records (`why`): no token
+/// may be issued again, and no recovered term may come back to life (a
+/// later one may have been lost). The damaged log is kept beside the fresh
+/// one.
+fn open_after_loss(
+    dir: &Path,
+    path: &Path,
+    replayed: Replayed,
+    start: Start,
+    meta: MetaFile,
+    why: String,
+) -> Result<Opened, JournalError> {
+    let Replayed {
+        mut leases,
+        torn_bytes,
+        max_token,
+        ..
+    } = replayed;
     let MetaFile::Found(meta) = meta else {
         return Err(JournalError(format!(
             "{}: {why}, and {} is missing or damaged, so the tokens already issued cannot be \
@@ -672,6 +769,10 @@ fn open_existing(
             path.display(),
             dir.join(META_FILE).display()
         )));
+    };
+    let header_floor = match start {
+        Start::V2(h) => h.token_floor,
+        Start::V1 | Start::V2Damaged => 0,
     };
     let floor = meta
         .reserved
@@ -683,7 +784,7 @@ fn open_existing(
         floor,
     };
     write_meta(dir, meta).map_err(|e| err("cannot write", &dir.join(META_FILE), e))?;
-    for lease in state.values_mut() {
+    for lease in leases.values_mut() {
         lease.last_token = lease.last_token.max(floor);
         if let Some(term) = lease.term.as_mut() {
             term.released = true;
@@ -702,12 +803,12 @@ fn open_existing(
     std::fs::copy(path, &damaged)
         .and_then(|_| File::open(&damaged)?.sync_all())
         .map_err(|e| err("cannot keep a copy of", path, e))?;
-    let (file, len) = write_log_at_start(dir, path, state.values(), floor, "cannot rewrite")?;
+    let (file, len) = write_log_at_start(dir, path, leases.values(), floor, "cannot rewrite")?;
     tracing::error!(
         journal = %path.display(),
         kept = %damaged.display(),
         token_floor = floor,
-        leases = state.len(),
+        leases = leases.len(),
         "journal lost acknowledged records ({why}): every lease continues above the token floor, \
          and every recovered term has ended"
     );
@@ -722,7 +823,7 @@ fn open_existing(
         },
         reserved: floor,
         recovered: Recovered {
-            leases: state.into_values().collect(),
+            leases: leases.into_values().collect(),
             torn_bytes,
             token_floor: floor,
             lost_records: Some(why),
