@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use crate::auth::{AuthConfig, AuthToken};
-use crate::backend::{ConnectionMode, UpstreamOptions};
+use crate::backend::UpstreamOptions;
 use crate::clock::ClockKind;
 use crate::lease::{AdmitOptions, LeaseLimits, RestartRule};
 use crate::route::{Route, Routes};
@@ -44,9 +44,11 @@ pub struct Config {
     /// `system` (monotonic) or `manual` (moves only via `POST /_fence/clock`).
     pub clock: ClockKind,
     pub fence: FenceConfig,
-    pub leases: LeasesConfig,
+    /// Bounds on every acquire and renew.
+    pub leases: LeaseLimits,
     pub limits: LimitsConfig,
-    pub proxy: ProxyConfig,
+    /// The upstream client (`max_body_bytes` comes from `[limits]`).
+    pub proxy: UpstreamOptions,
     pub embedded: EmbeddedConfig,
     pub auth: AuthConfig,
     pub tls: TlsConfig,
@@ -152,17 +154,6 @@ pub struct RouteConfig {
     pub upstream_prefix: Option<String>,
 }
 
-/// Lease bounds.
-#[derive(Clone, Debug, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LeasesConfig {
-    pub min_ttl_ms: u64,
-    pub max_ttl_ms: u64,
-    pub max_wait_ms: u64,
-    pub max_leases: usize,
-    pub acquire_rate_per_holder: u32,
-}
-
 /// Request and connection limits.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -175,23 +166,6 @@ pub struct LimitsConfig {
     pub shutdown_grace_ms: u64,
 }
 
-/// The upstream client.
-#[derive(Clone, Debug, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ProxyConfig {
-    pub connect_timeout_ms: u64,
-    pub timeout_ms: u64,
-    pub pool_idle_timeout_ms: u64,
-    pub pool_max_idle: usize,
-    pub preserve_host: bool,
-    pub x_forwarded: bool,
-    pub forwarded: bool,
-    pub upstream_connections: ConnectionMode,
-    /// PEM CA certificates trusted beside the system's for an https://
-    /// upstream (empty: the system's only).
-    pub upstream_ca_file: String,
-}
-
 impl Default for Config {
     fn default() -> Self {
         Self {
@@ -200,9 +174,9 @@ impl Default for Config {
             data_dir: PathBuf::from("./data"),
             clock: ClockKind::System,
             fence: FenceConfig::default(),
-            leases: LeasesConfig::default(),
+            leases: LeaseLimits::default(),
             limits: LimitsConfig::default(),
-            proxy: ProxyConfig::default(),
+            proxy: UpstreamOptions::default(),
             embedded: EmbeddedConfig::default(),
             auth: AuthConfig::default(),
             tls: TlsConfig::default(),
@@ -231,19 +205,6 @@ impl Default for FenceConfig {
     }
 }
 
-impl Default for LeasesConfig {
-    fn default() -> Self {
-        let l = LeaseLimits::default();
-        Self {
-            min_ttl_ms: l.min_ttl_ms,
-            max_ttl_ms: l.max_ttl_ms,
-            max_wait_ms: l.max_wait_ms,
-            max_leases: l.max_leases,
-            acquire_rate_per_holder: l.acquire_rate_per_holder,
-        }
-    }
-}
-
 impl Default for LimitsConfig {
     fn default() -> Self {
         let server = ServerOptions::default();
@@ -254,23 +215,6 @@ impl Default for LimitsConfig {
             header_read_timeout_ms: server.header_read_timeout_ms,
             body_read_timeout_ms: 10_000,
             shutdown_grace_ms: server.shutdown_grace_ms,
-        }
-    }
-}
-
-impl Default for ProxyConfig {
-    fn default() -> Self {
-        let o = UpstreamOptions::default();
-        Self {
-            connect_timeout_ms: o.connect_timeout_ms,
-            timeout_ms: o.timeout_ms,
-            pool_idle_timeout_ms: o.pool_idle_timeout_ms,
-            pool_max_idle: o.pool_max_idle,
-            preserve_host: o.preserve_host,
-            x_forwarded: o.x_forwarded,
-            forwarded: o.forwarded,
-            upstream_connections: o.mode,
-            upstream_ca_file: String::new(),
         }
     }
 }
@@ -430,13 +374,7 @@ impl Config {
 
     /// The lease store's bounds.
     pub fn lease_limits(&self) -> LeaseLimits {
-        LeaseLimits {
-            min_ttl_ms: self.leases.min_ttl_ms,
-            max_ttl_ms: self.leases.max_ttl_ms,
-            max_wait_ms: self.leases.max_wait_ms,
-            max_leases: self.leases.max_leases,
-            acquire_rate_per_holder: self.leases.acquire_rate_per_holder,
-        }
+        self.leases
     }
 
     /// How the fence admits writes.
@@ -468,17 +406,8 @@ impl Config {
     /// The upstream client's options.
     pub fn upstream_options(&self) -> UpstreamOptions {
         UpstreamOptions {
-            connect_timeout_ms: self.proxy.connect_timeout_ms,
-            timeout_ms: self.proxy.timeout_ms,
-            pool_idle_timeout_ms: self.proxy.pool_idle_timeout_ms,
-            pool_max_idle: self.proxy.pool_max_idle,
-            preserve_host: self.proxy.preserve_host,
-            x_forwarded: self.proxy.x_forwarded,
-            forwarded: self.proxy.forwarded,
             max_body_bytes: self.limits.max_body_bytes,
-            mode: self.proxy.upstream_connections,
-            ca_file: (!self.proxy.upstream_ca_file.is_empty())
-                .then(|| PathBuf::from(&self.proxy.upstream_ca_file)),
+            ..self.proxy.clone()
         }
     }
 }

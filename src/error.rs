@@ -89,7 +89,8 @@ impl Reason {
         Reason::UpstreamTimeout,
     ];
 
-    /// `(status, slug, title)`.
+    /// `(status, slug, title)`: one row per reason, a table rather than
+    /// logic, so it stays one function however long.
     fn row(self) -> (StatusCode, &'static str, &'static str) {
         match self {
             Reason::MissingFencingToken => (

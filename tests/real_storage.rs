@@ -461,7 +461,7 @@ async fn nginx_over_https_behind_fencegate() {
         fencegate::backend::ConnectionMode::Pooled,
     ] {
         let h = proxy_with(&nginx.url, vec![route("/dav/{lease}", None)], |c| {
-            c.proxy.upstream_ca_file = ca.to_string_lossy().into_owned();
+            c.proxy.upstream_ca_file = ca.clone();
             c.proxy.upstream_connections = mode;
         });
         let fg = spawn(h.app.clone()).await;

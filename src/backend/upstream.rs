@@ -42,7 +42,8 @@ use crate::route::RouteTimeout;
 use crate::wire::OutcomeUnknown;
 
 /// How the upstream client behaves.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct UpstreamOptions {
     /// Time to connect to the upstream.
     pub connect_timeout_ms: u64,
@@ -58,13 +59,15 @@ pub struct UpstreamOptions {
     pub x_forwarded: bool,
     /// Add an RFC 7239 `Forwarded` header.
     pub forwarded: bool,
-    /// The request body limit, for the 413 of a stream cut off at it.
-    pub max_body_bytes: u64,
     /// Pooled, or one upstream connection per client connection.
-    pub mode: ConnectionMode,
+    pub upstream_connections: ConnectionMode,
     /// PEM CA certificates trusted beside the system's, for an `https://`
-    /// upstream with a private CA.
-    pub ca_file: Option<std::path::PathBuf>,
+    /// upstream with a private CA (empty: the system's only).
+    pub upstream_ca_file: std::path::PathBuf,
+    /// The request body limit, for the 413 of a stream cut off at it (the
+    /// config's `limits.max_body_bytes`, not a `[proxy]` key).
+    #[serde(skip)]
+    pub max_body_bytes: u64,
 }
 
 /// How client connections map onto upstream connections.
@@ -88,9 +91,9 @@ impl Default for UpstreamOptions {
             preserve_host: false,
             x_forwarded: true,
             forwarded: false,
+            upstream_connections: ConnectionMode::default(),
+            upstream_ca_file: std::path::PathBuf::new(),
             max_body_bytes: 1024 * 1024,
-            mode: ConnectionMode::default(),
-            ca_file: None,
         }
     }
 }
@@ -271,9 +274,11 @@ impl Upstream {
         if base.query().is_some() {
             return Err(format!("upstream {base} must not have a query"));
         }
-        let tls_config = match (https, &options.ca_file) {
+        let ca_file =
+            Some(options.upstream_ca_file.as_path()).filter(|f| !f.as_os_str().is_empty());
+        let tls_config = match (https, ca_file) {
             (true, ca_file) => Some(crate::tls::client_config(
-                ca_file.as_deref(),
+                ca_file,
                 "proxy.upstream_ca_file",
             )?),
             (false, Some(_)) => {
@@ -310,7 +315,7 @@ impl Upstream {
         );
         Ok(Self(Arc::new(Shared {
             origin,
-            mode: options.mode,
+            mode: options.upstream_connections,
             connect_timeout: Duration::from_millis(options.connect_timeout_ms),
             dial,
             host,

@@ -27,8 +27,10 @@ use crate::clock::Clock;
 use crate::journal::{GrantRecord, Journal, JournalFuture, LeaseRecord};
 use crate::names::{Holder, LeaseName};
 
-/// Bounds the store enforces on every acquire and renew.
-#[derive(Clone, Copy, Debug)]
+/// Bounds the store enforces on every acquire and renew (the config's
+/// `[leases]` section).
+#[derive(Clone, Copy, Debug, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct LeaseLimits {
     /// Shortest TTL accepted, inclusive.
     pub min_ttl_ms: u64,
