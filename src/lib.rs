@@ -27,15 +27,18 @@
 //!   paths to the leases that guard them.
 //! - [`backend`]: the embedded key-value store and the HTTP(S) upstream client.
 //! - [`lease`]: the pure lease state machine and the concurrent store around
-//!   it; [`journal`] makes grants durable (an fsync'd, checksummed log with
-//!   group commit and a token floor); [`clock`] is the proxy's clock, the only
+//!   it (the handover barrier and the acquire rate limit in files of their
+//!   own); [`journal`] makes grants durable (an fsync'd, checksummed log with
+//!   group commit and a token floor) behind the `Journal` trait, the seam a
+//!   second store fills; [`clock`] is the proxy's clock, the only
 //!   source of the time leases, settle windows and the handover barrier are
 //!   measured on (I/O deadlines are tokio timers).
 //! - [`client`]: a lease API client whose guard renews in the background and
 //!   fails closed; [`cli`]: the client commands built on it (`lease`, `run`,
 //!   `loadtest`).
 //! - [`metrics`]: Prometheus counters and the scrape-time collector.
-//! - [`error`]: the one mapping from errors to problem+json; [`body`]: the
+//! - [`error`]: the one mapping from errors to problem+json (the `Reason`
+//!   table: status, slug and title); [`body`]: the
 //!   body type shared by all services; [`wire`]: header names and markers
 //!   several layers share; [`config`]: typed settings, read by start-up only.
 //!

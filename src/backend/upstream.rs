@@ -232,7 +232,7 @@ const KEPT_ON_THE_WAY: [HeaderName; 9] = [
 ];
 
 /// Removes hop-by-hop headers, including those the `Connection` header names
-/// (but never the ones in [`KEPT_ON_THE_WAY`]).
+/// (but never the ones in `KEPT_ON_THE_WAY`).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none: one pass over the names, no hashing.
     if !headers.keys().any(|k| HOP_BY_HOP.contains(k)) {

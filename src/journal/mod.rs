@@ -6,7 +6,7 @@
 //! client gets 503 `lease-store-unavailable` (fail closed). Renewals that
 //! change the TTL and releases are recorded lazily.
 //!
-//! This module knows records and bytes, not lease rules: [`file`] is the
+//! This module knows records and bytes, not lease rules: [`file`](mod@file) is the
 //! durable journal in the data directory, [`record`] its on-disk format, and
 //! [`MemoryJournal`] keeps nothing (for tests of the layers above).
 
@@ -46,7 +46,12 @@ impl std::error::Error for JournalError {}
 /// A boxed future, as returned by [`Journal::persist_grant`].
 pub type JournalFuture = Pin<Box<dyn Future<Output = Result<(), JournalError>> + Send>>;
 
-/// Where lease state is made durable.
+/// Where lease state is made durable: the lease store's persistence seam.
+/// [`FileJournal`] fills it in single-node mode, [`MemoryJournal`] in tests;
+/// the store, the fence and the API see only this trait. (A store shared by
+/// several members, such as etcd, will also need a grant to be conditional on
+/// the term it replaces and changes made elsewhere to flow in: cluster mode
+/// extends this seam.)
 pub trait Journal: Send + Sync + 'static {
     /// Completes once `record` is durable (fsync'd), or fails if it cannot be.
     ///
