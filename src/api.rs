@@ -93,13 +93,16 @@ fn caller(req: &Request<Body>) -> Option<&Arc<Identity>> {
     req.extensions().get::<Caller>().map(|c| &c.0)
 }
 
-/// Reads a TTL: any JSON number that is not a u64 is out of bounds
-/// (`invalid-ttl`); anything else is not a TTL at all (`invalid-request`).
+/// Reads a TTL within the store's bounds: any JSON number that is not a
+/// u64 in them is `invalid-ttl`; anything else is not a TTL at all
+/// (`invalid-request`).
 fn ttl_from_json(value: &serde_json::Value, leases: &LeaseStore) -> Result<u64, Problem> {
     let limits = leases.limits();
+    let bounds = limits.min_ttl_ms..=limits.max_ttl_ms;
     match value {
         serde_json::Value::Number(n) => n
             .as_u64()
+            .filter(|ttl_ms| bounds.contains(ttl_ms))
             .ok_or_else(|| Problem::invalid_ttl(limits.min_ttl_ms, limits.max_ttl_ms)),
         _ => Err(Problem::invalid_request(
             "ttl_ms must be a number of milliseconds",
@@ -360,13 +363,14 @@ impl Api {
                     "the holder must be the authenticated caller",
                 ))
             }
-            (Some(c), _) => c.name.clone(),
-            (None, Some(h)) => {
-                Holder::new(&h).map_err(|e| Problem::invalid_request(e.to_string()))?
-            }
+            (Some(c), _) => Ok(c.name.clone()),
+            (None, Some(h)) => Err(h),
             (None, None) => return Err(Problem::invalid_request("the body needs a holder")),
         };
+        // The TTL is checked before the holder's name, as the store does.
         let ttl_ms = ttl_from_json(&body.ttl_ms, &self.leases)?;
+        let holder = holder
+            .or_else(|h| Holder::new(&h).map_err(|e| Problem::invalid_request(e.to_string())))?;
         let granted = self
             .leases
             .acquire(&lease, &holder, ttl_ms, body.wait_ms.unwrap_or(0))

@@ -340,7 +340,7 @@ where
         ) {
             Admission::Admitted(guard) => {
                 self.policy.metrics.write_forwarded();
-                tracing::debug!(lease = %fenced.lease, token = fenced.token, method = %req.method(), "write admitted");
+                tracing::debug!(lease = fenced.lease.as_str(), token = fenced.token, method = %req.method(), "write admitted");
                 FenceFuture::forward(self.inner.call(req), Some(guard))
             }
             Admission::Refused(reject) => {
@@ -402,7 +402,7 @@ where
                         .metrics
                         .write_rejected(Reason::UpstreamTimeout.slug());
                     tracing::warn!(
-                        lease = %fenced.lease,
+                        lease = fenced.lease.as_str(),
                         token = fenced.token,
                         older_token,
                         waited_ms,
@@ -414,7 +414,7 @@ where
                 }
             };
             policy.metrics.write_forwarded();
-            tracing::debug!(lease = %fenced.lease, token = fenced.token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted after the handover barrier");
+            tracing::debug!(lease = fenced.lease.as_str(), token = fenced.token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted after the handover barrier");
             let res = forward(req).await?;
             Ok(attach_guard(res, Some(admitted.guard)))
         }))
@@ -429,7 +429,7 @@ fn reject_write(
 ) -> Response<Body> {
     let reason = Reason::from(&reject).slug();
     policy.metrics.write_rejected(reason);
-    tracing::info!(target: "audit", lease = %fenced.lease, token = fenced.token, reason, method = %req.method(), "write rejected");
+    tracing::info!(target: "audit", lease = fenced.lease.as_str(), token = fenced.token, reason, method = %req.method(), "write rejected");
     let problem = Problem::rejected(&fenced.lease, reject);
     let caller = fenced.caller.as_ref().map(|c| &*c.0);
     visible_to(problem, &policy.leases, &fenced.lease, caller).into_response()

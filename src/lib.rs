@@ -44,13 +44,12 @@
 //!
 //! Dependencies point one way (`tests/layering.rs` checks the crate's own
 //! imports for cycles): the leaves `clock`, `journal`, `body`, `wire`,
-//! `names`, `framing` and `tls` import nothing from the crate; `auth` imports
-//! only `names`; `lease` ←
-//! `error`, `route`, `metrics` ← `fence` ← `api`; `backend` ← `server`;
-//! `app` composes `api`, `fence` and `backend`; `config` knows the options of
-//! `lease`, `route`, `backend`, `server` and `auth`, and only `app` and
-//! `serve` read it; `serve` is the top, imported by nothing; `client` ←
-//! `cli`.
+//! `names`, `framing` and `tls` import nothing from the crate; `auth` and
+//! `route` import only `names`; `lease` ← `error`, `metrics` ← `fence` ←
+//! `api`; `backend` ← `server`; `app` composes `api`, `fence` and `backend`;
+//! `config` knows the options of `lease`, `route`, `backend`, `server` and
+//! `auth`, and only `app` and `serve` read it; `serve` is the top, imported
+//! by nothing; `client` ← `cli`.
 
 pub mod api;
 pub mod app;

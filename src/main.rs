@@ -56,13 +56,14 @@ fn init_tracing() {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing();
-    let outcome = match cli.command {
-        Command::Serve(args) => args.load(std::env::vars()).and_then(|(config, options)| {
+    match cli.command {
+        Command::Serve(args) => match args.load(std::env::vars()) {
             // The config picks the runtime.
-            block_on(config.runtime.worker_threads, async move {
+            Ok((config, options)) => block_on(config.runtime.worker_threads, async move {
                 stopped(serve::run(config, options, shutdown_signal()).await)
-            })
-        }),
+            }),
+            Err(e) => failed(&e),
+        },
         Command::Backend(args) => block_on(0, async move {
             stopped(serve::backend(&args.listen, args.record, shutdown_signal()).await)
         }),
@@ -73,25 +74,27 @@ fn main() -> ExitCode {
             print!("{}", cli::loadtest::summary(&report));
             Ok(status)
         }),
-    };
-    match outcome {
-        Ok(status) => ExitCode::from(status),
+    }
+}
+
+/// Runs `job` on a runtime of `worker_threads` (0: one per CPU): its `Ok`
+/// is the exit status, its `Err` exit status 2; a runtime that cannot
+/// start, 1.
+fn block_on(worker_threads: usize, job: impl Future<Output = Result<u8, String>>) -> ExitCode {
+    match serve::runtime(worker_threads) {
+        Ok(runtime) => runtime
+            .block_on(job)
+            .map_or_else(|e| failed(&e), ExitCode::from),
         Err(e) => {
-            eprintln!("fencegate: {e}");
-            ExitCode::from(2)
+            eprintln!("fencegate: cannot start the runtime: {e}");
+            ExitCode::FAILURE
         }
     }
 }
 
-/// Runs `job` on a runtime of `worker_threads` (0: one per CPU); its `Ok` is
-/// the exit status.
-fn block_on(
-    worker_threads: usize,
-    job: impl Future<Output = Result<u8, String>>,
-) -> Result<u8, String> {
-    let runtime =
-        serve::runtime(worker_threads).map_err(|e| format!("cannot start the runtime: {e}"))?;
-    runtime.block_on(job)
+fn failed(e: &str) -> ExitCode {
+    eprintln!("fencegate: {e}");
+    ExitCode::from(2)
 }
 
 /// A server's end as an exit status: 0 once it stopped when told.

@@ -1,7 +1,8 @@
-//! The two names clients choose: a lease's and a holder's. Each is checked
-//! once, where it enters (the lease API, a route, the journal, the auth
-//! config), and carried checked from there on: the lease store takes these
-//! types, not strings, for anything it keeps.
+//! The two names clients choose: a lease's and a holder's. A lease name is
+//! checked once where it enters (the lease API, a route, the journal at
+//! start); a holder's where it enters (an acquire's body, the auth config).
+//! The lease store's acquire takes these types, so a name it keeps was
+//! checked; its other operations only look names up, and take strings.
 
 use std::fmt;
 

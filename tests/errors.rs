@@ -200,6 +200,14 @@ async fn bad_requests_are_400() {
     ] {
         refused(&h, acquire(body), 400, "invalid-request").await;
     }
+    // The TTL is checked before the holder's name.
+    refused(
+        &h,
+        acquire(r#"{"holder": "", "ttl_ms": 1}"#),
+        400,
+        "invalid-ttl",
+    )
+    .await;
     let renew = Req::new("POST", "/_fence/leases/orders/renew")
         .held(&a)
         .body("{nope");

@@ -588,20 +588,9 @@ fn open_existing(
         good_len,
         torn_bytes: bytes.len() as u64 - good_len,
     };
-    match lost_records(start, &meta, &replayed, options) {
-        None => match start {
-            Start::V1 => open_intact(dir, path, replayed, None, meta, options),
-            Start::V2(header) => open_intact(dir, path, replayed, Some(header), meta, options),
-            Start::V2Damaged => open_after_loss(
-                dir,
-                path,
-                replayed,
-                start,
-                meta,
-                "its header is damaged".into(),
-            ),
-        },
-        Some(why) => open_after_loss(dir, path, replayed, start, meta, why),
+    match intact(start, &meta, &replayed, options) {
+        Ok(header) => open_intact(dir, path, replayed, header, meta, options),
+        Err(why) => open_after_loss(dir, path, replayed, start, meta, why),
     }
 }
 
@@ -627,20 +616,21 @@ fn read_start(bytes: &[u8], path: &Path) -> Result<(usize, Start), JournalError>
     }
 }
 
-/// Why acknowledged records may be missing from the log, if they may.
-fn lost_records(
+/// Whether the log holds every acknowledged record: then its header (`None`
+/// for a version 1 log, which has none); else why records may be missing.
+fn intact(
     start: Start,
     meta: &MetaFile,
     replayed: &Replayed,
     options: &FileJournalOptions,
-) -> Option<String> {
+) -> Result<Option<Header>, String> {
     let header = match start {
-        Start::V1 => return None,
-        Start::V2Damaged => return Some("its header is damaged or cut off".to_owned()),
+        Start::V1 => return Ok(None),
+        Start::V2Damaged => return Err("its header is damaged or cut off".to_owned()),
         Start::V2(header) => header,
     };
     if replayed.good_len < header.durable_len {
-        return Some(format!(
+        return Err(format!(
             "the valid records end at byte {}, but {} bytes were synced",
             replayed.good_len, header.durable_len
         ));
@@ -651,13 +641,13 @@ fn lost_records(
         MetaFile::Found(m)
             if m.reserved > replayed.max_token.saturating_add(2 * options.floor_block) =>
         {
-            Some(format!(
+            Err(format!(
                 "its highest token is {}, far below the floor of {} in {META_FILE}: \
                  it is an older copy",
                 replayed.max_token, m.reserved
             ))
         }
-        _ => None,
+        _ => Ok(Some(header)),
     }
 }
 

@@ -417,12 +417,12 @@ impl LeaseStore {
         } = pending;
         if let Err(err) = persisted.await {
             self.abandon(name, grant.token, previous);
-            tracing::warn!(target: "audit", lease = %name, token = grant.token, error = %err, "grant not persisted; refused");
+            tracing::warn!(target: "audit", lease = name.as_str(), token = grant.token, error = %err, "grant not persisted; refused");
             return Err(AcquireError::Unavailable(
                 "the lease store cannot persist grants right now".into(),
             ));
         }
-        tracing::info!(target: "audit", lease = %name, token = grant.token, holder = %holder, ttl_ms, "lease acquired");
+        tracing::info!(target: "audit", lease = name.as_str(), token = grant.token, holder = holder.as_str(), ttl_ms, "lease acquired");
         Ok(Acquired {
             holder: holder.as_str().to_owned(),
             token: grant.token,
