@@ -37,6 +37,9 @@
 //!   fails closed; [`cli`]: the client commands built on it (`lease`, `run`,
 //!   `loadtest`).
 //! - [`metrics`]: Prometheus counters and the scrape-time collector.
+//! - [`etcd`]: an etcd v3 client over etcd's JSON gateway (keys,
+//!   transactions, leases; TLS, authentication, several endpoints), the base
+//!   of the coming cluster mode; `serve` does not use it yet.
 //! - [`error`]: the one mapping from errors to problem+json (the `Reason`
 //!   table: status, slug and title); [`body`]: the
 //!   body type shared by all services; [`wire`]: header names and markers
@@ -45,7 +48,7 @@
 //! Dependencies point one way (`tests/layering.rs` checks the crate's own
 //! imports for cycles): the leaves `clock`, `journal`, `body`, `wire`,
 //! `names`, `framing` and `tls` import nothing from the crate; `auth` and
-//! `route` import only `names`; `lease` ← `error`, `metrics` ← `fence` ←
+//! `route` import only `names`, `etcd` only `tls`; `lease` ← `error`, `metrics` ← `fence` ←
 //! `api`; `backend` ← `server`; `app` composes `api`, `fence` and `backend`;
 //! `config` knows the options of `lease`, `route`, `backend`, `server` and
 //! `auth`, and only `app` and `serve` read it; `serve` is the top, imported
@@ -61,6 +64,7 @@ pub mod client;
 pub mod clock;
 pub mod config;
 pub mod error;
+pub mod etcd;
 pub mod fence;
 pub mod framing;
 pub mod journal;

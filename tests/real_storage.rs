@@ -422,29 +422,6 @@ async fn etcd_v2_keys_behind_fencegate() {
     fg.stop().await;
 }
 
-/// A test CA and a certificate for 127.0.0.1 it signed, as PEM files in
-/// `dir`: (CA certificate, server certificate, server key).
-fn test_ca(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
-    let ca_key = rcgen::KeyPair::generate().unwrap();
-    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    let ca = ca.self_signed(&ca_key).unwrap();
-    let key = rcgen::KeyPair::generate().unwrap();
-    let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])
-        .unwrap()
-        .signed_by(&key, &ca, &ca_key)
-        .unwrap();
-    let paths = (
-        dir.join("ca.pem"),
-        dir.join("server.pem"),
-        dir.join("server.key"),
-    );
-    std::fs::write(&paths.0, ca.pem()).unwrap();
-    std::fs::write(&paths.1, cert.pem()).unwrap();
-    std::fs::write(&paths.2, key.serialize_pem()).unwrap();
-    (paths.0, paths.1, paths.2)
-}
-
 /// Storage over HTTPS: nginx with a certificate from a private CA. With
 /// the CA in `proxy.upstream_ca_file`, a fenced write lands (dedicated and
 /// pooled upstream connections); without it the certificate cannot be
@@ -453,7 +430,7 @@ fn test_ca(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf, st
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nginx_over_https_behind_fencegate() {
     let dir = TempDir::new("https-upstream");
-    let (ca, cert, key) = test_ca(dir.path());
+    let support::servers::TestCa { ca, cert, key } = support::servers::TestCa::new(dir.path());
     let nginx = nginx_tls(&cert, &key).await;
     assert!(nginx.url.starts_with("https://"));
     for mode in [

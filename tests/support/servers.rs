@@ -1,5 +1,5 @@
-//! Real storage servers for integration tests: nginx with WebDAV and etcd
-//! with its v2 keys API, each started on free loopback ports in a temporary
+//! Real servers for integration tests: nginx with WebDAV, etcd with its v2
+//! keys API or its v3 API (plain or TLS), each started on free loopback ports in a temporary
 //! directory and stopped by its own process id.
 
 use std::net::TcpListener;
@@ -138,32 +138,7 @@ http {{
 
 /// A single-node etcd with the v2 keys API enabled.
 pub async fn etcd() -> Server {
-    let bin = program("etcd");
-    let dir = TempDir::new("etcd");
-    let d = dir.path().to_owned();
-    let (client, peer) = (free_port(), free_port());
-    let log = d.join("etcd.log");
-    let mut child = Command::new(bin)
-        .args(["--name", "test", "--data-dir"])
-        .arg(d.join("data"))
-        .args([
-            "--listen-client-urls",
-            &format!("http://127.0.0.1:{client}"),
-            "--advertise-client-urls",
-            &format!("http://127.0.0.1:{client}"),
-            "--listen-peer-urls",
-            &format!("http://127.0.0.1:{peer}"),
-            "--initial-advertise-peer-urls",
-            &format!("http://127.0.0.1:{peer}"),
-            "--initial-cluster",
-            &format!("test=http://127.0.0.1:{peer}"),
-            "--enable-v2",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
+    let (mut child, dir, client, log) = spawn_etcd("http", &["--enable-v2"]);
     wait_for_port(client, &mut child, "etcd", &log).await;
     let url = format!("http://127.0.0.1:{client}");
     // The client port opens before the member is ready to serve keys.
@@ -174,7 +149,7 @@ pub async fn etcd() -> Server {
                 return Server {
                     child,
                     url,
-                    root: d,
+                    root: dir.path().to_owned(),
                     _dir: dir,
                 };
             }
@@ -185,4 +160,109 @@ pub async fn etcd() -> Server {
         "etcd never served keys: {}",
         std::fs::read_to_string(&log).unwrap_or_default()
     );
+}
+
+/// A single-node etcd serving its v3 API, over TLS with a certificate
+/// `ca` signed when given.
+pub async fn etcd_v3(ca: Option<&TestCa>) -> Server {
+    let scheme = if ca.is_some() { "https" } else { "http" };
+    let tls_args: Vec<String> = match ca {
+        Some(ca) => vec![
+            "--cert-file".into(),
+            ca.cert.to_string_lossy().into_owned(),
+            "--key-file".into(),
+            ca.key.to_string_lossy().into_owned(),
+        ],
+        None => Vec::new(),
+    };
+    let args: Vec<&str> = tls_args.iter().map(String::as_str).collect();
+    let (mut child, dir, client, log) = spawn_etcd(scheme, &args);
+    wait_for_port(client, &mut child, "etcd", &log).await;
+    let url = format!("{scheme}://127.0.0.1:{client}");
+    let options = fencegate::etcd::EtcdOptions {
+        ca_file: ca.map(|ca| ca.ca.clone()),
+        user: None,
+        timeout_ms: 2000,
+    };
+    let c = fencegate::etcd::EtcdClient::new(std::slice::from_ref(&url), &options).unwrap();
+    // The client port opens before the member has a leader.
+    for _ in 0..500 {
+        if c.get(b"/").await.is_ok() {
+            return Server {
+                child,
+                url,
+                root: dir.path().to_owned(),
+                _dir: dir,
+            };
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!(
+        "etcd never served its v3 API: {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+}
+
+/// Starts a one-member etcd whose client URL has `scheme`, with `extra`
+/// arguments: the process, its directory, its client port and its log.
+fn spawn_etcd(scheme: &str, extra: &[&str]) -> (Child, TempDir, u16, PathBuf) {
+    let bin = program("etcd");
+    let dir = TempDir::new("etcd");
+    let d = dir.path().to_owned();
+    let (client, peer) = (free_port(), free_port());
+    let log = d.join("etcd.log");
+    let child = Command::new(bin)
+        .args(["--name", "test", "--data-dir"])
+        .arg(d.join("data"))
+        .args([
+            "--listen-client-urls",
+            &format!("{scheme}://127.0.0.1:{client}"),
+            "--advertise-client-urls",
+            &format!("{scheme}://127.0.0.1:{client}"),
+            "--listen-peer-urls",
+            &format!("http://127.0.0.1:{peer}"),
+            "--initial-advertise-peer-urls",
+            &format!("http://127.0.0.1:{peer}"),
+            "--initial-cluster",
+            &format!("test=http://127.0.0.1:{peer}"),
+        ])
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    (child, dir, client, log)
+}
+
+/// A test CA and a certificate for 127.0.0.1 it signed, as PEM files.
+pub struct TestCa {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+impl TestCa {
+    /// Writes the CA certificate, the server certificate and its key to
+    /// `dir`.
+    pub fn new(dir: &std::path::Path) -> Self {
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca = ca.self_signed(&ca_key).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])
+            .unwrap()
+            .signed_by(&key, &ca, &ca_key)
+            .unwrap();
+        let test_ca = Self {
+            ca: dir.join("ca.pem"),
+            cert: dir.join("server.pem"),
+            key: dir.join("server.key"),
+        };
+        std::fs::write(&test_ca.ca, ca.pem()).unwrap();
+        std::fs::write(&test_ca.cert, cert.pem()).unwrap();
+        std::fs::write(&test_ca.key, key.serialize_pem()).unwrap();
+        test_ca
+    }
 }
