@@ -2,38 +2,64 @@
 //! keys API or its v3 API (plain or TLS), each started on free loopback ports in a temporary
 //! directory and stopped by its own process id.
 
+use std::collections::BTreeSet;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use super::proc::TempDir;
 use super::tools::program;
 
-/// A free loopback port (bound and released; the window for a clash is tiny).
+/// A free loopback port (bound and released), never one this process
+/// handed out before: the kernel may give a just-released port again, and
+/// two servers of one test binary must not be told the same port.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static GIVEN: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if GIVEN.lock().unwrap().insert(port) {
+            return port;
+        }
+    }
 }
 
+/// A server lost the race for its port to another process.
+struct PortTaken;
+
+/// How many times a server is started on fresh ports when another process
+/// took its port between [`free_port`] and the server's bind.
+const START_ATTEMPTS: usize = 3;
+
 /// Waits (bounded, real time: a server starting, not a lease) until `port`
-/// accepts connections.
-async fn wait_for_port(port: u16, child: &mut Child, what: &str, log: &std::path::Path) {
+/// accepts connections. `Err(PortTaken)` when the server exited because
+/// its port was taken (start it again on other ports); panics on any other
+/// failure.
+async fn wait_for_port(
+    port: u16,
+    child: &mut Child,
+    what: &str,
+    log: &std::path::Path,
+) -> Result<(), PortTaken> {
     for _ in 0..500 {
         if tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await
             .is_ok()
         {
-            return;
+            return Ok(());
         }
         if let Ok(Some(status)) = child.try_wait() {
-            panic!(
-                "{what} exited ({status}): {}",
-                std::fs::read_to_string(log).unwrap_or_default()
-            );
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            if log.contains("address already in use") || log.contains("Address already in use") {
+                eprintln!("{what} found its port taken; starting it again on other ports");
+                return Err(PortTaken);
+            }
+            panic!("{what} exited ({status}): {log}");
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -75,8 +101,49 @@ async fn nginx_with(tls: Option<(&std::path::Path, &std::path::Path)>) -> Server
     let d = dir.path().to_owned();
     let root = d.join("www");
     std::fs::create_dir_all(root.join("dav")).unwrap();
-    let port = free_port();
-    let conf = format!(
+    let log = d.join("error.log");
+    for _ in 0..START_ATTEMPTS {
+        let port = free_port();
+        std::fs::write(d.join("nginx.conf"), nginx_conf(&d, &root, port, tls)).unwrap();
+        let _ = std::fs::remove_file(&log);
+        let mut child = Command::new(&bin)
+            .arg("-p")
+            .arg(&d)
+            .arg("-c")
+            .arg(d.join("nginx.conf"))
+            .arg("-e")
+            .arg(&log)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        if wait_for_port(port, &mut child, "nginx", &log)
+            .await
+            .is_err()
+        {
+            continue;
+        }
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        return Server {
+            child,
+            url: format!("{scheme}://127.0.0.1:{port}"),
+            root,
+            _dir: dir,
+        };
+    }
+    panic!("nginx found its port taken {START_ATTEMPTS} times");
+}
+
+/// nginx's configuration: files under `d`, WebDAV under `root`, listening
+/// on `port` (TLS with this certificate and key when given).
+fn nginx_conf(
+    d: &std::path::Path,
+    root: &std::path::Path,
+    port: u16,
+    tls: Option<(&std::path::Path, &std::path::Path)>,
+) -> String {
+    format!(
         r#"daemon off;
 master_process off;
 worker_processes 1;
@@ -111,35 +178,12 @@ http {{
             cert.display(),
             key.display()
         )),
-    );
-    std::fs::write(d.join("nginx.conf"), conf).unwrap();
-    let log = d.join("error.log");
-    let mut child = Command::new(bin)
-        .arg("-p")
-        .arg(&d)
-        .arg("-c")
-        .arg(d.join("nginx.conf"))
-        .arg("-e")
-        .arg(&log)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_for_port(port, &mut child, "nginx", &log).await;
-    let scheme = if tls.is_some() { "https" } else { "http" };
-    Server {
-        child,
-        url: format!("{scheme}://127.0.0.1:{port}"),
-        root,
-        _dir: dir,
-    }
+    )
 }
 
 /// A single-node etcd with the v2 keys API enabled.
 pub async fn etcd() -> Server {
-    let (mut child, dir, client, log) = spawn_etcd("http", &["--enable-v2"]);
-    wait_for_port(client, &mut child, "etcd", &log).await;
+    let (child, dir, client, log) = start_etcd("http", &["--enable-v2"]).await;
     let url = format!("http://127.0.0.1:{client}");
     // The client port opens before the member is ready to serve keys.
     let c = super::HttpClient::new(&url);
@@ -176,8 +220,7 @@ pub async fn etcd_v3(ca: Option<&TestCa>) -> Server {
         None => Vec::new(),
     };
     let args: Vec<&str> = tls_args.iter().map(String::as_str).collect();
-    let (mut child, dir, client, log) = spawn_etcd(scheme, &args);
-    wait_for_port(client, &mut child, "etcd", &log).await;
+    let (child, dir, client, log) = start_etcd(scheme, &args).await;
     let url = format!("{scheme}://127.0.0.1:{client}");
     let options = fencegate::etcd::EtcdOptions {
         ca_file: ca.map(|ca| ca.ca.clone()),
@@ -201,6 +244,20 @@ pub async fn etcd_v3(ca: Option<&TestCa>) -> Server {
         "etcd never served its v3 API: {}",
         std::fs::read_to_string(&log).unwrap_or_default()
     );
+}
+
+/// [`spawn_etcd`] until its client port accepts connections.
+async fn start_etcd(scheme: &str, extra: &[&str]) -> (Child, TempDir, u16, PathBuf) {
+    for _ in 0..START_ATTEMPTS {
+        let (mut child, dir, client, log) = spawn_etcd(scheme, extra);
+        if wait_for_port(client, &mut child, "etcd", &log)
+            .await
+            .is_ok()
+        {
+            return (child, dir, client, log);
+        }
+    }
+    panic!("etcd found its port taken {START_ATTEMPTS} times");
 }
 
 /// Starts a one-member etcd whose client URL has `scheme`, with `extra`
