@@ -76,6 +76,7 @@ async fn run(mode: &Mode, n: u32) -> f64 {
             leases: leases.clone(),
             backend: Backend::Embedded(EmbeddedStore::new()),
             draining: Arc::new(AtomicBool::new(false)),
+            primacy: None,
         },
     )
     .expect("app");

@@ -34,7 +34,7 @@ use crate::body::{self, Body, BoxError};
 use crate::config::Config;
 use crate::error::Problem;
 use crate::fence::{Fence, FenceLayer, FencePolicy};
-use crate::lease::LeaseStore;
+use crate::lease::{LeaseStore, Primacy};
 use crate::metrics::Metrics;
 
 pub use crate::wire::X_REQUEST_ID;
@@ -189,6 +189,9 @@ pub struct Parts {
     pub backend: Backend,
     /// Set when shutdown begins; turns `/_fence/readyz` to 503.
     pub draining: Arc<AtomicBool>,
+    /// In cluster mode, this member's term of primacy (see
+    /// [`FencePolicy::primacy`]); `None` standalone.
+    pub primacy: Option<Arc<Primacy>>,
 }
 
 /// Composes `fencegate serve`: limits → (lease API | fence → backend).
@@ -202,7 +205,13 @@ pub fn build(config: &Config, parts: Parts) -> Result<FencegateApp, String> {
     if let Backend::Upstream(upstream) = &mut backend {
         upstream.set_metrics(metrics.clone());
     }
-    let mut app = compose(config, parts.leases, parts.draining, backend, metrics)?;
+    let mut app = compose(
+        config,
+        parts.leases,
+        parts.draining,
+        (backend, parts.primacy),
+        metrics,
+    )?;
     if let Some(store) = recording {
         app.api = app
             .api
@@ -220,14 +229,16 @@ pub fn build_with<S>(
     backend: S,
 ) -> Result<App<Fence<S>>, String> {
     let metrics = Metrics::new(&leases);
-    compose(config, leases, draining, backend, metrics)
+    compose(config, leases, draining, (backend, None), metrics)
 }
 
+/// The fence (with this member's primacy in cluster mode) around
+/// `backend`, and the API beside it.
 fn compose<S>(
     config: &Config,
     leases: LeaseStore,
     draining: Arc<AtomicBool>,
-    backend: S,
+    (backend, primacy): (S, Option<Arc<Primacy>>),
     metrics: Metrics,
 ) -> Result<App<Fence<S>>, String> {
     let policy = FencePolicy {
@@ -238,6 +249,7 @@ fn compose<S>(
         allow_unrouted_writes: config.fence.allow_unrouted_writes,
         admit: config.admit_options(),
         upstream_timeout_ms: config.proxy.timeout_ms,
+        primacy,
     };
     let data = FenceLayer::new(policy).layer(backend);
     let api = Api::new(leases, config.fence.require_lease_id, draining, metrics)

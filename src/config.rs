@@ -54,6 +54,103 @@ pub struct Config {
     pub tls: TlsConfig,
     pub admin: AdminConfig,
     pub runtime: RuntimeConfig,
+    pub cluster: ClusterConfig,
+}
+
+/// Cluster mode (off while `etcd` is empty): several members, one primary,
+/// the lease state in etcd.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterConfig {
+    /// etcd client URLs (`http://` or `https://`); empty: standalone.
+    pub etcd: Vec<String>,
+    /// This member's unique name.
+    pub name: String,
+    /// The URL clients reach this member at; empty: from the bound listener.
+    pub advertise: String,
+    /// The etcd key prefix of this cluster's state.
+    pub prefix: String,
+    /// TTL of the primary's etcd lease: a dead primary is replaced within
+    /// about this long.
+    pub ttl_ms: u64,
+    /// How much earlier than its etcd lease could expire a primary stops
+    /// admitting.
+    pub margin_ms: u64,
+    /// PEM CA certificates trusted for `https://` etcd endpoints.
+    pub ca_file: String,
+    /// etcd user, when etcd's authentication is on.
+    pub user: String,
+    /// That user's password (better in `FENCEGATE_CLUSTER__PASSWORD`).
+    pub password: String,
+    /// Self-fencing; off only to show what it prevents (tests).
+    pub self_fencing: bool,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            etcd: Vec::new(),
+            name: String::new(),
+            advertise: String::new(),
+            prefix: "/fencegate/".into(),
+            ttl_ms: 10_000,
+            margin_ms: 1_000,
+            ca_file: String::new(),
+            user: String::new(),
+            password: String::new(),
+            self_fencing: true,
+        }
+    }
+}
+
+impl ClusterConfig {
+    /// Whether cluster mode is on.
+    pub fn enabled(&self) -> bool {
+        !self.etcd.is_empty()
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if !self.enabled() {
+            return Ok(());
+        }
+        if self.name.is_empty()
+            || self.name.len() > 64
+            || !self
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        {
+            return Err(format!(
+                "cluster.name: {:?} must be 1-64 letters, digits, '-', '_' or '.'",
+                self.name
+            ));
+        }
+        if let Some(bad) = self
+            .etcd
+            .iter()
+            .find(|u| !(u.starts_with("http://") || u.starts_with("https://")))
+        {
+            return Err(format!(
+                "cluster.etcd: {bad:?} is not an http:// or https:// URL"
+            ));
+        }
+        if !self.prefix.starts_with('/') || !self.prefix.ends_with('/') {
+            return Err(format!(
+                "cluster.prefix: {:?} must start and end with '/'",
+                self.prefix
+            ));
+        }
+        if self.ttl_ms < 2_000 || self.margin_ms == 0 || self.margin_ms * 2 > self.ttl_ms {
+            return Err(format!(
+                "cluster: need ttl_ms >= 2000 and 0 < margin_ms <= ttl_ms / 2 (got {} and {})",
+                self.ttl_ms, self.margin_ms
+            ));
+        }
+        if self.user.is_empty() != self.password.is_empty() {
+            return Err("cluster: set both user and password, or neither".into());
+        }
+        Ok(())
+    }
 }
 
 /// The async runtime of `fencegate serve`.
@@ -182,6 +279,7 @@ impl Default for Config {
             tls: TlsConfig::default(),
             admin: AdminConfig::default(),
             runtime: RuntimeConfig::default(),
+            cluster: ClusterConfig::default(),
         }
     }
 }
@@ -233,6 +331,10 @@ pub struct Overrides {
     pub upstream: Option<String>,
     pub data_dir: Option<PathBuf>,
     pub clock: Option<ClockKind>,
+    /// `cluster.etcd`, `cluster.name`, `cluster.advertise`.
+    pub etcd: Option<Vec<String>>,
+    pub name: Option<String>,
+    pub advertise: Option<String>,
 }
 
 impl Config {
@@ -267,6 +369,15 @@ impl Config {
         }
         if let Some(clock) = flags.clock {
             config.clock = clock;
+        }
+        if let Some(etcd) = &flags.etcd {
+            config.cluster.etcd.clone_from(etcd);
+        }
+        if let Some(name) = &flags.name {
+            config.cluster.name.clone_from(name);
+        }
+        if let Some(advertise) = &flags.advertise {
+            config.cluster.advertise.clone_from(advertise);
         }
         config.validate()?;
         Ok(config)
@@ -303,6 +414,21 @@ impl Config {
             return Err(format!(
                 "admin.listen: {addr} is the main listener's address too"
             ));
+        }
+        self.cluster.validate()?;
+        if self.cluster.enabled() {
+            if self.clock == ClockKind::Manual {
+                return Err(
+                    "cluster mode needs the system clock: a primary's right to admit is \
+                     measured on it"
+                        .into(),
+                );
+            }
+            if admin.is_some() {
+                return Err(
+                    "admin.listen is not supported in cluster mode yet; leave it empty".into(),
+                );
+            }
         }
         self.tls.files()?;
         self.upstream_target()?;
@@ -475,6 +601,16 @@ fn apply_env(
                     .map_err(|_| format!("{var}: {raw:?} is not true or false"))?,
             ),
             toml::Value::String(_) => toml::Value::String(raw),
+            // A comma list: FENCEGATE_CLUSTER__ETCD=http://a:2379,http://b:2379
+            toml::Value::Array(items) if items.iter().all(toml::Value::is_str) => {
+                toml::Value::Array(
+                    raw.split(',')
+                        .map(str::trim)
+                        .filter(|s| !s.is_empty())
+                        .map(|s| toml::Value::String(s.to_owned()))
+                        .collect(),
+                )
+            }
             _ => {
                 return Err(format!(
                     "{var}: this setting can only be set in the config file"
@@ -513,6 +649,60 @@ mod tests {
         assert_eq!(c.listen, "127.0.0.1:8080");
         assert_eq!(c.upstream_target().unwrap(), UpstreamTarget::Embedded);
         assert!(c.fence.require_lease_id);
+    }
+
+    #[test]
+    fn the_cluster_section_from_env_and_flags() {
+        let c = Config::load(
+            None,
+            env(&[
+                (
+                    "FENCEGATE_CLUSTER__ETCD",
+                    "http://127.0.0.1:2379, http://127.0.0.1:22379",
+                ),
+                ("FENCEGATE_CLUSTER__NAME", "a"),
+            ]),
+            &Overrides::default(),
+        )
+        .unwrap();
+        assert!(c.cluster.enabled());
+        assert_eq!(
+            c.cluster.etcd,
+            ["http://127.0.0.1:2379", "http://127.0.0.1:22379"]
+        );
+        let flags = Overrides {
+            etcd: Some(vec!["https://10.0.0.1:2379".into()]),
+            name: Some("b".into()),
+            ..Overrides::default()
+        };
+        let c = Config::load(None, env(&[]), &flags).unwrap();
+        assert_eq!(c.cluster.name, "b");
+        for bad in [
+            vec![("FENCEGATE_CLUSTER__ETCD", "http://x:2379")],
+            vec![
+                ("FENCEGATE_CLUSTER__ETCD", "x:2379"),
+                ("FENCEGATE_CLUSTER__NAME", "a"),
+            ],
+            vec![
+                ("FENCEGATE_CLUSTER__ETCD", "http://x:2379"),
+                ("FENCEGATE_CLUSTER__NAME", "a b"),
+            ],
+            vec![
+                ("FENCEGATE_CLUSTER__ETCD", "http://x:2379"),
+                ("FENCEGATE_CLUSTER__NAME", "a"),
+                ("FENCEGATE_CLOCK", "manual"),
+            ],
+            vec![
+                ("FENCEGATE_CLUSTER__ETCD", "http://x:2379"),
+                ("FENCEGATE_CLUSTER__NAME", "a"),
+                ("FENCEGATE_CLUSTER__MARGIN_MS", "9000"),
+            ],
+        ] {
+            assert!(
+                Config::load(None, env(&bad), &Overrides::default()).is_err(),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

@@ -6,12 +6,13 @@
 //! (no lease ids, no upstream addresses, no error chains).
 
 use bytes::Bytes;
-use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
 use serde::Serialize;
 
 use crate::body::{self, Body};
 use crate::lease::{AcquireError, Reject, RenewError};
+use crate::wire;
 
 /// Who is at fault for an error, for logs and metrics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,13 +54,14 @@ pub enum Reason {
     RateLimited,
     LeaseStoreUnavailable,
     Draining,
+    NotPrimary,
     UpstreamError,
     UpstreamTimeout,
 }
 
 impl Reason {
     /// Every reason, for documentation and tests.
-    pub const ALL: [Reason; 27] = [
+    pub const ALL: [Reason; 28] = [
         Reason::MissingFencingToken,
         Reason::MissingLeaseId,
         Reason::MalformedFencingToken,
@@ -85,6 +87,7 @@ impl Reason {
         Reason::RateLimited,
         Reason::LeaseStoreUnavailable,
         Reason::Draining,
+        Reason::NotPrimary,
         Reason::UpstreamError,
         Reason::UpstreamTimeout,
     ];
@@ -186,6 +189,11 @@ impl Reason {
                 "Lease store unavailable",
             ),
             Reason::Draining => (StatusCode::SERVICE_UNAVAILABLE, "draining", "Draining"),
+            Reason::NotPrimary => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not-primary",
+                "Not the primary",
+            ),
             Reason::UpstreamError => (StatusCode::BAD_GATEWAY, "upstream-error", "Upstream error"),
             Reason::UpstreamTimeout => (
                 StatusCode::GATEWAY_TIMEOUT,
@@ -248,6 +256,10 @@ struct Doc {
     holder: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     expires_in_ms: Option<u64>,
+    /// The primary's advertised URL (`null` while none is known), on
+    /// `not-primary` only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    primary: Option<Option<String>>,
     #[serde(skip)]
     retry_after_s: Option<u64>,
     /// Answer with `Connection: close`.
@@ -279,6 +291,7 @@ impl Problem {
             current_token: None,
             holder: None,
             expires_in_ms: None,
+            primary: None,
             retry_after_s: None,
             close: false,
             allow: None,
@@ -428,6 +441,15 @@ impl Problem {
     }
 
     /// A write held at the handover barrier past its wait limit;
+    /// A cluster member that may not serve this request: a standby, or a
+    /// primary that could not confirm its primacy in time. `primary` is the
+    /// primary's advertised URL when known (also sent as `Fencegate-Primary`).
+    pub fn not_primary(detail: &str, primary: Option<&str>) -> Self {
+        let mut problem = Self::new(Reason::NotPrimary, detail).retry_after_ms(1000);
+        problem.0.primary = Some(primary.map(str::to_owned));
+        problem
+    }
+
     /// `retry_after_ms` when only writes sent before a restart hold it back,
     /// so it is known when they will have settled.
     pub fn barrier_timeout(lease: &str, retry_after_ms: Option<u64>) -> Self {
@@ -544,6 +566,12 @@ impl Problem {
         if let Some(secs) = self.0.retry_after_s {
             res.headers_mut()
                 .insert(RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if let Some(Some(url)) = &self.0.primary {
+            if let Ok(url) = HeaderValue::from_str(url) {
+                res.headers_mut()
+                    .insert(HeaderName::from_static(wire::FENCEGATE_PRIMARY), url);
+            }
         }
         if let Some(allow) = self.0.allow {
             res.headers_mut()

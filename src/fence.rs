@@ -32,7 +32,7 @@ use tower::{Layer, Service};
 use crate::auth::{Caller, Identity};
 use crate::body::Body;
 use crate::error::{Problem, Reason};
-use crate::lease::{Admission, AdmitError, AdmitOptions, LeaseStore, WriteGuard};
+use crate::lease::{Admission, AdmitError, AdmitOptions, LeaseStore, Primacy, WriteGuard};
 use crate::metrics::Metrics;
 use crate::names::LeaseName;
 use crate::route::{RouteTimeout, Routes};
@@ -59,6 +59,10 @@ pub struct FencePolicy {
     pub upstream_timeout_ms: u64,
     /// Counts forwarded and refused requests.
     pub metrics: Metrics,
+    /// In cluster mode, the member's right to admit: checked before
+    /// anything is sent to the backend (reads too), once more right before
+    /// an admitted write is handed to it. `None` standalone.
+    pub primacy: Option<Arc<Primacy>>,
 }
 
 /// Whether `method` changes state at the backend. Everything but the safe
@@ -262,6 +266,21 @@ impl FencePolicy {
         }
     }
 
+    /// `Some(answer)` when this member may not send anything to the
+    /// backend now: it is not (or no longer provably) the primary.
+    fn not_primary(&self) -> Option<Response<Body>> {
+        let primacy = self.primacy.as_ref()?;
+        if primacy.is_live() {
+            return None;
+        }
+        self.metrics.write_rejected(Reason::NotPrimary.slug());
+        let problem = Problem::not_primary(
+            "this member could not confirm in time that it is the primary; nothing was sent to the backend",
+            None,
+        );
+        Some(problem.into_response())
+    }
+
     fn admit_options(&self, max_wait_ms: u64) -> AdmitOptions {
         AdmitOptions {
             max_wait_ms,
@@ -321,6 +340,9 @@ where
     }
 
     fn call(&mut self, mut req: Request<Body>) -> Self::Future {
+        if let Some(refused) = self.policy.not_primary() {
+            return FenceFuture::ready(refused);
+        }
         let fenced = match self.policy.decide(&mut req) {
             Decision::Pass => return FenceFuture::forward(self.inner.call(req), None),
             Decision::Reject(problem) => {
@@ -339,6 +361,9 @@ where
             &options,
         ) {
             Admission::Admitted(guard) => {
+                if let Some(refused) = self.policy.not_primary() {
+                    return FenceFuture::ready(refused);
+                }
                 self.policy.metrics.write_forwarded();
                 tracing::debug!(lease = fenced.lease.as_str(), token = fenced.token, method = %req.method(), "write admitted");
                 FenceFuture::forward(self.inner.call(req), Some(guard))
@@ -413,6 +438,9 @@ where
                     return Ok(problem.into_response());
                 }
             };
+            if let Some(refused) = policy.not_primary() {
+                return Ok(refused);
+            }
             policy.metrics.write_forwarded();
             tracing::debug!(lease = fenced.lease.as_str(), token = fenced.token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted after the handover barrier");
             let res = forward(req).await?;

@@ -37,9 +37,11 @@
 //!   fails closed; [`cli`]: the client commands built on it (`lease`, `run`,
 //!   `loadtest`).
 //! - [`metrics`]: Prometheus counters and the scrape-time collector.
-//! - [`etcd`]: an etcd v3 client over etcd's JSON gateway (keys,
-//!   transactions, leases; TLS, authentication, several endpoints), the base
-//!   of the coming cluster mode; `serve` does not use it yet.
+//! - [`cluster`]: cluster mode: the election through etcd, the member
+//!   service (the primary's app, or standby answers), and the lease state
+//!   in etcd behind the `Journal` seam; [`etcd`]: an etcd v3 client over
+//!   etcd's JSON gateway (keys, transactions, leases; TLS, authentication,
+//!   several endpoints).
 //! - [`error`]: the one mapping from errors to problem+json (the `Reason`
 //!   table: status, slug and title); [`body`]: the
 //!   body type shared by all services; [`wire`]: header names and markers
@@ -50,6 +52,8 @@
 //! `names`, `framing` and `tls` import nothing from the crate; `auth` and
 //! `route` import only `names`, `etcd` only `tls`; `lease` ← `error`, `metrics` ← `fence` ←
 //! `api`; `backend` ← `server`; `app` composes `api`, `fence` and `backend`;
+//! `cluster` builds on `etcd`, `journal` and `lease` and gets the app it
+//! serves from `serve` (it never reads the config);
 //! `config` knows the options of `lease`, `route`, `backend`, `server` and
 //! `auth`, and only `app` and `serve` read it; `serve` is the top, imported
 //! by nothing; `client` ← `cli`.
@@ -62,6 +66,7 @@ pub mod body;
 pub mod cli;
 pub mod client;
 pub mod clock;
+pub mod cluster;
 pub mod config;
 pub mod error;
 pub mod etcd;

@@ -7,6 +7,7 @@ use std::future::Future;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -15,7 +16,9 @@ use tokio::net::TcpListener;
 use crate::app::{self, App, Parts};
 use crate::backend::{Backend, EmbeddedStore, Upstream};
 use crate::clock::{Clock, ClockKind};
+use crate::cluster::{self, ClusterOptions, MakeApp, Member, Takeover};
 use crate::config::{Config, Overrides, UpstreamTarget};
+use crate::etcd::{EtcdClient, EtcdOptions};
 use crate::journal::{FileJournal, FileJournalOptions, JournalError};
 use crate::lease::{LeaseStore, RestartRule};
 use crate::server::{self, ServerOptions};
@@ -45,6 +48,17 @@ pub struct ServeArgs {
     /// in store.meta (none is reissued).
     #[arg(long)]
     pub accept_journal_loss: bool,
+    /// etcd client URLs, comma-separated: turns on cluster mode (the lease
+    /// state lives in etcd; one member at a time is the primary).
+    #[arg(long, value_delimiter = ',')]
+    pub etcd: Option<Vec<String>>,
+    /// This member's unique name (cluster mode).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// The URL clients reach this member at (cluster mode; default: the
+    /// listener's address).
+    #[arg(long)]
+    pub advertise: Option<String>,
 }
 
 impl ServeArgs {
@@ -59,6 +73,9 @@ impl ServeArgs {
             upstream: self.upstream.clone(),
             data_dir: self.data_dir.clone(),
             clock: self.clock,
+            etcd: self.etcd.clone(),
+            name: self.name.clone(),
+            advertise: self.advertise.clone(),
         };
         let config = Config::load(self.config.as_deref(), env, &flags)?;
         let options = StartOptions {
@@ -133,7 +150,7 @@ pub async fn run(
 /// A fencegate whose parts are built and whose listeners are bound, not yet
 /// accepting: tests learn its addresses (port 0) before they connect.
 pub struct Bound {
-    app: app::FencegateApp,
+    app: Served,
     listener: TcpListener,
     admin: Option<(TcpListener, app::AdminApp)>,
     tls: Option<tokio_rustls::TlsAcceptor>,
@@ -141,10 +158,23 @@ pub struct Bound {
     draining: Arc<AtomicBool>,
 }
 
-/// Recovers the lease store from its journal, builds the backend and the
-/// app, loads TLS and binds the listeners.
+/// What the main listener serves.
+enum Served {
+    /// One fencegate, its lease store recovered from its journal.
+    Standalone(app::FencegateApp),
+    /// A cluster member: the primary's app while it is primary.
+    Cluster(Member<app::FencegateApp>),
+}
+
+/// Recovers the lease store from its journal (standalone) or joins the
+/// cluster, builds the backend and the app, loads TLS and binds the
+/// listeners.
 pub async fn start(config: Config, options: StartOptions) -> Result<Bound, StartError> {
-    let leases = recover(&config, options)?;
+    let leases = if config.cluster.enabled() {
+        None
+    } else {
+        Some(recover(&config, options)?)
+    };
     let backend = match config.upstream_target().map_err(StartError::Config)? {
         UpstreamTarget::Embedded if config.embedded.record => Backend::Embedded(
             EmbeddedStore::recording(config.embedded.history_max_entries),
@@ -155,15 +185,6 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
         ),
     };
     let draining = Arc::new(AtomicBool::new(false));
-    let mut app = app::build(
-        &config,
-        Parts {
-            leases,
-            backend,
-            draining: draining.clone(),
-        },
-    )
-    .map_err(StartError::Config)?;
     let tls = match config.tls.files().map_err(StartError::Tls)? {
         Some((cert, key)) => {
             let certs = Arc::new(Certificates::load(&cert, &key).map_err(StartError::Tls)?);
@@ -176,16 +197,32 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
     let listener = TcpListener::bind(listen)
         .await
         .map_err(|e| StartError::Listen("listen", listen.to_string(), e))?;
-    let admin = match config.admin_addr().map_err(StartError::Config)? {
-        Some(addr) => {
-            let listener = TcpListener::bind(addr)
-                .await
-                .map_err(|e| StartError::Listen("admin.listen", addr.to_string(), e))?;
-            Some((listener, app.split_admin()))
+    let (app, admin) = match leases {
+        None => {
+            let member = join(&config, backend, draining.clone(), &listener, tls.is_some())?;
+            (Served::Cluster(member), None)
         }
-        None => None,
+        Some(leases) => {
+            let parts = Parts {
+                leases,
+                backend,
+                draining: draining.clone(),
+                primacy: None,
+            };
+            let mut app = app::build(&config, parts).map_err(StartError::Config)?;
+            let admin = match config.admin_addr().map_err(StartError::Config)? {
+                Some(addr) => {
+                    let listener = TcpListener::bind(addr)
+                        .await
+                        .map_err(|e| StartError::Listen("admin.listen", addr.to_string(), e))?;
+                    Some((listener, app.split_admin()))
+                }
+                None => None,
+            };
+            (Served::Standalone(app), admin)
+        }
     };
-    tracing::info!(upstream = %config.upstream, clock = ?config.clock, tls = tls.is_some(), "fencegate serving");
+    tracing::info!(upstream = %config.upstream, clock = ?config.clock, tls = tls.is_some(), cluster = config.cluster.enabled(), "fencegate serving");
     warn_of_test_seams(&config);
     Ok(Bound {
         app,
@@ -202,6 +239,64 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
     })
 }
 
+/// Joins the cluster `config.cluster` names: the member's service, whose
+/// app is built anew from etcd's lease state at each term of primacy.
+fn join(
+    config: &Config,
+    backend: Backend,
+    draining: Arc<AtomicBool>,
+    listener: &TcpListener,
+    tls: bool,
+) -> Result<Member<app::FencegateApp>, StartError> {
+    let c = &config.cluster;
+    let advertise = if c.advertise.is_empty() {
+        let scheme = if tls { "https" } else { "http" };
+        format!(
+            "{scheme}://{}",
+            listener.local_addr().map_err(StartError::Io)?
+        )
+    } else {
+        c.advertise.clone()
+    };
+    let etcd_options = EtcdOptions {
+        ca_file: (!c.ca_file.is_empty()).then(|| PathBuf::from(&c.ca_file)),
+        user: (!c.user.is_empty()).then(|| (c.user.clone(), c.password.clone())),
+        // A call must end well within the TTL, so a primary notices in time.
+        timeout_ms: (c.ttl_ms / 4).clamp(500, 5_000),
+    };
+    let etcd = EtcdClient::new(&c.etcd, &etcd_options).map_err(StartError::Config)?;
+    let clock = Clock::new(config.clock);
+    let options = ClusterOptions {
+        name: c.name.clone(),
+        advertise,
+        prefix: c.prefix.clone(),
+        ttl_ms: c.ttl_ms,
+        margin_ms: c.margin_ms,
+        unsettled_ms: config.restart_rule().unsettled_ms,
+        self_fencing: c.self_fencing,
+    };
+    tracing::info!(name = %options.name, advertise = %options.advertise, etcd = ?c.etcd, "joining the cluster");
+    let config = config.clone();
+    let store_clock = clock.clone();
+    let make_app: MakeApp<app::FencegateApp> = Arc::new(move |takeover: Takeover| {
+        let leases = LeaseStore::restore(
+            store_clock.clone(),
+            config.lease_limits(),
+            takeover.journal,
+            takeover.leases,
+            takeover.rule,
+        )?;
+        let parts = Parts {
+            leases,
+            backend: backend.clone(),
+            draining: draining.clone(),
+            primacy: Some(takeover.primacy),
+        };
+        app::build(&config, parts)
+    });
+    Ok(cluster::start(etcd, options, clock, make_app))
+}
+
 /// Settings that exist for tests and demos say so at every start.
 fn warn_of_test_seams(config: &Config) {
     if config.clock == ClockKind::Manual {
@@ -214,6 +309,12 @@ fn warn_of_test_seams(config: &Config) {
         tracing::warn!(
             "fence.drain_barrier is off: a write of an old term can reach the backend after \
              one of a newer term; it is off only to show what the barrier prevents"
+        );
+    }
+    if config.cluster.enabled() && !config.cluster.self_fencing {
+        tracing::warn!(
+            "cluster.self_fencing is off: a primary that cannot confirm its primacy goes on \
+             admitting writes; it is off only to show what self-fencing prevents"
         );
     }
 }
@@ -299,8 +400,15 @@ impl Bound {
         let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|stop| *stop).await;
         };
-        let main =
-            server::run_with_tls(listener, tls, app, options, until_stopped(stopped.clone()));
+        let until = until_stopped(stopped.clone());
+        let main: Pin<Box<dyn Future<Output = std::io::Result<()>> + Send>> = match app {
+            Served::Standalone(app) => {
+                Box::pin(server::run_with_tls(listener, tls, app, options, until))
+            }
+            Served::Cluster(member) => {
+                Box::pin(server::run_with_tls(listener, tls, member, options, until))
+            }
+        };
         match admin {
             None => main.await,
             Some((listener, admin_app)) => {

@@ -13,6 +13,9 @@ pub const FENCING_LEASE_ID: &str = "fencing-lease-id";
 /// The request-id header: the client's, or a new one; echoed and forwarded.
 pub const X_REQUEST_ID: &str = "x-request-id";
 
+/// On a cluster member's `not-primary` answer: the primary's advertised URL.
+pub const FENCEGATE_PRIMARY: &str = "fencegate-primary";
+
 /// The path prefix fencegate keeps for itself.
 pub const PREFIX: &str = "/_fence/";
 

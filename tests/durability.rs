@@ -430,6 +430,7 @@ async fn a_journal_that_cannot_persist_fails_closed_and_recovers() {
             leases,
             backend: Backend::Embedded(store.clone()),
             draining: Arc::new(AtomicBool::new(false)),
+            primacy: None,
         },
     )
     .unwrap();

@@ -1,14 +1,17 @@
 //! Leases: the pure state machine ([`machine`]), lease ids ([`id`]), writes in
-//! flight by term ([`inflight`]) and the concurrent handle the rest of the
-//! proxy shares ([`store`]).
+//! flight by term ([`inflight`]), the concurrent handle the rest of the
+//! proxy shares ([`store`]) and, in cluster mode, the member's right to
+//! admit ([`primacy`]).
 
 pub mod id;
 pub mod inflight;
 pub mod machine;
+pub mod primacy;
 pub mod store;
 
 pub use id::LeaseId;
 pub use machine::{Admit, Grant, Held, LeaseState, Reject, TermState, View};
+pub use primacy::Primacy;
 pub use store::{
     AcquireError, Acquired, Admission, AdmitError, AdmitOptions, Admitted, LeaseLimits, LeaseStore,
     RenewError, RestartRule, WriteGuard,

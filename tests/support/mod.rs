@@ -175,6 +175,7 @@ impl Harness {
                 leases: leases.clone(),
                 backend,
                 draining: Arc::new(AtomicBool::new(false)),
+                primacy: None,
             },
         )
         .unwrap();

@@ -323,3 +323,163 @@ impl TestCa {
         test_ca
     }
 }
+
+/// A multi-member etcd cluster on loopback ports; members can be stopped
+/// and started again (with their data) to take quorum away and back.
+pub struct EtcdCluster {
+    members: Vec<EtcdMember>,
+    _dir: TempDir,
+}
+
+struct EtcdMember {
+    args: Vec<String>,
+    client: u16,
+    log: PathBuf,
+    child: Option<Child>,
+}
+
+impl EtcdCluster {
+    /// Starts `n` members and waits until the cluster serves its v3 API.
+    pub async fn start(n: usize) -> Self {
+        for _ in 0..START_ATTEMPTS {
+            if let Some(cluster) = Self::try_start(n).await {
+                return cluster;
+            }
+        }
+        panic!("the etcd cluster found its ports taken {START_ATTEMPTS} times");
+    }
+
+    async fn try_start(n: usize) -> Option<Self> {
+        let dir = TempDir::new("etcd-cluster");
+        let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
+        let initial = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer))| format!("e{i}=http://127.0.0.1:{peer}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut members: Vec<EtcdMember> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, &(client, peer))| {
+                let d = dir.path().join(format!("e{i}"));
+                std::fs::create_dir_all(&d).unwrap();
+                let args = [
+                    "--name".to_owned(),
+                    format!("e{i}"),
+                    "--data-dir".to_owned(),
+                    d.join("data").to_string_lossy().into_owned(),
+                    "--listen-client-urls".to_owned(),
+                    format!("http://127.0.0.1:{client}"),
+                    "--advertise-client-urls".to_owned(),
+                    format!("http://127.0.0.1:{client}"),
+                    "--listen-peer-urls".to_owned(),
+                    format!("http://127.0.0.1:{peer}"),
+                    "--initial-advertise-peer-urls".to_owned(),
+                    format!("http://127.0.0.1:{peer}"),
+                    "--initial-cluster".to_owned(),
+                    initial.clone(),
+                    "--initial-cluster-token".to_owned(),
+                    "fencegate-test".to_owned(),
+                ]
+                .to_vec();
+                EtcdMember {
+                    args,
+                    client,
+                    log: d.join("etcd.log"),
+                    child: None,
+                }
+            })
+            .collect();
+        for m in &mut members {
+            m.spawn();
+        }
+        for m in &mut members {
+            let child = m.child.as_mut().unwrap();
+            if wait_for_port(m.client, child, "etcd", &m.log)
+                .await
+                .is_err()
+            {
+                return None;
+            }
+        }
+        let cluster = Self { members, _dir: dir };
+        cluster.wait_ready().await;
+        Some(cluster)
+    }
+
+    /// The client URLs, comma-separated.
+    pub fn endpoints(&self) -> String {
+        self.urls().join(",")
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.members
+            .iter()
+            .map(|m| format!("http://127.0.0.1:{}", m.client))
+            .collect()
+    }
+
+    /// Kills member `i` (SIGKILL).
+    pub fn stop(&mut self, i: usize) {
+        if let Some(mut child) = self.members[i].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts member `i` again with its data, and waits until the cluster
+    /// serves.
+    pub async fn restart(&mut self, i: usize) {
+        self.members[i].spawn();
+        self.wait_ready().await;
+    }
+
+    /// Waits until a write through the v3 API succeeds at some member
+    /// (bounded, real time: a cluster electing its leader).
+    async fn wait_ready(&self) {
+        let options = fencegate::etcd::EtcdOptions {
+            timeout_ms: 1000,
+            ..Default::default()
+        };
+        let c = fencegate::etcd::EtcdClient::new(&self.urls(), &options).unwrap();
+        for _ in 0..300 {
+            if c.put(b"/test/ready", b"1", 0).await.is_ok() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let logs: String = self
+            .members
+            .iter()
+            .map(|m| std::fs::read_to_string(&m.log).unwrap_or_default())
+            .collect();
+        panic!("the etcd cluster never served: {logs}");
+    }
+}
+
+impl EtcdMember {
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let child = Command::new(program("etcd"))
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+    }
+}
+
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        for i in 0..self.members.len() {
+            self.stop(i);
+        }
+    }
+}

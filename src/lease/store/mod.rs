@@ -166,6 +166,9 @@ pub struct RestartRule {
     /// The journal may have lost records: every lease, recovered or not,
     /// counts as recovered (its earlier terms may have had writes in flight).
     pub lost_records: bool,
+    /// The recovered terms carry the SHA-256 digest of each lease id, not
+    /// its text (the lease state cluster members share in etcd).
+    pub hashed_ids: bool,
 }
 
 /// The lease store: cheap to clone, shared by the lease API and the fence.
@@ -230,12 +233,16 @@ impl LeaseStore {
                 Some(t) => Some(Term {
                     token: t.token,
                     holder: t.holder,
-                    lease_id: LeaseId::from_text(t.lease_id).ok_or_else(|| {
-                        format!(
-                            "the journal holds a malformed lease id for {:?}",
-                            lease.lease
-                        )
-                    })?,
+                    lease_id: if rule.hashed_ids {
+                        LeaseId::from_sha256(t.lease_id)
+                    } else {
+                        LeaseId::from_text(t.lease_id).ok_or_else(|| {
+                            format!(
+                                "the journal holds a malformed lease id for {:?}",
+                                lease.lease
+                            )
+                        })?
+                    },
                     ttl_ms: t.ttl_ms,
                     deadline_ms: 0,
                     released: t.released,

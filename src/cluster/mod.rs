@@ -1,0 +1,462 @@
+//! Cluster mode: several members, one primary at a time elected through
+//! etcd, the lease state in etcd ([`journal`]).
+//!
+//! A member's life is a sequence of etcd sessions. Each session grants an
+//! etcd lease, registers the member under `{prefix}members/{name}` with it,
+//! and campaigns: a transaction creates `{prefix}primary` (attached to the
+//! same lease) only if it does not exist. The winner loads every lease from
+//! `{prefix}leases/`, builds a fresh lease store and app on it (unreleased
+//! terms held for a full TTL from takeover, later terms' writes held back
+//! until the previous primary's writes have settled), and serves. It keeps
+//! its etcd lease alive; each confirmed keepalive moves its [`Primacy`]
+//! deadline to the keepalive's send time plus the TTL etcd granted, minus a
+//! margin, on the proxy's clock, so the deadline passes before etcd can let
+//! the election key go. Past the deadline, or when etcd says the lease is
+//! gone, or when a write of lease state fails, the member steps down: its
+//! primacy is revoked (nothing more reaches the backend), its app is
+//! dropped, and a new session starts from what etcd holds. Losers poll the
+//! election key and campaign again when it is gone.
+//!
+//! [`Member`] is the service every member runs: the primary's app while
+//! primacy is live, standby answers otherwise.
+
+pub mod journal;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, RwLock};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderValue, CONTENT_TYPE};
+use http::{Method, Request, Response};
+use serde::{Deserialize, Serialize};
+use tower::{Service, ServiceExt};
+
+use crate::body::{self, Body};
+use crate::clock::Clock;
+use crate::error::Problem;
+use crate::etcd::{Compare, EtcdClient, Op};
+use crate::journal::{Journal, LeaseRecord};
+use crate::lease::{Primacy, RestartRule};
+use journal::{Election, EtcdJournal, StoredLease};
+
+/// How a member takes part in a cluster.
+#[derive(Clone, Debug)]
+pub struct ClusterOptions {
+    /// This member's unique name.
+    pub name: String,
+    /// The URL clients reach this member at.
+    pub advertise: String,
+    /// The etcd key prefix of this cluster's state.
+    pub prefix: String,
+    /// TTL of a member's etcd lease: how long a primary that stopped
+    /// renewing keeps the election key.
+    pub ttl_ms: u64,
+    /// How much earlier than its etcd lease could expire a primary stops
+    /// admitting.
+    pub margin_ms: u64,
+    /// How long after a takeover writes the previous primary sent may still
+    /// reach the backend: the upstream deadline plus the settle time.
+    pub unsettled_ms: u64,
+    /// Test-only: off, a primary whose deadline passed goes on admitting
+    /// until etcd tells it the lease is gone.
+    pub self_fencing: bool,
+}
+
+/// What a member gets when it wins: the lease state to serve from.
+pub struct Takeover {
+    /// Every lease etcd held, ids as digests.
+    pub leases: Vec<LeaseRecord>,
+    /// Where grants, renewals and releases go.
+    pub journal: Arc<dyn Journal>,
+    /// This term of primacy.
+    pub primacy: Arc<Primacy>,
+    /// How the store restores `leases`.
+    pub rule: RestartRule,
+}
+
+/// Builds the primary's app for one term of primacy.
+pub type MakeApp<S> = Arc<dyn Fn(Takeover) -> Result<S, String> + Send + Sync>;
+
+/// A member as others see it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Peer {
+    pub name: String,
+    pub url: String,
+}
+
+struct View<S> {
+    /// The app and its primacy while this member is primary.
+    serving: Option<(S, Arc<Primacy>)>,
+    primary: Option<Peer>,
+    members: Vec<Peer>,
+}
+
+struct Shared<S> {
+    me: Peer,
+    view: RwLock<View<S>>,
+}
+
+/// The service a cluster member runs.
+pub struct Member<S> {
+    shared: Arc<Shared<S>>,
+}
+
+impl<S> Clone for Member<S> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S> Member<S> {
+    fn view(&self) -> std::sync::RwLockReadGuard<'_, View<S>> {
+        self.shared.view.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn view_mut(&self) -> std::sync::RwLockWriteGuard<'_, View<S>> {
+        self.shared.view.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether this member serves as primary now.
+    pub fn is_primary(&self) -> bool {
+        self.view()
+            .serving
+            .as_ref()
+            .is_some_and(|(_, primacy)| primacy.is_live())
+    }
+
+    fn cluster_json(&self) -> Response<Body> {
+        let view = self.view();
+        let primary = view.serving.as_ref().is_some_and(|(_, p)| p.is_live());
+        let doc = serde_json::json!({
+            "role": if primary { "primary" } else { "standby" },
+            "name": self.shared.me.name,
+            "url": self.shared.me.url,
+            "primary": view.primary,
+            "members": view.members,
+        });
+        let mut res = Response::new(body::full(Bytes::from(doc.to_string())));
+        res.headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        res
+    }
+
+    /// What a member that is not serving as primary answers.
+    fn standby_answer(&self, path: &str) -> Response<Body> {
+        if path == "/_fence/livez" {
+            let mut res = Response::new(body::full(Bytes::from_static(b"{\"status\":\"live\"}")));
+            res.headers_mut()
+                .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            return res;
+        }
+        let view = self.view();
+        let primary = view
+            .primary
+            .as_ref()
+            .filter(|p| p.name != self.shared.me.name)
+            .map(|p| p.url.as_str());
+        let detail = match primary {
+            Some(_) => "this member is a standby; send requests to the primary",
+            None => "no primary is known right now; retry shortly",
+        };
+        Problem::not_primary(detail, primary).into_response()
+    }
+}
+
+type BoxResponseFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+impl<S, B> Service<Request<B>> for Member<S>
+where
+    S: Service<Request<B>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+    B: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = BoxResponseFuture;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let path = req.uri().path();
+        if path == "/_fence/cluster" && matches!(*req.method(), Method::GET | Method::HEAD) {
+            return Box::pin(std::future::ready(Ok(self.cluster_json())));
+        }
+        let app = self
+            .view()
+            .serving
+            .as_ref()
+            .filter(|(_, primacy)| primacy.is_live())
+            .map(|(app, _)| app.clone());
+        match app {
+            Some(app) => Box::pin(app.oneshot(req)),
+            None => {
+                let res = self.standby_answer(path);
+                Box::pin(std::future::ready(Ok(res)))
+            }
+        }
+    }
+}
+
+/// Starts a member: its service, and the task that campaigns and serves
+/// terms of primacy through `client`.
+pub fn start<S>(
+    client: EtcdClient,
+    options: ClusterOptions,
+    clock: Clock,
+    make_app: MakeApp<S>,
+) -> Member<S>
+where
+    S: Send + Sync + 'static,
+{
+    let member = Member {
+        shared: Arc::new(Shared {
+            me: Peer {
+                name: options.name.clone(),
+                url: options.advertise.clone(),
+            },
+            view: RwLock::new(View {
+                serving: None,
+                primary: None,
+                members: Vec::new(),
+            }),
+        }),
+    };
+    let elector = Elector {
+        client,
+        options,
+        clock,
+        make_app,
+        member: member.clone(),
+    };
+    tokio::spawn(elector.run());
+    member
+}
+
+struct Elector<S> {
+    client: EtcdClient,
+    options: ClusterOptions,
+    clock: Clock,
+    make_app: MakeApp<S>,
+    member: Member<S>,
+}
+
+/// An etcd lease as this member last confirmed it.
+#[derive(Clone, Copy, Debug)]
+struct Session {
+    id: i64,
+    /// When the last confirmed grant or keepalive was sent (proxy clock).
+    sent_ms: u64,
+    /// The TTL etcd granted then, in seconds.
+    ttl_s: i64,
+}
+
+impl<S: Send + Sync + 'static> Elector<S> {
+    fn key(&self, rest: &str) -> Vec<u8> {
+        format!("{}{rest}", self.options.prefix).into_bytes()
+    }
+
+    /// How often a standby looks for the primary and a primary renews.
+    fn beat(&self) -> Duration {
+        Duration::from_millis((self.options.ttl_ms / 3).clamp(100, 1000))
+    }
+
+    /// The deadline a confirmation sent at `sent_ms` with `ttl_s` gives.
+    fn deadline(&self, sent_ms: u64, ttl_s: i64) -> u64 {
+        let ttl_ms = u64::try_from(ttl_s).unwrap_or(0).saturating_mul(1000);
+        sent_ms
+            .saturating_add(ttl_ms)
+            .saturating_sub(self.options.margin_ms)
+    }
+
+    async fn run(self) {
+        loop {
+            if let Err(error) = self.session().await {
+                tracing::warn!(%error, "cluster session ended; starting a new one");
+            }
+            tokio::time::sleep(self.beat()).await;
+        }
+    }
+
+    /// One etcd session: register, campaign until won or the session is
+    /// lost, serve while primary.
+    async fn session(&self) -> Result<(), String> {
+        let ttl_s = i64::try_from(self.options.ttl_ms.div_ceil(1000)).unwrap_or(i64::MAX);
+        let sent_ms = self.clock.now_ms();
+        let (id, ttl_s) = self.client.grant(ttl_s).await.map_err(|e| e.to_string())?;
+        let mut session = Session { id, sent_ms, ttl_s };
+        let me = serde_json::to_vec(&self.member.shared.me).unwrap_or_default();
+        let result = async {
+            self.client
+                .put(
+                    &self.key(&format!("members/{}", self.options.name)),
+                    &me,
+                    id,
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            loop {
+                let primary_key = self.key("primary");
+                let campaign = self
+                    .client
+                    .txn(
+                        &[Compare::CreateRevision(primary_key.clone(), 0)],
+                        &[Op::Put {
+                            key: primary_key.clone(),
+                            value: me.clone(),
+                            lease: id,
+                        }],
+                        &[Op::Get {
+                            key: primary_key.clone(),
+                        }],
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if campaign.succeeded {
+                    let election = Election {
+                        key: primary_key,
+                        revision: campaign.revision,
+                    };
+                    return self.lead(session, election).await;
+                }
+                let primary = campaign
+                    .reads
+                    .first()
+                    .and_then(|kvs| kvs.first())
+                    .and_then(|kv| serde_json::from_slice::<Peer>(&kv.value).ok());
+                self.member.view_mut().primary = primary;
+                self.refresh_members().await;
+                tokio::time::sleep(self.beat()).await;
+                session = self.keep_alive(session).await?;
+            }
+        }
+        .await;
+        // Best effort: the keys go at once instead of at the TTL's end.
+        let _ = tokio::time::timeout(self.beat(), self.client.revoke(id)).await;
+        result
+    }
+
+    /// Renews the session's etcd lease once.
+    async fn keep_alive(&self, session: Session) -> Result<Session, String> {
+        let sent_ms = self.clock.now_ms();
+        match self.client.keep_alive(session.id).await {
+            Ok(Some(ttl_s)) => Ok(Session {
+                sent_ms,
+                ttl_s,
+                ..session
+            }),
+            Ok(None) => Err("this member's etcd lease expired".into()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    async fn refresh_members(&self) {
+        if let Ok((kvs, _)) = self.client.get_prefix(&self.key("members/")).await {
+            let members = kvs
+                .iter()
+                .filter_map(|kv| serde_json::from_slice::<Peer>(&kv.value).ok())
+                .collect();
+            self.member.view_mut().members = members;
+        }
+    }
+
+    /// Serves as primary until primacy is lost.
+    async fn lead(&self, mut session: Session, election: Election) -> Result<(), String> {
+        let until_ms = self.deadline(session.sent_ms, session.ttl_s);
+        let primacy = Arc::new(Primacy::new(
+            self.clock.clone(),
+            until_ms,
+            self.options.self_fencing,
+        ));
+        let leases = self.load().await?;
+        let journal = Arc::new(EtcdJournal::start(
+            self.client.clone(),
+            self.options.prefix.clone().into_bytes(),
+            election,
+            &leases,
+        ));
+        let failure = journal.failure();
+        let loaded = leases.len();
+        let app = (self.make_app)(Takeover {
+            leases,
+            journal: journal.clone(),
+            primacy: primacy.clone(),
+            rule: RestartRule {
+                unsettled_ms: self.options.unsettled_ms,
+                hashed_ids: true,
+                ..RestartRule::default()
+            },
+        })?;
+        {
+            let mut view = self.member.view_mut();
+            view.serving = Some((app, primacy.clone()));
+            view.primary = Some(self.member.shared.me.clone());
+        }
+        tracing::info!(name = %self.options.name, leases = loaded, "this member is the primary");
+        self.refresh_members().await;
+        let why = loop {
+            tokio::select! {
+                () = tokio::time::sleep(self.beat()) => {}
+                () = failure.wait() => break "a write of lease state failed".to_owned(),
+            }
+            match tokio::time::timeout(self.beat(), self.keep_alive(session)).await {
+                Ok(Ok(renewed)) => {
+                    session = renewed;
+                    primacy.confirm_until(self.deadline(session.sent_ms, session.ttl_s));
+                }
+                Ok(Err(e)) if e.contains("expired") => break e,
+                Ok(Err(_)) | Err(_) => {}
+            }
+            if self.options.self_fencing && !primacy.is_live() {
+                break "primacy could not be confirmed in time".to_owned();
+            }
+            self.refresh_members().await;
+        };
+        primacy.revoke();
+        failure.stop();
+        {
+            let mut view = self.member.view_mut();
+            view.serving = None;
+            view.primary = None;
+        }
+        tracing::warn!(name = %self.options.name, reason = %why, "this member stepped down");
+        Err(why)
+    }
+
+    /// Every lease etcd holds.
+    async fn load(&self) -> Result<Vec<LeaseRecord>, String> {
+        let prefix = self.key("leases/");
+        let (kvs, _) = self
+            .client
+            .get_prefix(&prefix)
+            .await
+            .map_err(|e| e.to_string())?;
+        kvs.iter()
+            .map(|kv| {
+                let name = String::from_utf8_lossy(&kv.key[prefix.len()..]).into_owned();
+                let stored: StoredLease = serde_json::from_slice(&kv.value)
+                    .map_err(|e| format!("lease {name:?} in etcd is unreadable: {e}"))?;
+                stored.to_record(name)
+            })
+            .collect()
+    }
+}
+
+impl<S> std::fmt::Debug for Member<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Member")
+            .field("me", &self.shared.me)
+            .finish()
+    }
+}

@@ -1,0 +1,93 @@
+//! A cluster member's right to admit: until when, on the proxy's own clock,
+//! its primacy is confirmed.
+//!
+//! The member that holds primacy moves the deadline forward each time etcd
+//! confirms its election lease (the send time of the confirmed keepalive
+//! plus the TTL etcd granted, minus a margin), so the deadline passes before
+//! etcd can let another member win. Once revoked, a `Primacy` stays revoked:
+//! the next term of primacy gets a new one.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use crate::clock::Clock;
+
+/// Until when this member may admit writes and grants.
+#[derive(Debug)]
+pub struct Primacy {
+    clock: Clock,
+    until_ms: AtomicU64,
+    revoked: AtomicBool,
+    /// Test-only: whether the deadline is enforced (self-fencing). Off, only
+    /// an explicit revocation stops admission.
+    enforce: bool,
+}
+
+impl Primacy {
+    /// Primacy confirmed until `until_ms` on `clock`.
+    pub fn new(clock: Clock, until_ms: u64, enforce: bool) -> Self {
+        Self {
+            clock,
+            until_ms: AtomicU64::new(until_ms),
+            revoked: AtomicBool::new(false),
+            enforce,
+        }
+    }
+
+    /// Whether this member may admit now.
+    pub fn is_live(&self) -> bool {
+        if self.revoked.load(Ordering::Acquire) {
+            return false;
+        }
+        !self.enforce || self.clock.now_ms() < self.until_ms.load(Ordering::Acquire)
+    }
+
+    /// Primacy was confirmed again, until `until_ms` (never moves back).
+    pub fn confirm_until(&self, until_ms: u64) {
+        self.until_ms.fetch_max(until_ms, Ordering::AcqRel);
+    }
+
+    /// Until when primacy is confirmed (0 once revoked).
+    pub fn until_ms(&self) -> u64 {
+        if self.revoked.load(Ordering::Acquire) {
+            0
+        } else {
+            self.until_ms.load(Ordering::Acquire)
+        }
+    }
+
+    /// Primacy is lost for good.
+    pub fn revoke(&self) {
+        self.revoked.store(true, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn live_until_the_deadline_then_never_after_revocation() {
+        let clock = Clock::manual(0);
+        let p = Primacy::new(clock.clone(), 100, true);
+        assert!(p.is_live());
+        clock.advance(100);
+        assert!(!p.is_live());
+        p.confirm_until(150);
+        assert!(p.is_live());
+        p.confirm_until(120);
+        assert_eq!(p.until_ms(), 150);
+        p.revoke();
+        p.confirm_until(1000);
+        assert!(!p.is_live());
+    }
+
+    #[test]
+    fn without_self_fencing_only_revocation_stops_it() {
+        let clock = Clock::manual(0);
+        let p = Primacy::new(clock.clone(), 100, false);
+        clock.advance(1000);
+        assert!(p.is_live());
+        p.revoke();
+        assert!(!p.is_live());
+    }
+}

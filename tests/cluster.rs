@@ -1,0 +1,295 @@
+//! Cluster mode against a real three-member etcd cluster: one primary at a
+//! time, standbys that never touch the backend, terms and tokens that
+//! survive the primary's death, and a primary that fences itself when it
+//! cannot confirm its primacy.
+//!
+//! The members are the real binary (they are killed with SIGKILL and
+//! stopped with SIGSTOP); the storage is `fencegate backend --record`, whose
+//! apply log shows every write that landed. Waits are in real time (etcd
+//! leases expire in real time); each is bounded with wide margins and says
+//! what it waits for.
+
+mod support;
+
+use std::time::Duration;
+
+use fencegate::clock::Stopwatch;
+
+use serde_json::json;
+use support::proc::{Proc, TempDir};
+use support::servers::EtcdCluster;
+use support::{held_from, Held, HttpClient, Req};
+
+/// The members' etcd lease TTL: a dead primary is replaced within about
+/// this long (etcd's own minimum is about 1.5 s).
+const TTL_MS: u64 = 3_000;
+
+/// A cluster of fencegate members in front of one recording backend.
+struct Members {
+    etcd: EtcdCluster,
+    backend: Proc,
+    members: Vec<Option<Proc>>,
+    dir: TempDir,
+    env: Vec<(String, String)>,
+}
+
+impl Members {
+    async fn start(n: usize, env: &[(&str, &str)]) -> Self {
+        let etcd = EtcdCluster::start(3).await;
+        let dir = TempDir::new("cluster");
+        let backend = Proc::start(
+            &["backend", "--listen", "127.0.0.1:0", "--record"],
+            &dir.path().join("backend.log"),
+            &[],
+        );
+        let mut env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        env.push(("FENCEGATE_CLUSTER__TTL_MS".into(), TTL_MS.to_string()));
+        env.push(("FENCEGATE_CLUSTER__MARGIN_MS".into(), "500".into()));
+        env.push(("FENCEGATE_LOG".into(), "info".into()));
+        let mut members = Members {
+            etcd,
+            backend,
+            members: Vec::new(),
+            dir,
+            env,
+        };
+        for i in 0..n {
+            let member = members.spawn(i);
+            members.members.push(Some(member));
+        }
+        members
+    }
+
+    fn spawn(&self, i: usize) -> Proc {
+        let name = format!("m{i}");
+        let env: Vec<(&str, &str)> = self
+            .env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        Proc::start(
+            &[
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                &self.backend.url,
+                "--etcd",
+                &self.etcd.endpoints(),
+                "--name",
+                &name,
+            ],
+            &self.dir.path().join(format!("{name}.log")),
+            &env,
+        )
+    }
+
+    fn url(&self, i: usize) -> String {
+        self.members[i]
+            .as_ref()
+            .expect("member running")
+            .url
+            .clone()
+    }
+
+    fn client(&self, i: usize) -> HttpClient {
+        HttpClient::new(&self.url(i))
+    }
+
+    /// The index of the member that serves as primary, waiting up to
+    /// `within` (real time: an etcd lease running out, then a campaign).
+    async fn primary(&self, within: Duration) -> usize {
+        let start = Stopwatch::start();
+        loop {
+            for (i, m) in self.members.iter().enumerate() {
+                let Some(m) = m else { continue };
+                let c = HttpClient::new(&m.url);
+                if let Ok(r) = c.try_send(Req::new("GET", "/_fence/cluster")).await {
+                    if r.status == 200 && r.json()["role"] == "primary" {
+                        return i;
+                    }
+                }
+            }
+            assert!(
+                start.elapsed_ms() < within.as_millis() as u64,
+                "no primary within {within:?}; logs:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits (bounded, real time: a standby polls etcd about every second)
+    /// until member `i` names member `primary` as the primary.
+    async fn knows_primary(&self, i: usize, primary: usize) -> serde_json::Value {
+        let c = self.client(i);
+        let url = self.url(primary);
+        let start = Stopwatch::start();
+        loop {
+            let view = c.send(Req::new("GET", "/_fence/cluster")).await.json();
+            if view["primary"]["url"] == url.as_str() {
+                return view;
+            }
+            assert!(start.elapsed_ms() < 10_000, "{view}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn kill(&mut self, i: usize) {
+        if let Some(p) = self.members[i].take() {
+            p.kill9();
+        }
+    }
+
+    /// The backend's apply log: (lease path, token) in apply order.
+    async fn applied(&self) -> Vec<(String, u64)> {
+        let r = HttpClient::new(&self.backend.url)
+            .send(Req::new("GET", "/_fence/backend/history"))
+            .await;
+        r.json()["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                (
+                    e["key"].as_str().unwrap_or_default().to_owned(),
+                    e["token"].as_u64().unwrap_or(0),
+                )
+            })
+            .collect()
+    }
+
+    fn logs(&self) -> String {
+        self.members
+            .iter()
+            .flatten()
+            .map(|p| format!("--- {}\n{}", p.url, p.log_text()))
+            .collect()
+    }
+}
+
+fn acquire(lease: &str, holder: &str) -> Req {
+    Req::new("POST", &format!("/_fence/leases/{lease}"))
+        .json(json!({"holder": holder, "ttl_ms": 20_000}))
+}
+
+fn put(lease: &str, held: &Held, body: &str) -> Req {
+    Req::new("PUT", &format!("/kv/{lease}"))
+        .held(held)
+        .body(body.to_owned())
+}
+
+/// Every lease's tokens never go down in the apply log.
+fn assert_tokens_never_go_back(applied: &[(String, u64)]) {
+    let mut newest = std::collections::HashMap::new();
+    for (key, token) in applied {
+        let last = newest.entry(key.clone()).or_insert(0);
+        assert!(
+            token >= last,
+            "{key}: token {token} applied after {last}: {applied:?}"
+        );
+        *last = *token;
+    }
+}
+
+/// A standby answers `not-primary` and sends nothing to the backend; when
+/// the primary is killed, a standby takes over within the TTL plus a
+/// margin, and the holder goes on with the same token and lease id; tokens
+/// continue above every earlier one.
+#[tokio::test]
+async fn a_standby_takes_over_and_terms_survive_the_primary() {
+    let mut m = Members::start(2, &[]).await;
+    let p = m.primary(Duration::from_secs(20)).await;
+    let s = 1 - p;
+    let primary_url = m.url(p);
+    let view = m.knows_primary(s, p).await;
+    assert_eq!(view["role"], "standby");
+
+    // The standby: livez 200, readyz and everything else 503 not-primary
+    // naming the primary, nothing forwarded.
+    let standby = m.client(s);
+    let r = standby.send(Req::new("GET", "/_fence/livez")).await;
+    assert_eq!(r.status, 200);
+    for req in [
+        Req::new("GET", "/_fence/readyz"),
+        Req::new("GET", "/kv/x"),
+        acquire("x", "a"),
+        put(
+            "x",
+            &Held {
+                token: 1,
+                lease_id: "0".repeat(32),
+            },
+            "never",
+        ),
+    ] {
+        let r = standby.send(req).await;
+        assert_eq!(r.status, 503);
+        assert_eq!(r.reason(), "not-primary");
+        assert_eq!(r.json()["primary"], primary_url.as_str());
+        assert_eq!(r.headers["fencegate-primary"], primary_url.as_str());
+        assert!(r.headers.contains_key("retry-after"));
+    }
+    let view = standby
+        .send(Req::new("GET", "/_fence/cluster"))
+        .await
+        .json();
+    assert_eq!(view["members"].as_array().unwrap().len(), 2, "{view}");
+    assert!(m.applied().await.is_empty());
+
+    // A term granted by the primary.
+    let primary = m.client(p);
+    let r = primary.send(acquire("x", "a")).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let held = held_from(&r);
+    let r = primary.send(put("x", &held, "one")).await;
+    assert!(r.status.is_success(), "{}", r.text());
+
+    // Kill the primary: the standby takes over.
+    let killed = Stopwatch::start();
+    m.kill(p);
+    let new = m.primary(Duration::from_millis(TTL_MS + 10_000)).await;
+    assert_eq!(new, s);
+    let c = m.client(s);
+    // The same token and lease id write and renew through the new primary.
+    let r = c.send(put("x", &held, "two")).await;
+    assert!(r.status.is_success(), "{}", r.text());
+    let failover = Duration::from_millis(killed.elapsed_ms());
+    eprintln!("failover (kill -9 to the first acknowledged write): {failover:?}");
+    let r = c
+        .send(Req::new("POST", "/_fence/leases/x/renew").held(&held))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let wrong = Held {
+        token: held.token,
+        lease_id: "f".repeat(32),
+    };
+    let r = c
+        .send(Req::new("POST", "/_fence/leases/x/renew").held(&wrong))
+        .await;
+    assert_eq!(r.reason(), "lease-id-mismatch");
+    // The term is held for its holder: another holder must wait.
+    let r = c.send(acquire("x", "b")).await;
+    assert_eq!(r.reason(), "lease-held");
+    let r = c
+        .send(Req::new("DELETE", "/_fence/leases/x").held(&held))
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    let r = c.send(acquire("x", "b")).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let next = held_from(&r);
+    assert!(next.token > held.token);
+    let r = c.send(put("x", &held, "stale")).await;
+    assert_eq!(r.reason(), "stale-fencing-token");
+
+    // The killed member comes back as a standby that knows the primary.
+    m.members[p] = Some(m.spawn(p));
+    let view = m.knows_primary(p, s).await;
+    assert_eq!(view["role"], "standby");
+    let applied = m.applied().await;
+    assert_eq!(applied.len(), 2, "{applied:?}");
+    assert_tokens_never_go_back(&applied);
+}
