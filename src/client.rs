@@ -114,11 +114,77 @@ impl std::fmt::Display for ClientError {
 
 impl std::error::Error for ClientError {}
 
+/// The members a client knows (a comma-separated list of base URLs) and
+/// the one it talks to now.
+#[derive(Debug)]
+pub struct Servers {
+    list: Vec<String>,
+    current: std::sync::Mutex<String>,
+}
+
+impl Servers {
+    /// The members in `bases` (`URL[,URL…]`); the first is talked to first.
+    pub fn new(bases: &str) -> Self {
+        let list: Vec<String> = bases
+            .split(',')
+            .map(|b| b.trim().trim_end_matches('/').to_owned())
+            .filter(|b| !b.is_empty())
+            .collect();
+        let first = list.first().cloned().unwrap_or_default();
+        Self {
+            list,
+            current: std::sync::Mutex::new(first),
+        }
+    }
+
+    /// How many members are known.
+    pub fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    /// Whether no member is known.
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    /// The member calls go to now.
+    pub fn current(&self) -> String {
+        self.current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Moves on from `failed`: to `primary` if named, else to the URL
+    /// after `failed` in the list.
+    pub fn move_on(&self, failed: &str, primary: Option<&str>) {
+        let next = match primary {
+            Some(p) if p != failed => p.trim_end_matches('/').to_owned(),
+            _ => {
+                let at = self.list.iter().position(|b| b == failed);
+                let i = at.map_or(0, |i| (i + 1) % self.list.len().max(1));
+                self.list.get(i).cloned().unwrap_or_default()
+            }
+        };
+        let mut current = self
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Another call may have moved on already.
+        if *current == failed {
+            *current = next;
+        }
+    }
+}
+
+/// How many times one call moves to another member before it gives up.
+pub const MAX_MOVES: usize = 8;
+
 /// The roots an `https://` client trusts: the system's, plus `extra`. A
 /// plain `http://` client needs none, so the system store is not read.
 fn trusted_roots(base: &str, extra: &[CertificateDer<'static>]) -> RootCertStore {
     let mut roots = RootCertStore::empty();
-    if base.starts_with("https://") {
+    if base.split(',').any(|b| b.trim().starts_with("https://")) {
         let native = rustls_native_certs::load_native_certs();
         for err in &native.errors {
             tracing::debug!(error = %err, "cannot read a system CA certificate");
@@ -129,10 +195,18 @@ fn trusted_roots(base: &str, extra: &[CertificateDer<'static>]) -> RootCertStore
     roots
 }
 
-/// A lease API client for one fencegate, over `http://` or `https://`.
+/// A lease API client for one fencegate, or for the members of a cluster
+/// (several URLs, comma-separated), over `http://` or `https://`.
+///
+/// With several members, a call goes to the one that answered last; on a
+/// `503 not-primary` it moves to the primary the answer names (or the next
+/// URL while none is known), and on a refused connection to the next URL,
+/// a bounded number of times. Only answers that prove the call did nothing
+/// are retried elsewhere: a standby never acts, and a refused connection
+/// carried nothing.
 #[derive(Clone, Debug)]
 pub struct LeaseClient {
-    base: String,
+    servers: Arc<Servers>,
     http: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     /// Bound on each call (a wait_ms on acquire is added to it).
     timeout: Duration,
@@ -142,8 +216,9 @@ pub struct LeaseClient {
 }
 
 impl LeaseClient {
-    /// A client for the fencegate at `base` (e.g. `http://127.0.0.1:8080`);
-    /// an `https://` server must have a certificate the system trusts.
+    /// A client for the fencegate at `base` (e.g. `http://127.0.0.1:8080`,
+    /// or several members' URLs comma-separated); an `https://` server must
+    /// have a certificate the system trusts.
     pub fn new(base: &str) -> Self {
         Self::build(base, trusted_roots(base, &[]))
     }
@@ -181,7 +256,7 @@ impl LeaseClient {
             .enable_http1()
             .wrap_connector(connector);
         Self {
-            base: base.trim_end_matches('/').to_owned(),
+            servers: Arc::new(Servers::new(base)),
             http: Client::builder(TokioExecutor::new()).build(connector),
             timeout: Duration::from_secs(10),
             bearer: None,
@@ -199,11 +274,14 @@ impl LeaseClient {
         Ok(self)
     }
 
-    /// The server's base URL.
-    pub fn server(&self) -> &str {
-        &self.base
+    /// The base URL of the server calls go to now (with several members:
+    /// the one that answered last).
+    pub fn server(&self) -> String {
+        self.servers.current()
     }
 
+    /// One call, moved to another member on an answer that proves it did
+    /// nothing (see [`LeaseClient`]).
     async fn call(
         &self,
         method: Method,
@@ -212,9 +290,55 @@ impl LeaseClient {
         body: Option<serde_json::Value>,
         timeout: Duration,
     ) -> Result<(StatusCode, serde_json::Value), ClientError> {
+        let mut moves = 0;
+        // Members that refused the connection during this call: a standby
+        // may still name a primary that just died.
+        let mut refused: Vec<String> = Vec::new();
+        loop {
+            let base = self.servers.current();
+            let answer = self
+                .call_once(&base, method.clone(), path, headers, body.clone(), timeout)
+                .await;
+            let primary = match &answer {
+                Err((ClientError::Problem { reason, body, .. }, _)) if reason == "not-primary" => {
+                    Some(body["primary"].as_str().map(str::to_owned))
+                }
+                Err((ClientError::Unreachable(_), true)) => {
+                    refused.push(base.clone());
+                    Some(None)
+                }
+                _ => None,
+            };
+            let primary = primary.map(|p| p.filter(|p| !refused.contains(p)));
+            match primary {
+                Some(primary) if moves < MAX_MOVES => {
+                    moves += 1;
+                    if primary.is_none() && moves % self.servers.list.len().max(1) == 0 {
+                        // Every member refused: an election is under way.
+                        tokio::time::sleep(Duration::from_millis(250)).await;
+                    }
+                    self.servers.move_on(&base, primary.as_deref());
+                }
+                _ => return answer.map_err(|(e, _)| e),
+            }
+        }
+    }
+
+    /// One call to `base`; on failure, also whether nothing was sent (the
+    /// connection was refused).
+    async fn call_once(
+        &self,
+        base: &str,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<serde_json::Value>,
+        timeout: Duration,
+    ) -> Result<(StatusCode, serde_json::Value), (ClientError, bool)> {
+        let unsent = |e: ClientError| (e, false);
         let mut req = Request::builder()
             .method(method)
-            .uri(format!("{}{path}", self.base));
+            .uri(format!("{base}{path}"));
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
@@ -225,58 +349,60 @@ impl LeaseClient {
         let req = req
             .header("content-type", "application/json")
             .body(Full::new(body))
-            .map_err(|e| ClientError::Protocol(e.to_string()))?;
+            .map_err(|e| unsent(ClientError::Protocol(e.to_string())))?;
         let exchange = async {
-            let res = self
-                .http
-                .request(req)
-                .await
-                .map_err(|e| ClientError::Unreachable(self.cause(&e)))?;
+            let res = self.http.request(req).await.map_err(|e| {
+                (
+                    ClientError::Unreachable(Self::cause(base, &e)),
+                    e.is_connect(),
+                )
+            })?;
             let status = res.status();
             let bytes = res
                 .into_body()
                 .collect()
                 .await
-                .map_err(|e| ClientError::Unreachable(self.cause(&e)))?
+                .map_err(|e| unsent(ClientError::Unreachable(Self::cause(base, &e))))?
                 .to_bytes();
-            Ok::<_, ClientError>((status, bytes))
+            Ok::<_, (ClientError, bool)>((status, bytes))
         };
         let (status, bytes) = tokio::time::timeout(timeout, exchange)
             .await
             .map_err(|_| {
-                ClientError::Unreachable(format!(
-                    "{}: no answer within {} ms",
-                    self.base,
+                unsent(ClientError::Unreachable(format!(
+                    "{base}: no answer within {} ms",
                     timeout.as_millis()
-                ))
+                )))
             })??;
         let json: serde_json::Value = if bytes.is_empty() {
             serde_json::Value::Null
         } else {
             serde_json::from_slice(&bytes).map_err(|_| {
-                ClientError::Protocol(format!("{status} with a body that is not JSON"))
+                unsent(ClientError::Protocol(format!(
+                    "{status} with a body that is not JSON"
+                )))
             })?
         };
         if status.is_success() {
             return Ok((status, json));
         }
         match json["reason"].as_str() {
-            Some(reason) => Err(ClientError::Problem {
+            Some(reason) => Err(unsent(ClientError::Problem {
                 status: status.as_u16(),
                 reason: reason.to_owned(),
                 detail: json["detail"].as_str().unwrap_or_default().to_owned(),
                 body: json.clone(),
-            }),
-            None => Err(ClientError::Protocol(format!(
+            })),
+            None => Err(unsent(ClientError::Protocol(format!(
                 "{status} without a problem document"
-            ))),
+            )))),
         }
     }
 
     /// "URL: what went wrong", with the error's causes (a pooled client's
     /// own message says only "client error (Connect)").
-    fn cause(&self, err: &dyn std::error::Error) -> String {
-        let mut text = format!("{}: {err}", self.base);
+    fn cause(base: &str, err: &dyn std::error::Error) -> String {
+        let mut text = format!("{base}: {err}");
         let mut source = err.source();
         while let Some(e) = source {
             text.push_str(": ");
@@ -540,6 +666,11 @@ async fn renew_loop(
                     .checked_sub(margin)
                     .unwrap_or(sent);
                 next_renew = sent + ttl / 3;
+            }
+            // A cluster between primaries: the term may well be alive at
+            // the next one; the deadline decides.
+            Ok(Err(ClientError::Problem { reason, .. })) if reason == "not-primary" => {
+                next_renew = instant_now() + Duration::from_millis(100);
             }
             Ok(Err(ClientError::Problem { reason, .. })) => {
                 let _ = lost.send(Some(Lost::Refused(reason)));

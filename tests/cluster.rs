@@ -17,7 +17,7 @@ use fencegate::clock::Stopwatch;
 
 use serde_json::json;
 use support::proc::{Proc, TempDir};
-use support::servers::EtcdCluster;
+use support::servers::{free_port, EtcdCluster};
 use support::{held_from, Held, HttpClient, Req};
 
 /// The members' etcd lease TTL: a dead primary is replaced within about
@@ -29,6 +29,8 @@ struct Members {
     etcd: EtcdCluster,
     backend: Proc,
     members: Vec<Option<Proc>>,
+    /// Each member's port: a restarted member keeps its URL.
+    ports: Vec<u16>,
     dir: TempDir,
     env: Vec<(String, String)>,
 }
@@ -53,6 +55,7 @@ impl Members {
             etcd,
             backend,
             members: Vec::new(),
+            ports: (0..n).map(|_| free_port()).collect(),
             dir,
             env,
         };
@@ -65,6 +68,7 @@ impl Members {
 
     fn spawn(&self, i: usize) -> Proc {
         let name = format!("m{i}");
+        let listen = format!("127.0.0.1:{}", self.ports[i]);
         let env: Vec<(&str, &str)> = self
             .env
             .iter()
@@ -74,7 +78,7 @@ impl Members {
             &[
                 "serve",
                 "--listen",
-                "127.0.0.1:0",
+                &listen,
                 "--upstream",
                 &self.backend.url,
                 "--etcd",
@@ -123,14 +127,18 @@ impl Members {
     }
 
     /// Waits (bounded, real time: a standby polls etcd about every second)
-    /// until member `i` names member `primary` as the primary.
+    /// until member `i` names member `primary` as the primary and lists
+    /// every running member.
     async fn knows_primary(&self, i: usize, primary: usize) -> serde_json::Value {
         let c = self.client(i);
         let url = self.url(primary);
         let start = Stopwatch::start();
         loop {
             let view = c.send(Req::new("GET", "/_fence/cluster")).await.json();
-            if view["primary"]["url"] == url.as_str() {
+            let running = self.members.iter().flatten().count();
+            if view["primary"]["url"] == url.as_str()
+                && view["members"].as_array().map(Vec::len) == Some(running)
+            {
                 return view;
             }
             assert!(start.elapsed_ms() < 10_000, "{view}");
@@ -292,4 +300,116 @@ async fn a_standby_takes_over_and_terms_survive_the_primary() {
     let applied = m.applied().await;
     assert_eq!(applied.len(), 2, "{applied:?}");
     assert_tokens_never_go_back(&applied);
+}
+
+/// The loadtest through every member while the primary is killed with
+/// SIGKILL ten times (and restarted): nothing stale lands, nothing
+/// acknowledged is missing, and the failover time (kill → first
+/// acknowledged write through the new primary) is reported.
+#[tokio::test]
+async fn kill_the_primary_ten_times_under_load() {
+    // After each takeover, writes of terms newer than those found wait
+    // until the old primary's could have finished: the upstream deadline
+    // plus the settle time, kept short here so ten takeovers fit.
+    let fast = [
+        ("FENCEGATE_PROXY__TIMEOUT_MS", "2000"),
+        ("FENCEGATE_FENCE__SETTLE_MS", "500"),
+    ];
+    let mut m = Members::start(3, &fast).await;
+    m.primary(Duration::from_secs(20)).await;
+    let targets = (0..3).map(|i| m.url(i)).collect::<Vec<_>>().join(",");
+    let json = m.dir.path().join("report.json");
+    let out = std::fs::File::create(m.dir.path().join("loadtest.out")).unwrap();
+    // Ten rounds of 3 s of steady load, then a failover of about TTL_MS.
+    let duration = format!("{}ms", 10 * (TTL_MS + 4_500));
+    let mut loadtest = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .args([
+            "loadtest",
+            "--target",
+            &targets,
+            "--history",
+            &m.backend.url,
+        ])
+        .args(["--writers", "16", "--leases", "16", "--ttl", "1s"])
+        .args([
+            "--duration",
+            &duration,
+            "--pause-prob",
+            "0.3",
+            "--seed",
+            "7",
+        ])
+        .args(["--min-stale", "200", "--json"])
+        .arg(&json)
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .spawn()
+        .unwrap();
+
+    // A term of the test's own, renewed after each failover, to time it.
+    let c = HttpClient::new(&targets_primary(&m).await);
+    let r = c.send(acquire("probe", "timer")).await;
+    let probe = held_from(&r);
+    let mut failovers = Vec::new();
+    for _ in 0..10 {
+        // Let the loadtest run against a settled primary for a while.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let p = m.primary(Duration::from_secs(20)).await;
+        let killed = Stopwatch::start();
+        m.kill(p);
+        let new = loop {
+            let mut acknowledged = None;
+            for i in (0..3).filter(|&i| i != p) {
+                let c = m.client(i);
+                if let Ok(r) = c.try_send(put("probe", &probe, "t")).await {
+                    if r.status.is_success() {
+                        acknowledged = Some(i);
+                    }
+                }
+            }
+            if let Some(i) = acknowledged {
+                break i;
+            }
+            assert!(
+                killed.elapsed_ms() < TTL_MS + 20_000,
+                "no failover; logs:\n{}",
+                m.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        failovers.push(killed.elapsed_ms());
+        let r = m
+            .client(new)
+            .send(Req::new("POST", "/_fence/leases/probe/renew").held(&probe))
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        m.members[p] = Some(m.spawn(p));
+    }
+    let status = loadtest.wait().unwrap();
+    let output = std::fs::read_to_string(m.dir.path().join("loadtest.out")).unwrap();
+    let report: serde_json::Value = match std::fs::read_to_string(&json) {
+        Ok(text) => serde_json::from_str(&text).unwrap(),
+        Err(_) => panic!("the loadtest wrote no report ({status}): {output}"),
+    };
+    let f = &report["findings"];
+    failovers.sort_unstable();
+    eprintln!(
+        "failover over 10 kills (TTL {TTL_MS} ms): p50 {} ms, max {} ms; loadtest: {}",
+        failovers[failovers.len() / 2],
+        failovers[failovers.len() - 1],
+        report["verdict"]
+    );
+    assert_eq!(f["stale_writes_applied"], 0, "{report}");
+    assert_eq!(f["acknowledged_missing"], 0, "{report}");
+    assert_eq!(f["rejected_present"], 0, "{report}");
+    assert!(
+        f["stale_attempts_rejected"].as_u64().unwrap() >= 200,
+        "{report}"
+    );
+    assert!(status.success(), "{report}");
+}
+
+/// The URL of the member serving as primary now.
+async fn targets_primary(m: &Members) -> String {
+    m.url(m.primary(Duration::from_secs(20)).await)
 }

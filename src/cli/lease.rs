@@ -100,7 +100,7 @@ pub async fn run(args: LeaseArgs) -> u8 {
         } => client
             .acquire(lease, holder, *ttl, *wait)
             .await
-            .map(|g| print_grant(&g, args.json, *export, client.server())),
+            .map(|g| print_grant(&g, args.json, *export, &client.server())),
         LeaseCommand::Renew {
             lease,
             token,
@@ -109,7 +109,7 @@ pub async fn run(args: LeaseArgs) -> u8 {
         } => client
             .renew(lease, *token, lease_id, *ttl)
             .await
-            .map(|g| print_grant(&g, args.json, false, client.server())),
+            .map(|g| print_grant(&g, args.json, false, &client.server())),
         LeaseCommand::Release {
             lease,
             token,

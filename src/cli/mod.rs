@@ -28,7 +28,8 @@ use crate::client::{ClientError, LeaseClient};
 /// How a client command reaches fencegate.
 #[derive(clap::Args, Clone, Debug)]
 pub struct ServerArgs {
-    /// The fencegate to talk to (http:// or https://).
+    /// The fencegate to talk to (http:// or https://); the members of a
+    /// cluster comma-separated, to follow its primary.
     #[arg(long, env = "FENCEGATE_SERVER", default_value = DEFAULT_SERVER, global = true)]
     pub server: String,
     /// Also trust the CA certificates (PEM) in this file, for an https://
@@ -76,7 +77,9 @@ pub fn client(args: &ServerArgs) -> Result<LeaseClient, u8> {
         eprintln!("fencegate: {e}");
         EXIT_USAGE
     };
-    check_url("--server", &args.server).map_err(usage)?;
+    for server in args.server.split(',') {
+        check_url("--server", server.trim()).map_err(usage)?;
+    }
     let client = match &args.cacert {
         None => LeaseClient::new(&args.server),
         Some(path) => LeaseClient::with_ca_file(&args.server, path)

@@ -267,9 +267,16 @@ impl<S: Send + Sync + 'static> Elector<S> {
         format!("{}{rest}", self.options.prefix).into_bytes()
     }
 
-    /// How often a standby looks for the primary and a primary renews.
+    /// How often a primary renews its etcd lease (a standby too).
     fn beat(&self) -> Duration {
         Duration::from_millis((self.options.ttl_ms / 3).clamp(100, 1000))
+    }
+
+    /// How often a standby looks for the primary: a dead primary's key is
+    /// gone at most a TTL after its last renewal, and is seen gone within
+    /// this much more.
+    fn poll(&self) -> Duration {
+        Duration::from_millis((self.options.ttl_ms / 10).clamp(100, 500))
     }
 
     /// The deadline a confirmation sent at `sent_ms` with `ttl_s` gives.
@@ -336,9 +343,13 @@ impl<S: Send + Sync + 'static> Elector<S> {
                     .and_then(|kvs| kvs.first())
                     .and_then(|kv| serde_json::from_slice::<Peer>(&kv.value).ok());
                 self.member.view_mut().primary = primary;
-                self.refresh_members().await;
-                tokio::time::sleep(self.beat()).await;
-                session = self.keep_alive(session).await?;
+                tokio::time::sleep(self.poll()).await;
+                if self.clock.now_ms().saturating_sub(session.sent_ms)
+                    >= self.beat().as_millis() as u64
+                {
+                    session = self.keep_alive(session).await?;
+                    self.refresh_members().await;
+                }
             }
         }
         .await;

@@ -31,6 +31,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::backend::embedded::{History, HISTORY_PATH, WRITER_HEADER, WRITE_ID_HEADER};
+use crate::client::{Servers, MAX_MOVES};
 use crate::clock::Stopwatch;
 use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
 use check::{ClientWrite, Findings, Outcome};
@@ -38,7 +39,8 @@ use check::{ClientWrite, Findings, Outcome};
 /// `fencegate loadtest` options.
 #[derive(clap::Args, Clone, Debug)]
 pub struct LoadtestArgs {
-    /// The fencegate to test (its lease API, and its proxied paths).
+    /// The fencegate to test (its lease API, and its proxied paths); the
+    /// members of a cluster comma-separated, to follow its primary.
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     pub target: String,
     /// Send writes straight to this storage URL instead, bypassing fencing.
@@ -154,9 +156,10 @@ const UNREACHABLE_LIMIT_MS: u64 = 5_000;
 struct Shared {
     client: HttpClient,
     args: LoadtestArgs,
+    /// The fencegate (or the cluster's members) under test.
+    targets: Servers,
     /// `Authorization` for the target, when it has authentication on.
     bearer: Option<http::HeaderValue>,
-    write_base: String,
     run_id: String,
     pause_ms: u64,
     writes_left: AtomicI64,
@@ -216,19 +219,84 @@ struct Answer {
     json: serde_json::Value,
 }
 
+/// Where a request goes.
+enum To {
+    /// `path` at the fencegate under test (following a cluster's primary).
+    Target(String),
+    /// A storage URL (`--direct`, `--history`): no bearer secret, ever.
+    Url(String),
+}
+
 async fn call(
+    shared: &Shared,
+    method: Method,
+    to: To,
+    headers: &[(&str, &str)],
+    body: Bytes,
+) -> Result<Answer, String> {
+    let path = match to {
+        To::Url(url) => {
+            return send(shared, method, url, headers, body, false)
+                .await
+                .map_err(|(e, _)| e)
+        }
+        To::Target(path) => path,
+    };
+    // Moved to another member only on answers that prove nothing was done:
+    // a standby's not-primary, or a refused connection.
+    let mut moves = 0;
+    // Members that refused the connection during this call: a standby may
+    // still name a primary that just died.
+    let mut refused: Vec<String> = Vec::new();
+    loop {
+        let base = shared.targets.current();
+        let answer = send(
+            shared,
+            method.clone(),
+            format!("{base}{path}"),
+            headers,
+            body.clone(),
+            true,
+        )
+        .await;
+        let primary = match &answer {
+            Ok(a) if a.json["reason"] == "not-primary" => {
+                Some(a.json["primary"].as_str().map(str::to_owned))
+            }
+            Err((_, true)) => {
+                refused.push(base.clone());
+                Some(None)
+            }
+            _ => None,
+        };
+        let primary = primary.map(|p| p.filter(|p| !refused.contains(p)));
+        match primary {
+            Some(primary) if moves < MAX_MOVES => {
+                moves += 1;
+                if primary.is_none() && moves % shared.targets.len().max(1) == 0 {
+                    // Every member refused: an election is under way.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                shared.targets.move_on(&base, primary.as_deref());
+            }
+            _ => return answer.map_err(|(e, _)| e),
+        }
+    }
+}
+
+/// One request; on failure, also whether the connection was refused
+/// (nothing was sent).
+async fn send(
     shared: &Shared,
     method: Method,
     url: String,
     headers: &[(&str, &str)],
     body: Bytes,
-) -> Result<Answer, String> {
+    to_target: bool,
+) -> Result<Answer, (String, bool)> {
     // The bearer secret goes to the fencegate under test only, never to a
     // storage URL (--direct, --history elsewhere).
-    let bearer = shared
-        .bearer
-        .as_ref()
-        .filter(|_| url.starts_with(&shared.args.target));
+    let bearer = shared.bearer.as_ref().filter(|_| to_target);
     let mut req = Request::builder().method(method).uri(url);
     for (k, v) in headers {
         req = req.header(*k, *v);
@@ -237,14 +305,19 @@ async fn call(
         req = req.header(http::header::AUTHORIZATION, bearer.clone());
     }
     let client = &shared.client;
-    let req = req.body(Full::new(body)).map_err(|e| e.to_string())?;
-    let res = client.request(req).await.map_err(|e| e.to_string())?;
+    let req = req
+        .body(Full::new(body))
+        .map_err(|e| (e.to_string(), false))?;
+    let res = client
+        .request(req)
+        .await
+        .map_err(|e| (e.to_string(), e.is_connect()))?;
     let status = res.status();
     let bytes = res
         .into_body()
         .collect()
         .await
-        .map_err(|e| e.to_string())?
+        .map_err(|e| (e.to_string(), false))?
         .to_bytes();
     let json = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
     Ok(Answer { status, json })
@@ -317,7 +390,7 @@ impl Writer {
         let answer = call(
             &self.shared,
             Method::POST,
-            format!("{}/_fence/leases/{lease}", args.target),
+            To::Target(format!("/_fence/leases/{lease}")),
             &[("content-type", "application/json")],
             Bytes::from(body.to_string()),
         )
@@ -415,7 +488,7 @@ impl Writer {
         let _ = call(
             &self.shared,
             Method::DELETE,
-            format!("{}/_fence/leases/{}", self.shared.args.target, term.lease),
+            To::Target(format!("/_fence/leases/{}", term.lease)),
             &[(FENCING_TOKEN, &token), (FENCING_LEASE_ID, &term.lease_id)],
             Bytes::new(),
         )
@@ -429,7 +502,7 @@ async fn renew(shared: &Shared, term: &mut Term, skew_ms: u64) -> bool {
     let answer = call(
         shared,
         Method::POST,
-        format!("{}/_fence/leases/{}/renew", shared.args.target, term.lease),
+        To::Target(format!("/_fence/leases/{}/renew", term.lease)),
         &[(FENCING_TOKEN, &token), (FENCING_LEASE_ID, &term.lease_id)],
         Bytes::new(),
     )
@@ -454,13 +527,11 @@ async fn write(
     stale: bool,
     rng: &mut Rng,
 ) {
-    let key = format!(
-        "{}/kv/{}/{}/k{}",
-        shared.write_base,
-        term.lease,
-        shared.run_id,
-        rng.below(4)
-    );
+    let path = format!("/kv/{}/{}/k{}", term.lease, shared.run_id, rng.below(4));
+    let key = match &shared.args.direct {
+        Some(direct) => To::Url(format!("{direct}{path}")),
+        None => To::Target(path),
+    };
     let token = term.token.to_string();
     let watch = Stopwatch::start();
     let answer = call(
@@ -549,22 +620,19 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
         let _ = getrandom::fill(&mut b);
         u64::from_le_bytes(b)
     });
-    let history_url = args
-        .history
-        .clone()
-        .or_else(|| args.direct.clone())
-        .unwrap_or_else(|| args.target.clone());
+    let history_url = args.history.clone().or_else(|| args.direct.clone());
     let shared = prepare(&args, total)?;
     // Both ends must answer before the run starts, not only at its end.
-    let live = format!("{}/_fence/livez", args.target);
+    let live = To::Target("/_fence/livez".to_owned());
     call(&shared, Method::GET, live, &[], Bytes::new())
         .await
         .map_err(|e| format!("cannot reach {}: {e}", args.target))?;
-    read_history(&shared, &history_url).await?;
+    let history_url = history_url.as_deref();
+    read_history(&shared, history_url).await?;
     drive(&shared, total, seed).await?;
     let duration_ms = shared.started.elapsed_ms().max(1);
 
-    let history = read_history(&shared, &history_url).await?;
+    let history = read_history(&shared, history_url).await?;
     let prefix = format!("{}-", shared.run_id);
     let log: Vec<_> = history
         .entries
@@ -613,17 +681,22 @@ fn check_args(args: &mut LoadtestArgs) -> Result<(), String> {
     if !(0.0..=1.0).contains(&args.pause_prob) {
         return Err("--pause-prob must be between 0 and 1".into());
     }
-    for url in [
-        Some(&mut args.target),
-        args.direct.as_mut(),
-        args.history.as_mut(),
-    ]
-    .into_iter()
-    .flatten()
+    for url in [args.direct.as_mut(), args.history.as_mut()]
+        .into_iter()
+        .flatten()
     {
         super::check_url("a URL", url)?;
         *url = url.trim_end_matches('/').to_owned();
     }
+    let targets: Vec<String> = args
+        .target
+        .split(',')
+        .map(|t| t.trim().trim_end_matches('/').to_owned())
+        .collect();
+    for target in &targets {
+        super::check_url("--target", target)?;
+    }
+    args.target = targets.join(",");
     Ok(())
 }
 
@@ -652,7 +725,7 @@ fn prepare(args: &LoadtestArgs, total: Option<u64>) -> Result<Arc<Shared>, Strin
         client,
         bearer,
         args: args.clone(),
-        write_base: args.direct.clone().unwrap_or_else(|| args.target.clone()),
+        targets: Servers::new(&args.target),
         run_id,
         pause_ms: args.pause.unwrap_or(args.ttl * 3 / 2),
         writes_left: AtomicI64::new(
@@ -737,20 +810,21 @@ fn verdict(findings: &Findings, truncated: bool, min_stale: u64) -> (bool, Strin
     }
 }
 
-/// Reads the storage's apply log at `history_url`.
-async fn read_history(shared: &Shared, history_url: &str) -> Result<History, String> {
-    let answer = call(
-        shared,
-        Method::GET,
-        format!("{history_url}{HISTORY_PATH}"),
-        &[],
-        Bytes::new(),
-    )
-    .await
-    .map_err(|e| format!("cannot read the apply log at {history_url}: {e}"))?;
+/// Reads the storage's apply log at `history_url` (default: the target).
+async fn read_history(shared: &Shared, history_url: Option<&str>) -> Result<History, String> {
+    let (to, shown) = match history_url {
+        Some(url) => (To::Url(format!("{url}{HISTORY_PATH}")), url.to_owned()),
+        None => (
+            To::Target(HISTORY_PATH.to_owned()),
+            shared.args.target.clone(),
+        ),
+    };
+    let answer = call(shared, Method::GET, to, &[], Bytes::new())
+        .await
+        .map_err(|e| format!("cannot read the apply log at {shown}: {e}"))?;
     if answer.status != StatusCode::OK {
         return Err(format!(
-            "{history_url}{HISTORY_PATH} answered {}: run the backend with --record (or [embedded] record = true)",
+            "{shown}{HISTORY_PATH} answered {}: run the backend with --record (or [embedded] record = true)",
             answer.status
         ));
     }
