@@ -454,7 +454,7 @@ impl Problem {
     /// so it is known when they will have settled.
     pub fn barrier_timeout(lease: &str, retry_after_ms: Option<u64>) -> Self {
         let detail = if retry_after_ms.is_some() {
-            "writes of an earlier term of this lease sent before fencegate restarted may still be unfinished at the backend"
+            "writes of an earlier term of this lease sent before fencegate restarted (or, in a cluster, before this member took over) may still be unfinished at the backend"
         } else {
             "writes of an earlier term of this lease are still unfinished at the backend"
         };

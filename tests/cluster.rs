@@ -17,12 +17,15 @@ use fencegate::clock::Stopwatch;
 
 use serde_json::json;
 use support::proc::{Proc, TempDir};
-use support::servers::{free_port, EtcdCluster};
+use support::servers::{free_port, EtcdCluster, Relay};
 use support::{held_from, Held, HttpClient, Req};
 
 /// The members' etcd lease TTL: a dead primary is replaced within about
 /// this long (etcd's own minimum is about 1.5 s).
 const TTL_MS: u64 = 3_000;
+
+/// Writes of an old term waiting at a paused primary's door.
+const ZOMBIES: usize = 16;
 
 /// A cluster of fencegate members in front of one recording backend.
 struct Members {
@@ -55,7 +58,7 @@ impl Members {
             etcd,
             backend,
             members: Vec::new(),
-            ports: (0..n).map(|_| free_port()).collect(),
+            ports: (0..n.max(2)).map(|_| free_port()).collect(),
             dir,
             env,
         };
@@ -67,6 +70,11 @@ impl Members {
     }
 
     fn spawn(&self, i: usize) -> Proc {
+        self.spawn_with(i, &self.etcd.endpoints())
+    }
+
+    /// Member `i`, reaching etcd at `etcd` (comma-separated URLs).
+    fn spawn_with(&self, i: usize, etcd: &str) -> Proc {
         let name = format!("m{i}");
         let listen = format!("127.0.0.1:{}", self.ports[i]);
         let env: Vec<(&str, &str)> = self
@@ -82,7 +90,7 @@ impl Members {
                 "--upstream",
                 &self.backend.url,
                 "--etcd",
-                &self.etcd.endpoints(),
+                etcd,
                 "--name",
                 &name,
             ],
@@ -110,8 +118,10 @@ impl Members {
         loop {
             for (i, m) in self.members.iter().enumerate() {
                 let Some(m) = m else { continue };
+                // A paused member never answers: ask briefly.
                 let c = HttpClient::new(&m.url);
-                if let Ok(r) = c.try_send(Req::new("GET", "/_fence/cluster")).await {
+                let asked = c.try_send(Req::new("GET", "/_fence/cluster"));
+                if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_millis(500), asked).await {
                     if r.status == 200 && r.json()["role"] == "primary" {
                         return i;
                     }
@@ -120,6 +130,25 @@ impl Members {
             assert!(
                 start.elapsed_ms() < within.as_millis() as u64,
                 "no primary within {within:?}; logs:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits (bounded, real time: an etcd lease running out, then a
+    /// campaign) until member `i` serves as primary.
+    async fn becomes_primary(&self, i: usize, within: Duration) {
+        let c = self.client(i);
+        let start = Stopwatch::start();
+        loop {
+            let view = c.send(Req::new("GET", "/_fence/cluster")).await.json();
+            if view["role"] == "primary" {
+                return;
+            }
+            assert!(
+                start.elapsed_ms() < within.as_millis() as u64,
+                "member {i} never became primary: {view}\n{}",
                 self.logs()
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -188,6 +217,22 @@ fn put(lease: &str, held: &Held, body: &str) -> Req {
     Req::new("PUT", &format!("/kv/{lease}"))
         .held(held)
         .body(body.to_owned())
+}
+
+/// Writes `x` with a term newer than those the primary found at takeover:
+/// held back until the previous primary's writes have settled (the upstream
+/// deadline plus the settle time from takeover), so retried as told.
+async fn put_after_takeover(c: &HttpClient, held: &Held, body: &str) {
+    for _ in 0..20 {
+        let r = c.send(put("x", held, body)).await;
+        if r.status.is_success() {
+            return;
+        }
+        assert_eq!(r.reason(), "upstream-timeout", "{}", r.text());
+        let secs: u64 = r.headers["retry-after"].to_str().unwrap().parse().unwrap();
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+    }
+    panic!("the newer term never got to write");
 }
 
 /// Every lease's tokens never go down in the apply log.
@@ -412,4 +457,162 @@ async fn kill_the_primary_ten_times_under_load() {
 /// The URL of the member serving as primary now.
 async fn targets_primary(m: &Members) -> String {
     m.url(m.primary(Duration::from_secs(20)).await)
+}
+
+/// A primary paused past its TTL (SIGSTOP) while a standby takes over, the
+/// holder moves on to the new primary and a newer term writes there; then
+/// the old primary wakes with writes of the older term waiting at its
+/// door. Returns the statuses those writes got and the apply log.
+async fn a_primary_wakes_after_a_takeover(self_fencing: bool) -> (Vec<u16>, Vec<(String, u64)>) {
+    let fencing = if self_fencing { "true" } else { "false" };
+    let env = [
+        ("FENCEGATE_CLUSTER__SELF_FENCING", fencing),
+        ("FENCEGATE_PROXY__TIMEOUT_MS", "2000"),
+        ("FENCEGATE_FENCE__SETTLE_MS", "500"),
+    ];
+    let mut m = Members::start(2, &env).await;
+    let p = m.primary(Duration::from_secs(20)).await;
+    let s = 1 - p;
+    m.knows_primary(s, p).await;
+    let old = m.client(p);
+    let r = old.send(acquire("x", "a")).await;
+    let a = held_from(&r);
+    let r = old.send(put("x", &a, "a1")).await;
+    assert!(r.status.is_success(), "{}", r.text());
+
+    m.members[p].as_ref().unwrap().signal("-STOP");
+    // The standby takes over once the paused primary's etcd lease expires.
+    let new = m.primary(Duration::from_millis(TTL_MS + 10_000)).await;
+    assert_eq!(new, s);
+    let c = m.client(s);
+    // The holder renews and releases through the new primary; another
+    // holder's newer term writes there.
+    let r = c
+        .send(Req::new("POST", "/_fence/leases/x/renew").held(&a))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = c
+        .send(Req::new("DELETE", "/_fence/leases/x").held(&a))
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    let r = c.send(acquire("x", "b")).await;
+    let b = held_from(&r);
+    assert!(b.token > a.token);
+    put_after_takeover(&c, &b, "b1").await;
+
+    // Writes of the old term reach the paused primary's socket (the kernel
+    // accepts them), and the primary wakes up to them: the term is still
+    // live on its own clock (20 s), only its primacy is not. Several, since
+    // without self-fencing the woken primary admits until etcd's answer
+    // tells it it lost, a race a single write can lose.
+    let zombies: Vec<_> = (0..ZOMBIES)
+        .map(|i| {
+            let fresh = HttpClient::new(&m.url(p));
+            let a = a.clone();
+            tokio::spawn(async move { fresh.try_send(put("x", &a, &format!("z{i}"))).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    m.members[p].as_ref().unwrap().signal("-CONT");
+    let mut statuses = Vec::new();
+    for z in zombies {
+        match z.await.unwrap() {
+            Ok(r) => statuses.push(r.status.as_u16()),
+            Err(e) => panic!("the woken primary did not answer: {e}\n{}", m.logs()),
+        }
+    }
+    (statuses, m.applied().await)
+}
+
+/// With self-fencing, the woken primary refuses: it could not confirm its
+/// primacy in time, so nothing it admits after waking reaches the backend.
+#[tokio::test]
+async fn a_paused_primary_fences_itself() {
+    let (statuses, applied) = a_primary_wakes_after_a_takeover(true).await;
+    assert!(statuses.iter().all(|&s| s == 503), "{statuses:?}");
+    assert_eq!(applied.len(), 2, "{applied:?}");
+    assert_tokens_never_go_back(&applied);
+}
+
+/// Without self-fencing (the test-only switch), the same pause lets the
+/// old primary forward an older term's write after a newer term's: the
+/// check above can fail, and this is what it catches.
+#[tokio::test]
+async fn without_self_fencing_two_primaries_write() {
+    let (statuses, applied) = a_primary_wakes_after_a_takeover(false).await;
+    assert!(
+        statuses.iter().any(|s| (200..300).contains(s)),
+        "{statuses:?} {applied:?}"
+    );
+    let went_back = std::panic::catch_unwind(|| assert_tokens_never_go_back(&applied));
+    assert!(went_back.is_err(), "{applied:?}");
+}
+
+/// The primary reaches etcd only through a relay the test freezes: it is
+/// cut off, not paused. A standby takes over; the holder moves on and a
+/// newer term writes there; then a write of the older term is sent to the
+/// cut-off primary. Returns the status it got and the apply log.
+async fn a_primary_cut_off_from_etcd(self_fencing: bool) -> (u16, Vec<(String, u64)>) {
+    let fencing = if self_fencing { "true" } else { "false" };
+    let env = [
+        ("FENCEGATE_CLUSTER__SELF_FENCING", fencing),
+        ("FENCEGATE_PROXY__TIMEOUT_MS", "2000"),
+        ("FENCEGATE_FENCE__SETTLE_MS", "500"),
+    ];
+    let mut m = Members::start(0, &env).await;
+    let relay = Relay::start(&m.etcd.urls()[0]).await;
+    let cut = m.spawn_with(0, &relay.url);
+    m.members.push(Some(cut));
+    assert_eq!(m.primary(Duration::from_secs(20)).await, 0);
+    let standby = m.spawn(1);
+    m.members.push(Some(standby));
+    m.knows_primary(1, 0).await;
+    let old = m.client(0);
+    let r = old.send(acquire("x", "a")).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let a = held_from(&r);
+    let r = old.send(put("x", &a, "a1")).await;
+    assert!(r.status.is_success(), "{}", r.text());
+
+    relay.freeze();
+    m.becomes_primary(1, Duration::from_millis(TTL_MS + 10_000))
+        .await;
+    let c = m.client(1);
+    let r = c
+        .send(Req::new("POST", "/_fence/leases/x/renew").held(&a))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = c
+        .send(Req::new("DELETE", "/_fence/leases/x").held(&a))
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    let r = c.send(acquire("x", "b")).await;
+    let b = held_from(&r);
+    put_after_takeover(&c, &b, "b1").await;
+
+    let r = HttpClient::new(&m.url(0))
+        .send(put("x", &a, "a-cut-off"))
+        .await;
+    (r.status.as_u16(), m.applied().await)
+}
+
+/// Cut off from etcd, the primary stops admitting on its own (its deadline
+/// passes before etcd lets the standby win): nothing stale lands.
+#[tokio::test]
+async fn a_primary_cut_off_from_etcd_fences_itself() {
+    let (status, applied) = a_primary_cut_off_from_etcd(true).await;
+    assert_eq!(status, 503, "{applied:?}");
+    assert_eq!(applied.len(), 2, "{applied:?}");
+    assert_tokens_never_go_back(&applied);
+}
+
+/// Without self-fencing, the cut-off primary never hears it lost (its
+/// keepalives only time out) and forwards an older term's write after a
+/// newer term's: what the check above guards against.
+#[tokio::test]
+async fn without_self_fencing_a_cut_off_primary_writes_stale() {
+    let (status, applied) = a_primary_cut_off_from_etcd(false).await;
+    assert!((200..300).contains(&status), "{status} {applied:?}");
+    let went_back = std::panic::catch_unwind(|| assert_tokens_never_go_back(&applied));
+    assert!(went_back.is_err(), "{applied:?}");
 }

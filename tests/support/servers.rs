@@ -483,3 +483,65 @@ impl Drop for EtcdCluster {
         }
     }
 }
+
+/// A TCP relay to `target` that the test can freeze: existing connections
+/// are cut and new ones are accepted and never answered, as if the network
+/// between a member and etcd went silent.
+pub struct Relay {
+    pub url: String,
+    frozen: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    links: std::sync::Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    /// Relays a loopback port to `target` (`http://127.0.0.1:PORT`).
+    pub async fn start(target: &str) -> Self {
+        use std::sync::atomic::Ordering;
+        let target = target.trim_start_matches("http://").to_owned();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let frozen = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let links = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let (f, l) = (frozen.clone(), links.clone());
+        let task = tokio::spawn(async move {
+            let mut silent = Vec::new();
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if f.load(Ordering::Acquire) {
+                    // Held open, never read: calls through it time out.
+                    silent.push(inbound);
+                    continue;
+                }
+                let target = target.clone();
+                let link = tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+                l.lock().unwrap().push(link.abort_handle());
+            }
+        });
+        Self {
+            url,
+            frozen,
+            links,
+            task,
+        }
+    }
+
+    /// Cuts every connection and answers no new one.
+    pub fn freeze(&self) {
+        self.frozen
+            .store(true, std::sync::atomic::Ordering::Release);
+        for link in self.links.lock().unwrap().drain(..) {
+            link.abort();
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
+        self.freeze();
+    }
+}
