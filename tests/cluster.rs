@@ -470,7 +470,7 @@ async fn a_primary_wakes_after_a_takeover(self_fencing: bool) -> (Vec<u16>, Vec<
         ("FENCEGATE_PROXY__TIMEOUT_MS", "2000"),
         ("FENCEGATE_FENCE__SETTLE_MS", "500"),
     ];
-    let mut m = Members::start(2, &env).await;
+    let m = Members::start(2, &env).await;
     let p = m.primary(Duration::from_secs(20)).await;
     let s = 1 - p;
     m.knows_primary(s, p).await;
