@@ -18,7 +18,9 @@ use fencegate::clock::Stopwatch;
 use serde_json::json;
 use support::proc::{Proc, TempDir};
 use support::servers::{free_port, EtcdCluster, Relay};
-use support::{held_from, Held, HttpClient, Req};
+use support::{
+    handover_violations, held_from, spawn, Event, Held, HoldingBackend, HttpClient, Req,
+};
 
 /// The members' etcd lease TTL: a dead primary is replaced within about
 /// this long (etcd's own minimum is about 1.5 s).
@@ -32,6 +34,8 @@ struct Members {
     etcd: EtcdCluster,
     backend: Proc,
     members: Vec<Option<Proc>>,
+    /// The storage the members front.
+    upstream: String,
     /// Each member's port: a restarted member keeps its URL.
     ports: Vec<u16>,
     dir: TempDir,
@@ -40,6 +44,12 @@ struct Members {
 
 impl Members {
     async fn start(n: usize, env: &[(&str, &str)]) -> Self {
+        Self::start_on(n, env, None).await
+    }
+
+    /// [`Members::start`] in front of `upstream` instead of the recording
+    /// backend.
+    async fn start_on(n: usize, env: &[(&str, &str)], upstream: Option<String>) -> Self {
         let etcd = EtcdCluster::start(3).await;
         let dir = TempDir::new("cluster");
         let backend = Proc::start(
@@ -54,9 +64,11 @@ impl Members {
         env.push(("FENCEGATE_CLUSTER__TTL_MS".into(), TTL_MS.to_string()));
         env.push(("FENCEGATE_CLUSTER__MARGIN_MS".into(), "500".into()));
         env.push(("FENCEGATE_LOG".into(), "info".into()));
+        let upstream = upstream.unwrap_or_else(|| backend.url.clone());
         let mut members = Members {
             etcd,
             backend,
+            upstream,
             members: Vec::new(),
             ports: (0..n.max(2)).map(|_| free_port()).collect(),
             dir,
@@ -88,7 +100,7 @@ impl Members {
                 "--listen",
                 &listen,
                 "--upstream",
-                &self.backend.url,
+                &self.upstream,
                 "--etcd",
                 etcd,
                 "--name",
@@ -615,4 +627,202 @@ async fn without_self_fencing_a_cut_off_primary_writes_stale() {
     assert!((200..300).contains(&status), "{status} {applied:?}");
     let went_back = std::panic::catch_unwind(|| assert_tokens_never_go_back(&applied));
     assert!(went_back.is_err(), "{applied:?}");
+}
+
+/// A new primary holds back writes of terms newer than those it found at
+/// takeover until the old primary's writes could have finished: a slow
+/// write of term 1 sent by the old primary before it died finishes at the
+/// backend before term 2's first write arrives. Returns the backend's
+/// handover violations (0 unless `barrier` is off).
+async fn a_write_in_flight_across_failover(barrier: bool) -> usize {
+    let backend = HoldingBackend::default();
+    let limits = fencegate::app::RequestLimits {
+        max_body_bytes: 1 << 20,
+        max_header_bytes: 64 << 10,
+    };
+    let storage = spawn(fencegate::app::App::new(None, backend.clone(), limits)).await;
+    let barrier = if barrier { "true" } else { "false" };
+    let env = [
+        ("FENCEGATE_FENCE__DRAIN_BARRIER", barrier),
+        ("FENCEGATE_PROXY__TIMEOUT_MS", "4000"),
+        ("FENCEGATE_FENCE__SETTLE_MS", "500"),
+    ];
+    let mut m = Members::start_on(2, &env, Some(storage.url())).await;
+    let p = m.primary(Duration::from_secs(20)).await;
+    let s = 1 - p;
+    m.knows_primary(s, p).await;
+    let old = m.client(p);
+    let r = old.send(acquire("x", "a")).await;
+    let a = held_from(&r);
+    // Term 1's slow write: at the backend, held there.
+    let slow = tokio::spawn(async move {
+        let req = put("x", &a, "slow")
+            .header("x-hold", "1")
+            .header("x-applies-anyway", "1")
+            .header("x-write-id", "slow");
+        old.try_send(req).await
+    });
+    for _ in 0..200 {
+        if backend.arrived("slow") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(backend.arrived("slow"));
+    m.kill(p);
+    m.becomes_primary(s, Duration::from_millis(TTL_MS + 10_000))
+        .await;
+    let c = m.client(s);
+    let a = held_from(&r);
+    let r = c
+        .send(Req::new("DELETE", "/_fence/leases/x").held(&a))
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    let r = c.send(acquire("x", "b")).await;
+    let b = held_from(&r);
+    // Term 2 writes while term 1's write is still at the backend; the
+    // backend finishes term 1's write a moment later.
+    let newer = tokio::spawn(async move {
+        let req = put("x", &b, "b1").header("x-write-id", "b1");
+        c.send(req).await
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    backend.open("slow");
+    let r = newer.await.unwrap();
+    if barrier == "true" {
+        // Held back past the barrier's longest wait: refused, to retry.
+        assert!(
+            r.status.is_success() || r.reason() == "upstream-timeout",
+            "{}",
+            r.text()
+        );
+    } else {
+        assert!(r.status.is_success(), "{}", r.text());
+    }
+    let _ = slow.await;
+    // The backend applies term 1's write once opened, sender gone or not.
+    for _ in 0..200 {
+        let finished = backend
+            .events()
+            .iter()
+            .any(|e| matches!(e, Event::Finish { id, .. } if id == "slow"));
+        if finished {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    handover_violations(&backend.events())
+}
+
+/// The takeover barrier: nothing of term 2 reaches the backend before
+/// term 1's write the old primary sent has finished.
+#[tokio::test]
+async fn a_new_primary_waits_for_the_old_primarys_writes() {
+    assert_eq!(a_write_in_flight_across_failover(true).await, 0);
+}
+
+/// Without the barrier (fence.drain_barrier = false, the switch that shows
+/// what it prevents), term 2's write overtakes term 1's.
+#[tokio::test]
+async fn without_the_barrier_a_newer_term_overtakes_across_failover() {
+    assert!(a_write_in_flight_across_failover(false).await > 0);
+}
+
+/// Waits (bounded, real time: the primary's deadline passing) until `c`
+/// answers `req` with `reason`.
+async fn until_refused(c: &HttpClient, req: impl Fn() -> Req, reason: &str, within_ms: u64) {
+    let start = Stopwatch::start();
+    loop {
+        let r = c.send(req()).await;
+        if !r.status.is_success() && r.reason() == reason {
+            return;
+        }
+        assert!(
+            start.elapsed_ms() < within_ms,
+            "still answering {}: {}",
+            r.status,
+            r.text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Without an etcd quorum, writes and grants are refused (503) and
+/// readiness is 503 once the primary's deadline passes; with the quorum
+/// back, a primary serves again, the holder's term is still there, and
+/// tokens continue above every earlier one.
+#[tokio::test]
+async fn losing_etcd_quorum_fails_closed_and_comes_back() {
+    let mut m = Members::start(2, &[]).await;
+    let p = m.primary(Duration::from_secs(20)).await;
+    let c = m.client(p);
+    let r = c.send(acquire("x", "a")).await;
+    let a = held_from(&r);
+    let r = c.send(put("x", &a, "before")).await;
+    assert!(r.status.is_success(), "{}", r.text());
+
+    m.etcd.stop(1);
+    m.etcd.stop(2);
+    until_refused(
+        &c,
+        || put("x", &a, "during"),
+        "not-primary",
+        TTL_MS + 10_000,
+    )
+    .await;
+    for i in 0..2 {
+        let c = m.client(i);
+        let r = c.send(Req::new("GET", "/_fence/readyz")).await;
+        assert_eq!(r.reason(), "not-primary");
+        let r = c.send(acquire("y", "b")).await;
+        assert_eq!(r.status, 503, "{}", r.text());
+    }
+
+    m.etcd.restart(1).await;
+    let p = m.primary(Duration::from_millis(TTL_MS + 20_000)).await;
+    let c = m.client(p);
+    let r = c
+        .send(Req::new("POST", "/_fence/leases/x/renew").held(&a))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = c.send(put("x", &a, "after")).await;
+    assert!(r.status.is_success(), "{}", r.text());
+    let r = c
+        .send(Req::new("DELETE", "/_fence/leases/x").held(&a))
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    let r = c.send(acquire("x", "b")).await;
+    assert!(held_from(&r).token > a.token);
+    // Writes of the live term went on until the primary's deadline passed.
+    let applied = m.applied().await;
+    assert!(applied.iter().all(|(_, t)| *t == a.token), "{applied:?}");
+}
+
+/// Every fencegate member and every etcd member restarted: the lease state
+/// is etcd's, so tokens continue.
+#[tokio::test]
+async fn tokens_continue_after_everything_restarts() {
+    let mut m = Members::start(2, &[]).await;
+    let p = m.primary(Duration::from_secs(20)).await;
+    let c = m.client(p);
+    let mut last = 0;
+    for holder in ["a", "b"] {
+        let r = c.send(acquire("x", holder)).await;
+        let held = held_from(&r);
+        assert!(held.token > last);
+        last = held.token;
+        let r = c
+            .send(Req::new("DELETE", "/_fence/leases/x").held(&held))
+            .await;
+        assert_eq!(r.status, 204, "{}", r.text());
+    }
+    m.kill(0);
+    m.kill(1);
+    m.etcd.restart_all().await;
+    m.members[0] = Some(m.spawn(0));
+    m.members[1] = Some(m.spawn(1));
+    let p = m.primary(Duration::from_secs(20)).await;
+    let r = m.client(p).send(acquire("x", "c")).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert!(held_from(&r).token > last);
 }

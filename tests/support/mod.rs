@@ -386,7 +386,8 @@ pub fn handover_violations(events: &[Event]) -> usize {
 }
 
 /// An in-process backend that records arrivals and completions, and holds a
-/// request marked `x-hold: 1` until the test opens its gate (`x-write-id`).
+/// request marked `x-hold: 1` until the test opens its gate (`x-write-id`);
+/// one marked `x-applies-anyway: 1` is applied even if its sender goes away.
 #[derive(Clone, Default)]
 pub struct HoldingBackend {
     state: Arc<std::sync::Mutex<HoldState>>,
@@ -443,7 +444,10 @@ impl Service<Request<Body>> for HoldingBackend {
         let token: u64 = header("fencing-token").parse().unwrap_or(0);
         let id = header("x-write-id");
         let hold = header("x-hold") == "1";
-        Box::pin(async move {
+        // Storage that applies a write even when the client that sent it
+        // has gone (the sender died while the write was in flight).
+        let detached = header("x-applies-anyway") == "1";
+        let work = async move {
             this.state.lock().unwrap().events.push(Event::Arrive {
                 token,
                 id: id.clone(),
@@ -464,6 +468,13 @@ impl Service<Request<Body>> for HoldingBackend {
                 .unwrap()
                 .events
                 .push(Event::Finish { token, id });
+        };
+        Box::pin(async move {
+            if detached {
+                let _ = tokio::spawn(work).await;
+            } else {
+                work.await;
+            }
             let mut res = Response::new(fencegate::body::empty());
             *res.status_mut() = StatusCode::NO_CONTENT;
             Ok(res)

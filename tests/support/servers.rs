@@ -435,6 +435,18 @@ impl EtcdCluster {
         self.wait_ready().await;
     }
 
+    /// Stops every member, starts them all again with their data, and waits
+    /// until the cluster serves.
+    pub async fn restart_all(&mut self) {
+        for i in 0..self.members.len() {
+            self.stop(i);
+        }
+        for m in &mut self.members {
+            m.spawn();
+        }
+        self.wait_ready().await;
+    }
+
     /// Waits until a write through the v3 API succeeds at some member
     /// (bounded, real time: a cluster electing its leader).
     async fn wait_ready(&self) {
