@@ -1,11 +1,12 @@
 //! The etcd client against a real etcd (its JSON gateway): keys,
 //! transactions, leases, several endpoints, TLS with a private CA, and
-//! etcd's user/password authentication.
+//! etcd's user/password authentication; and a cluster member reaching etcd
+//! over TLS and with a user and password.
 
 mod support;
 
 use fencegate::etcd::{Compare, EtcdClient, EtcdError, EtcdOptions, Op};
-use support::proc::TempDir;
+use support::proc::{Proc, TempDir};
 use support::servers::{etcd_v3, free_port, TestCa};
 
 fn client(urls: &[String], options: EtcdOptions) -> EtcdClient {
@@ -220,4 +221,94 @@ async fn enable_auth(url: &str, prefix: &str) {
         let r = http.send(support::Req::new("POST", path).body(body)).await;
         assert_eq!(r.status, 200, "{path}: {}", r.text());
     }
+}
+
+/// Starts a cluster member in front of the embedded store, reaching etcd at
+/// `etcd` with these `FENCEGATE_CLUSTER__*` settings.
+fn member(dir: &TempDir, etcd: &str, env: &[(&str, &str)]) -> Proc {
+    Proc::start(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--etcd",
+            etcd,
+            "--name",
+            "m",
+        ],
+        &dir.path().join("member.log"),
+        env,
+    )
+}
+
+/// Whether the member becomes primary within `ms` (bounded, real time: a
+/// campaign through etcd) and then grants a lease.
+async fn serves(member: &Proc, ms: u64) -> bool {
+    let c = support::HttpClient::new(&member.url);
+    for _ in 0..ms / 50 {
+        let view = c
+            .send(support::Req::new("GET", "/_fence/cluster"))
+            .await
+            .json();
+        if view["role"] == "primary" {
+            let r = c
+                .send(
+                    support::Req::new("POST", "/_fence/leases/x")
+                        .json(serde_json::json!({"holder": "a", "ttl_ms": 5000})),
+                )
+                .await;
+            assert_eq!(r.status, 201, "{}", r.text());
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// A member trusts a private CA with `cluster.ca_file`; without it, it
+/// never reaches etcd, so it never serves (and never falls back to plain
+/// text).
+#[tokio::test]
+async fn a_member_reaches_etcd_over_tls_with_its_ca_file() {
+    let dir = TempDir::new("member-tls");
+    let ca = TestCa::new(dir.path());
+    let etcd = etcd_v3(Some(&ca)).await;
+    let ca_file = ca.ca.to_string_lossy().into_owned();
+    let trusting = member(&dir, &etcd.url, &[("FENCEGATE_CLUSTER__CA_FILE", &ca_file)]);
+    assert!(serves(&trusting, 20_000).await, "{}", trusting.log_text());
+    drop(trusting);
+    let untrusting = member(&dir, &etcd.url, &[("FENCEGATE_CLUSTER__PREFIX", "/other/")]);
+    assert!(!serves(&untrusting, 3_000).await);
+    assert!(
+        untrusting.log_text().contains("certificate"),
+        "{}",
+        untrusting.log_text()
+    );
+}
+
+/// A member authenticates to etcd with `cluster.user` and
+/// `cluster.password`; with a wrong password it never serves.
+#[tokio::test]
+async fn a_member_authenticates_to_etcd() {
+    let dir = TempDir::new("member-auth");
+    let etcd = etcd_v3(None).await;
+    enable_auth(&etcd.url, "/fg/").await;
+    let env = |password| {
+        [
+            ("FENCEGATE_CLUSTER__PREFIX", "/fg/"),
+            ("FENCEGATE_CLUSTER__USER", "fg"),
+            ("FENCEGATE_CLUSTER__PASSWORD", password),
+        ]
+    };
+    let wrong = member(&dir, &etcd.url, &env("wrong-x9q"));
+    assert!(!serves(&wrong, 3_000).await);
+    let log = wrong.log_text();
+    assert!(log.contains("cluster session ended"), "{log}");
+    assert!(
+        !log.contains("wrong-x9q"),
+        "the password is in the log: {log}"
+    );
+    drop(wrong);
+    let right = member(&dir, &etcd.url, &env("fg-secret"));
+    assert!(serves(&right, 20_000).await, "{}", right.log_text());
 }
