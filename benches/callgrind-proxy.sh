@@ -9,6 +9,8 @@
 #   benches/callgrind-proxy.sh /raw/bench/1 2000                  # unfenced
 #   benches/callgrind-proxy.sh /kv/bench/1 2000 FENCEGATE_PROXY__UPSTREAM_CONNECTIONS=pooled
 #   benches/callgrind-proxy.sh /_fence/leases/bench/renew 2000    # renew (POST, no body)
+#   benches/callgrind-proxy.sh /kv/bench/1 2000 FENCEGATE_CLUSTER__ETCD=http://127.0.0.1:2379 \
+#       FENCEGATE_CLUSTER__NAME=bench                              # cluster mode (a running etcd)
 #
 # Starts the minimal backend of benches/proxy.rs, fencegate under callgrind
 # in front of it (one worker thread), acquires a lease, warms up with 300
@@ -48,6 +50,8 @@ fencegate=$!
 pids+=("$fencegate")
 for _ in $(seq 300); do grep -q listening "$work/fencegate.out" 2>/dev/null && break; sleep 0.1; done
 addr=$(sed -n 's|^fencegate listening on http://||p' "$work/fencegate.out")
+# Ready: at once standalone; in cluster mode once this member is primary.
+for _ in $(seq 300); do curl -sf "http://$addr/_fence/readyz" >/dev/null && break; sleep 0.1; done
 
 grant=$(curl -sS -X POST -d '{"holder":"bench","ttl_ms":3600000}' "http://$addr/_fence/leases/bench")
 cat >"$work/client.py" <<'EOF'

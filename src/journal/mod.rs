@@ -8,7 +8,8 @@
 //!
 //! This module knows records and bytes, not lease rules: [`file`](mod@file) is the
 //! durable journal in the data directory, [`record`] its on-disk format, and
-//! [`MemoryJournal`] keeps nothing (for tests of the layers above).
+//! [`MemoryJournal`] keeps nothing (for tests of the layers above). Cluster
+//! mode's journal lives with the cluster (`cluster::journal`).
 
 pub mod file;
 pub mod record;
@@ -47,11 +48,12 @@ impl std::error::Error for JournalError {}
 pub type JournalFuture = Pin<Box<dyn Future<Output = Result<(), JournalError>> + Send>>;
 
 /// Where lease state is made durable: the lease store's persistence seam.
-/// [`FileJournal`] fills it in single-node mode, [`MemoryJournal`] in tests;
-/// the store, the fence and the API see only this trait. (A store shared by
-/// several members, such as etcd, will also need a grant to be conditional on
-/// the term it replaces and changes made elsewhere to flow in: cluster mode
-/// extends this seam.)
+/// [`FileJournal`] fills it in single-node mode, the cluster's etcd journal
+/// (`cluster::journal::EtcdJournal`) on a cluster's primary, [`MemoryJournal`]
+/// in tests; the store, the fence and the API see only this trait. In a
+/// cluster only the primary writes, each write conditional on its election,
+/// so no change made elsewhere has to flow in: a new primary starts from
+/// what etcd holds.
 pub trait Journal: Send + Sync + 'static {
     /// Completes once `record` is durable (fsync'd), or fails if it cannot be.
     ///
