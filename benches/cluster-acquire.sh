@@ -5,7 +5,7 @@
 #   benches/cluster-acquire.sh [SECONDS] [CLIENTS]     # defaults: 10 64
 #
 # Starts a one-member etcd (the test suite installs etcd-server) on free
-# loopback ports and fencegate (release build, embedded store) as that
+# loopback ports and fencegate (release build) as that
 # cluster's only member; once it is primary, wrk drives CLIENTS connections
 # of acquires, each on a lease and holder of its own (every grant is an
 # etcd transaction before it is answered), then CLIENTS connections of
@@ -34,8 +34,9 @@ etcd --name bench --data-dir "$work/etcd" \
 pids+=($!)
 for _ in $(seq 100); do curl -sf -X POST -d '{}' "http://127.0.0.1:$client/v3/maintenance/status" >/dev/null && break; sleep 0.1; done
 
+# Acquires never reach the upstream; cluster mode needs one all members share.
 FENCEGATE_LOG=warn target/release/fencegate serve --listen 127.0.0.1:0 \
-    --etcd "http://127.0.0.1:$client" --name bench >"$work/fencegate.out" 2>"$work/fencegate.log" &
+    --upstream "http://127.0.0.1:$(port)" --etcd "http://127.0.0.1:$client" --name bench >"$work/fencegate.out" 2>"$work/fencegate.log" &
 pids+=($!)
 for _ in $(seq 100); do grep -q listening "$work/fencegate.out" 2>/dev/null && break; sleep 0.1; done
 addr=$(sed -n 's|^fencegate listening on http://||p' "$work/fencegate.out")

@@ -177,8 +177,75 @@ impl Servers {
     }
 }
 
-/// How many times one call moves to another member before it gives up.
-pub const MAX_MOVES: usize = 8;
+/// What an attempt at one member says about where a call goes next.
+#[derive(Debug)]
+pub enum Answered {
+    /// `503 not-primary`, naming the primary if known: nothing was done.
+    NotPrimary(Option<String>),
+    /// The connection was refused: nothing was sent.
+    Refused,
+    /// Anything else: the call's answer (it may have acted).
+    Done,
+}
+
+/// One call's way through the members: a bounded number of moves, only to
+/// members the caller listed, never back to one that refused the
+/// connection during the call (a standby may still name a primary that
+/// just died), and a pause after each round of the members without a
+/// known primary (an election is under way).
+#[derive(Debug)]
+pub struct Follow {
+    moves: usize,
+    max_moves: usize,
+    refused: Vec<String>,
+    pause: Duration,
+}
+
+impl Follow {
+    /// A call that moves at most `max_moves` times and pauses `pause` after
+    /// each round of the members.
+    pub fn new(max_moves: usize, pause: Duration) -> Self {
+        Self {
+            moves: 0,
+            max_moves,
+            refused: Vec::new(),
+            pause,
+        }
+    }
+
+    /// Whether the call goes on at another member after `base` answered
+    /// `answered` (and moves `servers` there).
+    pub async fn again(&mut self, servers: &Servers, base: &str, answered: Answered) -> bool {
+        let primary = match answered {
+            Answered::Done => return false,
+            Answered::Refused => {
+                if !self.refused.iter().any(|r| r == base) {
+                    self.refused.push(base.to_owned());
+                }
+                // Every member refused: nobody is there to wait for.
+                if self.refused.len() >= servers.len() {
+                    return false;
+                }
+                None
+            }
+            Answered::NotPrimary(primary) => primary,
+        };
+        if self.moves >= self.max_moves {
+            return false;
+        }
+        self.moves += 1;
+        // Only members the caller listed: an answer naming any other URL
+        // must not draw the bearer secret or a lease id elsewhere.
+        let primary = primary
+            .map(|p| p.trim_end_matches('/').to_owned())
+            .filter(|p| servers.list.contains(p) && !self.refused.contains(p));
+        if primary.is_none() && self.moves.is_multiple_of(servers.len().max(1)) {
+            tokio::time::sleep(self.pause).await;
+        }
+        servers.move_on(base, primary.as_deref());
+        true
+    }
+}
 
 /// The roots an `https://` client trusts: the system's, plus `extra`. A
 /// plain `http://` client needs none, so the system store is not read.
@@ -199,11 +266,13 @@ fn trusted_roots(base: &str, extra: &[CertificateDer<'static>]) -> RootCertStore
 /// (several URLs, comma-separated), over `http://` or `https://`.
 ///
 /// With several members, a call goes to the one that answered last; on a
-/// `503 not-primary` it moves to the primary the answer names (or the next
-/// URL while none is known), and on a refused connection to the next URL,
-/// a bounded number of times. Only answers that prove the call did nothing
-/// are retried elsewhere: a standby never acts, and a refused connection
-/// carried nothing.
+/// `503 not-primary` it moves to the primary the answer names if that is
+/// one of the listed URLs (else the next URL), and on a refused connection
+/// to the next URL, up to 40 times with a 250 ms pause after each round
+/// (about 10 s, enough for a failover). Only answers that prove the call
+/// did nothing are retried elsewhere: a standby never acts, and a refused
+/// connection carried nothing. A call that every member refused fails at
+/// once.
 #[derive(Clone, Debug)]
 pub struct LeaseClient {
     servers: Arc<Servers>,
@@ -290,36 +359,23 @@ impl LeaseClient {
         body: Option<serde_json::Value>,
         timeout: Duration,
     ) -> Result<(StatusCode, serde_json::Value), ClientError> {
-        let mut moves = 0;
-        // Members that refused the connection during this call: a standby
-        // may still name a primary that just died.
-        let mut refused: Vec<String> = Vec::new();
+        // Up to about 10 s of rounds at 250 ms: a failover takes about the
+        // cluster's TTL.
+        let mut follow = Follow::new(40, Duration::from_millis(250));
         loop {
             let base = self.servers.current();
             let answer = self
                 .call_once(&base, method.clone(), path, headers, body.clone(), timeout)
                 .await;
-            let primary = match &answer {
+            let answered = match &answer {
                 Err((ClientError::Problem { reason, body, .. }, _)) if reason == "not-primary" => {
-                    Some(body["primary"].as_str().map(str::to_owned))
+                    Answered::NotPrimary(body["primary"].as_str().map(str::to_owned))
                 }
-                Err((ClientError::Unreachable(_), true)) => {
-                    refused.push(base.clone());
-                    Some(None)
-                }
-                _ => None,
+                Err((ClientError::Unreachable(_), true)) => Answered::Refused,
+                _ => Answered::Done,
             };
-            let primary = primary.map(|p| p.filter(|p| !refused.contains(p)));
-            match primary {
-                Some(primary) if moves < MAX_MOVES => {
-                    moves += 1;
-                    if primary.is_none() && moves % self.servers.list.len().max(1) == 0 {
-                        // Every member refused: an election is under way.
-                        tokio::time::sleep(Duration::from_millis(250)).await;
-                    }
-                    self.servers.move_on(&base, primary.as_deref());
-                }
-                _ => return answer.map_err(|(e, _)| e),
+            if !follow.again(&self.servers, &base, answered).await {
+                return answer.map_err(|(e, _)| e);
             }
         }
     }
@@ -681,5 +737,47 @@ async fn renew_loop(
                 next_renew = instant_now() + Duration::from_millis(50);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PAUSE: Duration = Duration::from_millis(100);
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_moves_only_among_the_listed_members() {
+        let servers = Servers::new("http://a,http://b/,http://c");
+        let mut f = Follow::new(4, PAUSE);
+        let named = |url: &str| Answered::NotPrimary(Some(url.to_owned()));
+        // A primary outside the list is never followed: the next listed is.
+        assert!(
+            f.again(&servers, "http://a", named("http://elsewhere"))
+                .await
+        );
+        assert_eq!(servers.current(), "http://b");
+        assert!(f.again(&servers, "http://b", named("http://c/")).await);
+        assert_eq!(servers.current(), "http://c");
+        // A member that refused is not followed back to in this call.
+        assert!(f.again(&servers, "http://c", Answered::Refused).await);
+        assert_eq!(servers.current(), "http://a");
+        assert!(f.again(&servers, "http://a", named("http://c")).await);
+        assert_eq!(servers.current(), "http://b");
+        // The budget is spent; an answer that may have acted is final.
+        assert!(
+            !f.again(&servers, "http://b", Answered::NotPrimary(None))
+                .await
+        );
+        let mut fresh = Follow::new(4, PAUSE);
+        assert!(!fresh.again(&servers, "http://b", Answered::Done).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_every_member_refused_ends_at_once() {
+        let servers = Servers::new("http://a,http://b");
+        let mut f = Follow::new(40, PAUSE);
+        assert!(f.again(&servers, "http://a", Answered::Refused).await);
+        assert!(!f.again(&servers, "http://b", Answered::Refused).await);
     }
 }

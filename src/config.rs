@@ -140,7 +140,7 @@ impl ClusterConfig {
                 self.prefix
             ));
         }
-        if self.ttl_ms < 2_000 || self.margin_ms == 0 || self.margin_ms * 2 > self.ttl_ms {
+        if self.ttl_ms < 2_000 || self.margin_ms == 0 || self.margin_ms > self.ttl_ms / 2 {
             return Err(format!(
                 "cluster: need ttl_ms >= 2000 and 0 < margin_ms <= ttl_ms / 2 (got {} and {})",
                 self.ttl_ms, self.margin_ms
@@ -429,6 +429,19 @@ impl Config {
                     "admin.listen is not supported in cluster mode yet; leave it empty".into(),
                 );
             }
+            if self.upstream_target()? == UpstreamTarget::Embedded {
+                return Err(
+                    "cluster mode needs an upstream every member reaches (--upstream URL): \
+                     each member's embedded store is its own, so a failover would switch data"
+                        .into(),
+                );
+            }
+            if self.cluster.advertise.is_empty() && addr.ip().is_unspecified() {
+                return Err(format!(
+                    "cluster.advertise: listening on {addr}, so say which URL clients reach \
+                     this member at (--advertise)"
+                ));
+            }
         }
         self.tls.files()?;
         self.upstream_target()?;
@@ -653,6 +666,9 @@ mod tests {
 
     #[test]
     fn the_cluster_section_from_env_and_flags() {
+        const UPSTREAM: (&str, &str) = ("FENCEGATE_UPSTREAM", "http://127.0.0.1:9000");
+        const ETCD: (&str, &str) = ("FENCEGATE_CLUSTER__ETCD", "http://x:2379");
+        const NAME: (&str, &str) = ("FENCEGATE_CLUSTER__NAME", "a");
         let c = Config::load(
             None,
             env(&[
@@ -660,7 +676,8 @@ mod tests {
                     "FENCEGATE_CLUSTER__ETCD",
                     "http://127.0.0.1:2379, http://127.0.0.1:22379",
                 ),
-                ("FENCEGATE_CLUSTER__NAME", "a"),
+                NAME,
+                UPSTREAM,
             ]),
             &Overrides::default(),
         )
@@ -675,34 +692,45 @@ mod tests {
             name: Some("b".into()),
             ..Overrides::default()
         };
-        let c = Config::load(None, env(&[]), &flags).unwrap();
+        let c = Config::load(None, env(&[UPSTREAM]), &flags).unwrap();
         assert_eq!(c.cluster.name, "b");
+        let open = [
+            ETCD,
+            NAME,
+            UPSTREAM,
+            ("FENCEGATE_LISTEN", "0.0.0.0:8080"),
+            ("FENCEGATE_AUTH__ALLOW_UNAUTHENTICATED_NON_LOOPBACK", "true"),
+        ];
         for bad in [
-            vec![("FENCEGATE_CLUSTER__ETCD", "http://x:2379")],
+            vec![ETCD, UPSTREAM],
+            vec![("FENCEGATE_CLUSTER__ETCD", "x:2379"), NAME, UPSTREAM],
+            vec![ETCD, ("FENCEGATE_CLUSTER__NAME", "a b"), UPSTREAM],
+            vec![ETCD, NAME, UPSTREAM, ("FENCEGATE_CLOCK", "manual")],
             vec![
-                ("FENCEGATE_CLUSTER__ETCD", "x:2379"),
-                ("FENCEGATE_CLUSTER__NAME", "a"),
-            ],
-            vec![
-                ("FENCEGATE_CLUSTER__ETCD", "http://x:2379"),
-                ("FENCEGATE_CLUSTER__NAME", "a b"),
-            ],
-            vec![
-                ("FENCEGATE_CLUSTER__ETCD", "http://x:2379"),
-                ("FENCEGATE_CLUSTER__NAME", "a"),
-                ("FENCEGATE_CLOCK", "manual"),
-            ],
-            vec![
-                ("FENCEGATE_CLUSTER__ETCD", "http://x:2379"),
-                ("FENCEGATE_CLUSTER__NAME", "a"),
+                ETCD,
+                NAME,
+                UPSTREAM,
                 ("FENCEGATE_CLUSTER__MARGIN_MS", "9000"),
             ],
+            vec![
+                ETCD,
+                NAME,
+                UPSTREAM,
+                ("FENCEGATE_CLUSTER__MARGIN_MS", "9223372036854775807"),
+            ],
+            // Every member's embedded store is its own.
+            vec![ETCD, NAME],
+            // 0.0.0.0 is no URL a client can use.
+            open.to_vec(),
         ] {
             assert!(
                 Config::load(None, env(&bad), &Overrides::default()).is_err(),
                 "{bad:?}"
             );
         }
+        let mut advertised = open.to_vec();
+        advertised.push(("FENCEGATE_CLUSTER__ADVERTISE", "http://10.0.0.2:8080"));
+        assert!(Config::load(None, env(&advertised), &Overrides::default()).is_ok());
     }
 
     #[test]

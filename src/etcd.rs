@@ -303,8 +303,13 @@ impl EtcdClient {
         }
     }
 
-    /// One call, on the endpoint that answered last, then on the others.
+    /// One call, on the endpoint that answered last, then on the others. A
+    /// write (put, delete, transaction) goes to another endpoint only if it
+    /// was never sent: after a timeout or a lost answer it may still be
+    /// applied, and sending it again could apply it twice, or apply an older
+    /// write after a newer one.
     async fn call(&self, path: &str, body: Value) -> Result<Value, EtcdError> {
+        let write = matches!(path, "/v3/kv/put" | "/v3/kv/deleterange" | "/v3/kv/txn");
         let n = self.inner.endpoints.len();
         let first = self.inner.current.load(Ordering::Relaxed) % n;
         let mut last = String::new();
@@ -315,10 +320,20 @@ impl EtcdClient {
                     self.inner.current.store(at, Ordering::Relaxed);
                     return Ok(answer);
                 }
-                Err(EtcdError::Unavailable(e)) => {
+                Err(Failed {
+                    error: EtcdError::Unavailable(e),
+                    unsent,
+                }) => {
+                    // The next call starts elsewhere.
+                    self.inner.current.store((at + 1) % n, Ordering::Relaxed);
                     last = format!("{}: {e}", self.inner.endpoints[at]);
+                    if write && !unsent {
+                        return Err(EtcdError::Unavailable(format!(
+                            "{last} (the outcome is unknown)"
+                        )));
+                    }
                 }
-                Err(refused) => return Err(refused),
+                Err(Failed { error, .. }) => return Err(error),
             }
         }
         Err(EtcdError::Unavailable(last))
@@ -326,15 +341,18 @@ impl EtcdClient {
 
     /// One call on endpoint `at`, authenticating first if needed and once
     /// more if the token expired.
-    async fn call_at(&self, at: usize, path: &str, body: &Value) -> Result<Value, EtcdError> {
+    async fn call_at(&self, at: usize, path: &str, body: &Value) -> Result<Value, Failed> {
         let mut renewed = false;
         loop {
             let token = match &self.inner.user {
-                Some(_) => Some(self.token(at, renewed).await?),
+                Some(_) => Some(self.token(at, renewed).await.map_err(Failed::unsent)?),
                 None => None,
             };
             match self.exchange(at, path, body, token.as_deref()).await {
-                Err(EtcdError::Refused(e)) if token.is_some() && !renewed && auth_expired(&e) => {
+                Err(Failed {
+                    error: EtcdError::Refused(e),
+                    ..
+                }) if token.is_some() && !renewed && auth_expired(&e) => {
                     renewed = true;
                 }
                 other => return other,
@@ -359,7 +377,8 @@ impl EtcdClient {
                 &json!({ "name": name, "password": password }),
                 None,
             )
-            .await?;
+            .await
+            .map_err(|f| f.error)?;
         let token = answer["token"]
             .as_str()
             .filter(|t| !t.is_empty())
@@ -383,7 +402,7 @@ impl EtcdClient {
         path: &str,
         body: &Value,
         token: Option<&str>,
-    ) -> Result<Value, EtcdError> {
+    ) -> Result<Value, Failed> {
         let url = format!("{}{path}", self.inner.endpoints[at]);
         let mut req = Request::builder()
             .method(Method::POST)
@@ -394,36 +413,36 @@ impl EtcdClient {
         }
         let req = req
             .body(Full::new(Bytes::from(body.to_string())))
-            .map_err(|e| EtcdError::Refused(format!("{url}: {e}")))?;
+            .map_err(|e| Failed::unsent(EtcdError::Refused(format!("{url}: {e}"))))?;
         let exchange = async {
-            let res = self
-                .inner
-                .client
-                .request(req)
-                .await
-                .map_err(|e| EtcdError::Unavailable(cause(&e)))?;
+            let res = self.inner.client.request(req).await.map_err(|e| Failed {
+                error: EtcdError::Unavailable(cause(&e)),
+                unsent: e.is_connect(),
+            })?;
             let status = res.status();
             let limited = http_body_util::Limited::new(res.into_body(), MAX_ANSWER_BYTES);
             let bytes = limited
                 .collect()
                 .await
-                .map_err(|e| EtcdError::Unavailable(format!("reading the answer: {e}")))?
+                .map_err(|e| {
+                    Failed::sent(EtcdError::Unavailable(format!("reading the answer: {e}")))
+                })?
                 .to_bytes();
-            Ok::<_, EtcdError>((status, bytes))
+            Ok::<_, Failed>((status, bytes))
         };
         let (status, bytes) = tokio::time::timeout(self.inner.timeout, exchange)
             .await
             .map_err(|_| {
-                EtcdError::Unavailable(format!(
+                Failed::sent(EtcdError::Unavailable(format!(
                     "no answer within {} ms",
                     self.inner.timeout.as_millis()
-                ))
+                )))
             })??;
         let answer: Value = serde_json::from_slice(&bytes).map_err(|_| {
-            EtcdError::Unavailable(format!(
+            Failed::sent(EtcdError::Unavailable(format!(
                 "{status} with a body that is not JSON: {}",
                 String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
-            ))
+            )))
         })?;
         // Errors come as {"error": …, "code": grpc code, "message": …};
         // a streaming call puts them under "error" of its frame.
@@ -440,11 +459,38 @@ impl EtcdClient {
             .as_i64()
             .or_else(|| error.and_then(|e| e["grpc_code"].as_i64()))
             .unwrap_or(0);
-        Err(if unavailable(status, code, &message) {
+        // Without a leader nothing was proposed; anything else etcd
+        // answered may still be applied.
+        let unsent = message.contains("no leader");
+        let error = if unavailable(status, code, &message) {
             EtcdError::Unavailable(message)
         } else {
             EtcdError::Refused(message)
-        })
+        };
+        Err(Failed { error, unsent })
+    }
+}
+
+/// A failed exchange, and whether the request was surely not applied
+/// (never sent, or refused before it was proposed).
+struct Failed {
+    error: EtcdError,
+    unsent: bool,
+}
+
+impl Failed {
+    fn unsent(error: EtcdError) -> Self {
+        Self {
+            error,
+            unsent: true,
+        }
+    }
+
+    fn sent(error: EtcdError) -> Self {
+        Self {
+            error,
+            unsent: false,
+        }
     }
 }
 

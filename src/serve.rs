@@ -175,15 +175,6 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
     } else {
         Some(recover(&config, options)?)
     };
-    let backend = match config.upstream_target().map_err(StartError::Config)? {
-        UpstreamTarget::Embedded if config.embedded.record => Backend::Embedded(
-            EmbeddedStore::recording(config.embedded.history_max_entries),
-        ),
-        UpstreamTarget::Embedded => Backend::Embedded(EmbeddedStore::new()),
-        UpstreamTarget::Http(uri) => Backend::Upstream(
-            Upstream::new(&uri, &config.upstream_options()).map_err(StartError::Config)?,
-        ),
-    };
     let draining = Arc::new(AtomicBool::new(false));
     let tls = match config.tls.files().map_err(StartError::Tls)? {
         Some((cert, key)) => {
@@ -199,13 +190,13 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
         .map_err(|e| StartError::Listen("listen", listen.to_string(), e))?;
     let (app, admin) = match leases {
         None => {
-            let member = join(&config, backend, draining.clone(), &listener, tls.is_some())?;
+            let member = join(&config, draining.clone(), &listener, tls.is_some())?;
             (Served::Cluster(member), None)
         }
         Some(leases) => {
             let parts = Parts {
                 leases,
-                backend,
+                backend: build_backend(&config).map_err(StartError::Config)?,
                 draining: draining.clone(),
                 primacy: None,
             };
@@ -239,11 +230,23 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
     })
 }
 
+/// The storage `config.upstream` names.
+fn build_backend(config: &Config) -> Result<Backend, String> {
+    Ok(match config.upstream_target()? {
+        UpstreamTarget::Embedded if config.embedded.record => Backend::Embedded(
+            EmbeddedStore::recording(config.embedded.history_max_entries),
+        ),
+        UpstreamTarget::Embedded => Backend::Embedded(EmbeddedStore::new()),
+        UpstreamTarget::Http(uri) => {
+            Backend::Upstream(Upstream::new(&uri, &config.upstream_options())?)
+        }
+    })
+}
+
 /// Joins the cluster `config.cluster` names: the member's service, whose
 /// app is built anew from etcd's lease state at each term of primacy.
 fn join(
     config: &Config,
-    backend: Backend,
     draining: Arc<AtomicBool>,
     listener: &TcpListener,
     tls: bool,
@@ -286,9 +289,11 @@ fn join(
             takeover.leases,
             takeover.rule,
         )?;
+        // A backend per term: its upstream metrics belong to this term's
+        // app, and nothing of an earlier term stays pinned.
         let parts = Parts {
             leases,
-            backend: backend.clone(),
+            backend: build_backend(&config)?,
             draining: draining.clone(),
             primacy: Some(takeover.primacy),
         };

@@ -187,6 +187,14 @@ impl Members {
         }
     }
 
+    /// Two members settled: (the primary, the standby that knows it).
+    async fn pair(&self) -> (usize, usize) {
+        let p = self.primary(Duration::from_secs(20)).await;
+        let s = 1 - p;
+        self.knows_primary(s, p).await;
+        (p, s)
+    }
+
     fn kill(&mut self, i: usize) {
         if let Some(p) = self.members[i].take() {
             p.kill9();
@@ -245,6 +253,21 @@ async fn put_after_takeover(c: &HttpClient, held: &Held, body: &str) {
         tokio::time::sleep(Duration::from_secs(secs)).await;
     }
     panic!("the newer term never got to write");
+}
+
+/// Through the new primary `c`: the holder of term `a` of `x` renews and
+/// releases it, and another holder's newer term writes.
+async fn hand_over(c: &HttpClient, a: &Held) {
+    let r = c
+        .send(Req::new("POST", "/_fence/leases/x/renew").held(a))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = c.send(Req::new("DELETE", "/_fence/leases/x").held(a)).await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    let r = c.send(acquire("x", "b")).await;
+    let b = held_from(&r);
+    assert!(b.token > a.token);
+    put_after_takeover(c, &b, "b1").await;
 }
 
 /// Every lease's tokens never go down in the apply log.
@@ -483,9 +506,7 @@ async fn a_primary_wakes_after_a_takeover(self_fencing: bool) -> (Vec<u16>, Vec<
         ("FENCEGATE_FENCE__SETTLE_MS", "500"),
     ];
     let m = Members::start(2, &env).await;
-    let p = m.primary(Duration::from_secs(20)).await;
-    let s = 1 - p;
-    m.knows_primary(s, p).await;
+    let (p, s) = m.pair().await;
     let old = m.client(p);
     let r = old.send(acquire("x", "a")).await;
     let a = held_from(&r);
@@ -496,21 +517,7 @@ async fn a_primary_wakes_after_a_takeover(self_fencing: bool) -> (Vec<u16>, Vec<
     // The standby takes over once the paused primary's etcd lease expires.
     let new = m.primary(Duration::from_millis(TTL_MS + 10_000)).await;
     assert_eq!(new, s);
-    let c = m.client(s);
-    // The holder renews and releases through the new primary; another
-    // holder's newer term writes there.
-    let r = c
-        .send(Req::new("POST", "/_fence/leases/x/renew").held(&a))
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text());
-    let r = c
-        .send(Req::new("DELETE", "/_fence/leases/x").held(&a))
-        .await;
-    assert_eq!(r.status, 204, "{}", r.text());
-    let r = c.send(acquire("x", "b")).await;
-    let b = held_from(&r);
-    assert!(b.token > a.token);
-    put_after_takeover(&c, &b, "b1").await;
+    hand_over(&m.client(s), &a).await;
 
     // Writes of the old term reach the paused primary's socket (the kernel
     // accepts them), and the primary wakes up to them: the term is still
@@ -589,18 +596,7 @@ async fn a_primary_cut_off_from_etcd(self_fencing: bool) -> (u16, Vec<(String, u
     relay.freeze();
     m.becomes_primary(1, Duration::from_millis(TTL_MS + 10_000))
         .await;
-    let c = m.client(1);
-    let r = c
-        .send(Req::new("POST", "/_fence/leases/x/renew").held(&a))
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text());
-    let r = c
-        .send(Req::new("DELETE", "/_fence/leases/x").held(&a))
-        .await;
-    assert_eq!(r.status, 204, "{}", r.text());
-    let r = c.send(acquire("x", "b")).await;
-    let b = held_from(&r);
-    put_after_takeover(&c, &b, "b1").await;
+    hand_over(&m.client(1), &a).await;
 
     let r = HttpClient::new(&m.url(0))
         .send(put("x", &a, "a-cut-off"))
@@ -648,9 +644,7 @@ async fn a_write_in_flight_across_failover(barrier: bool) -> usize {
         ("FENCEGATE_FENCE__SETTLE_MS", "500"),
     ];
     let mut m = Members::start_on(2, &env, Some(storage.url())).await;
-    let p = m.primary(Duration::from_secs(20)).await;
-    let s = 1 - p;
-    m.knows_primary(s, p).await;
+    let (p, s) = m.pair().await;
     let old = m.client(p);
     let r = old.send(acquire("x", "a")).await;
     let a = held_from(&r);
@@ -825,4 +819,27 @@ async fn tokens_continue_after_everything_restarts() {
     let r = m.client(p).send(acquire("x", "c")).await;
     assert_eq!(r.status, 201, "{}", r.text());
     assert!(held_from(&r).token > last);
+}
+
+/// The election key deleted by hand (a forced failover): a standby wins,
+/// and the old primary, whose etcd lease is still alive, sees within a beat
+/// that the key is no longer its own and steps down.
+#[tokio::test]
+async fn a_primary_whose_election_key_is_deleted_steps_down() {
+    let m = Members::start(2, &[]).await;
+    let (p, s) = m.pair().await;
+    let options = fencegate::etcd::EtcdOptions {
+        timeout_ms: 2000,
+        ..Default::default()
+    };
+    let etcd = fencegate::etcd::EtcdClient::new(&m.etcd.urls(), &options).unwrap();
+    etcd.delete(b"/fencegate/primary").await.unwrap();
+    m.becomes_primary(s, Duration::from_secs(10)).await;
+    until_refused(
+        &m.client(p),
+        || Req::new("GET", "/_fence/readyz"),
+        "not-primary",
+        TTL_MS + 7_000,
+    )
+    .await;
 }

@@ -223,14 +223,18 @@ async fn enable_auth(url: &str, prefix: &str) {
     }
 }
 
-/// Starts a cluster member in front of the embedded store, reaching etcd at
-/// `etcd` with these `FENCEGATE_CLUSTER__*` settings.
+/// Starts a cluster member reaching etcd at `etcd` with these
+/// `FENCEGATE_CLUSTER__*` settings (its upstream is never called: these
+/// tests only acquire).
 fn member(dir: &TempDir, etcd: &str, env: &[(&str, &str)]) -> Proc {
+    let upstream = format!("http://127.0.0.1:{}", free_port());
     Proc::start(
         &[
             "serve",
             "--listen",
             "127.0.0.1:0",
+            "--upstream",
+            &upstream,
             "--etcd",
             etcd,
             "--name",

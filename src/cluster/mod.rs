@@ -330,18 +330,22 @@ impl<S: Send + Sync + 'static> Elector<S> {
                     )
                     .await
                     .map_err(|e| e.to_string())?;
-                if campaign.succeeded {
+                let holder = campaign.reads.first().and_then(|kvs| kvs.first());
+                // The key on this member's own etcd lease: an earlier
+                // campaign of this session won, its answer was lost.
+                let won = match holder {
+                    _ if campaign.succeeded => Some(campaign.revision),
+                    Some(kv) if kv.lease == id => Some(kv.create_revision),
+                    _ => None,
+                };
+                if let Some(revision) = won {
                     let election = Election {
                         key: primary_key,
-                        revision: campaign.revision,
+                        revision,
                     };
                     return self.lead(session, election).await;
                 }
-                let primary = campaign
-                    .reads
-                    .first()
-                    .and_then(|kvs| kvs.first())
-                    .and_then(|kv| serde_json::from_slice::<Peer>(&kv.value).ok());
+                let primary = holder.and_then(|kv| serde_json::from_slice::<Peer>(&kv.value).ok());
                 self.member.view_mut().primary = primary;
                 tokio::time::sleep(self.poll()).await;
                 if self.clock.now_ms().saturating_sub(session.sent_ms)
@@ -394,7 +398,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
         let journal = Arc::new(EtcdJournal::start(
             self.client.clone(),
             self.options.prefix.clone().into_bytes(),
-            election,
+            election.clone(),
             &leases,
         ));
         let failure = journal.failure();
@@ -421,13 +425,23 @@ impl<S: Send + Sync + 'static> Elector<S> {
                 () = tokio::time::sleep(self.beat()) => {}
                 () = failure.wait() => break "a write of lease state failed".to_owned(),
             }
-            match tokio::time::timeout(self.beat(), self.keep_alive(session)).await {
-                Ok(Ok(renewed)) => {
-                    session = renewed;
-                    primacy.confirm_until(self.deadline(session.sent_ms, session.ttl_s));
+            // Bounded by the etcd client's timeout per endpoint; the
+            // deadline passes by itself meanwhile.
+            match self.keep_alive(session).await {
+                Ok(renewed) => {
+                    // The key must still be this election's: deleted or
+                    // replaced by hand, another member may have won.
+                    match self.client.get(&election.key).await {
+                        Ok(Some(kv)) if kv.create_revision == election.revision => {
+                            session = renewed;
+                            primacy.confirm_until(self.deadline(session.sent_ms, session.ttl_s));
+                        }
+                        Ok(_) => break "the election key is no longer this member's".to_owned(),
+                        Err(_) => {}
+                    }
                 }
-                Ok(Err(e)) if e.contains("expired") => break e,
-                Ok(Err(_)) | Err(_) => {}
+                Err(e) if e.contains("expired") => break e,
+                Err(_) => {}
             }
             if self.options.self_fencing && !primacy.is_live() {
                 break "primacy could not be confirmed in time".to_owned();

@@ -31,7 +31,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::backend::embedded::{History, HISTORY_PATH, WRITER_HEADER, WRITE_ID_HEADER};
-use crate::client::{Servers, MAX_MOVES};
+use crate::client::{Answered, Follow, Servers};
 use crate::clock::Stopwatch;
 use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
 use check::{ClientWrite, Findings, Outcome};
@@ -244,10 +244,8 @@ async fn call(
     };
     // Moved to another member only on answers that prove nothing was done:
     // a standby's not-primary, or a refused connection.
-    let mut moves = 0;
-    // Members that refused the connection during this call: a standby may
-    // still name a primary that just died.
-    let mut refused: Vec<String> = Vec::new();
+    // Writers retry on their own: a short budget per call.
+    let mut follow = Follow::new(8, Duration::from_millis(100));
     loop {
         let base = shared.targets.current();
         let answer = send(
@@ -259,27 +257,15 @@ async fn call(
             true,
         )
         .await;
-        let primary = match &answer {
+        let answered = match &answer {
             Ok(a) if a.json["reason"] == "not-primary" => {
-                Some(a.json["primary"].as_str().map(str::to_owned))
+                Answered::NotPrimary(a.json["primary"].as_str().map(str::to_owned))
             }
-            Err((_, true)) => {
-                refused.push(base.clone());
-                Some(None)
-            }
-            _ => None,
+            Err((_, true)) => Answered::Refused,
+            _ => Answered::Done,
         };
-        let primary = primary.map(|p| p.filter(|p| !refused.contains(p)));
-        match primary {
-            Some(primary) if moves < MAX_MOVES => {
-                moves += 1;
-                if primary.is_none() && moves % shared.targets.len().max(1) == 0 {
-                    // Every member refused: an election is under way.
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                shared.targets.move_on(&base, primary.as_deref());
-            }
-            _ => return answer.map_err(|(e, _)| e),
+        if !follow.again(&shared.targets, &base, answered).await {
+            return answer.map_err(|(e, _)| e);
         }
     }
 }
