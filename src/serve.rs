@@ -397,9 +397,18 @@ impl Bound {
             draining,
         } = self;
         let (stop, stopped) = tokio::sync::watch::channel(false);
+        let member = match &app {
+            Served::Cluster(member) => Some(member.clone()),
+            Served::Standalone(_) => None,
+        };
+        let leaving = member.clone();
         tokio::spawn(async move {
             shutdown.await;
             draining.store(true, Ordering::Release);
+            // A primary hands over at once instead of after its TTL.
+            if let Some(member) = leaving {
+                member.stop();
+            }
             let _ = stop.send(true);
         });
         let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -414,14 +423,18 @@ impl Bound {
                 Box::pin(server::run_with_tls(listener, tls, member, options, until))
             }
         };
-        match admin {
+        let served = match admin {
             None => main.await,
             Some((listener, admin_app)) => {
                 let admin = server::run(listener, admin_app, options, until_stopped(stopped));
                 tokio::try_join!(main, admin).map(|_| ())
             }
+        };
+        if let Some(member) = member {
+            // Bounded: an unreachable etcd takes the lease back at its TTL.
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), member.left()).await;
         }
-        .map_err(StartError::Io)
+        served.map_err(StartError::Io)
     }
 }
 

@@ -61,9 +61,15 @@ impl Members {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        env.push(("FENCEGATE_CLUSTER__TTL_MS".into(), TTL_MS.to_string()));
-        env.push(("FENCEGATE_CLUSTER__MARGIN_MS".into(), "500".into()));
-        env.push(("FENCEGATE_LOG".into(), "info".into()));
+        for (k, v) in [
+            ("FENCEGATE_CLUSTER__TTL_MS", TTL_MS.to_string()),
+            ("FENCEGATE_CLUSTER__MARGIN_MS", "500".to_owned()),
+            ("FENCEGATE_LOG", "info".to_owned()),
+        ] {
+            if !env.iter().any(|(key, _)| key == k) {
+                env.push((k.to_owned(), v));
+            }
+        }
         let upstream = upstream.unwrap_or_else(|| backend.url.clone());
         let mut members = Members {
             etcd,
@@ -842,4 +848,26 @@ async fn a_primary_whose_election_key_is_deleted_steps_down() {
         TTL_MS + 7_000,
     )
     .await;
+}
+
+/// A primary stopped cleanly (SIGTERM) hands its etcd lease back, so a
+/// standby takes over at once instead of after the TTL (10 s here; the
+/// wait allowed is half of it, real time, and the handover takes well
+/// under a second).
+#[tokio::test]
+async fn a_primary_stopped_cleanly_hands_over_at_once() {
+    let mut m = Members::start(
+        2,
+        &[
+            ("FENCEGATE_CLUSTER__TTL_MS", "10000"),
+            ("FENCEGATE_CLUSTER__MARGIN_MS", "1000"),
+        ],
+    )
+    .await;
+    let (p, s) = m.pair().await;
+    let stopped = m.members[p].take().unwrap();
+    stopped.signal("-TERM");
+    m.becomes_primary(s, Duration::from_secs(5)).await;
+    let mut stopped = stopped;
+    assert!(stopped.child.wait().unwrap().success());
 }

@@ -98,6 +98,10 @@ struct View<S> {
 struct Shared<S> {
     me: Peer,
     view: RwLock<View<S>>,
+    /// Set when the process stops: the member steps down and leaves.
+    stopping: tokio::sync::watch::Sender<bool>,
+    /// Set once the member has left (its etcd lease handed back).
+    left: tokio::sync::watch::Sender<bool>,
 }
 
 /// The service a cluster member runs.
@@ -120,6 +124,29 @@ impl<S> Member<S> {
 
     fn view_mut(&self) -> std::sync::RwLockWriteGuard<'_, View<S>> {
         self.shared.view.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Leaves the cluster (the process is stopping): a primary steps down
+    /// at once and hands its etcd lease back, so a standby takes over
+    /// without waiting for the TTL; a standby stops campaigning.
+    pub fn stop(&self) {
+        self.shared.stopping.send_replace(true);
+    }
+
+    /// Completes once the member has left after [`Member::stop`].
+    pub async fn left(&self) {
+        let mut rx = self.shared.left.subscribe();
+        let _ = rx.wait_for(|left| *left).await;
+    }
+
+    /// Completes once [`Member::stop`] was called.
+    async fn stopped(&self) {
+        let mut rx = self.shared.stopping.subscribe();
+        let _ = rx.wait_for(|stop| *stop).await;
+    }
+
+    fn is_stopping(&self) -> bool {
+        *self.shared.stopping.borrow()
     }
 
     /// Whether this member serves as primary now.
@@ -231,6 +258,8 @@ where
                 primary: None,
                 members: Vec::new(),
             }),
+            stopping: tokio::sync::watch::channel(false).0,
+            left: tokio::sync::watch::channel(false).0,
         }),
     };
     let elector = Elector {
@@ -288,12 +317,16 @@ impl<S: Send + Sync + 'static> Elector<S> {
     }
 
     async fn run(self) {
-        loop {
+        while !self.member.is_stopping() {
             if let Err(error) = self.session().await {
                 tracing::warn!(%error, "cluster session ended; starting a new one");
             }
-            tokio::time::sleep(self.beat()).await;
+            tokio::select! {
+                () = tokio::time::sleep(self.beat()) => {}
+                () = self.member.stopped() => {}
+            }
         }
+        self.member.shared.left.send_replace(true);
     }
 
     /// One etcd session: register, campaign until won or the session is
@@ -314,6 +347,9 @@ impl<S: Send + Sync + 'static> Elector<S> {
                 .await
                 .map_err(|e| e.to_string())?;
             loop {
+                if self.member.is_stopping() {
+                    return Ok(());
+                }
                 let primary_key = self.key("primary");
                 let campaign = self
                     .client
@@ -347,7 +383,10 @@ impl<S: Send + Sync + 'static> Elector<S> {
                 }
                 let primary = holder.and_then(|kv| serde_json::from_slice::<Peer>(&kv.value).ok());
                 self.member.view_mut().primary = primary;
-                tokio::time::sleep(self.poll()).await;
+                tokio::select! {
+                    () = tokio::time::sleep(self.poll()) => {}
+                    () = self.member.stopped() => {}
+                }
                 if self.clock.now_ms().saturating_sub(session.sent_ms)
                     >= self.beat().as_millis() as u64
                 {
@@ -424,6 +463,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
             tokio::select! {
                 () = tokio::time::sleep(self.beat()) => {}
                 () = failure.wait() => break "a write of lease state failed".to_owned(),
+                () = self.member.stopped() => break "the process is stopping".to_owned(),
             }
             // Bounded by the etcd client's timeout per endpoint; the
             // deadline passes by itself meanwhile.
