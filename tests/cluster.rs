@@ -29,6 +29,11 @@ const TTL_MS: u64 = 3_000;
 /// Writes of an old term waiting at a paused primary's door.
 const ZOMBIES: usize = 16;
 
+/// How many clusters (three etcd members and their fencegates each) the
+/// tests run at once: on a small machine more would starve etcd, and a
+/// primary whose keepalive answers come late fences itself.
+static CLUSTERS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(3);
+
 /// A cluster of fencegate members in front of one recording backend.
 struct Members {
     etcd: EtcdCluster,
@@ -40,6 +45,9 @@ struct Members {
     ports: Vec<u16>,
     dir: TempDir,
     env: Vec<(String, String)>,
+    /// Dropped last (fields drop in order): the slot frees once every
+    /// process above has been stopped.
+    _slot: tokio::sync::SemaphorePermit<'static>,
 }
 
 impl Members {
@@ -50,6 +58,7 @@ impl Members {
     /// [`Members::start`] in front of `upstream` instead of the recording
     /// backend.
     async fn start_on(n: usize, env: &[(&str, &str)], upstream: Option<String>) -> Self {
+        let slot = CLUSTERS.acquire().await.unwrap();
         let etcd = EtcdCluster::start(3).await;
         let dir = TempDir::new("cluster");
         let backend = Proc::start(
@@ -72,6 +81,7 @@ impl Members {
         }
         let upstream = upstream.unwrap_or_else(|| backend.url.clone());
         let mut members = Members {
+            _slot: slot,
             etcd,
             backend,
             upstream,
