@@ -7,6 +7,7 @@
 //! release, inspect or write under them. Admin callers may also use the
 //! clock, metrics and apply-log endpoints and inspect every lease.
 
+use crate::hex;
 use crate::names::Holder;
 
 use std::collections::HashMap;
@@ -61,17 +62,6 @@ pub struct Authenticator {
     by_digest: HashMap<[u8; 32], Arc<Identity>>,
 }
 
-fn parse_hex(s: &str) -> Option<[u8; 32]> {
-    if s.len() != 64 {
-        return None;
-    }
-    let mut out = [0u8; 32];
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(out)
-}
-
 impl Authenticator {
     /// The authenticator the config asks for (`None` when auth is off).
     pub fn from_config(config: &AuthConfig) -> Result<Option<Self>, String> {
@@ -85,7 +75,7 @@ impl Authenticator {
         for t in &config.tokens {
             let name = Holder::new(t.name.as_str())
                 .map_err(|e| format!("auth token name {:?}: {e}", t.name))?;
-            let digest = parse_hex(&t.sha256.to_ascii_lowercase())
+            let digest = hex::decode32(&t.sha256)
                 .ok_or_else(|| format!("auth token {:?}: sha256 must be 64 hex digits", t.name))?;
             let identity = Arc::new(Identity {
                 name,

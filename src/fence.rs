@@ -59,9 +59,9 @@ pub struct FencePolicy {
     pub upstream_timeout_ms: u64,
     /// Counts forwarded and refused requests.
     pub metrics: Metrics,
-    /// In cluster mode, the member's right to admit: checked before
-    /// anything is sent to the backend (reads too), once more right before
-    /// an admitted write is handed to it. `None` standalone.
+    /// In cluster mode, the member's right to admit: checked right before
+    /// anything (reads too) is handed to the backend, after admission and
+    /// any wait at the barrier. `None` standalone.
     pub primacy: Option<Arc<Primacy>>,
 }
 
@@ -340,11 +340,13 @@ where
     }
 
     fn call(&mut self, mut req: Request<Body>) -> Self::Future {
-        if let Some(refused) = self.policy.not_primary() {
-            return FenceFuture::ready(refused);
-        }
         let fenced = match self.policy.decide(&mut req) {
-            Decision::Pass => return FenceFuture::forward(self.inner.call(req), None),
+            Decision::Pass => {
+                if let Some(refused) = self.policy.not_primary() {
+                    return FenceFuture::ready(refused);
+                }
+                return FenceFuture::forward(self.inner.call(req), None);
+            }
             Decision::Reject(problem) => {
                 self.policy.metrics.write_rejected(problem.reason().slug());
                 return FenceFuture::ready(problem.into_response());

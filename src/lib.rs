@@ -45,12 +45,13 @@
 //! - [`error`]: the one mapping from errors to problem+json (the `Reason`
 //!   table: status, slug and title); [`body`]: the
 //!   body type shared by all services; [`wire`]: header names and markers
-//!   several layers share; [`config`]: typed settings, read by start-up only.
+//!   several layers share; [`hex`]: lowercase hex for ids and digests;
+//!   [`config`]: typed settings, read by start-up only.
 //!
 //! Dependencies point one way (`tests/layering.rs` checks the crate's own
 //! imports for cycles): the leaves `clock`, `journal`, `body`, `wire`,
-//! `names`, `framing` and `tls` import nothing from the crate; `auth` and
-//! `route` import only `names`, `etcd` only `tls`; `lease` ← `error`, `metrics` ← `fence` ←
+//! `names`, `hex`, `framing` and `tls` import nothing from the crate; `auth`
+//! imports only `names` and `hex`, `route` only `names`, `etcd` only `tls`; `lease` ← `error`, `metrics` ← `fence` ←
 //! `api`; `backend` ← `server`; `app` composes `api`, `fence` and `backend`;
 //! `cluster` builds on `etcd`, `journal` and `lease` and gets the app it
 //! serves from `serve` (it never reads the config);
@@ -72,6 +73,7 @@ pub mod error;
 pub mod etcd;
 pub mod fence;
 pub mod framing;
+pub mod hex;
 pub mod journal;
 pub mod lease;
 pub mod metrics;

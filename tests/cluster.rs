@@ -26,9 +26,6 @@ use support::{
 /// this long (etcd's own minimum is about 1.5 s).
 const TTL_MS: u64 = 3_000;
 
-/// Writes of an old term waiting at a paused primary's door.
-const ZOMBIES: usize = 16;
-
 /// How many clusters (three etcd members and their fencegates each) the
 /// tests run at once: on a small machine more would starve etcd, and a
 /// primary whose keepalive answers come late fences itself.
@@ -125,6 +122,16 @@ impl Members {
             &self.dir.path().join(format!("{name}.log")),
             &env,
         )
+    }
+
+    /// A client of the cluster's etcd, to look at (or meddle with) the
+    /// members' keys.
+    fn etcd_client(&self) -> fencegate::etcd::EtcdClient {
+        let options = fencegate::etcd::EtcdOptions {
+            timeout_ms: 2000,
+            ..Default::default()
+        };
+        fencegate::etcd::EtcdClient::new(&self.etcd.urls(), &options).unwrap()
     }
 
     fn url(&self, i: usize) -> String {
@@ -286,6 +293,49 @@ async fn hand_over(c: &HttpClient, a: &Held) {
     put_after_takeover(c, &b, "b1").await;
 }
 
+/// `fencegate loadtest` through `targets`, checked against the members'
+/// recording backend (lease TTL 1 s), running beside the test.
+struct Load {
+    child: std::process::Child,
+    report: std::path::PathBuf,
+    output: std::path::PathBuf,
+}
+
+impl Load {
+    fn start(m: &Members, targets: &str, args: &[&str]) -> Self {
+        let report = m.dir.path().join("report.json");
+        let output = m.dir.path().join("loadtest.out");
+        let out = std::fs::File::create(&output).unwrap();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
+            .args(["loadtest", "--target", targets, "--history", &m.backend.url])
+            .args(["--ttl", "1s"])
+            .args(args)
+            .arg("--json")
+            .arg(&report)
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap();
+        Self {
+            child,
+            report,
+            output,
+        }
+    }
+
+    /// Waits for the run's end: its exit status and its JSON report.
+    fn finish(mut self) -> (std::process::ExitStatus, serde_json::Value) {
+        let status = self.child.wait().unwrap();
+        match std::fs::read_to_string(&self.report) {
+            Ok(text) => (status, serde_json::from_str(&text).unwrap()),
+            Err(_) => panic!(
+                "the loadtest wrote no report ({status}): {}",
+                std::fs::read_to_string(&self.output).unwrap_or_default()
+            ),
+        }
+    }
+}
+
 /// Every lease's tokens never go down in the apply log.
 fn assert_tokens_never_go_back(applied: &[(String, u64)]) {
     let mut newest = std::collections::HashMap::new();
@@ -414,33 +464,26 @@ async fn kill_the_primary_ten_times_under_load() {
     let mut m = Members::start(3, &fast).await;
     m.primary(Duration::from_secs(20)).await;
     let targets = (0..3).map(|i| m.url(i)).collect::<Vec<_>>().join(",");
-    let json = m.dir.path().join("report.json");
-    let out = std::fs::File::create(m.dir.path().join("loadtest.out")).unwrap();
     // Ten rounds of 3 s of steady load, then a failover of about TTL_MS.
     let duration = format!("{}ms", 10 * (TTL_MS + 4_500));
-    let mut loadtest = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
-        .args([
-            "loadtest",
-            "--target",
-            &targets,
-            "--history",
-            &m.backend.url,
-        ])
-        .args(["--writers", "16", "--leases", "16", "--ttl", "1s"])
-        .args([
+    let loadtest = Load::start(
+        &m,
+        &targets,
+        &[
+            "--writers",
+            "16",
+            "--leases",
+            "16",
             "--duration",
             &duration,
             "--pause-prob",
             "0.3",
             "--seed",
             "7",
-        ])
-        .args(["--min-stale", "200", "--json"])
-        .arg(&json)
-        .stdout(out.try_clone().unwrap())
-        .stderr(out)
-        .spawn()
-        .unwrap();
+            "--min-stale",
+            "200",
+        ],
+    );
 
     // A term of the test's own, renewed after each failover, to time it.
     let c = HttpClient::new(&targets_primary(&m).await);
@@ -481,12 +524,7 @@ async fn kill_the_primary_ten_times_under_load() {
         assert_eq!(r.status, 200, "{}", r.text());
         m.members[p] = Some(m.spawn(p));
     }
-    let status = loadtest.wait().unwrap();
-    let output = std::fs::read_to_string(m.dir.path().join("loadtest.out")).unwrap();
-    let report: serde_json::Value = match std::fs::read_to_string(&json) {
-        Ok(text) => serde_json::from_str(&text).unwrap(),
-        Err(_) => panic!("the loadtest wrote no report ({status}): {output}"),
-    };
+    let (status, report) = loadtest.finish();
     let f = &report["findings"];
     failovers.sort_unstable();
     eprintln!(
@@ -510,51 +548,19 @@ async fn targets_primary(m: &Members) -> String {
     m.url(m.primary(Duration::from_secs(20)).await)
 }
 
-/// A primary paused past its TTL (SIGSTOP) while a standby takes over (with
-/// self-fencing, under a loadtest through both members), the holder moves on to the new
+/// A primary paused past its TTL (SIGSTOP) while a standby takes over, under
+/// a loadtest through both members, the holder moves on to the new
 /// primary and a newer term writes there; then the old primary wakes with
-/// writes of the older term waiting at its door.
+/// a write of the older term waiting at its door.
 async fn a_primary_wakes_after_a_takeover(self_fencing: bool) -> Woken {
-    let fencing = if self_fencing { "true" } else { "false" };
-    let env = [
-        ("FENCEGATE_CLUSTER__SELF_FENCING", fencing),
-        ("FENCEGATE_PROXY__TIMEOUT_MS", "2000"),
-        ("FENCEGATE_FENCE__SETTLE_MS", "500"),
-    ];
-    let m = Members::start(2, &env).await;
-    let (p, s) = m.pair().await;
-    // With self-fencing, load through both members all along: writers
-    // stuck at the paused primary wait for it to wake, the others follow
-    // the new primary. (Without it, the load's own requests, queued ahead
-    // of the old term's writes, give the woken primary time to hear from
-    // etcd that it lost: the race that variant shows needs a quiet door.)
+    let (m, relay) = behind_relay(self_fencing).await;
+    let (p, s) = (0, 1);
+    // Load through both members all along: writers stuck at the paused
+    // primary wait for it to wake, the others follow the new primary.
     let targets = format!("{},{}", m.url(p), m.url(s));
-    let report = m.dir.path().join("report.json");
-    let mut load = self_fencing.then(|| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
-            .args([
-                "loadtest",
-                "--target",
-                &targets,
-                "--history",
-                &m.backend.url,
-            ])
-            .args(["--writers", "8", "--leases", "8", "--ttl", "1s"])
-            .args([
-                "--duration",
-                "12s",
-                "--pause-prob",
-                "0.2",
-                "--min-stale",
-                "0",
-            ])
-            .arg("--json")
-            .arg(&report)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap()
-    });
+    let args = ["--writers", "8", "--leases", "8", "--duration", "12s"];
+    let more = ["--pause-prob", "0.2", "--min-stale", "0"];
+    let load = Load::start(&m, &targets, &[&args[..], &more[..]].concat());
     let old = m.client(p);
     let r = old.send(acquire("x", "a")).await;
     let a = held_from(&r);
@@ -567,49 +573,35 @@ async fn a_primary_wakes_after_a_takeover(self_fencing: bool) -> Woken {
     assert_eq!(new, s);
     hand_over(&m.client(s), &a).await;
 
-    // Writes of the old term reach the paused primary's socket (the kernel
-    // accepts them), and the primary wakes up to them: the term is still
-    // live on its own clock (20 s), only its primacy is not. Several, since
-    // without self-fencing the woken primary admits until etcd's answer
-    // tells it it lost, a race a single write can lose.
-    let zombies: Vec<_> = (0..ZOMBIES)
-        .map(|i| {
-            let fresh = HttpClient::new(&m.url(p));
-            let a = a.clone();
-            tokio::spawn(async move { fresh.try_send(put("x", &a, &format!("z{i}"))).await })
-        })
-        .collect();
+    // A write of the old term reaches the paused primary's socket (the
+    // kernel accepts it), and the primary wakes up to it: the term is still
+    // live on its own clock (20 s), only its primacy is not.
+    let door = HttpClient::new(&m.url(p));
+    let zombie = tokio::spawn(async move { door.try_send(put("x", &a, "zombie")).await });
+    // Real time: the kernel accepting the connection of a stopped process.
     tokio::time::sleep(Duration::from_millis(300)).await;
+    // Woken, it must not learn from etcd in time that it lost (an answer
+    // racing the write at its door): its link to etcd stays silent, and
+    // only its own clock can stop it.
+    relay.freeze();
     m.members[p].as_ref().unwrap().signal("-CONT");
-    let mut statuses = Vec::new();
-    for z in zombies {
-        match z.await.unwrap() {
-            Ok(r) => statuses.push(r.status.as_u16()),
-            Err(e) => panic!("the woken primary did not answer: {e}\n{}", m.logs()),
-        }
-    }
-    let mut findings = serde_json::Value::Null;
-    if let Some(load) = load.as_mut() {
-        let loaded = load.wait().unwrap();
-        let report: serde_json::Value = match std::fs::read_to_string(&report) {
-            Ok(text) => serde_json::from_str(&text).unwrap(),
-            Err(_) => panic!("the loadtest wrote no report ({loaded})"),
-        };
-        findings = report["findings"].clone();
-    }
+    let status = match zombie.await.unwrap() {
+        Ok(r) => r.status.as_u16(),
+        Err(e) => panic!("the woken primary did not answer: {e}\n{}", m.logs()),
+    };
+    let findings = load.finish().1["findings"].clone();
     let applied = m.applied().await;
     Woken {
-        statuses,
+        status,
         x: applied.into_iter().filter(|(k, _)| k == "/kv/x").collect(),
         load: findings,
     }
 }
 
-/// What [`a_primary_wakes_after_a_takeover`] saw: the statuses of the
-/// old term's writes, the apply log of lease `x`, the loadtest's findings
-/// (with self-fencing on).
+/// What [`a_primary_wakes_after_a_takeover`] saw: the status of the old
+/// term's write, the apply log of lease `x`, the loadtest's findings.
 struct Woken {
-    statuses: Vec<u16>,
+    status: u16,
     x: Vec<(String, u64)>,
     load: serde_json::Value,
 }
@@ -619,7 +611,7 @@ struct Woken {
 #[tokio::test]
 async fn a_paused_primary_fences_itself() {
     let w = a_primary_wakes_after_a_takeover(true).await;
-    assert!(w.statuses.iter().all(|&s| s == 503), "{:?}", w.statuses);
+    assert_eq!(w.status, 503, "{:?}", w.x);
     assert_eq!(w.x.len(), 2, "{:?}", w.x);
     assert_tokens_never_go_back(&w.x);
     // The load through both members meanwhile: nothing stale, nothing lost.
@@ -635,21 +627,16 @@ async fn a_paused_primary_fences_itself() {
 #[tokio::test]
 async fn without_self_fencing_two_primaries_write() {
     let w = a_primary_wakes_after_a_takeover(false).await;
-    assert!(
-        w.statuses.iter().any(|s| (200..300).contains(s)),
-        "{:?} {:?}",
-        w.statuses,
-        w.x
-    );
+    assert!((200..300).contains(&w.status), "{} {:?}", w.status, w.x);
     let went_back = std::panic::catch_unwind(|| assert_tokens_never_go_back(&w.x));
     assert!(went_back.is_err(), "{:?}", w.x);
 }
 
-/// The primary reaches etcd only through a relay the test freezes: it is
-/// cut off, not paused. A standby takes over; the holder moves on and a
-/// newer term writes there; then a write of the older term is sent to the
-/// cut-off primary. Returns the status it got and the apply log.
-async fn a_primary_cut_off_from_etcd(self_fencing: bool) -> (u16, Vec<(String, u64)>) {
+/// Two members for the self-fencing scenarios: the primary, member 0,
+/// reaches etcd only through a relay the test can freeze; member 1 is the
+/// standby that knows it. Writes of terms newer than those found at a
+/// takeover wait 2.5 s (the upstream deadline plus the settle time).
+async fn behind_relay(self_fencing: bool) -> (Members, Relay) {
     let fencing = if self_fencing { "true" } else { "false" };
     let env = [
         ("FENCEGATE_CLUSTER__SELF_FENCING", fencing),
@@ -658,12 +645,21 @@ async fn a_primary_cut_off_from_etcd(self_fencing: bool) -> (u16, Vec<(String, u
     ];
     let mut m = Members::start(0, &env).await;
     let relay = Relay::start(&m.etcd.urls()[0]).await;
-    let cut = m.spawn_with(0, &relay.url);
-    m.members.push(Some(cut));
+    let primary = m.spawn_with(0, &relay.url);
+    m.members.push(Some(primary));
     assert_eq!(m.primary(Duration::from_secs(20)).await, 0);
     let standby = m.spawn(1);
     m.members.push(Some(standby));
     m.knows_primary(1, 0).await;
+    (m, relay)
+}
+
+/// The primary reaches etcd only through a relay the test freezes: it is
+/// cut off, not paused. A standby takes over; the holder moves on and a
+/// newer term writes there; then a write of the older term is sent to the
+/// cut-off primary. Returns the status it got and the apply log.
+async fn a_primary_cut_off_from_etcd(self_fencing: bool) -> (u16, Vec<(String, u64)>) {
+    let (m, relay) = behind_relay(self_fencing).await;
     let old = m.client(0);
     let r = old.send(acquire("x", "a")).await;
     assert_eq!(r.status, 201, "{}", r.text());
@@ -758,7 +754,23 @@ async fn a_write_in_flight_across_failover(barrier: bool) -> usize {
         let req = put("x", &b, "b1").header("x-write-id", "b1");
         c.send(req).await
     });
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Term 1's write is let go only once term 2's has reached the backend
+    // (barrier off), waits at the barrier (counted in the metrics), or was
+    // refused for a wait past its deadline.
+    let metrics = m.client(s);
+    for _ in 0..500 {
+        let text = metrics
+            .send(Req::new("GET", "/_fence/metrics"))
+            .await
+            .text();
+        let held = text
+            .lines()
+            .any(|l| l.starts_with("fencegate_barrier_waits_total ") && !l.ends_with(" 0"));
+        if held || backend.arrived("b1") || newer.is_finished() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     backend.open("slow");
     let r = newer.await.unwrap();
     if barrier == "true" {
@@ -906,11 +918,7 @@ async fn tokens_continue_after_everything_restarts() {
 async fn a_primary_whose_election_key_is_deleted_steps_down() {
     let m = Members::start(2, &[]).await;
     let (p, s) = m.pair().await;
-    let options = fencegate::etcd::EtcdOptions {
-        timeout_ms: 2000,
-        ..Default::default()
-    };
-    let etcd = fencegate::etcd::EtcdClient::new(&m.etcd.urls(), &options).unwrap();
+    let etcd = m.etcd_client();
     etcd.delete(b"/fencegate/primary").await.unwrap();
     m.becomes_primary(s, Duration::from_secs(10)).await;
     until_refused(
@@ -922,24 +930,24 @@ async fn a_primary_whose_election_key_is_deleted_steps_down() {
     .await;
 }
 
-/// A primary stopped cleanly (SIGTERM) hands its etcd lease back, so a
-/// standby takes over at once instead of after the TTL (10 s here; the
-/// wait allowed is half of it, real time, and the handover takes well
-/// under a second).
+/// A primary stopped cleanly (SIGTERM) hands its etcd lease back before
+/// it exits, so the election key is free (or already the standby's) the
+/// moment the process is gone, not a TTL later, and the standby takes over.
 #[tokio::test]
 async fn a_primary_stopped_cleanly_hands_over_at_once() {
-    let mut m = Members::start(
-        2,
-        &[
-            ("FENCEGATE_CLUSTER__TTL_MS", "10000"),
-            ("FENCEGATE_CLUSTER__MARGIN_MS", "1000"),
-        ],
-    )
-    .await;
+    let mut m = Members::start(2, &[]).await;
     let (p, s) = m.pair().await;
-    let stopped = m.members[p].take().unwrap();
+    let gone = m.url(p);
+    let mut stopped = m.members[p].take().unwrap();
     stopped.signal("-TERM");
-    m.becomes_primary(s, Duration::from_secs(5)).await;
-    let mut stopped = stopped;
     assert!(stopped.child.wait().unwrap().success());
+    let etcd = m.etcd_client();
+    let key = etcd.get(b"/fencegate/primary").await.unwrap();
+    let holder = key.map(|kv| serde_json::from_slice::<serde_json::Value>(&kv.value).unwrap());
+    assert!(
+        holder.as_ref().is_none_or(|h| h["url"] != gone.as_str()),
+        "the stopped primary still holds the election key: {holder:?}"
+    );
+    m.becomes_primary(s, Duration::from_millis(TTL_MS + 10_000))
+        .await;
 }

@@ -7,7 +7,7 @@ mod support;
 
 use fencegate::etcd::{Compare, EtcdClient, EtcdError, EtcdOptions, Op};
 use support::proc::{Proc, TempDir};
-use support::servers::{etcd_v3, free_port, TestCa};
+use support::servers::{etcd_v3, free_port, Relay, TestCa};
 
 fn client(urls: &[String], options: EtcdOptions) -> EtcdClient {
     EtcdClient::new(
@@ -109,6 +109,28 @@ async fn a_dead_endpoint_is_skipped() {
     ));
     drop(etcd);
     assert!(matches!(c.get(b"k").await, Err(EtcdError::Unavailable(_))));
+}
+
+/// A write that may have reached an endpoint that then went silent is not
+/// sent again elsewhere (it could apply twice, or after a newer write): it
+/// fails as unknown. A read goes on to the next endpoint.
+#[tokio::test]
+async fn an_unanswered_write_is_never_resent_elsewhere() {
+    let etcd = etcd_v3(None).await;
+    let silent = Relay::start(&etcd.url).await;
+    silent.freeze();
+    let options = EtcdOptions {
+        timeout_ms: 500,
+        ..EtcdOptions::default()
+    };
+    let c = EtcdClient::new(&[silent.url.clone(), etcd.url.clone()], &options).unwrap();
+    let put = c.put(b"k", b"v", 0).await;
+    assert!(
+        matches!(&put, Err(EtcdError::Unavailable(e)) if e.contains("outcome is unknown")),
+        "{put:?}"
+    );
+    let fresh = EtcdClient::new(&[silent.url.clone(), etcd.url.clone()], &options).unwrap();
+    assert_eq!(fresh.get(b"k").await.unwrap(), None);
 }
 
 /// etcd over TLS with a private CA: trusted with `ca_file`, refused (never

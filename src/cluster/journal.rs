@@ -20,6 +20,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot, Notify};
 
 use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
+use crate::hex;
 use crate::journal::{GrantRecord, Journal, JournalError, JournalFuture, LeaseRecord, TermRecord};
 
 /// Most leases written by one transaction (etcd refuses more than 128
@@ -59,7 +60,7 @@ impl StoredLease {
                 token: t.token,
                 holder: t.holder.clone(),
                 ttl_ms: t.ttl_ms,
-                lease_id: from_hex(&t.lease_id_sha256)
+                lease_id: hex::decode32(&t.lease_id_sha256)
                     .ok_or_else(|| format!("lease {lease:?} has a malformed lease id digest"))?,
                 released: t.released,
             }),
@@ -81,33 +82,11 @@ impl StoredLease {
                 token: t.token,
                 holder: t.holder.clone(),
                 ttl_ms: t.ttl_ms,
-                lease_id_sha256: to_hex(&t.lease_id),
+                lease_id_sha256: hex::encode(&t.lease_id),
                 released: t.released,
             }),
         }
     }
-}
-
-fn to_hex(bytes: &[u8]) -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    bytes
-        .iter()
-        .flat_map(|b| [HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xf)]])
-        .map(char::from)
-        .collect()
-}
-
-fn from_hex(text: &str) -> Option<[u8; 32]> {
-    let text = text.as_bytes();
-    if text.len() != 64 {
-        return None;
-    }
-    let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
-    let mut out = [0u8; 32];
-    for (i, pair) in text.chunks(2).enumerate() {
-        out[i] = digit(pair[0])? << 4 | digit(pair[1])?;
-    }
-    Some(out)
 }
 
 /// One queued write: a lease's whole stored state, and who waits for it.
@@ -245,7 +224,7 @@ impl Journal for EtcdJournal {
                 token: record.token,
                 holder: record.holder.clone(),
                 ttl_ms: record.ttl_ms,
-                lease_id_sha256: to_hex(&digest),
+                lease_id_sha256: hex::encode(&digest),
                 released: false,
             });
             true

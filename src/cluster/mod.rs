@@ -38,7 +38,7 @@ use tower::{Service, ServiceExt};
 use crate::body::{self, Body};
 use crate::clock::Clock;
 use crate::error::Problem;
-use crate::etcd::{Compare, EtcdClient, Op};
+use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
 use crate::journal::{Journal, LeaseRecord};
 use crate::lease::{Primacy, RestartRule};
 use journal::{Election, EtcdJournal, StoredLease};
@@ -95,6 +95,16 @@ struct View<S> {
     members: Vec<Peer>,
 }
 
+impl<S> View<S> {
+    /// The app, while this member's primacy is live.
+    fn live_app(&self) -> Option<&S> {
+        self.serving
+            .as_ref()
+            .filter(|(_, primacy)| primacy.is_live())
+            .map(|(app, _)| app)
+    }
+}
+
 struct Shared<S> {
     me: Peer,
     view: RwLock<View<S>>,
@@ -149,17 +159,9 @@ impl<S> Member<S> {
         *self.shared.stopping.borrow()
     }
 
-    /// Whether this member serves as primary now.
-    pub fn is_primary(&self) -> bool {
-        self.view()
-            .serving
-            .as_ref()
-            .is_some_and(|(_, primacy)| primacy.is_live())
-    }
-
     fn cluster_json(&self) -> Response<Body> {
         let view = self.view();
-        let primary = view.serving.as_ref().is_some_and(|(_, p)| p.is_live());
+        let primary = view.live_app().is_some();
         let doc = serde_json::json!({
             "role": if primary { "primary" } else { "standby" },
             "name": self.shared.me.name,
@@ -220,12 +222,7 @@ where
         if path == "/_fence/cluster" && matches!(*req.method(), Method::GET | Method::HEAD) {
             return Box::pin(std::future::ready(Ok(self.cluster_json())));
         }
-        let app = self
-            .view()
-            .serving
-            .as_ref()
-            .filter(|(_, primacy)| primacy.is_live())
-            .map(|(app, _)| app.clone());
+        let app = self.view().live_app().cloned();
         match app {
             Some(app) => Box::pin(app.oneshot(req)),
             None => {
@@ -390,7 +387,11 @@ impl<S: Send + Sync + 'static> Elector<S> {
                 if self.clock.now_ms().saturating_sub(session.sent_ms)
                     >= self.beat().as_millis() as u64
                 {
-                    session = self.keep_alive(session).await?;
+                    session = self
+                        .keep_alive(session)
+                        .await
+                        .map_err(|e| e.to_string())?
+                        .ok_or("this member's etcd lease expired")?;
                     self.refresh_members().await;
                 }
             }
@@ -401,18 +402,16 @@ impl<S: Send + Sync + 'static> Elector<S> {
         result
     }
 
-    /// Renews the session's etcd lease once.
-    async fn keep_alive(&self, session: Session) -> Result<Session, String> {
+    /// Renews the session's etcd lease once: the renewed session, or
+    /// `Ok(None)` if etcd says the lease is gone.
+    async fn keep_alive(&self, session: Session) -> Result<Option<Session>, EtcdError> {
         let sent_ms = self.clock.now_ms();
-        match self.client.keep_alive(session.id).await {
-            Ok(Some(ttl_s)) => Ok(Session {
-                sent_ms,
-                ttl_s,
-                ..session
-            }),
-            Ok(None) => Err("this member's etcd lease expired".into()),
-            Err(e) => Err(e.to_string()),
-        }
+        let renewed = self.client.keep_alive(session.id).await?;
+        Ok(renewed.map(|ttl_s| Session {
+            sent_ms,
+            ttl_s,
+            ..session
+        }))
     }
 
     async fn refresh_members(&self) {
@@ -468,7 +467,8 @@ impl<S: Send + Sync + 'static> Elector<S> {
             // Bounded by the etcd client's timeout per endpoint; the
             // deadline passes by itself meanwhile.
             match self.keep_alive(session).await {
-                Ok(renewed) => {
+                Ok(None) => break "this member's etcd lease expired".to_owned(),
+                Ok(Some(renewed)) => {
                     // The key must still be this election's: deleted or
                     // replaced by hand, another member may have won.
                     match self.client.get(&election.key).await {
@@ -480,7 +480,6 @@ impl<S: Send + Sync + 'static> Elector<S> {
                         Err(_) => {}
                     }
                 }
-                Err(e) if e.contains("expired") => break e,
                 Err(_) => {}
             }
             if self.options.self_fencing && !primacy.is_live() {

@@ -3,6 +3,8 @@
 use std::fmt;
 
 use sha2::{Digest, Sha256};
+
+use crate::hex;
 use subtle::ConstantTimeEq;
 
 /// Number of random bytes in a lease id (128 bits).
@@ -36,12 +38,8 @@ impl LeaseId {
 
     /// The id with these random bytes (tests and journal replay).
     pub fn from_bytes(raw: [u8; ID_BYTES]) -> Self {
-        const HEX: &[u8; 16] = b"0123456789abcdef";
         let mut text = [0u8; LEASE_ID_LEN];
-        for (i, b) in raw.iter().enumerate() {
-            text[2 * i] = HEX[usize::from(b >> 4)];
-            text[2 * i + 1] = HEX[usize::from(b & 0x0f)];
-        }
+        hex::encode_into(&raw, &mut text);
         Self(Form::Text(text))
     }
 
