@@ -5,13 +5,14 @@
 #   benches/cluster-acquire.sh [SECONDS] [CLIENTS]     # defaults: 10 64
 #
 # Starts a one-member etcd (the test suite installs etcd-server) on free
-# loopback ports and fencegate (release build) as that
-# cluster's only member; once it is primary, wrk drives CLIENTS connections
-# of acquires, each on a lease and holder of its own (every grant is an
-# etcd transaction before it is answered), then CLIENTS connections of
-# etcd lease grants (POST /v3/lease/grant, etcd's cheapest durable write),
-# twice each, alternating, so drift on a shared machine hits both. Prints
-# each run and the ratio of the medians. Needs wrk, etcd, curl.
+# loopback ports and fencegate (release build) as that cluster's only
+# member; once it is primary, wrk drives CLIENTS connections of acquires,
+# each on a lease and holder of its own (every grant is in an etcd
+# transaction before it is answered, snapshots included as they fall due),
+# then CLIENTS connections of etcd lease grants (POST /v3/lease/grant,
+# etcd's cheapest durable write), three times each, alternating, so drift
+# on a shared machine hits both. Prints each run and the ratio of the
+# medians. Needs wrk, etcd, curl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-10}
@@ -75,7 +76,7 @@ run() {
     echo "$r"
 }
 acq=() grant=()
-for round in 1 2; do
+for round in 1 2 3; do
     acq+=("$(run acquire "http://$addr" "$work/acquire.lua" "$round")")
     grant+=("$(run grant "http://127.0.0.1:$client/v3/lease/grant" "$work/grant.lua" "$round")")
     echo "round $round: fencegate acquires ${acq[-1]}/s, etcd lease grants ${grant[-1]}/s ($clients clients, ${seconds}s each)"

@@ -101,6 +101,8 @@ pub enum Op {
     },
     /// Deletes `key`.
     Delete { key: Vec<u8> },
+    /// Deletes every key from `key` (included) to `end` (excluded).
+    DeleteRange { key: Vec<u8>, end: Vec<u8> },
     /// Reads `key`.
     Get { key: Vec<u8> },
 }
@@ -609,6 +611,9 @@ fn op_json(op: &Op) -> Value {
     match op {
         Op::Put { key, value, lease } => json!({ "request_put": put_json(key, value, *lease) }),
         Op::Delete { key } => json!({ "request_delete_range": { "key": B64.encode(key) } }),
+        Op::DeleteRange { key, end } => json!({
+            "request_delete_range": { "key": B64.encode(key), "range_end": B64.encode(end) }
+        }),
         Op::Get { key } => json!({ "request_range": { "key": B64.encode(key) } }),
     }
 }

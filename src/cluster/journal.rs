@@ -1,17 +1,39 @@
-//! The lease state cluster members share: one etcd key per lease under
-//! `{prefix}leases/`, written only by the primary, each write conditional
-//! on its election key.
+//! The lease state cluster members share, kept in etcd as a log that only
+//! the primary writes, each write conditional on its election key.
+//!
+//! Under the cluster's prefix:
+//! - `log/{seq}`: one entry per transaction, the whole stored state of
+//!   every lease it changed (a JSON array); `seq` has 20 digits, so the
+//!   keys sort in the order they were written.
+//! - `snap/{generation}/{chunk}`: a snapshot of every lease, in chunks.
+//! - `snapshot`: the generation that is whole (`{"generation","chunks"}`);
+//!   the log is replayed over it from entry `generation` on.
+//!
+//! A log rather than a key per lease because etcd's cost is mostly per key
+//! written: one transaction putting 100 small keys costs its process
+//! about three times the CPU of one putting their 100 values as one key
+//! (measured through the JSON gateway, see the README's cluster figures).
+//!
+//! Every record is a lease's whole state, so replaying any complete suffix
+//! of the log over states taken at or after that suffix's start gives the
+//! latest state. That is what lets a snapshot be taken chunk by chunk while
+//! grants go on: entries before the snapshot's generation are committed
+//! before it starts, every lease is read at some point after that, and the
+//! entries from the generation on are replayed over it. The snapshot's last
+//! transaction moves `snapshot` to the new generation and deletes the log
+//! before it and every older snapshot, atomically.
 //!
 //! [`EtcdJournal`] fills the lease store's [`Journal`] seam. Records are
 //! queued in the order of the calls (the store calls while the lease is
-//! locked) and written by one task, in order, several per transaction
-//! (group commit). Every transaction compares the election key's create
-//! revision with the one this member won: a deposed primary's write fails
-//! and its grant is never acknowledged. Any failed write marks the journal
+//! locked) and written by one task, in order, many per entry (group
+//! commit). Every transaction compares the election key's create revision
+//! with the one this member won: a deposed primary's write fails and its
+//! grant is never acknowledged. Any failed log write marks the journal
 //! failed, and the member steps down: its next term of primacy starts from
 //! what etcd holds.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Bound;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -23,77 +45,123 @@ use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
 use crate::hex;
 use crate::journal::{GrantRecord, Journal, JournalError, JournalFuture, LeaseRecord, TermRecord};
 
-/// Most leases written by one transaction (etcd refuses more than 128
-/// operations in one by default; one more is the comparison).
-const MAX_BATCH: usize = 100;
-
 /// Most records waiting for the writer; past it, grants fail closed.
 const QUEUE: usize = 16 * 1024;
 
-/// One lease as etcd keeps it (JSON).
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+/// One lease's whole state as the journal keeps it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StoredLease {
     pub last_token: u64,
     pub transitions: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub term: Option<StoredTerm>,
 }
 
-/// A lease's latest term, with the SHA-256 digest of its lease id in hex
-/// (never the id itself).
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+/// A lease's latest term, with the SHA-256 digest of its lease id (never
+/// the id itself).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StoredTerm {
     pub token: u64,
     pub holder: String,
     pub ttl_ms: u64,
-    pub lease_id_sha256: String,
+    pub lease_id_sha256: [u8; 32],
     pub released: bool,
 }
 
 impl StoredLease {
     /// The record the lease store restores from (the term's id as its
     /// digest: see `RestartRule::hashed_ids`).
-    pub fn to_record(&self, lease: String) -> Result<LeaseRecord, String> {
-        let term = match &self.term {
-            None => None,
-            Some(t) => Some(TermRecord {
-                token: t.token,
-                holder: t.holder.clone(),
-                ttl_ms: t.ttl_ms,
-                lease_id: hex::decode32(&t.lease_id_sha256)
-                    .ok_or_else(|| format!("lease {lease:?} has a malformed lease id digest"))?,
-                released: t.released,
-            }),
-        };
-        Ok(LeaseRecord {
+    pub fn to_record(&self, lease: String) -> LeaseRecord {
+        LeaseRecord {
             lease,
             last_token: self.last_token,
             transitions: self.transitions,
-            term,
-        })
-    }
-
-    /// The stored form of a restored record whose id is already a digest.
-    pub fn from_record(record: &LeaseRecord) -> Self {
-        Self {
-            last_token: record.last_token,
-            transitions: record.transitions,
-            term: record.term.as_ref().map(|t| StoredTerm {
+            term: self.term.as_ref().map(|t| TermRecord {
                 token: t.token,
                 holder: t.holder.clone(),
                 ttl_ms: t.ttl_ms,
-                lease_id_sha256: hex::encode(&t.lease_id),
+                lease_id: t.lease_id_sha256,
                 released: t.released,
             }),
         }
     }
 }
 
-/// One queued write: a lease's whole stored state, and who waits for it.
+/// One queued write: a lease's whole stored state as a log record, and
+/// who waits for it.
 struct Write {
     lease: String,
-    value: Vec<u8>,
+    record: Vec<u8>,
     ack: Option<oneshot::Sender<Result<(), JournalError>>>,
+}
+
+/// One record of the log or a snapshot, as a JSON array (etcd's cost
+/// grows with the bytes written, so no field names):
+/// `[lease, last_token, transitions, term]`, where `term` is `null` or
+/// `[token, holder, ttl_ms, lease id's SHA-256 in hex, released]`.
+struct Record<'a> {
+    lease: &'a str,
+    state: &'a StoredLease,
+}
+
+impl Serialize for Record<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let term = self.state.term.as_ref().map(|t| {
+            let mut digest = [0u8; 64];
+            hex::encode_into(&t.lease_id_sha256, &mut digest);
+            (t.token, &t.holder, t.ttl_ms, Hex(digest), t.released)
+        });
+        (
+            self.lease,
+            self.state.last_token,
+            self.state.transitions,
+            term,
+        )
+            .serialize(s)
+    }
+}
+
+/// A digest's hex digits, serialized as a string.
+struct Hex([u8; 64]);
+
+impl Serialize for Hex {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        // Hex digits are ASCII.
+        s.serialize_str(std::str::from_utf8(&self.0).unwrap_or_default())
+    }
+}
+
+/// A record read back.
+#[derive(Deserialize)]
+struct OwnedRecord(String, u64, u64, Option<(u64, String, u64, String, bool)>);
+
+impl OwnedRecord {
+    fn into_parts(self) -> Result<(String, StoredLease), String> {
+        let OwnedRecord(lease, last_token, transitions, term) = self;
+        let term = match term {
+            None => None,
+            Some((token, holder, ttl_ms, digest, released)) => Some(StoredTerm {
+                token,
+                holder,
+                ttl_ms,
+                lease_id_sha256: hex::decode32(&digest)
+                    .ok_or_else(|| format!("lease {lease:?} has a malformed lease id digest"))?,
+                released,
+            }),
+        };
+        let state = StoredLease {
+            last_token,
+            transitions,
+            term,
+        };
+        Ok((lease, state))
+    }
+}
+
+/// The `snapshot` key's value.
+#[derive(Serialize, Deserialize)]
+struct Pointer {
+    generation: u64,
+    chunks: u64,
 }
 
 /// Where this member's election stands, for the comparison every write
@@ -106,9 +174,136 @@ pub struct Election {
     pub revision: i64,
 }
 
+/// How big the journal lets things grow.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// A snapshot is taken once this many records were logged since the
+    /// last one, and at least as many as there are leases (so a snapshot's
+    /// cost per record logged is bounded).
+    pub snapshot_after: usize,
+    /// About how many bytes of records one snapshot chunk holds.
+    pub chunk_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            snapshot_after: 10_000,
+            chunk_bytes: 256 * 1024,
+        }
+    }
+}
+
+/// Most records in one log entry.
+const ENTRY_RECORDS: usize = 1000;
+
+/// About the most bytes in one log entry (etcd refuses requests over
+/// 1.5 MiB by default; a record is under 1 KiB: names are bounded).
+const ENTRY_BYTES: usize = 256 * 1024;
+
+/// The keys under a cluster's prefix.
+#[derive(Clone)]
+struct Keys {
+    prefix: Vec<u8>,
+}
+
+impl Keys {
+    fn key(&self, rest: &str) -> Vec<u8> {
+        [self.prefix.as_slice(), rest.as_bytes()].concat()
+    }
+
+    fn pointer(&self) -> Vec<u8> {
+        self.key("snapshot")
+    }
+
+    fn log(&self, seq: u64) -> Vec<u8> {
+        self.key(&format!("log/{seq:020}"))
+    }
+
+    fn snapshot(&self, generation: u64) -> Vec<u8> {
+        self.key(&format!("snap/{generation:020}/"))
+    }
+
+    fn chunk(&self, generation: u64, chunk: u64) -> Vec<u8> {
+        self.key(&format!("snap/{generation:020}/{chunk:08}"))
+    }
+}
+
+/// What etcd held when a member took over.
+pub struct Loaded {
+    leases: BTreeMap<String, StoredLease>,
+    next_seq: u64,
+}
+
+impl Loaded {
+    /// Every lease, for the lease store to restore.
+    pub fn records(&self) -> Vec<LeaseRecord> {
+        self.leases
+            .iter()
+            .map(|(lease, stored)| stored.to_record(lease.clone()))
+            .collect()
+    }
+}
+
+/// Reads the lease state under `prefix`: the whole snapshot, then every
+/// log entry over it, in order. Only a primary writes there, and a
+/// deposed one's writes fail their comparison once another member won, so
+/// the reads of a member that just won see one unchanging state.
+pub async fn load(client: &EtcdClient, prefix: &[u8]) -> Result<Loaded, String> {
+    let keys = Keys {
+        prefix: prefix.to_vec(),
+    };
+    let mut leases = BTreeMap::new();
+    let mut apply = |what: &str, value: &[u8]| -> Result<(), String> {
+        let records: Vec<OwnedRecord> = serde_json::from_slice(value)
+            .map_err(|e| format!("{what} in etcd is unreadable: {e}"))?;
+        for r in records {
+            let (lease, state) = r.into_parts()?;
+            leases.insert(lease, state);
+        }
+        Ok(())
+    };
+    let mut next_seq = 0;
+    if let Some(kv) = client
+        .get(&keys.pointer())
+        .await
+        .map_err(|e| e.to_string())?
+    {
+        let pointer: Pointer = serde_json::from_slice(&kv.value)
+            .map_err(|e| format!("the snapshot pointer in etcd is unreadable: {e}"))?;
+        let (chunks, _) = client
+            .get_prefix(&keys.snapshot(pointer.generation))
+            .await
+            .map_err(|e| e.to_string())?;
+        if chunks.len() as u64 != pointer.chunks {
+            return Err(format!(
+                "snapshot {} in etcd has {} of its {} chunks",
+                pointer.generation,
+                chunks.len(),
+                pointer.chunks
+            ));
+        }
+        for kv in &chunks {
+            apply("a snapshot chunk", &kv.value)?;
+        }
+        next_seq = pointer.generation;
+    }
+    let log = keys.key("log/");
+    let (entries, _) = client.get_prefix(&log).await.map_err(|e| e.to_string())?;
+    for kv in &entries {
+        let seq: u64 = std::str::from_utf8(&kv.key[log.len()..])
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| format!("unexpected key {:?} in the log", kv.key))?;
+        apply("a log entry", &kv.value)?;
+        next_seq = next_seq.max(seq + 1);
+    }
+    Ok(Loaded { leases, next_seq })
+}
+
 /// The lease store's journal on a cluster's primary.
 pub struct EtcdJournal {
-    cache: Mutex<HashMap<String, StoredLease>>,
+    cache: Arc<Mutex<BTreeMap<String, StoredLease>>>,
     tx: mpsc::Sender<Write>,
     state: Arc<Failure>,
 }
@@ -156,25 +351,30 @@ impl Failure {
 
 impl EtcdJournal {
     /// A journal writing under `prefix` as the winner of `election`,
-    /// starting from `loaded` (what etcd held at takeover).
+    /// continuing what [`load`] read there.
     pub fn start(
         client: EtcdClient,
         prefix: Vec<u8>,
         election: Election,
-        loaded: &[LeaseRecord],
+        loaded: Loaded,
+        limits: Limits,
     ) -> Self {
-        let cache = loaded
-            .iter()
-            .map(|r| (r.lease.clone(), StoredLease::from_record(r)))
-            .collect();
+        let cache = Arc::new(Mutex::new(loaded.leases));
         let (tx, rx) = mpsc::channel(QUEUE);
         let state = Arc::new(Failure::default());
-        tokio::spawn(write_loop(client, prefix, election, rx, state.clone()));
-        Self {
-            cache: Mutex::new(cache),
-            tx,
-            state,
-        }
+        let writer = Writer {
+            client,
+            keys: Keys { prefix },
+            election,
+            cache: cache.clone(),
+            state: state.clone(),
+            limits,
+            next_seq: loaded.next_seq,
+            since_snapshot: 0,
+            snapshotting: Arc::new(AtomicBool::new(false)),
+        };
+        tokio::spawn(writer.run(rx));
+        Self { cache, tx, state }
     }
 
     /// Set once a write failed.
@@ -193,15 +393,31 @@ impl EtcdJournal {
         if self.state.is_failed() {
             return Err(JournalError("this member stepped down".into()));
         }
-        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-        let stored = cache.entry(lease.to_owned()).or_default();
-        if !change(stored) {
-            return Ok(());
-        }
-        let value = serde_json::to_vec(&*stored).unwrap_or_default();
+        let mut cache = lock(&self.cache);
+        // A lease is kept only once a change was written for it.
+        let stored = match cache.get_mut(lease) {
+            Some(stored) => {
+                if !change(stored) {
+                    return Ok(());
+                }
+                stored
+            }
+            None => {
+                let mut fresh = StoredLease::default();
+                if !change(&mut fresh) {
+                    return Ok(());
+                }
+                cache.entry(lease.to_owned()).or_insert(fresh)
+            }
+        };
+        let record = serde_json::to_vec(&Record {
+            lease,
+            state: stored,
+        })
+        .unwrap_or_default();
         let write = Write {
             lease: lease.to_owned(),
-            value,
+            record,
             ack,
         };
         // Sent under the cache's lock, so the queue's order is the order
@@ -211,6 +427,10 @@ impl EtcdJournal {
             JournalError("the etcd write queue is full".into())
         })
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Journal for EtcdJournal {
@@ -224,7 +444,7 @@ impl Journal for EtcdJournal {
                 token: record.token,
                 holder: record.holder.clone(),
                 ttl_ms: record.ttl_ms,
-                lease_id_sha256: hex::encode(&digest),
+                lease_id_sha256: digest,
                 released: false,
             });
             true
@@ -261,60 +481,232 @@ impl Journal for EtcdJournal {
     }
 }
 
-/// Writes queued records in order, up to [`MAX_BATCH`] leases per
-/// transaction, each transaction conditional on the election.
-async fn write_loop(
+/// The task that writes the log, and starts snapshots.
+struct Writer {
     client: EtcdClient,
-    prefix: Vec<u8>,
+    keys: Keys,
     election: Election,
-    mut rx: mpsc::Receiver<Write>,
+    cache: Arc<Mutex<BTreeMap<String, StoredLease>>>,
     state: Arc<Failure>,
-) {
-    let mut batch: Vec<Write> = Vec::new();
-    while let Some(first) = rx.recv().await {
-        batch.push(first);
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(write) => batch.push(write),
-                Err(_) => break,
+    limits: Limits,
+    next_seq: u64,
+    since_snapshot: usize,
+    snapshotting: Arc<AtomicBool>,
+}
+
+impl Writer {
+    fn compare(&self) -> [Compare; 1] {
+        [Compare::CreateRevision(
+            self.election.key.clone(),
+            self.election.revision,
+        )]
+    }
+
+    /// Writes queued records in order, many per log entry, each entry
+    /// conditional on the election.
+    async fn run(mut self, mut rx: mpsc::Receiver<Write>) {
+        let mut batch: Vec<Write> = Vec::new();
+        while let Some(first) = rx.recv().await {
+            let mut bytes = first.record.len();
+            batch.push(first);
+            while batch.len() < ENTRY_RECORDS && bytes < ENTRY_BYTES {
+                match rx.try_recv() {
+                    Ok(write) => {
+                        bytes += write.record.len();
+                        batch.push(write);
+                    }
+                    Err(_) => break,
+                }
+            }
+            // A lease changed twice in one entry: its last state is enough.
+            let mut last: HashMap<&str, usize> = HashMap::new();
+            for (i, w) in batch.iter().enumerate() {
+                last.insert(w.lease.as_str(), i);
+            }
+            let mut indices: Vec<usize> = last.into_values().collect();
+            indices.sort_unstable();
+            let mut entry = Vec::with_capacity(bytes + indices.len() + 1);
+            entry.push(b'[');
+            for (n, &i) in indices.iter().enumerate() {
+                if n > 0 {
+                    entry.push(b',');
+                }
+                entry.extend_from_slice(&batch[i].record);
+            }
+            entry.push(b']');
+            let records = indices.len();
+            let outcome = self.append(entry).await;
+            match &outcome {
+                Ok(()) => {
+                    self.since_snapshot += records;
+                    self.maybe_snapshot();
+                }
+                Err(why) => self.state.fail(why),
+            }
+            for w in batch.drain(..) {
+                if let Some(ack) = w.ack {
+                    let _ = ack.send(outcome.clone().map_err(JournalError));
+                }
             }
         }
-        // etcd refuses two operations on one key in a transaction: the
-        // last state of each lease is the one written.
-        let mut last: HashMap<&str, usize> = HashMap::new();
-        for (i, w) in batch.iter().enumerate() {
-            last.insert(w.lease.as_str(), i);
+    }
+
+    /// Writes one log entry.
+    async fn append(&mut self, entry: Vec<u8>) -> Result<(), String> {
+        if self.state.is_failed() {
+            return Err("this member stepped down".to_owned());
         }
-        let mut indices: Vec<usize> = last.into_values().collect();
-        indices.sort_unstable();
-        let ops: Vec<Op> = indices
-            .iter()
-            .map(|&i| Op::Put {
-                key: [prefix.as_slice(), b"leases/", batch[i].lease.as_bytes()].concat(),
-                value: batch[i].value.clone(),
-                lease: 0,
-            })
-            .collect();
-        let compare = [Compare::CreateRevision(
-            election.key.clone(),
-            election.revision,
-        )];
-        let outcome = if state.is_failed() {
-            Err("this member stepped down".to_owned())
-        } else {
-            match client.txn(&compare, &ops, &[]).await {
-                Ok(r) if r.succeeded => Ok(()),
-                Ok(_) => Err("this member is no longer the primary".to_owned()),
-                Err(EtcdError::Unavailable(e) | EtcdError::Refused(e)) => Err(e),
+        let put = [Op::Put {
+            key: self.keys.log(self.next_seq),
+            value: entry,
+            lease: 0,
+        }];
+        match self.client.txn(&self.compare(), &put, &[]).await {
+            Ok(r) if r.succeeded => {
+                self.next_seq += 1;
+                Ok(())
             }
+            Ok(_) => Err("this member is no longer the primary".to_owned()),
+            Err(EtcdError::Unavailable(e) | EtcdError::Refused(e)) => Err(e),
+        }
+    }
+
+    /// Starts a snapshot in the background when the log since the last one
+    /// is long enough and none is under way.
+    fn maybe_snapshot(&mut self) {
+        let leases = lock(&self.cache).len();
+        if self.since_snapshot < self.limits.snapshot_after.max(leases)
+            || self.snapshotting.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        self.since_snapshot = 0;
+        let snapshot = Snapshot {
+            client: self.client.clone(),
+            keys: self.keys.clone(),
+            compare: self.compare(),
+            cache: self.cache.clone(),
+            state: self.state.clone(),
+            chunk_bytes: self.limits.chunk_bytes,
+            // Every entry before it is committed.
+            generation: self.next_seq,
         };
-        if let Err(why) = &outcome {
-            state.fail(why);
+        let snapshotting = self.snapshotting.clone();
+        tokio::spawn(async move {
+            snapshot.write().await;
+            snapshotting.store(false, Ordering::Release);
+        });
+    }
+}
+
+/// One snapshot being written.
+struct Snapshot {
+    client: EtcdClient,
+    keys: Keys,
+    compare: [Compare; 1],
+    cache: Arc<Mutex<BTreeMap<String, StoredLease>>>,
+    state: Arc<Failure>,
+    chunk_bytes: usize,
+    generation: u64,
+}
+
+impl Snapshot {
+    async fn write(self) {
+        match self.chunks().await {
+            Ok((chunks, leases)) => tracing::info!(
+                generation = self.generation,
+                chunks,
+                leases,
+                "lease state snapshot written to etcd"
+            ),
+            // The log is still whole: the next snapshot tries again.
+            Err(why) => tracing::warn!(
+                generation = self.generation,
+                error = %why,
+                "lease state snapshot not written"
+            ),
         }
-        for w in batch.drain(..) {
-            if let Some(ack) = w.ack {
-                let _ = ack.send(outcome.clone().map_err(JournalError));
+    }
+
+    /// Writes every lease in chunks, then moves the pointer and deletes
+    /// what the new snapshot replaces; the chunks and leases written.
+    async fn chunks(&self) -> Result<(u64, usize), String> {
+        let mut after: Option<String> = None;
+        let mut chunks = 0;
+        let mut leases = 0;
+        loop {
+            if self.state.is_failed() {
+                return Err("this member stepped down".to_owned());
             }
+            // The lock is held for one chunk at a time; leases created
+            // meanwhile are in log entries from the generation on.
+            let (value, last, n) = {
+                let cache = lock(&self.cache);
+                let from = match &after {
+                    Some(a) => Bound::Excluded(a.as_str()),
+                    None => Bound::Unbounded,
+                };
+                let mut value = vec![b'['];
+                let mut last = None;
+                let mut n = 0;
+                for (lease, state) in cache.range::<str, _>((from, Bound::Unbounded)) {
+                    if n > 0 {
+                        value.push(b',');
+                    }
+                    serde_json::to_writer(&mut value, &Record { lease, state })
+                        .map_err(|e| e.to_string())?;
+                    last = Some(lease);
+                    n += 1;
+                    if value.len() >= self.chunk_bytes {
+                        break;
+                    }
+                }
+                value.push(b']');
+                (value, last.cloned(), n)
+            };
+            let Some(last) = last else { break };
+            let put = [Op::Put {
+                key: self.keys.chunk(self.generation, chunks),
+                value,
+                lease: 0,
+            }];
+            self.commit(&put).await?;
+            chunks += 1;
+            leases += n;
+            after = Some(last);
+        }
+        let pointer = serde_json::to_vec(&Pointer {
+            generation: self.generation,
+            chunks,
+        })
+        .map_err(|e| e.to_string())?;
+        let swap = [
+            Op::Put {
+                key: self.keys.pointer(),
+                value: pointer,
+                lease: 0,
+            },
+            Op::DeleteRange {
+                key: self.keys.log(0),
+                end: self.keys.log(self.generation),
+            },
+            Op::DeleteRange {
+                key: self.keys.key("snap/"),
+                end: self.keys.snapshot(self.generation),
+            },
+        ];
+        self.commit(&swap).await?;
+        Ok((chunks, leases))
+    }
+
+    async fn commit(&self, ops: &[Op]) -> Result<(), String> {
+        match self.client.txn(&self.compare, ops, &[]).await {
+            Ok(r) if r.succeeded => Ok(()),
+            Ok(_) => {
+                self.state.fail("this member is no longer the primary");
+                Err("this member is no longer the primary".to_owned())
+            }
+            Err(e) => Err(e.to_string()),
         }
     }
 }
@@ -324,27 +716,71 @@ mod tests {
     use super::*;
 
     #[test]
-    fn stored_leases_keep_a_digest_and_round_trip() {
-        let digest: [u8; 32] = Sha256::digest(b"0123456789abcdef0123456789abcdef").into();
-        let record = LeaseRecord {
-            lease: "orders".into(),
+    fn records_are_compact_keep_a_digest_and_round_trip() {
+        let id = b"0123456789abcdef0123456789abcdef";
+        let digest: [u8; 32] = Sha256::digest(id).into();
+        let state = StoredLease {
             last_token: 7,
             transitions: 3,
-            term: Some(TermRecord {
+            term: Some(StoredTerm {
                 token: 7,
                 holder: "a".into(),
                 ttl_ms: 5000,
-                lease_id: digest,
+                lease_id_sha256: digest,
                 released: false,
             }),
         };
-        let stored = StoredLease::from_record(&record);
-        let json = serde_json::to_string(&stored).unwrap();
+        let bare = StoredLease {
+            last_token: 2,
+            transitions: 2,
+            term: None,
+        };
+        let json = serde_json::to_string(&[
+            Record {
+                lease: "orders",
+                state: &state,
+            },
+            Record {
+                lease: "idle",
+                state: &bare,
+            },
+        ])
+        .unwrap();
+        assert_eq!(
+            json,
+            format!(
+                r#"[["orders",7,3,[7,"a",5000,"{}",false]],["idle",2,2,null]]"#,
+                hex::encode(&digest)
+            )
+        );
         assert!(!json.contains("0123456789abcdef0123456789abcdef"));
-        let back: StoredLease = serde_json::from_str(&json).unwrap();
-        assert_eq!(back.to_record("orders".into()).unwrap(), record);
-        let mut bad = back;
-        bad.term.as_mut().unwrap().lease_id_sha256 = "zz".into();
-        assert!(bad.to_record("orders".into()).is_err());
+        let back: Vec<OwnedRecord> = serde_json::from_str(&json).unwrap();
+        let back: Vec<(String, StoredLease)> =
+            back.into_iter().map(|r| r.into_parts().unwrap()).collect();
+        assert_eq!(
+            back,
+            [
+                ("orders".to_owned(), state.clone()),
+                ("idle".to_owned(), bare)
+            ]
+        );
+        assert_eq!(
+            state.to_record("orders".into()).term.unwrap().lease_id,
+            digest
+        );
+        let bad: Vec<OwnedRecord> =
+            serde_json::from_str(r#"[["x",1,1,[1,"a",5,"zz",false]]]"#).unwrap();
+        assert!(bad.into_iter().next().unwrap().into_parts().is_err());
+    }
+
+    #[test]
+    fn log_keys_sort_in_the_order_written() {
+        let keys = Keys {
+            prefix: b"/fg/".to_vec(),
+        };
+        assert_eq!(keys.log(42), b"/fg/log/00000000000000000042".to_vec());
+        assert!(keys.log(9) < keys.log(10));
+        assert!(keys.chunk(9, 3) < keys.snapshot(10));
+        assert!(keys.chunk(10, 0).starts_with(&keys.snapshot(10)));
     }
 }

@@ -5,9 +5,10 @@
 //! etcd lease, registers the member under `{prefix}members/{name}` with it,
 //! and campaigns: a transaction creates `{prefix}primary` (attached to the
 //! same lease) only if it does not exist. The winner loads every lease from
-//! `{prefix}leases/`, builds a fresh lease store and app on it (unreleased
-//! terms held for a full TTL from takeover, later terms' writes held back
-//! until the previous primary's writes have settled), and serves. It keeps
+//! the snapshot and log under the prefix, builds a fresh lease store and
+//! app on it (unreleased terms held for a full TTL from takeover, later
+//! terms' writes held back until the previous primary's writes have
+//! settled), and serves. It keeps
 //! its etcd lease alive; each confirmed keepalive moves its [`Primacy`]
 //! deadline to the keepalive's send time plus the TTL etcd granted, minus a
 //! margin, on the proxy's clock, so the deadline passes before etcd can let
@@ -41,7 +42,7 @@ use crate::error::Problem;
 use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
 use crate::journal::{Journal, LeaseRecord};
 use crate::lease::{Primacy, RestartRule};
-use journal::{Election, EtcdJournal, StoredLease};
+use journal::{Election, EtcdJournal, Limits};
 
 /// How a member takes part in a cluster.
 #[derive(Clone, Debug)]
@@ -432,12 +433,14 @@ impl<S: Send + Sync + 'static> Elector<S> {
             until_ms,
             self.options.self_fencing,
         ));
-        let leases = self.load().await?;
+        let loaded = journal::load(&self.client, self.options.prefix.as_bytes()).await?;
+        let leases = loaded.records();
         let journal = Arc::new(EtcdJournal::start(
             self.client.clone(),
             self.options.prefix.clone().into_bytes(),
             election.clone(),
-            &leases,
+            loaded,
+            Limits::default(),
         ));
         let failure = journal.failure();
         let loaded = leases.len();
@@ -496,24 +499,6 @@ impl<S: Send + Sync + 'static> Elector<S> {
         }
         tracing::warn!(name = %self.options.name, reason = %why, "this member stepped down");
         Err(why)
-    }
-
-    /// Every lease etcd holds.
-    async fn load(&self) -> Result<Vec<LeaseRecord>, String> {
-        let prefix = self.key("leases/");
-        let (kvs, _) = self
-            .client
-            .get_prefix(&prefix)
-            .await
-            .map_err(|e| e.to_string())?;
-        kvs.iter()
-            .map(|kv| {
-                let name = String::from_utf8_lossy(&kv.key[prefix.len()..]).into_owned();
-                let stored: StoredLease = serde_json::from_slice(&kv.value)
-                    .map_err(|e| format!("lease {name:?} in etcd is unreadable: {e}"))?;
-                stored.to_record(name)
-            })
-            .collect()
     }
 }
 
