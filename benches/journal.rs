@@ -1,8 +1,9 @@
 //! Durable lease-store benchmark: acquires per second with 1, 16 and 64
 //! concurrent clients (every grant fsync'd before it is returned; concurrent
 //! grants share fsyncs), renewals per second, and recovery time of 100,000
-//! leases; resident memory per held lease and the write-admission check time
-//! at 1,000, 100,000 and 1,000,000 leases.
+//! leases; resident memory per held lease, the write-admission check time
+//! and the time to list a page of 1,000 leases at 1,000, 100,000 and
+//! 1,000,000 leases.
 //!
 //!     cargo bench --bench journal             # full run (about 10 s)
 //!     cargo bench --bench journal -- --quick  # smoke run
@@ -201,6 +202,23 @@ fn check_ns(store: &LeaseStore, sample: &[(String, u64, Vec<u8>)]) -> f64 {
     start.elapsed().as_nanos() as f64 / (rounds * sample.len()) as f64
 }
 
+/// Microseconds to list a page of 1,000 leases (`GET /_fence/leases`'s
+/// default), the first and one from the middle, the slower of the two.
+fn page_us(store: &LeaseStore, leases: usize) -> f64 {
+    let half = leases / 2;
+    let middle = format!("tenant-{half:08}");
+    [(None, leases), (Some(middle.as_str()), leases - half - 1)]
+        .iter()
+        .map(|&(after, left)| {
+            let start = Instant::now();
+            let (page, _) = store.page(after, 1000, 100_000, |_| true);
+            let us = start.elapsed().as_secs_f64() * 1e6;
+            assert_eq!(page.len(), left.min(1000));
+            us
+        })
+        .fold(0.0, f64::max)
+}
+
 /// Run in a child process (`--memory N`) so each size starts from a fresh
 /// heap: acquires N leases (durably, 64 at a time), prints the resident
 /// memory they added and the admission check time over 1,000 of them.
@@ -247,8 +265,9 @@ async fn memory_child(leases: usize) {
     };
     let live = rss_bytes();
     let ns = check_ns(&store, &sample);
+    let page_us = page_us(&store, leases);
     println!(
-        "{} {} {ns:.1}",
+        "{} {} {ns:.1} {page_us:.0}",
         after.saturating_sub(before),
         live.saturating_sub(before)
     );
@@ -258,7 +277,7 @@ async fn memory_child(leases: usize) {
 
 /// Resident bytes added by `leases` held leases, and check ns, measured in a
 /// child process.
-fn memory(leases: usize) -> (u64, u64, f64) {
+fn memory(leases: usize) -> (u64, u64, f64, f64) {
     let out = std::process::Command::new(std::env::current_exe().expect("exe"))
         .args(["--memory", &leases.to_string()])
         .output()
@@ -269,8 +288,9 @@ fn memory(leases: usize) -> (u64, u64, f64) {
         words.next().and_then(|w| w.parse().ok()),
         words.next().and_then(|w| w.parse().ok()),
         words.next().and_then(|w| w.parse().ok()),
+        words.next().and_then(|w| w.parse().ok()),
     ) {
-        (Some(bytes), Some(live), Some(ns)) => (bytes, live, ns),
+        (Some(bytes), Some(live), Some(ns), Some(page_us)) => (bytes, live, ns, page_us),
         _ => panic!(
             "memory child failed: {text}{}",
             String::from_utf8_lossy(&out.stderr)
@@ -325,13 +345,13 @@ fn main() {
     };
     println!("\nheld leases (names like tenant-00000042, one holder)");
     println!(
-        "{:>10} {:>12} {:>10} {:>14} {:>10}",
-        "leases", "RSS added", "per lease", "live per lease", "check ns"
+        "{:>10} {:>12} {:>10} {:>14} {:>10} {:>10}",
+        "leases", "RSS added", "per lease", "live per lease", "check ns", "page µs"
     );
     for &n in sizes {
-        let (bytes, live, ns) = memory(n);
+        let (bytes, live, ns, page_us) = memory(n);
         println!(
-            "{n:>10} {:>8.1} MiB {:>8} B {:>12} B {ns:>10.1}",
+            "{n:>10} {:>8.1} MiB {:>8} B {:>12} B {ns:>10.1} {page_us:>10.0}",
             bytes as f64 / 1048576.0,
             bytes / n as u64,
             live / n as u64

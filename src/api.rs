@@ -147,6 +147,65 @@ fn json_response(status: StatusCode, value: &serde_json::Value) -> Response<Body
     res
 }
 
+/// Leases per page of `GET /_fence/leases` unless `?limit=` says.
+pub const PAGE_DEFAULT: usize = 1000;
+
+/// The most leases one page holds.
+pub const PAGE_MAX: usize = 10_000;
+
+/// Names looked at per page, as a multiple of its limit (bounds a page for
+/// a caller who sees few of the leases).
+const PAGE_SCAN_FACTOR: usize = 100;
+
+/// The query of a listing.
+#[derive(Debug, PartialEq, Eq)]
+struct Page {
+    limit: usize,
+    after: Option<String>,
+}
+
+impl Page {
+    fn parse(query: Option<&str>) -> Result<Self, Problem> {
+        let mut page = Page {
+            limit: PAGE_DEFAULT,
+            after: None,
+        };
+        for pair in query
+            .unwrap_or_default()
+            .split('&')
+            .filter(|p| !p.is_empty())
+        {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let value = percent_encoding::percent_decode_str(&value.replace('+', " "))
+                .decode_utf8()
+                .map_err(|_| {
+                    Problem::invalid_request(format!("query parameter {key:?} is not UTF-8"))
+                })?
+                .into_owned();
+            match key {
+                "limit" => {
+                    page.limit = value
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=PAGE_MAX).contains(n))
+                        .ok_or_else(|| {
+                            Problem::invalid_request(format!(
+                                "limit must be a whole number from 1 to {PAGE_MAX}"
+                            ))
+                        })?;
+                }
+                "after" => page.after = Some(value),
+                _ => {
+                    return Err(Problem::invalid_request(format!(
+                        "unknown query parameter {key:?} (this call takes limit and after)"
+                    )))
+                }
+            }
+        }
+        Ok(page)
+    }
+}
+
 fn view_json(name: &str, v: &View) -> serde_json::Value {
     json!({
         "lease": name,
@@ -302,7 +361,7 @@ impl Api {
         }
         let who = who.as_deref();
         match (segments.get(1..).unwrap_or_default(), method) {
-            (["leases"], Method::GET) => Ok(self.list(who)),
+            (["leases"], Method::GET) => self.list(req.uri().query(), who),
             (["leases", name], Method::POST) => {
                 let result = self.acquire(name, req).await;
                 self.count("acquire", &result);
@@ -453,16 +512,31 @@ impl Api {
         Ok(json_response(StatusCode::OK, &view_json(name, &view)))
     }
 
-    fn list(&self, caller: Option<&Identity>) -> Response<Body> {
-        let leases: Vec<serde_json::Value> = self
-            .leases
-            .list()
+    /// One page of the leases, in name order: `?limit=` (default
+    /// [`PAGE_DEFAULT`], at most [`PAGE_MAX`]) after `?after=`; `next` is
+    /// the `after` of the following page, `null` on the last one.
+    fn list(
+        &self,
+        query: Option<&str>,
+        caller: Option<&Identity>,
+    ) -> Result<Response<Body>, Problem> {
+        let page = Page::parse(query)?;
+        // Callers who are not admins see their own leases only; looking at
+        // many names for few of theirs is bounded per page.
+        let (leases, next) = self.leases.page(
+            page.after.as_deref(),
+            page.limit,
+            page.limit.saturating_mul(PAGE_SCAN_FACTOR),
+            |view| caller.is_none_or(|c| c.admin || view.holder == c.name.as_str()),
+        );
+        let leases: Vec<serde_json::Value> = leases
             .iter()
-            // Callers who are not admins see their own leases only.
-            .filter(|(_, view)| caller.is_none_or(|c| c.admin || view.holder == c.name.as_str()))
             .map(|(name, view)| view_json(name, view))
             .collect();
-        json_response(StatusCode::OK, &json!({ "leases": leases }))
+        Ok(json_response(
+            StatusCode::OK,
+            &json!({ "leases": leases, "next": next }),
+        ))
     }
 
     fn readyz(&self) -> Response<Body> {

@@ -542,15 +542,39 @@ impl LeaseClient {
         .map(|_| ())
     }
 
-    /// Inspects `lease` (or lists every lease with `None`).
+    /// Inspects `lease`, or with `None` lists every lease (`{"leases"}`,
+    /// following the server's pages).
     pub async fn show(&self, lease: Option<&str>) -> Result<serde_json::Value, ClientError> {
-        let path = match lease {
-            Some(l) => format!("/_fence/leases/{l}"),
-            None => "/_fence/leases".to_owned(),
-        };
-        self.call(Method::GET, &path, &[], None, self.timeout)
-            .await
-            .map(|(_, json)| json)
+        if let Some(l) = lease {
+            let path = format!("/_fence/leases/{l}");
+            return self
+                .call(Method::GET, &path, &[], None, self.timeout)
+                .await
+                .map(|(_, json)| json);
+        }
+        let mut all = Vec::new();
+        let mut after: Option<String> = None;
+        loop {
+            let path = match &after {
+                None => "/_fence/leases".to_owned(),
+                Some(a) => format!(
+                    "/_fence/leases?after={}",
+                    percent_encoding::utf8_percent_encode(a, percent_encoding::NON_ALPHANUMERIC)
+                ),
+            };
+            let (_, page) = self
+                .call(Method::GET, &path, &[], None, self.timeout)
+                .await?;
+            if let Some(leases) = page["leases"].as_array() {
+                all.extend(leases.iter().cloned());
+            }
+            // A cursor that does not move would loop for ever.
+            match page["next"].as_str() {
+                Some(next) if Some(next) != after.as_deref() => after = Some(next.to_owned()),
+                _ => break,
+            }
+        }
+        Ok(serde_json::json!({ "leases": all }))
     }
 
     /// Acquires `lease` and keeps it renewed in the background.

@@ -221,6 +221,23 @@ impl EtcdClient {
         Ok((kvs(&answer)?, revision(&answer)))
     }
 
+    /// Up to `limit` keys from `key` (included) to `end` (excluded), in
+    /// key order, and whether more follow.
+    pub async fn get_range(
+        &self,
+        key: &[u8],
+        end: &[u8],
+        limit: i64,
+    ) -> Result<(Vec<KeyValue>, bool), EtcdError> {
+        let answer = self
+            .call(
+                "/v3/kv/range",
+                json!({ "key": B64.encode(key), "range_end": B64.encode(end), "limit": limit.to_string() }),
+            )
+            .await?;
+        Ok((kvs(&answer)?, answer["more"].as_bool().unwrap_or(false)))
+    }
+
     /// Writes `value` at `key`, attached to etcd lease `lease` (0: none);
     /// the store's revision after it.
     pub async fn put(&self, key: &[u8], value: &[u8], lease: i64) -> Result<i64, EtcdError> {

@@ -90,6 +90,61 @@ async fn list_inspect_and_states() {
     );
 }
 
+/// The listing comes in pages in name order: `limit` and `after`, a
+/// `next` cursor that is `null` on the last page; a bad query is refused.
+#[tokio::test]
+async fn the_listing_comes_in_pages() {
+    let h = Harness::new();
+    let names = ["a", "b.b", "c_d", "e-e", "f", "g", "h"];
+    for (i, name) in names.iter().enumerate() {
+        let r = h
+            .send(
+                Req::new("POST", &format!("/_fence/leases/{name}"))
+                    .json(serde_json::json!({"holder": format!("h{i}"), "ttl_ms": 1000})),
+            )
+            .await;
+        assert_eq!(r.status, 201, "{name}: {:?}", r.json());
+    }
+    let first = h.send(Req::new("GET", "/_fence/leases")).await.json();
+    assert_eq!(first["leases"].as_array().unwrap().len(), names.len());
+    assert_eq!(first["next"], serde_json::Value::Null);
+
+    let mut seen = Vec::new();
+    let mut pages = 0;
+    let mut path = "/_fence/leases?limit=3".to_owned();
+    loop {
+        let page = h.send(Req::new("GET", &path)).await.json();
+        let rows = page["leases"].as_array().unwrap();
+        assert!(rows.len() <= 3);
+        seen.extend(rows.iter().map(|l| l["lease"].as_str().unwrap().to_owned()));
+        pages += 1;
+        match page["next"].as_str() {
+            Some(next) => {
+                assert_eq!(Some(next), seen.last().map(String::as_str));
+                path = format!("/_fence/leases?limit=3&after={next}");
+            }
+            None => break,
+        }
+    }
+    assert_eq!(seen, names);
+    assert_eq!(pages, 3);
+
+    for bad in [
+        "/_fence/leases?limit=0",
+        "/_fence/leases?limit=10001",
+        "/_fence/leases?limit=ten",
+        "/_fence/leases?limt=3",
+        "/_fence/leases?after=%FF",
+    ] {
+        let r = h.send(Req::new("GET", bad)).await;
+        assert_eq!(
+            (r.status.as_u16(), r.reason()),
+            (400, "invalid-request".into()),
+            "{bad}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn health_metrics_and_request_ids() {
     let h = Harness::new();

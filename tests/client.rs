@@ -487,3 +487,44 @@ async fn the_load_test_runs_against_a_target_with_authentication_on() {
     );
     assert!(stdout.contains("SAFE"), "{stdout}");
 }
+
+/// `fencegate lease show` lists every lease, following the server's pages
+/// (1,000 leases each unless asked otherwise).
+#[tokio::test]
+async fn lease_show_follows_every_page() {
+    let dir = TempDir::new("lease-show");
+    let p = serve_manual(&dir);
+    let c = HttpClient::new(&p.url);
+    let total = 1_205;
+    for i in 0..total {
+        let r = c
+            .send(
+                Req::new("POST", &format!("/_fence/leases/l{i:05}"))
+                    .json(json!({"holder": format!("h{i}"), "ttl_ms": 60_000})),
+            )
+            .await;
+        assert_eq!(r.status, 201);
+    }
+    let first = c.send(Req::new("GET", "/_fence/leases")).await.json();
+    assert_eq!(first["leases"].as_array().unwrap().len(), 1000);
+    assert_eq!(first["next"], "l00999");
+
+    let out = fencegate(&p.url)
+        .args(["lease", "show", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let all: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = all["leases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["lease"].as_str().unwrap())
+        .collect();
+    let expected: Vec<String> = (0..total).map(|i| format!("l{i:05}")).collect();
+    assert_eq!(names, expected);
+}

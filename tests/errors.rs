@@ -514,7 +514,7 @@ async fn unknown_lease_is_404() {
     );
     assert_eq!(r.json()["lease"], "never");
     let r = h.send(Req::new("GET", "/_fence/leases")).await;
-    assert_eq!(r.json(), json!({"leases": []}));
+    assert_eq!(r.json(), json!({"leases": [], "next": null}));
     let r = h.send(Req::new("GET", "/_fence/nope")).await;
     assert_eq!((r.status.as_u16(), r.reason().as_str()), (404, "not-found"));
     // A wrong method is 405 with the methods that are right (seen failing

@@ -538,3 +538,35 @@ async fn the_lease_log_and_its_snapshots_load_back_whole() {
     let err = journal::load(&c, b"/j/").await.err().unwrap();
     assert!(err.contains("chunks"), "{err}");
 }
+
+/// A log longer than one page of the loader, with no snapshot: every entry
+/// is read back, in order.
+#[tokio::test]
+async fn a_long_log_loads_back_whole() {
+    use fencegate::cluster::journal::{self, Election, EtcdJournal, Limits};
+
+    let etcd = etcd_v3(None).await;
+    let c = client(std::slice::from_ref(&etcd.url), EtcdOptions::default());
+    let revision = c.put(b"/j/primary", b"me", 0).await.unwrap();
+    let election = Election {
+        key: b"/j/primary".to_vec(),
+        revision,
+    };
+    let limits = Limits {
+        snapshot_after: usize::MAX,
+        chunk_bytes: 200,
+    };
+    let loaded = journal::load(&c, b"/j/").await.unwrap();
+    let j = EtcdJournal::start(c.clone(), b"/j/".to_vec(), election, loaded, limits);
+    let mut model = Model::default();
+    // One entry per grant: each is acknowledged before the next is queued.
+    for i in 0..100 {
+        if let Some(ack) = model.step(&j, &format!("lease-{}", i % 7), i) {
+            ack.await.unwrap();
+        }
+    }
+    let (log, _) = c.get_prefix(b"/j/log/").await.unwrap();
+    assert!(log.len() > 40, "{} entries", log.len());
+    let expected: Vec<_> = model.leases.values().cloned().collect();
+    assert_eq!(journal::load(&c, b"/j/").await.unwrap().records(), expected);
+}

@@ -201,6 +201,10 @@ const ENTRY_RECORDS: usize = 1000;
 /// 1.5 MiB by default; a record is under 1 KiB: names are bounded).
 const ENTRY_BYTES: usize = 256 * 1024;
 
+/// Log entries read per request when a member takes over (each about
+/// [`ENTRY_BYTES`] at most).
+const LOAD_PAGE: i64 = 16;
+
 /// The keys under a cluster's prefix.
 #[derive(Clone)]
 struct Keys {
@@ -271,32 +275,43 @@ pub async fn load(client: &EtcdClient, prefix: &[u8]) -> Result<Loaded, String> 
     {
         let pointer: Pointer = serde_json::from_slice(&kv.value)
             .map_err(|e| format!("the snapshot pointer in etcd is unreadable: {e}"))?;
-        let (chunks, _) = client
-            .get_prefix(&keys.snapshot(pointer.generation))
-            .await
-            .map_err(|e| e.to_string())?;
-        if chunks.len() as u64 != pointer.chunks {
-            return Err(format!(
-                "snapshot {} in etcd has {} of its {} chunks",
-                pointer.generation,
-                chunks.len(),
-                pointer.chunks
-            ));
-        }
-        for kv in &chunks {
+        // One chunk per request: each answer stays small.
+        for chunk in 0..pointer.chunks {
+            let kv = client
+                .get(&keys.chunk(pointer.generation, chunk))
+                .await
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| {
+                    format!(
+                        "snapshot {} in etcd is missing chunk {chunk} of its {} chunks",
+                        pointer.generation, pointer.chunks
+                    )
+                })?;
             apply("a snapshot chunk", &kv.value)?;
         }
         next_seq = pointer.generation;
     }
+    // The log in pages of a few entries ("log0" is where "log/" ends).
     let log = keys.key("log/");
-    let (entries, _) = client.get_prefix(&log).await.map_err(|e| e.to_string())?;
-    for kv in &entries {
-        let seq: u64 = std::str::from_utf8(&kv.key[log.len()..])
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| format!("unexpected key {:?} in the log", kv.key))?;
-        apply("a log entry", &kv.value)?;
-        next_seq = next_seq.max(seq + 1);
+    let end = keys.key("log0");
+    let mut from = log.clone();
+    loop {
+        let (entries, more) = client
+            .get_range(&from, &end, LOAD_PAGE)
+            .await
+            .map_err(|e| e.to_string())?;
+        for kv in &entries {
+            let seq: u64 = std::str::from_utf8(&kv.key[log.len()..])
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| format!("unexpected key {:?} in the log", kv.key))?;
+            apply("a log entry", &kv.value)?;
+            next_seq = next_seq.max(seq + 1);
+        }
+        match entries.last() {
+            Some(last) if more => from = [last.key.as_slice(), b"\0"].concat(),
+            _ => break,
+        }
     }
     Ok(Loaded { leases, next_seq })
 }

@@ -7,6 +7,8 @@
 //! (persisting a grant and waiting for a lease both happen after the guard is
 //! dropped).
 
+use std::collections::BTreeSet;
+use std::ops::Bound;
 use std::sync::{Arc, Mutex};
 
 use dashmap::DashMap;
@@ -138,6 +140,9 @@ impl LeaseCell {
 
 struct Shared {
     leases: DashMap<String, Slot>,
+    /// Every name in `leases`, in order, for listing a page at a time.
+    /// Lock order: map shard, then this.
+    names: Mutex<BTreeSet<Box<str>>>,
     clock: Clock,
     limits: LeaseLimits,
     journal: Arc<dyn Journal>,
@@ -192,6 +197,7 @@ impl LeaseStore {
         Self {
             shared: Arc::new(Shared {
                 leases: DashMap::new(),
+                names: Mutex::default(),
                 clock,
                 limits,
                 journal,
@@ -250,6 +256,7 @@ impl LeaseStore {
             };
             let last_token = lease.last_token.max(rule.token_floor);
             let state = LeaseState::restored(now_ms, last_token, lease.transitions, term);
+            lock(&store.shared.names).insert(lease.lease.as_str().into());
             store.shared.leases.insert(
                 lease.lease,
                 Slot {
@@ -305,7 +312,10 @@ impl LeaseStore {
                 .shared
                 .leases
                 .entry(name.as_str().to_owned())
-                .or_insert_with(|| self.new_slot());
+                .or_insert_with(|| {
+                    lock(&self.shared.names).insert(name.as_str().into());
+                    self.new_slot()
+                });
             // Listen before trying, under the lease's lock, so a release
             // between the attempt and the wait below still wakes this
             // acquirer.
@@ -556,6 +566,68 @@ impl LeaseStore {
         out
     }
 
+    /// One page of the leases ever granted, in name order: up to `limit`
+    /// after `after` that `keep` accepts, and the name to continue after
+    /// (`None`: no lease follows). At most `scan` names are looked at, so a
+    /// filter that rejects most costs bounded time; the page is then shorter
+    /// than `limit` and the cursor still moves on.
+    pub fn page(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+        scan: usize,
+        keep: impl Fn(&View) -> bool,
+    ) -> (Vec<(String, View)>, Option<String>) {
+        const BATCH: usize = 256;
+        let now_ms = self.shared.clock.now_ms();
+        let mut out = Vec::new();
+        let mut cursor = after.map(str::to_owned);
+        let mut scanned = 0;
+        while out.len() < limit && scanned < scan {
+            // Names are copied out a batch at a time: the map is read
+            // without holding the index (the lock order is map, index).
+            let batch: Vec<String> = {
+                let names = lock(&self.shared.names);
+                let from = cursor.as_deref().map_or(Bound::Unbounded, Bound::Excluded);
+                names
+                    .range::<str, _>((from, Bound::Unbounded))
+                    .take(BATCH.min(scan - scanned))
+                    .map(|n| n.to_string())
+                    .collect()
+            };
+            if batch.is_empty() {
+                return (out, None);
+            }
+            for name in batch {
+                scanned += 1;
+                let view = self
+                    .shared
+                    .leases
+                    .get(name.as_str())
+                    .and_then(|slot| slot.state.view(now_ms));
+                let done = match view {
+                    Some(view) if keep(&view) => {
+                        out.push((name.clone(), view));
+                        out.len() == limit
+                    }
+                    _ => false,
+                };
+                cursor = Some(name);
+                if done || scanned == scan {
+                    break;
+                }
+            }
+        }
+        // Whether anything follows the last name looked at.
+        let more = cursor.as_deref().is_some_and(|c| {
+            lock(&self.shared.names)
+                .range::<str, _>((Bound::Excluded(c), Bound::Unbounded))
+                .next()
+                .is_some()
+        });
+        (out, if more { cursor } else { None })
+    }
+
     /// Writes in flight now, all leases together. Summed at scrape time so
     /// the write path keeps no shared counter.
     pub fn inflight_count(&self) -> u64 {
@@ -577,6 +649,10 @@ impl LeaseStore {
     }
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -596,6 +672,41 @@ mod tests {
             LeaseStore::new(clock.clone(), LeaseLimits::default(), journal.clone()),
             journal,
         )
+    }
+
+    #[tokio::test]
+    async fn pages_follow_name_order_and_bound_what_they_look_at() {
+        let clock = Clock::manual(0);
+        let (s, _) = store(&clock);
+        for i in 0..10 {
+            let h = if i % 3 == 0 { "mine" } else { "other" };
+            s.acquire(&lease(&format!("l{i}")), &holder(h), 1000, 0)
+                .await
+                .unwrap();
+        }
+        let names = |page: &[(String, View)]| -> Vec<String> {
+            page.iter().map(|(n, _)| n.clone()).collect()
+        };
+        let (page, next) = s.page(None, 4, 100, |_| true);
+        assert_eq!(names(&page), ["l0", "l1", "l2", "l3"]);
+        assert_eq!(next.as_deref(), Some("l3"));
+        let (page, next) = s.page(Some("l3"), 4, 100, |_| true);
+        assert_eq!(names(&page), ["l4", "l5", "l6", "l7"]);
+        let (page, next) = s.page(next.as_deref(), 4, 100, |_| true);
+        assert_eq!((names(&page), next), (vec!["l8".into(), "l9".into()], None));
+        // A cursor need not be a lease.
+        let (page, _) = s.page(Some("l55"), 1, 100, |_| true);
+        assert_eq!(names(&page), ["l6"]);
+        // A filter: at most `scan` names looked at, the cursor moves on.
+        let mine = |v: &View| v.holder == "mine";
+        let (page, next) = s.page(None, 10, 4, mine);
+        assert_eq!(names(&page), ["l0", "l3"]);
+        assert_eq!(next.as_deref(), Some("l3"));
+        let (page, next) = s.page(next.as_deref(), 10, 4, mine);
+        assert_eq!(names(&page), ["l6"]);
+        assert_eq!(next.as_deref(), Some("l7"));
+        let (page, next) = s.page(next.as_deref(), 10, 4, mine);
+        assert_eq!((names(&page), next), (vec!["l9".into()], None));
     }
 
     #[tokio::test]
