@@ -526,6 +526,25 @@ impl Config {
         }
     }
 
+    /// How often the server's timer tick fires (see
+    /// `ServerOptions::timer_tick_ms`): half the shortest deadline a request
+    /// sets (head, body, upstream of any route), from 50 ms to 1 s.
+    pub fn timer_tick_ms(&self) -> u64 {
+        let shortest = self
+            .fence
+            .routes
+            .iter()
+            .filter_map(|r| r.timeout_ms)
+            .chain([
+                self.limits.header_read_timeout_ms,
+                self.limits.body_read_timeout_ms,
+                self.proxy.timeout_ms,
+            ])
+            .min()
+            .unwrap_or(1000);
+        (shortest / 2).clamp(50, 1000)
+    }
+
     /// What a restart must respect: writes forwarded before it may reach
     /// the backend until the longest upstream deadline (of any route) plus
     /// the settle time has passed.
@@ -662,6 +681,19 @@ mod tests {
         assert_eq!(c.listen, "127.0.0.1:8080");
         assert_eq!(c.upstream_target().unwrap(), UpstreamTarget::Embedded);
         assert!(c.fence.require_lease_id);
+    }
+
+    #[test]
+    fn the_timer_tick_is_half_the_shortest_request_deadline() {
+        let mut c = Config::default();
+        // Defaults: head 10 s, body 10 s, upstream 30 s.
+        assert_eq!(c.timer_tick_ms(), 1000);
+        c.limits.header_read_timeout_ms = 600;
+        assert_eq!(c.timer_tick_ms(), 300);
+        c.fence.routes[0].timeout_ms = Some(200);
+        assert_eq!(c.timer_tick_ms(), 100);
+        c.proxy.timeout_ms = 1;
+        assert_eq!(c.timer_tick_ms(), 50);
     }
 
     #[test]
