@@ -3,6 +3,7 @@
 //!     cargo bench --bench proxy                  # 3 rounds of 10 s per target
 //!     cargo bench --bench proxy -- --quick       # smoke run (CI)
 //!     cargo bench --bench proxy -- --rounds 5 --duration 20 --connections 64
+//!     cargo bench --bench proxy -- --two-cores   # both proxies on both cores
 //!
 //! Needs `wrk` and `nginx` (Debian packages of those names); pins with
 //! `taskset` when it exists: the backend and the proxy under test share CPU 0,
@@ -20,11 +21,20 @@
 //!   (`fence.allow_unrouted_writes`), so the difference to the fenced row is
 //!   the fencing decision end to end;
 //! - `fencegate renew`: `POST /_fence/leases/…/renew` (no backend involved);
+//! - `renew, pipelined x16`: the same, each connection sending 16 renewals
+//!   at once (HTTP/1.1 pipelining);
+//! - `renew, batches of 100`: `POST /_fence/renew` naming the lease 100
+//!   times (its req/s are requests: each renews 100 times);
 //! - `fenced, pooled upstream` and `fenced, 2 worker threads`: the fenced
 //!   row again on two more fencegates, one with `proxy.upstream_connections =
 //!   "pooled"`, one with `runtime.worker_threads = 2` (tokio's multi-thread
 //!   scheduler; the default on one CPU is the current-thread one), so the
 //!   defaults are chosen by measurement in the same run.
+//!
+//! With `--two-cores` nothing is pinned: nginx runs `worker_processes 2`,
+//! fencegate two worker threads (tokio's multi-thread scheduler, its default
+//! on two CPUs), wrk two threads, all sharing the machine's cores; the table
+//! shows how each proxy scales, as a ratio to nginx in the same run.
 //!
 //! Every request carries the same 64-byte body and fencing headers; any
 //! non-2xx answer fails the run, since its figures would be meaningless.
@@ -54,6 +64,7 @@ struct Options {
     rounds: usize,
     duration_s: u64,
     connections: usize,
+    two_cores: bool,
 }
 
 fn options() -> Options {
@@ -62,6 +73,7 @@ fn options() -> Options {
         rounds: 3,
         duration_s: 10,
         connections: 64,
+        two_cores: false,
     };
     let mut i = 0;
     while i < args.len() {
@@ -74,6 +86,7 @@ fn options() -> Options {
             "--rounds" => o.rounds = value().expect("--rounds N"),
             "--duration" => o.duration_s = value().expect("--duration SECONDS") as u64,
             "--connections" => o.connections = value().expect("--connections N"),
+            "--two-cores" => o.two_cores = true,
             _ => {} // cargo passes --bench
         }
         i += 1;
@@ -145,6 +158,19 @@ struct Server(Child);
 
 impl Drop for Server {
     fn drop(&mut self) {
+        // SIGTERM first: an nginx master stops its workers on it (killed
+        // outright, it would leave them serving).
+        #[allow(unsafe_code)]
+        // SAFETY: kill(2) on the pid of our own child, which is not reaped yet.
+        unsafe {
+            libc::kill(self.0.id() as libc::pid_t, libc::SIGTERM);
+        }
+        for _ in 0..200 {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
@@ -207,16 +233,19 @@ fn start_nginx(
     cpu: Option<&str>,
     backend: &str,
     connections: usize,
+    workers: usize,
 ) -> (Server, String) {
     let port = free_port();
     let d = dir.display();
+    // One worker runs without a master; more need the master to fork them.
+    let master = if workers > 1 { "on" } else { "off" };
     let conf = dir.join("nginx.conf");
     std::fs::write(
         &conf,
         format!(
             r#"daemon off;
-master_process off;
-worker_processes 1;
+master_process {master};
+worker_processes {workers};
 pid {d}/nginx.pid;
 error_log {d}/nginx-error.log warn;
 events {{ worker_connections 4096; }}
@@ -309,6 +338,26 @@ struct Sample {
     p99_us: f64,
 }
 
+/// A copy of `script` whose connections each send `depth` requests at once
+/// (HTTP/1.1 pipelining; wrk counts every response).
+fn pipelined_script(script: &Path, depth: usize) -> PathBuf {
+    let path = script.with_extension(format!("pipelined-{depth}.lua"));
+    let base = std::fs::read_to_string(script).unwrap();
+    std::fs::write(
+        &path,
+        format!(
+            "{base}init = function(args)\n\
+             \x20 local r = {{}}\n\
+             \x20 for i = 1, {depth} do r[i] = wrk.format() end\n\
+             \x20 req = table.concat(r)\n\
+             end\n\
+             request = function() return req end\n"
+        ),
+    )
+    .unwrap();
+    path
+}
+
 fn wrk_script(
     dir: &Path,
     name: &str,
@@ -348,8 +397,13 @@ fn to_us(v: &str) -> f64 {
 }
 
 fn run_wrk(target: &Target, o: &Options) -> Sample {
-    let mut cmd = pinned(Some("1"), &need("wrk"));
-    cmd.args(["-t1", &format!("-c{}", o.connections)])
+    let (cpu, threads) = if o.two_cores {
+        (None, "-t2")
+    } else {
+        (Some("1"), "-t1")
+    };
+    let mut cmd = pinned(cpu, &need("wrk"));
+    cmd.args([threads, &format!("-c{}", o.connections)])
         .arg(format!("-d{}s", o.duration_s))
         .arg("--latency")
         .arg("-s")
@@ -431,7 +485,27 @@ fn start_fencegate(
         &token,
         &lease_id,
     );
+    // POST /_fence/renew naming the lease BATCH times.
+    let item = format!(r#"{{"lease":"bench","token":{token},"lease_id":"{lease_id}"}}"#);
+    let items = vec![item; BATCH].join(",");
+    std::fs::write(
+        batch_script(dir, name),
+        format!(
+            "wrk.method = \"POST\"\n\
+             wrk.headers[\"Content-Type\"] = \"application/json\"\n\
+             wrk.body = '{{\"leases\":[{items}]}}'\n"
+        ),
+    )
+    .unwrap();
     (server, addr, put, renew)
+}
+
+/// Leases one request of the batch-renewal target renews.
+const BATCH: usize = 100;
+
+/// The wrk script of `start_fencegate`'s batch renewal for `name`.
+fn batch_script(dir: &Path, name: &str) -> PathBuf {
+    dir.join(format!("batch-{name}.lua"))
 }
 
 fn main() {
@@ -443,14 +517,19 @@ fn main() {
     let dir = std::env::temp_dir().join(format!("fencegate-bench-proxy-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let pin = find("taskset").map(|_| "0");
+    let pin = find("taskset").filter(|_| !o.two_cores).map(|_| "0");
     need("wrk");
 
     let mut backend_cmd = pinned(pin, &std::env::current_exe().unwrap());
     backend_cmd.arg("--kv-backend");
     let (_backend, backend) = start_announced(backend_cmd, "the backend");
 
-    let (_nginx, nginx) = start_nginx(&dir, pin, &backend, o.connections);
+    if o.two_cores {
+        two_cores(&dir, &backend, &o);
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
+    let (_nginx, nginx) = start_nginx(&dir, pin, &backend, o.connections, 1);
 
     // The configuration under test, and two variants measured beside it.
     let variants: [(&str, &[(&str, &str)]); 3] = [
@@ -472,6 +551,7 @@ fn main() {
         instances.push((addr, put, renew));
     }
     let (fencegate, put, renew) = &instances[0];
+    let pipelined = pipelined_script(renew, 16);
     let target = |name, addr: &str, path: &str, script: &PathBuf| Target {
         name,
         url: format!("http://{addr}{path}"),
@@ -487,6 +567,18 @@ fn main() {
             fencegate,
             "/_fence/leases/bench/renew",
             renew,
+        ),
+        target(
+            "renew, pipelined x16",
+            fencegate,
+            "/_fence/leases/bench/renew",
+            &pipelined,
+        ),
+        target(
+            "renew, batches of 100",
+            fencegate,
+            "/_fence/renew",
+            &batch_script(&dir, "default"),
         ),
         target(
             "fenced, pooled upstream",
@@ -562,4 +654,64 @@ fn main() {
         1e6 / med[2].rps - 1e6 / med[3].rps
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// nginx with two workers beside fencegate with two worker threads, nothing
+/// pinned.
+fn two_cores(dir: &Path, backend: &str, o: &Options) {
+    let (_nginx, nginx) = start_nginx(dir, None, backend, o.connections, 2);
+    let (_fencegate, fencegate, put, _) = start_fencegate(
+        dir,
+        None,
+        backend,
+        "two-cores",
+        &[("FENCEGATE_RUNTIME__WORKER_THREADS", "2")],
+    );
+    let target = |name, addr: &str| Target {
+        name,
+        url: format!("http://{addr}/kv/bench/1"),
+        script: put.clone(),
+    };
+    let targets = [
+        target("nginx, 2 workers", &nginx),
+        target("fencegate, 2 threads", &fencegate),
+    ];
+    println!(
+        "wrk -t2 -c{} -d{}s, {BODY_BYTES} B PUT bodies, {} round(s), medians; nothing pinned",
+        o.connections, o.duration_s, o.rounds
+    );
+    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); targets.len()];
+    for round in 0..o.rounds {
+        for (i, t) in targets.iter().enumerate() {
+            let s = run_wrk(t, o);
+            eprintln!(
+                "round {}: {:<22} {:>9.0} req/s  p50 {:>7.0} us  p99 {:>7.0} us",
+                round + 1,
+                t.name,
+                s.rps,
+                s.p50_us,
+                s.p99_us
+            );
+            samples[i].push(s);
+        }
+    }
+    let med: Vec<Sample> = samples
+        .iter()
+        .map(|v| Sample {
+            rps: median(v.iter().map(|s| s.rps).collect()),
+            p50_us: median(v.iter().map(|s| s.p50_us).collect()),
+            p99_us: median(v.iter().map(|s| s.p99_us).collect()),
+        })
+        .collect();
+    println!("\n| target | req/s | p50 µs | p99 µs | × nginx |\n|---|---:|---:|---:|---:|");
+    for (t, s) in targets.iter().zip(&med) {
+        println!(
+            "| {} | {:.0} | {:.0} | {:.0} | {:.2} |",
+            t.name,
+            s.rps,
+            s.p50_us,
+            s.p99_us,
+            s.rps / med[0].rps
+        );
+    }
 }

@@ -39,6 +39,12 @@ use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
 /// Largest JSON body the lease API reads.
 const MAX_API_BODY_BYTES: usize = 64 * 1024;
 
+/// The largest body of a batch renewal (about 10,000 leases).
+const MAX_BATCH_BODY_BYTES: usize = 1024 * 1024;
+
+/// The most leases one batch renewal names.
+pub const MAX_BATCH_LEASES: usize = 10_000;
+
 /// The lease API's state.
 #[derive(Clone, Debug)]
 pub struct Api {
@@ -82,6 +88,27 @@ struct RenewBody {
     ttl_ms: Option<serde_json::Value>,
 }
 
+/// A batch renewal: every lease with its token and lease id, a TTL for
+/// each (`ttl_ms`, optional) or for all (the outer `ttl_ms`).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchRenewBody {
+    leases: Vec<BatchRenewItem>,
+    #[serde(default)]
+    ttl_ms: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchRenewItem {
+    lease: String,
+    token: u64,
+    #[serde(default)]
+    lease_id: Option<String>,
+    #[serde(default)]
+    ttl_ms: Option<serde_json::Value>,
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct AdvanceBody {
@@ -118,15 +145,22 @@ async fn read_json<T: serde::de::DeserializeOwned>(
     optional: bool,
     timeout: Duration,
 ) -> Result<Option<T>, Problem> {
-    let read = tokio::time::timeout(timeout, body::collect(body, MAX_API_BODY_BYTES));
+    read_json_up_to(body, optional, timeout, MAX_API_BODY_BYTES).await
+}
+
+async fn read_json_up_to<T: serde::de::DeserializeOwned>(
+    body: Body,
+    optional: bool,
+    timeout: Duration,
+    max_bytes: usize,
+) -> Result<Option<T>, Problem> {
+    let read = tokio::time::timeout(timeout, body::collect(body, max_bytes));
     let Ok(read) = read.await else {
         return Err(Problem::request_timeout(timeout.as_millis() as u64));
     };
     let bytes = match read {
         Ok(bytes) => bytes,
-        Err(body::ReadError::TooLarge) => {
-            return Err(Problem::payload_too_large(MAX_API_BODY_BYTES as u64))
-        }
+        Err(body::ReadError::TooLarge) => return Err(Problem::payload_too_large(max_bytes as u64)),
         Err(body::ReadError::Failed(_)) => {
             return Err(Problem::invalid_request("the body could not be read"))
         }
@@ -267,7 +301,7 @@ fn allowed_methods(endpoint: &[&str]) -> Option<&'static str> {
     Some(match endpoint {
         ["leases"] | ["metrics"] | ["backend", "history"] => "GET",
         ["leases", _] => "GET, POST, DELETE",
-        ["leases", _, "renew"] => "POST",
+        ["leases", _, "renew"] | ["renew"] => "POST",
         ["livez"] | ["readyz"] => "GET, HEAD",
         ["clock"] => "GET, POST",
         _ => return None,
@@ -378,6 +412,7 @@ impl Api {
                 self.count("renew", &result);
                 result
             }
+            (["renew"], Method::POST) => self.renew_batch(req).await,
             (["livez"], Method::GET | Method::HEAD) => {
                 Ok(json_response(StatusCode::OK, &json!({"status": "live"})))
             }
@@ -477,6 +512,90 @@ impl Api {
             "lease renewed"
         );
         Ok(grant_response(name, &renewed, false))
+    }
+
+    /// Renews many leases in one request: `{"leases": [{"lease", "token",
+    /// "lease_id", "ttl_ms"?}], "ttl_ms"?}`. The answer is 200 with one
+    /// result per lease, in order: the renewal (`status` 200, as `POST
+    /// /_fence/leases/{name}/renew` answers it) or the problem that lease's
+    /// renewal alone would have been answered with. A body that is not such
+    /// a list fails as a whole.
+    async fn renew_batch(&self, req: Request<Body>) -> Result<Response<Body>, Problem> {
+        let caller = caller(&req).cloned();
+        let body: BatchRenewBody = read_json_up_to(
+            req.into_body(),
+            false,
+            self.body_read_timeout,
+            MAX_BATCH_BODY_BYTES,
+        )
+        .await?
+        .expect("a required body");
+        if body.leases.len() > MAX_BATCH_LEASES {
+            return Err(Problem::invalid_request(format!(
+                "a batch renewal names at most {MAX_BATCH_LEASES} leases"
+            )));
+        }
+        let results: Vec<serde_json::Value> = body
+            .leases
+            .iter()
+            .map(|item| {
+                let result = self.renew_one(item, body.ttl_ms.as_ref(), caller.as_deref());
+                self.metrics.lease_op(
+                    "renew",
+                    result.as_ref().map_or_else(|p| p.reason().slug(), |_| "ok"),
+                );
+                result.unwrap_or_else(|p| p.to_json())
+            })
+            .collect();
+        Ok(json_response(
+            StatusCode::OK,
+            &json!({ "results": results }),
+        ))
+    }
+
+    /// One lease of a batch renewal, checked as a renewal of its own is.
+    fn renew_one(
+        &self,
+        item: &BatchRenewItem,
+        ttl_ms: Option<&serde_json::Value>,
+        caller: Option<&Identity>,
+    ) -> Result<serde_json::Value, Problem> {
+        let name = self.name(&item.lease)?;
+        let name = name.as_str();
+        if self.require_lease_id && item.lease_id.is_none() {
+            return Err(Problem::missing_lease_id().lease(name));
+        }
+        let ttl_ms = item
+            .ttl_ms
+            .as_ref()
+            .or(ttl_ms)
+            .map(|v| ttl_from_json(v, &self.leases))
+            .transpose()
+            .map_err(|p| p.lease(name))?;
+        let renewed = self
+            .leases
+            .renew(
+                name,
+                item.token,
+                item.lease_id.as_deref().map(str::as_bytes),
+                caller.map(|c| c.name.as_str()),
+                ttl_ms,
+            )
+            .map_err(|e| {
+                let problem = Problem::renew_failed(name, e);
+                visible_to(problem, &self.leases, name, caller)
+            })?;
+        let mut result = serde_json::to_value(GrantBody {
+            expires_in_ms: renewed.expires_in_ms,
+            holder: &renewed.holder,
+            lease: name,
+            lease_id: None,
+            token: renewed.token,
+            ttl_ms: renewed.ttl_ms,
+        })
+        .expect("a struct of strings and numbers serialises");
+        result["status"] = json!(200);
+        Ok(result)
     }
 
     fn release(&self, name: &str, req: &Request<Body>) -> Result<Response<Body>, Problem> {

@@ -327,6 +327,11 @@ impl Problem {
         self
     }
 
+    /// The problem+json document, as the body of its answer holds it.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::to_value(&*self.0).unwrap_or_default()
+    }
+
     /// The HTTP status.
     pub fn status(&self) -> StatusCode {
         self.0.status

@@ -90,6 +90,89 @@ async fn list_inspect_and_states() {
     );
 }
 
+/// Many leases renewed in one request: one result per lease, in order,
+/// each what its own renewal would have answered; a bad body fails whole.
+#[tokio::test]
+async fn a_batch_renews_many_leases_each_checked_alone() {
+    let h = Harness::new();
+    let a = h.acquire("a", "A", 1000).await;
+    let b = h.acquire("b", "B", 1000).await;
+    let c = h.acquire("c", "C", 1000).await;
+    h.send(Req::new("DELETE", "/_fence/leases/b").held(&b))
+        .await;
+    h.advance(600);
+    let r = h
+        .send(Req::new("POST", "/_fence/renew").json(serde_json::json!({
+            "ttl_ms": 2000,
+            "leases": [
+                {"lease": "a", "token": a.token, "lease_id": a.lease_id},
+                {"lease": "b", "token": b.token, "lease_id": b.lease_id},
+                {"lease": "c", "token": c.token + 1, "lease_id": c.lease_id},
+                {"lease": "c", "token": c.token, "lease_id": a.lease_id},
+                {"lease": "c", "token": c.token, "lease_id": c.lease_id, "ttl_ms": 3000},
+                {"lease": "c", "token": c.token},
+                {"lease": "no/such", "token": 1, "lease_id": a.lease_id},
+                {"lease": "a", "token": a.token, "lease_id": a.lease_id, "ttl_ms": 1},
+            ],
+        })))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let results = r.json()["results"].as_array().unwrap().clone();
+    let got: Vec<(u64, String)> = results
+        .iter()
+        .map(|x| {
+            (
+                x["status"].as_u64().unwrap(),
+                x["reason"].as_str().unwrap_or("").to_owned(),
+            )
+        })
+        .collect();
+    let want = [
+        (200, ""),
+        (412, "lease-released"),
+        (412, "unknown-fencing-token"),
+        (403, "lease-id-mismatch"),
+        (200, ""),
+        (428, "missing-lease-id"),
+        (400, "invalid-lease-name"),
+        (400, "invalid-ttl"),
+    ];
+    let want: Vec<(u64, String)> = want.iter().map(|(s, r)| (*s, r.to_string())).collect();
+    assert_eq!(got, want, "{results:#?}");
+    assert_eq!(results[0]["ttl_ms"], 2000);
+    assert_eq!(results[4]["ttl_ms"], 3000);
+    assert!(results.iter().all(|x| x.get("lease_id").is_none()));
+    // The renewals took effect: a is held 2 s from now, c 3 s.
+    h.advance(1500);
+    let a_now = h.send(Req::new("GET", "/_fence/leases/a")).await.json();
+    let c_now = h.send(Req::new("GET", "/_fence/leases/c")).await.json();
+    assert_eq!(
+        (a_now["state"].as_str(), a_now["expires_in_ms"].as_u64()),
+        (Some("held"), Some(500))
+    );
+    assert_eq!(c_now["expires_in_ms"], 1500);
+
+    let too_many: Vec<_> = (0..10_001)
+        .map(|_| serde_json::json!({"lease": "a", "token": 1}))
+        .collect();
+    for bad in [
+        serde_json::json!({"leases": too_many}),
+        serde_json::json!({"leases": [{"lease": "a"}]}),
+        serde_json::json!({"leases": [], "extra": 1}),
+        serde_json::json!([]),
+    ] {
+        let r = h.send(Req::new("POST", "/_fence/renew").json(bad)).await;
+        assert_eq!(
+            (r.status.as_u16(), r.reason()),
+            (400, "invalid-request".into())
+        );
+    }
+    let r = h
+        .send(Req::new("POST", "/_fence/renew").json(serde_json::json!({"leases": []})))
+        .await;
+    assert_eq!(r.json(), serde_json::json!({"results": []}));
+}
+
 /// The listing comes in pages in name order: `limit` and `after`, a
 /// `next` cursor that is `null` on the last page; a bad query is refused.
 #[tokio::test]
