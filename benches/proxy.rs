@@ -605,29 +605,7 @@ fn main() {
             "unpinned (no taskset)"
         }
     );
-    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); targets.len()];
-    for round in 0..o.rounds {
-        for (i, t) in targets.iter().enumerate() {
-            let s = run_wrk(t, &o);
-            eprintln!(
-                "round {}: {:<20} {:>9.0} req/s  p50 {:>7.0} us  p99 {:>7.0} us",
-                round + 1,
-                t.name,
-                s.rps,
-                s.p50_us,
-                s.p99_us
-            );
-            samples[i].push(s);
-        }
-    }
-    let med: Vec<Sample> = samples
-        .iter()
-        .map(|v| Sample {
-            rps: median(v.iter().map(|s| s.rps).collect()),
-            p50_us: median(v.iter().map(|s| s.p50_us).collect()),
-            p99_us: median(v.iter().map(|s| s.p99_us).collect()),
-        })
-        .collect();
+    let med = measure(&targets, &o);
     let (direct, nginx) = (med[0], med[1]);
     println!(
         "\n| target | req/s | p50 µs | p99 µs | × direct | × nginx | proxy CPU µs/req |\n\
@@ -656,6 +634,34 @@ fn main() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Runs every target once per round, round-robin so that the machine's
+/// drift hits them alike; the medians of the rounds.
+fn measure(targets: &[Target], o: &Options) -> Vec<Sample> {
+    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); targets.len()];
+    for round in 0..o.rounds {
+        for (i, t) in targets.iter().enumerate() {
+            let s = run_wrk(t, o);
+            eprintln!(
+                "round {}: {:<22} {:>9.0} req/s  p50 {:>7.0} us  p99 {:>7.0} us",
+                round + 1,
+                t.name,
+                s.rps,
+                s.p50_us,
+                s.p99_us
+            );
+            samples[i].push(s);
+        }
+    }
+    samples
+        .iter()
+        .map(|v| Sample {
+            rps: median(v.iter().map(|s| s.rps).collect()),
+            p50_us: median(v.iter().map(|s| s.p50_us).collect()),
+            p99_us: median(v.iter().map(|s| s.p99_us).collect()),
+        })
+        .collect()
+}
+
 /// nginx with two workers beside fencegate with two worker threads, nothing
 /// pinned.
 fn two_cores(dir: &Path, backend: &str, o: &Options) {
@@ -680,29 +686,7 @@ fn two_cores(dir: &Path, backend: &str, o: &Options) {
         "wrk -t2 -c{} -d{}s, {BODY_BYTES} B PUT bodies, {} round(s), medians; nothing pinned",
         o.connections, o.duration_s, o.rounds
     );
-    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); targets.len()];
-    for round in 0..o.rounds {
-        for (i, t) in targets.iter().enumerate() {
-            let s = run_wrk(t, o);
-            eprintln!(
-                "round {}: {:<22} {:>9.0} req/s  p50 {:>7.0} us  p99 {:>7.0} us",
-                round + 1,
-                t.name,
-                s.rps,
-                s.p50_us,
-                s.p99_us
-            );
-            samples[i].push(s);
-        }
-    }
-    let med: Vec<Sample> = samples
-        .iter()
-        .map(|v| Sample {
-            rps: median(v.iter().map(|s| s.rps).collect()),
-            p50_us: median(v.iter().map(|s| s.p50_us).collect()),
-            p99_us: median(v.iter().map(|s| s.p99_us).collect()),
-        })
-        .collect();
+    let med = measure(&targets, o);
     println!("\n| target | req/s | p50 µs | p99 µs | × nginx |\n|---|---:|---:|---:|---:|");
     for (t, s) in targets.iter().zip(&med) {
         println!(

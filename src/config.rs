@@ -526,19 +526,22 @@ impl Config {
         }
     }
 
+    /// Every upstream deadline in force: `proxy.timeout_ms` and the routes'
+    /// own.
+    fn upstream_timeouts_ms(&self) -> impl Iterator<Item = u64> + '_ {
+        let routes = self.fence.routes.iter().filter_map(|r| r.timeout_ms);
+        std::iter::once(self.proxy.timeout_ms).chain(routes)
+    }
+
     /// How often the server's timer tick fires (see
     /// `ServerOptions::timer_tick_ms`): half the shortest deadline a request
     /// sets (head, body, upstream of any route), from 50 ms to 1 s.
     pub fn timer_tick_ms(&self) -> u64 {
         let shortest = self
-            .fence
-            .routes
-            .iter()
-            .filter_map(|r| r.timeout_ms)
+            .upstream_timeouts_ms()
             .chain([
                 self.limits.header_read_timeout_ms,
                 self.limits.body_read_timeout_ms,
-                self.proxy.timeout_ms,
             ])
             .min()
             .unwrap_or(1000);
@@ -549,12 +552,7 @@ impl Config {
     /// the backend until the longest upstream deadline (of any route) plus
     /// the settle time has passed.
     pub fn restart_rule(&self) -> RestartRule {
-        let longest_timeout_ms = self
-            .fence
-            .routes
-            .iter()
-            .filter_map(|r| r.timeout_ms)
-            .fold(self.proxy.timeout_ms, u64::max);
+        let longest_timeout_ms = self.upstream_timeouts_ms().max().unwrap_or_default();
         RestartRule {
             unsettled_ms: longest_timeout_ms.saturating_add(self.fence.settle_ms),
             ..RestartRule::default()
