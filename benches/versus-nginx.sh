@@ -146,6 +146,8 @@ for line in open(sys.argv[1]):
     if len(f) >= 5 and f[-1] != "total" and f[3].isdigit():
         calls[f[-1]] = int(f[3])
 total = sum(calls.values())
+if total == 0:
+    sys.exit("strace counted no system calls (could it attach? ptrace may be forbidden)")
 each = " ".join(f"{k} {v / requests:.2f}" for k, v in sorted(calls.items(), key=lambda kv: -kv[1]) if v >= requests / 2)
 print(f"{total / requests:.2f} ({each})")
 EOF
@@ -153,7 +155,7 @@ EOF
 
 start_fencegate ""
 grant=$(curl -sS -X POST -d '{"holder":"bench","ttl_ms":3600000}' "http://$fg_addr/_fence/leases/bench")
-fg_sys=$(syscalls "$fencegate" "$fg_addr" fencegate)
+fg_sys=$(syscalls "$fencegate" "$fg_addr" fencegate) || exit 1
 stop "$fencegate"
 # The lease is in the data directory: the restarted fencegate holds it.
 start_fencegate "valgrind --tool=callgrind --callgrind-out-file=$work/callgrind.out.%p"
@@ -161,7 +163,7 @@ fg_ins=$(instructions "$fencegate" "$fg_addr")
 stop "$fencegate"
 
 start_nginx ""
-nginx_sys=$(syscalls "$nginx" "127.0.0.1:$nginx_port" nginx)
+nginx_sys=$(syscalls "$nginx" "127.0.0.1:$nginx_port" nginx) || exit 1
 stop "$nginx"
 start_nginx "valgrind --tool=callgrind --callgrind-out-file=$work/callgrind.out.%p"
 nginx_ins=$(instructions "$nginx" "127.0.0.1:$nginx_port")

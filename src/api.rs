@@ -187,10 +187,6 @@ pub const PAGE_DEFAULT: usize = 1000;
 /// The most leases one page holds.
 pub const PAGE_MAX: usize = 10_000;
 
-/// Names looked at per page, as a multiple of its limit (bounds a page for
-/// a caller who sees few of the leases).
-const PAGE_SCAN_FACTOR: usize = 100;
-
 /// The query of a listing.
 #[derive(Debug, PartialEq, Eq)]
 struct Page {
@@ -640,14 +636,11 @@ impl Api {
         caller: Option<&Identity>,
     ) -> Result<Response<Body>, Problem> {
         let page = Page::parse(query)?;
-        // Callers who are not admins see their own leases only; looking at
-        // many names for few of theirs is bounded per page.
-        let (leases, next) = self.leases.page(
-            page.after.as_deref(),
-            page.limit,
-            page.limit.saturating_mul(PAGE_SCAN_FACTOR),
-            |view| caller.is_none_or(|c| c.admin || view.holder == c.name.as_str()),
-        );
+        // Callers who are not admins see their own leases only (and the
+        // cursor is one of them).
+        let (leases, next) = self.leases.page(page.after.as_deref(), page.limit, |view| {
+            caller.is_none_or(|c| c.admin || view.holder == c.name.as_str())
+        });
         let leases: Vec<serde_json::Value> = leases
             .iter()
             .map(|(name, view)| view_json(name, view))

@@ -568,9 +568,12 @@ impl LeaseClient {
             if let Some(leases) = page["leases"].as_array() {
                 all.extend(leases.iter().cloned());
             }
-            // A cursor that does not move would loop for ever.
+            // Names come in order: a cursor that does not move forward
+            // would loop for ever.
             match page["next"].as_str() {
-                Some(next) if Some(next) != after.as_deref() => after = Some(next.to_owned()),
+                Some(next) if after.as_deref().is_none_or(|a| next > a) => {
+                    after = Some(next.to_owned())
+                }
                 _ => break,
             }
         }

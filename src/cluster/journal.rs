@@ -21,7 +21,12 @@
 //! before it starts, every lease is read at some point after that, and the
 //! entries from the generation on are replayed over it. The snapshot's last
 //! transaction moves `snapshot` to the new generation and deletes the log
-//! before it and every older snapshot, atomically.
+//! before it and every older snapshot, atomically. The states a snapshot
+//! reads are the primary's, which change before their entry commits: if
+//! that entry then fails (and the member steps down), the snapshot may hold
+//! a change nobody was told of, such as a grant that was refused. That
+//! costs a lease its TTL after the failover, never a token: a token in etcd
+//! is only ever above the ones acknowledged.
 //!
 //! [`EtcdJournal`] fills the lease store's [`Journal`] seam. Records are
 //! queued in the order of the calls (the store calls while the lease is
@@ -32,7 +37,7 @@
 //! failed, and the member steps down: its next term of primacy starts from
 //! what etcd holds.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Bound;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -44,9 +49,6 @@ use tokio::sync::{mpsc, oneshot, Notify};
 use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
 use crate::hex;
 use crate::journal::{GrantRecord, Journal, JournalError, JournalFuture, LeaseRecord, TermRecord};
-
-/// Most records waiting for the writer; past it, grants fail closed.
-const QUEUE: usize = 16 * 1024;
 
 /// One lease's whole state as the journal keeps it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -183,6 +185,10 @@ pub struct Limits {
     pub snapshot_after: usize,
     /// About how many bytes of records one snapshot chunk holds.
     pub chunk_bytes: usize,
+    /// Most records waiting for the writer. Past it a grant fails (the
+    /// member stays primary) and a lazy change (renewal, release) is
+    /// written later from the cached state.
+    pub queue: usize,
 }
 
 impl Default for Limits {
@@ -190,6 +196,7 @@ impl Default for Limits {
         Self {
             snapshot_after: 10_000,
             chunk_bytes: 256 * 1024,
+            queue: 16 * 1024,
         }
     }
 }
@@ -203,7 +210,7 @@ const ENTRY_BYTES: usize = 256 * 1024;
 
 /// Log entries read per request when a member takes over (each about
 /// [`ENTRY_BYTES`] at most).
-const LOAD_PAGE: i64 = 16;
+const LOAD_PAGE: i64 = 64;
 
 /// The keys under a cluster's prefix.
 #[derive(Clone)]
@@ -267,6 +274,19 @@ pub async fn load(client: &EtcdClient, prefix: &[u8]) -> Result<Loaded, String> 
         }
         Ok(())
     };
+    // The layout before the log kept a key per lease: starting from nothing
+    // beside it would issue its tokens again.
+    let (legacy, _) = client
+        .get_range(&keys.key("leases/"), &keys.key("leases0"), 1)
+        .await
+        .map_err(|e| e.to_string())?;
+    if !legacy.is_empty() {
+        return Err(format!(
+            "etcd holds lease state in the older layout (one key per lease under {:?}); \
+             this build reads only its log",
+            String::from_utf8_lossy(&keys.key("leases/"))
+        ));
+    }
     let mut next_seq = 0;
     if let Some(kv) = client
         .get(&keys.pointer())
@@ -291,10 +311,11 @@ pub async fn load(client: &EtcdClient, prefix: &[u8]) -> Result<Loaded, String> 
         }
         next_seq = pointer.generation;
     }
-    // The log in pages of a few entries ("log0" is where "log/" ends).
+    // The log from the snapshot's generation on, in pages ("log0" is where
+    // "log/" ends).
     let log = keys.key("log/");
     let end = keys.key("log0");
-    let mut from = log.clone();
+    let mut from = keys.log(next_seq);
     loop {
         let (entries, more) = client
             .get_range(&from, &end, LOAD_PAGE)
@@ -306,7 +327,10 @@ pub async fn load(client: &EtcdClient, prefix: &[u8]) -> Result<Loaded, String> 
                 .and_then(|s| s.parse().ok())
                 .ok_or_else(|| format!("unexpected key {:?} in the log", kv.key))?;
             apply("a log entry", &kv.value)?;
-            next_seq = next_seq.max(seq + 1);
+            let after = seq
+                .checked_add(1)
+                .ok_or_else(|| "the log's last entry has the largest number there is".to_owned())?;
+            next_seq = next_seq.max(after);
         }
         match entries.last() {
             Some(last) if more => from = [last.key.as_slice(), b"\0"].concat(),
@@ -319,6 +343,9 @@ pub async fn load(client: &EtcdClient, prefix: &[u8]) -> Result<Loaded, String> 
 /// The lease store's journal on a cluster's primary.
 pub struct EtcdJournal {
     cache: Arc<Mutex<BTreeMap<String, StoredLease>>>,
+    /// Leases whose lazy change found the queue full: the writer writes
+    /// their cached state later. Lock order: cache, then this.
+    spilled: Arc<Mutex<BTreeSet<String>>>,
     tx: mpsc::Sender<Write>,
     state: Arc<Failure>,
 }
@@ -375,13 +402,15 @@ impl EtcdJournal {
         limits: Limits,
     ) -> Self {
         let cache = Arc::new(Mutex::new(loaded.leases));
-        let (tx, rx) = mpsc::channel(QUEUE);
+        let spilled = Arc::new(Mutex::new(BTreeSet::new()));
+        let (tx, rx) = mpsc::channel(limits.queue.max(1));
         let state = Arc::new(Failure::default());
         let writer = Writer {
             client,
             keys: Keys { prefix },
             election,
             cache: cache.clone(),
+            spilled: spilled.clone(),
             state: state.clone(),
             limits,
             next_seq: loaded.next_seq,
@@ -389,7 +418,12 @@ impl EtcdJournal {
             snapshotting: Arc::new(AtomicBool::new(false)),
         };
         tokio::spawn(writer.run(rx));
-        Self { cache, tx, state }
+        Self {
+            cache,
+            spilled,
+            tx,
+            state,
+        }
     }
 
     /// Set once a write failed.
@@ -429,7 +463,7 @@ impl EtcdJournal {
             lease,
             state: stored,
         })
-        .unwrap_or_default();
+        .expect("a record of strings and numbers serialises");
         let write = Write {
             lease: lease.to_owned(),
             record,
@@ -437,10 +471,17 @@ impl EtcdJournal {
         };
         // Sent under the cache's lock, so the queue's order is the order
         // of the changes.
-        self.tx.try_send(write).map_err(|_| {
-            self.state.fail("the etcd write queue is full");
-            JournalError("the etcd write queue is full".into())
-        })
+        match self.tx.try_send(write) {
+            Ok(()) => Ok(()),
+            // A lazy change is not lost: the cache holds it, and the writer
+            // writes the lease's state once it catches up.
+            Err(mpsc::error::TrySendError::Full(w)) if w.ack.is_none() => {
+                lock(&self.spilled).insert(w.lease);
+                Ok(())
+            }
+            // A grant fails alone; the member stays primary.
+            Err(_) => Err(JournalError("the etcd write queue is full".into())),
+        }
     }
 }
 
@@ -502,6 +543,7 @@ struct Writer {
     keys: Keys,
     election: Election,
     cache: Arc<Mutex<BTreeMap<String, StoredLease>>>,
+    spilled: Arc<Mutex<BTreeSet<String>>>,
     state: Arc<Failure>,
     limits: Limits,
     next_seq: u64,
@@ -521,9 +563,15 @@ impl Writer {
     /// conditional on the election.
     async fn run(mut self, mut rx: mpsc::Receiver<Write>) {
         let mut batch: Vec<Write> = Vec::new();
-        while let Some(first) = rx.recv().await {
-            let mut bytes = first.record.len();
-            batch.push(first);
+        loop {
+            // Spilled leases are written without waiting for the queue.
+            if lock(&self.spilled).is_empty() {
+                match rx.recv().await {
+                    Some(first) => batch.push(first),
+                    None => break,
+                }
+            }
+            let mut bytes: usize = batch.iter().map(|w| w.record.len()).sum();
             while batch.len() < ENTRY_RECORDS && bytes < ENTRY_BYTES {
                 match rx.try_recv() {
                     Ok(write) => {
@@ -532,6 +580,15 @@ impl Writer {
                     }
                     Err(_) => break,
                 }
+            }
+            // Then spilled leases, after what was queued: their cached state
+            // is at least as new.
+            for write in self.take_spilled(ENTRY_RECORDS.saturating_sub(batch.len())) {
+                bytes += write.record.len();
+                batch.push(write);
+            }
+            if batch.is_empty() {
+                continue;
             }
             // A lease changed twice in one entry: its last state is enough.
             let mut last: HashMap<&str, usize> = HashMap::new();
@@ -566,22 +623,64 @@ impl Writer {
         }
     }
 
+    /// Up to `most` spilled leases, each with its cached state.
+    fn take_spilled(&self, most: usize) -> Vec<Write> {
+        let names: Vec<String> = {
+            let mut spilled = lock(&self.spilled);
+            let mut names = Vec::new();
+            while names.len() < most {
+                match spilled.pop_first() {
+                    Some(name) => names.push(name),
+                    None => break,
+                }
+            }
+            names
+        };
+        if names.is_empty() {
+            return Vec::new();
+        }
+        let cache = lock(&self.cache);
+        names
+            .into_iter()
+            .filter_map(|lease| {
+                let state = cache.get(&lease)?;
+                let record = serde_json::to_vec(&Record {
+                    lease: &lease,
+                    state,
+                })
+                .ok()?;
+                Some(Write {
+                    lease,
+                    record,
+                    ack: None,
+                })
+            })
+            .collect()
+    }
+
     /// Writes one log entry.
     async fn append(&mut self, entry: Vec<u8>) -> Result<(), String> {
         if self.state.is_failed() {
             return Err("this member stepped down".to_owned());
         }
+        let key = self.keys.log(self.next_seq);
+        // An entry is never overwritten: a number already taken fails too.
+        let [election] = self.compare();
+        let compare = [election, Compare::CreateRevision(key.clone(), 0)];
         let put = [Op::Put {
-            key: self.keys.log(self.next_seq),
+            key,
             value: entry,
             lease: 0,
         }];
-        match self.client.txn(&self.compare(), &put, &[]).await {
+        match self.client.txn(&compare, &put, &[]).await {
             Ok(r) if r.succeeded => {
                 self.next_seq += 1;
                 Ok(())
             }
-            Ok(_) => Err("this member is no longer the primary".to_owned()),
+            Ok(_) => Err(
+                "this member is no longer the primary (or its log entry's number was taken)"
+                    .to_owned(),
+            ),
             Err(EtcdError::Unavailable(e) | EtcdError::Refused(e)) => Err(e),
         }
     }

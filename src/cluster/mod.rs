@@ -425,6 +425,38 @@ impl<S: Send + Sync + 'static> Elector<S> {
         }
     }
 
+    /// Renews this member's etcd lease once and, if the election key is
+    /// still this election's, moves the primacy deadline on; why to step
+    /// down otherwise. Bounded by the etcd client's timeout per endpoint;
+    /// the deadline passes by itself meanwhile.
+    async fn confirm(
+        &self,
+        session: &mut Session,
+        election: &Election,
+        primacy: &Primacy,
+    ) -> Result<(), String> {
+        match self.keep_alive(*session).await {
+            Ok(None) => return Err("this member's etcd lease expired".to_owned()),
+            Ok(Some(renewed)) => {
+                // The key must still be this election's: deleted or
+                // replaced by hand, another member may have won.
+                match self.client.get(&election.key).await {
+                    Ok(Some(kv)) if kv.create_revision == election.revision => {
+                        *session = renewed;
+                        primacy.confirm_until(self.deadline(session.sent_ms, session.ttl_s));
+                    }
+                    Ok(_) => return Err("the election key is no longer this member's".to_owned()),
+                    Err(_) => {}
+                }
+            }
+            Err(_) => {}
+        }
+        if self.options.self_fencing && !primacy.is_live() {
+            return Err("primacy could not be confirmed in time".to_owned());
+        }
+        Ok(())
+    }
+
     /// Serves as primary until primacy is lost.
     async fn lead(&self, mut session: Session, election: Election) -> Result<(), String> {
         let until_ms = self.deadline(session.sent_ms, session.ttl_s);
@@ -433,7 +465,18 @@ impl<S: Send + Sync + 'static> Elector<S> {
             until_ms,
             self.options.self_fencing,
         ));
-        let loaded = journal::load(&self.client, self.options.prefix.as_bytes()).await?;
+        // The session is kept alive while the lease state loads: a load
+        // longer than the TTL must not lose the election it serves.
+        let load = journal::load(&self.client, self.options.prefix.as_bytes());
+        tokio::pin!(load);
+        let loaded = loop {
+            tokio::select! {
+                loaded = &mut load => break loaded?,
+                () = tokio::time::sleep(self.beat()) => {
+                    self.confirm(&mut session, &election, &primacy).await?;
+                }
+            }
+        };
         let leases = loaded.records();
         let journal = Arc::new(EtcdJournal::start(
             self.client.clone(),
@@ -467,26 +510,8 @@ impl<S: Send + Sync + 'static> Elector<S> {
                 () = failure.wait() => break "a write of lease state failed".to_owned(),
                 () = self.member.stopped() => break "the process is stopping".to_owned(),
             }
-            // Bounded by the etcd client's timeout per endpoint; the
-            // deadline passes by itself meanwhile.
-            match self.keep_alive(session).await {
-                Ok(None) => break "this member's etcd lease expired".to_owned(),
-                Ok(Some(renewed)) => {
-                    // The key must still be this election's: deleted or
-                    // replaced by hand, another member may have won.
-                    match self.client.get(&election.key).await {
-                        Ok(Some(kv)) if kv.create_revision == election.revision => {
-                            session = renewed;
-                            primacy.confirm_until(self.deadline(session.sent_ms, session.ttl_s));
-                        }
-                        Ok(_) => break "the election key is no longer this member's".to_owned(),
-                        Err(_) => {}
-                    }
-                }
-                Err(_) => {}
-            }
-            if self.options.self_fencing && !primacy.is_live() {
-                break "primacy could not be confirmed in time".to_owned();
+            if let Err(why) = self.confirm(&mut session, &election, &primacy).await {
+                break why;
             }
             self.refresh_members().await;
         };

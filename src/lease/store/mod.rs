@@ -568,22 +568,23 @@ impl LeaseStore {
 
     /// One page of the leases ever granted, in name order: up to `limit`
     /// after `after` that `keep` accepts, and the name to continue after
-    /// (`None`: no lease follows). At most `scan` names are looked at, so a
-    /// filter that rejects most costs bounded time; the page is then shorter
-    /// than `limit` and the cursor still moves on.
+    /// (`None`: no lease follows that `keep` accepts). The cursor is always
+    /// a lease of the page, never one `keep` refused, so a filtered listing
+    /// names no lease it hides; such a page may look at every name after
+    /// `after`.
     pub fn page(
         &self,
         after: Option<&str>,
         limit: usize,
-        scan: usize,
         keep: impl Fn(&View) -> bool,
     ) -> (Vec<(String, View)>, Option<String>) {
         const BATCH: usize = 256;
         let now_ms = self.shared.clock.now_ms();
-        let mut out = Vec::new();
+        let mut out: Vec<(String, View)> = Vec::new();
         let mut cursor = after.map(str::to_owned);
-        let mut scanned = 0;
-        while out.len() < limit && scanned < scan {
+        // One more than the page, to know whether another page follows.
+        let mut extra = false;
+        'scan: loop {
             // Names are copied out a batch at a time: the map is read
             // without holding the index (the lock order is map, index).
             let batch: Vec<String> = {
@@ -591,41 +592,35 @@ impl LeaseStore {
                 let from = cursor.as_deref().map_or(Bound::Unbounded, Bound::Excluded);
                 names
                     .range::<str, _>((from, Bound::Unbounded))
-                    .take(BATCH.min(scan - scanned))
+                    .take(BATCH)
                     .map(|n| n.to_string())
                     .collect()
             };
             if batch.is_empty() {
-                return (out, None);
+                break;
             }
             for name in batch {
-                scanned += 1;
                 let view = self
                     .shared
                     .leases
                     .get(name.as_str())
                     .and_then(|slot| slot.state.view(now_ms));
-                let done = match view {
-                    Some(view) if keep(&view) => {
-                        out.push((name.clone(), view));
-                        out.len() == limit
+                if let Some(view) = view.filter(|v| keep(v)) {
+                    if out.len() == limit {
+                        extra = true;
+                        break 'scan;
                     }
-                    _ => false,
-                };
-                cursor = Some(name);
-                if done || scanned == scan {
-                    break;
+                    out.push((name.clone(), view));
                 }
+                cursor = Some(name);
             }
         }
-        // Whether anything follows the last name looked at.
-        let more = cursor.as_deref().is_some_and(|c| {
-            lock(&self.shared.names)
-                .range::<str, _>((Bound::Excluded(c), Bound::Unbounded))
-                .next()
-                .is_some()
-        });
-        (out, if more { cursor } else { None })
+        let next = if extra {
+            out.last().map(|(name, _)| name.clone())
+        } else {
+            None
+        };
+        (out, next)
     }
 
     /// Writes in flight now, all leases together. Summed at scrape time so
@@ -675,7 +670,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn pages_follow_name_order_and_bound_what_they_look_at() {
+    async fn pages_follow_name_order_and_name_only_what_they_show() {
         let clock = Clock::manual(0);
         let (s, _) = store(&clock);
         for i in 0..10 {
@@ -687,26 +682,27 @@ mod tests {
         let names = |page: &[(String, View)]| -> Vec<String> {
             page.iter().map(|(n, _)| n.clone()).collect()
         };
-        let (page, next) = s.page(None, 4, 100, |_| true);
+        let all = |_: &View| true;
+        let (page, next) = s.page(None, 4, all);
         assert_eq!(names(&page), ["l0", "l1", "l2", "l3"]);
         assert_eq!(next.as_deref(), Some("l3"));
-        let (page, next) = s.page(Some("l3"), 4, 100, |_| true);
+        let (page, next) = s.page(Some("l3"), 4, all);
         assert_eq!(names(&page), ["l4", "l5", "l6", "l7"]);
-        let (page, next) = s.page(next.as_deref(), 4, 100, |_| true);
+        let (page, next) = s.page(next.as_deref(), 4, all);
         assert_eq!((names(&page), next), (vec!["l8".into(), "l9".into()], None));
+        // A page that ends exactly at the last lease has no next page.
+        let (page, next) = s.page(Some("l5"), 4, all);
+        assert_eq!((names(&page).len(), next), (4, None));
         // A cursor need not be a lease.
-        let (page, _) = s.page(Some("l55"), 1, 100, |_| true);
+        let (page, _) = s.page(Some("l55"), 1, all);
         assert_eq!(names(&page), ["l6"]);
-        // A filter: at most `scan` names looked at, the cursor moves on.
+        // Filtered: the cursor is always a lease the filter let through.
         let mine = |v: &View| v.holder == "mine";
-        let (page, next) = s.page(None, 10, 4, mine);
+        let (page, next) = s.page(None, 2, mine);
         assert_eq!(names(&page), ["l0", "l3"]);
         assert_eq!(next.as_deref(), Some("l3"));
-        let (page, next) = s.page(next.as_deref(), 10, 4, mine);
-        assert_eq!(names(&page), ["l6"]);
-        assert_eq!(next.as_deref(), Some("l7"));
-        let (page, next) = s.page(next.as_deref(), 10, 4, mine);
-        assert_eq!((names(&page), next), (vec!["l9".into()], None));
+        let (page, next) = s.page(next.as_deref(), 2, mine);
+        assert_eq!((names(&page), next), (vec!["l6".into(), "l9".into()], None));
     }
 
     #[tokio::test]
