@@ -131,6 +131,31 @@ async fn the_caller_is_the_holder_and_only_the_holder_may_use_the_term() {
         0,
         "bob sees only his own leases"
     );
+    // Page by page too: the cursor is always one of his.
+    for name in ["zb-1", "zb-2"] {
+        let acquire = Req::new("POST", &format!("/_fence/leases/{name}"))
+            .json(serde_json::json!({"holder": "bob", "ttl_ms": 5000}));
+        assert_eq!(h.send(as_("bob", acquire)).await.status, 201);
+    }
+    let mut seen = Vec::new();
+    let mut path = "/_fence/leases?limit=1".to_owned();
+    loop {
+        let page = h.send(as_("bob", Req::new("GET", &path))).await.json();
+        for l in page["leases"].as_array().unwrap() {
+            seen.push(l["lease"].as_str().unwrap().to_owned());
+        }
+        match page["next"].as_str() {
+            Some(next) => {
+                assert!(
+                    next.starts_with("zb-"),
+                    "a cursor names another's lease: {next}"
+                );
+                path = format!("/_fence/leases?limit=1&after={next}");
+            }
+            None => break,
+        }
+    }
+    assert_eq!(seen, ["zb-1", "zb-2"]);
     // Admins see everything and may use the clock and metrics; others may not.
     let list = h
         .send(as_("ops", Req::new("GET", "/_fence/leases")))
