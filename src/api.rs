@@ -636,11 +636,14 @@ impl Api {
         caller: Option<&Identity>,
     ) -> Result<Response<Body>, Problem> {
         let page = Page::parse(query)?;
-        // Callers who are not admins see their own leases only (and the
-        // cursor is one of them).
-        let (leases, next) = self.leases.page(page.after.as_deref(), page.limit, |view| {
-            caller.is_none_or(|c| c.admin || view.holder == c.name.as_str())
-        });
+        // Callers who are not admins see their own leases only, from the
+        // holder index (and the cursor is one of them).
+        let own = caller.filter(|c| !c.admin).map(|c| c.name.as_str());
+        let (leases, next) = self
+            .leases
+            .page_of(own, page.after.as_deref(), page.limit, |view| {
+                own.is_none_or(|name| view.holder == name)
+            });
         let leases: Vec<serde_json::Value> = leases
             .iter()
             .map(|(name, view)| view_json(name, view))

@@ -143,6 +143,10 @@ struct Shared {
     /// Every name in `leases`, in order, for listing a page at a time.
     /// Lock order: map shard, then this.
     names: Mutex<BTreeSet<Box<str>>>,
+    /// `holder \0 name` of every lease's current term, in order, for
+    /// listing one holder's leases a page at a time. Lock order: map shard,
+    /// then this.
+    by_holder: Mutex<BTreeSet<Box<str>>>,
     clock: Clock,
     limits: LeaseLimits,
     journal: Arc<dyn Journal>,
@@ -198,6 +202,7 @@ impl LeaseStore {
             shared: Arc::new(Shared {
                 leases: DashMap::new(),
                 names: Mutex::default(),
+                by_holder: Mutex::default(),
                 clock,
                 limits,
                 journal,
@@ -255,6 +260,9 @@ impl LeaseStore {
                 }),
             };
             let last_token = lease.last_token.max(rule.token_floor);
+            if let Some(t) = &term {
+                store.index_holder(None, Some(&t.holder), &lease.lease);
+            }
             let state = LeaseState::restored(now_ms, last_token, lease.transitions, term);
             lock(&store.shared.names).insert(lease.lease.as_str().into());
             store.shared.leases.insert(
@@ -402,6 +410,11 @@ impl LeaseStore {
         let grant = slot
             .state
             .acquire(now_ms, holder, ttl_ms, lease_id.clone())?;
+        self.index_holder(
+            previous.as_ref().map(|t| t.holder.as_str()),
+            Some(holder.as_str()),
+            name.as_str(),
+        );
         let persisted = self.shared.journal.persist_grant(GrantRecord {
             lease: name.as_str().to_owned(),
             token: grant.token,
@@ -433,7 +446,7 @@ impl LeaseStore {
             persisted,
         } = pending;
         if let Err(err) = persisted.await {
-            self.abandon(name, grant.token, previous);
+            self.abandon(name, holder.as_str(), grant.token, previous);
             tracing::warn!(target: "audit", lease = name.as_str(), token = grant.token, error = %err, "grant not persisted; refused");
             return Err(AcquireError::Unavailable(
                 "the lease store cannot persist grants right now".into(),
@@ -459,11 +472,28 @@ impl LeaseStore {
         }
     }
 
-    fn abandon(&self, name: &str, token: u64, previous: Option<Term>) {
+    fn abandon(&self, name: &str, holder: &str, token: u64, previous: Option<Term>) {
         if let Some(mut slot) = self.shared.leases.get_mut(name) {
+            let before = previous.as_ref().map(|t| t.holder.clone());
             if slot.state.abandon(token, previous) {
+                self.index_holder(Some(holder), before.as_deref(), name);
                 slot.cell.changed.notify_waiters();
             }
+        }
+    }
+
+    /// Moves `name` in the holder index from `from` to `to` (called under
+    /// the lease's map shard lock).
+    fn index_holder(&self, from: Option<&str>, to: Option<&str>, name: &str) {
+        if from == to {
+            return;
+        }
+        let mut index = lock(&self.shared.by_holder);
+        if let Some(from) = from {
+            index.remove(holder_key(from, name).as_str());
+        }
+        if let Some(to) = to {
+            index.insert(holder_key(to, name).into());
         }
     }
 
@@ -578,6 +608,19 @@ impl LeaseStore {
         limit: usize,
         keep: impl Fn(&View) -> bool,
     ) -> (Vec<(String, View)>, Option<String>) {
+        self.page_of(None, after, limit, keep)
+    }
+
+    /// [`page`](Self::page) over the leases whose current term is
+    /// `holder`'s only (all with `None`): a holder's page looks at its own
+    /// leases only, however many others there are.
+    pub fn page_of(
+        &self,
+        holder: Option<&str>,
+        after: Option<&str>,
+        limit: usize,
+        keep: impl Fn(&View) -> bool,
+    ) -> (Vec<(String, View)>, Option<String>) {
         const BATCH: usize = 256;
         let now_ms = self.shared.clock.now_ms();
         let mut out: Vec<(String, View)> = Vec::new();
@@ -587,14 +630,31 @@ impl LeaseStore {
         'scan: loop {
             // Names are copied out a batch at a time: the map is read
             // without holding the index (the lock order is map, index).
-            let batch: Vec<String> = {
-                let names = lock(&self.shared.names);
-                let from = cursor.as_deref().map_or(Bound::Unbounded, Bound::Excluded);
-                names
-                    .range::<str, _>((from, Bound::Unbounded))
-                    .take(BATCH)
-                    .map(|n| n.to_string())
-                    .collect()
+            let batch: Vec<String> = match holder {
+                None => {
+                    let names = lock(&self.shared.names);
+                    let from = cursor.as_deref().map_or(Bound::Unbounded, Bound::Excluded);
+                    names
+                        .range::<str, _>((from, Bound::Unbounded))
+                        .take(BATCH)
+                        .map(|n| n.to_string())
+                        .collect()
+                }
+                Some(holder) => {
+                    let index = lock(&self.shared.by_holder);
+                    let start = holder_key(holder, cursor.as_deref().unwrap_or(""));
+                    // '\u{1}' sorts right after the separator.
+                    let end = format!("{holder}\u{1}");
+                    let from = match cursor {
+                        Some(_) => Bound::Excluded(start.as_str()),
+                        None => Bound::Included(start.as_str()),
+                    };
+                    index
+                        .range::<str, _>((from, Bound::Excluded(end.as_str())))
+                        .take(BATCH)
+                        .map(|k| k[holder.len() + 1..].to_string())
+                        .collect()
+                }
             };
             if batch.is_empty() {
                 break;
@@ -642,6 +702,13 @@ impl LeaseStore {
             .filter(|e| e.value().state.is_held(now_ms))
             .count()
     }
+}
+
+/// A lease's key in the holder index: holder names have no control
+/// characters and lease names no NUL, so `\0` sorts each holder's leases
+/// together and in name order.
+fn holder_key(holder: &str, name: &str) -> String {
+    format!("{holder}\0{name}")
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -703,6 +770,21 @@ mod tests {
         assert_eq!(next.as_deref(), Some("l3"));
         let (page, next) = s.page(next.as_deref(), 2, mine);
         assert_eq!((names(&page), next), (vec!["l6".into(), "l9".into()], None));
+        // The same from the holder index, which looks at the holder's
+        // leases only; a new term moves a lease to its new holder.
+        let (page, next) = s.page_of(Some("mine"), None, 2, mine);
+        assert_eq!(names(&page), ["l0", "l3"]);
+        let (page, next) = s.page_of(Some("mine"), next.as_deref(), 2, mine);
+        assert_eq!((names(&page), next), (vec!["l6".into(), "l9".into()], None));
+        assert!(s.page_of(Some("min"), None, 10, |_| true).0.is_empty());
+        clock.advance(1000).unwrap();
+        s.acquire(&lease("l3"), &holder("other"), 1000, 0)
+            .await
+            .unwrap();
+        let (page, _) = s.page_of(Some("mine"), None, 10, mine);
+        assert_eq!(names(&page), ["l0", "l6", "l9"]);
+        let (page, _) = s.page_of(Some("other"), None, 10, |_| true);
+        assert_eq!(names(&page), ["l1", "l2", "l3", "l4", "l5", "l7", "l8"]);
     }
 
     #[tokio::test]
