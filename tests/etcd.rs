@@ -540,12 +540,15 @@ async fn the_lease_log_and_its_snapshots_load_back_whole() {
     assert!(err.contains("chunks"), "{err}");
 }
 
-/// A log longer than one page of the loader, with no snapshot: every entry
-/// is read back, in order.
-#[tokio::test]
-async fn a_long_log_loads_back_whole() {
-    use fencegate::cluster::journal::{self, Election, EtcdJournal, Limits};
-
+/// A journal under `/j/` on a fresh etcd, as the winner of an election.
+async fn journal_on_etcd(
+    limits: fencegate::cluster::journal::Limits,
+) -> (
+    support::servers::Server,
+    EtcdClient,
+    fencegate::cluster::journal::EtcdJournal,
+) {
+    use fencegate::cluster::journal::{self, Election, EtcdJournal};
     let etcd = etcd_v3(None).await;
     let c = client(std::slice::from_ref(&etcd.url), EtcdOptions::default());
     let revision = c.put(b"/j/primary", b"me", 0).await.unwrap();
@@ -553,13 +556,23 @@ async fn a_long_log_loads_back_whole() {
         key: b"/j/primary".to_vec(),
         revision,
     };
-    let limits = Limits {
+    let loaded = journal::load(&c, b"/j/").await.unwrap();
+    let j = EtcdJournal::start(c.clone(), b"/j/".to_vec(), election, loaded, limits);
+    (etcd, c, j)
+}
+
+/// A log longer than one page of the loader, with no snapshot: every entry
+/// is read back, in order.
+#[tokio::test]
+async fn a_long_log_loads_back_whole() {
+    use fencegate::cluster::journal::{self, Limits};
+
+    let (_etcd, c, j) = journal_on_etcd(Limits {
         snapshot_after: usize::MAX,
         chunk_bytes: 200,
         ..Limits::default()
-    };
-    let loaded = journal::load(&c, b"/j/").await.unwrap();
-    let j = EtcdJournal::start(c.clone(), b"/j/".to_vec(), election, loaded, limits);
+    })
+    .await;
     let mut model = Model::default();
     // One entry per grant: each is acknowledged before the next is queued.
     // Ends with a grant (i % 5 == 0), so every change before it is in etcd.
@@ -587,22 +600,14 @@ async fn a_long_log_loads_back_whole() {
 /// stepped down.)
 #[tokio::test]
 async fn a_full_queue_fails_a_grant_alone_and_loses_no_renewal() {
-    use fencegate::cluster::journal::{self, Election, EtcdJournal, Limits};
+    use fencegate::cluster::journal::{self, Limits};
     use fencegate::journal::{GrantRecord, Journal};
 
-    let etcd = etcd_v3(None).await;
-    let c = client(std::slice::from_ref(&etcd.url), EtcdOptions::default());
-    let revision = c.put(b"/j/primary", b"me", 0).await.unwrap();
-    let election = Election {
-        key: b"/j/primary".to_vec(),
-        revision,
-    };
-    let limits = Limits {
+    let (_etcd, c, j) = journal_on_etcd(Limits {
         queue: 4,
         ..Limits::default()
-    };
-    let loaded = journal::load(&c, b"/j/").await.unwrap();
-    let j = EtcdJournal::start(c.clone(), b"/j/".to_vec(), election, loaded, limits);
+    })
+    .await;
     let mut model = Model::default();
     for i in 0..20 {
         // Grants only (i % 5 == 0), each acknowledged.
