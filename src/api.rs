@@ -260,17 +260,24 @@ struct GrantBody<'a> {
     ttl_ms: u64,
 }
 
+impl<'a> GrantBody<'a> {
+    /// What `granted` answers for `name`; the lease id only for an acquire.
+    fn of(name: &'a str, granted: &'a Acquired, acquire: bool) -> Self {
+        Self {
+            expires_in_ms: granted.expires_in_ms,
+            holder: &granted.holder,
+            lease: name,
+            lease_id: acquire.then(|| granted.lease_id.expose()),
+            token: granted.token,
+            ttl_ms: granted.ttl_ms,
+        }
+    }
+}
+
 fn grant_response(name: &str, granted: &Acquired, acquire: bool) -> Response<Body> {
     // Renewals are the most frequent call: a struct serialises without
     // building a map first.
-    let body = GrantBody {
-        expires_in_ms: granted.expires_in_ms,
-        holder: &granted.holder,
-        lease: name,
-        lease_id: acquire.then(|| granted.lease_id.expose()),
-        token: granted.token,
-        ttl_ms: granted.ttl_ms,
-    };
+    let body = GrantBody::of(name, granted, acquire);
     let status = if acquire {
         StatusCode::CREATED
     } else {
@@ -487,18 +494,32 @@ impl Api {
             .as_ref()
             .map(|v| ttl_from_json(v, &self.leases))
             .transpose()?;
+        let renewed = self.renew_lease(name, token, lease_id, caller.as_deref(), ttl_ms)?;
+        Ok(grant_response(name, &renewed, false))
+    }
+
+    /// Renews term `token` of `name` for `caller`: the renewal, or the
+    /// problem answered for it (shown as the caller may see it).
+    fn renew_lease(
+        &self,
+        name: &str,
+        token: u64,
+        lease_id: Option<&[u8]>,
+        caller: Option<&Identity>,
+        ttl_ms: Option<u64>,
+    ) -> Result<Acquired, Problem> {
         let renewed = self
             .leases
             .renew(
                 name,
                 token,
                 lease_id,
-                caller.as_ref().map(|c| c.name.as_str()),
+                caller.map(|c| c.name.as_str()),
                 ttl_ms,
             )
             .map_err(|e| {
                 let problem = Problem::renew_failed(name, e);
-                visible_to(problem, &self.leases, name, caller.as_deref())
+                visible_to(problem, &self.leases, name, caller)
             })?;
         tracing::debug!(
             target: "audit",
@@ -507,7 +528,7 @@ impl Api {
             ttl_ms = renewed.ttl_ms,
             "lease renewed"
         );
-        Ok(grant_response(name, &renewed, false))
+        Ok(renewed)
     }
 
     /// Renews many leases in one request: `{"leases": [{"lease", "token",
@@ -568,28 +589,10 @@ impl Api {
             .map(|v| ttl_from_json(v, &self.leases))
             .transpose()
             .map_err(|p| p.lease(name))?;
-        let renewed = self
-            .leases
-            .renew(
-                name,
-                item.token,
-                item.lease_id.as_deref().map(str::as_bytes),
-                caller.map(|c| c.name.as_str()),
-                ttl_ms,
-            )
-            .map_err(|e| {
-                let problem = Problem::renew_failed(name, e);
-                visible_to(problem, &self.leases, name, caller)
-            })?;
-        let mut result = serde_json::to_value(GrantBody {
-            expires_in_ms: renewed.expires_in_ms,
-            holder: &renewed.holder,
-            lease: name,
-            lease_id: None,
-            token: renewed.token,
-            ttl_ms: renewed.ttl_ms,
-        })
-        .expect("a struct of strings and numbers serialises");
+        let lease_id = item.lease_id.as_deref().map(str::as_bytes);
+        let renewed = self.renew_lease(name, item.token, lease_id, caller, ttl_ms)?;
+        let mut result = serde_json::to_value(GrantBody::of(name, &renewed, false))
+            .expect("a struct of strings and numbers serialises");
         result["status"] = json!(200);
         Ok(result)
     }
@@ -639,11 +642,7 @@ impl Api {
         // Callers who are not admins see their own leases only, from the
         // holder index (and the cursor is one of them).
         let own = caller.filter(|c| !c.admin).map(|c| c.name.as_str());
-        let (leases, next) = self
-            .leases
-            .page_of(own, page.after.as_deref(), page.limit, |view| {
-                own.is_none_or(|name| view.holder == name)
-            });
+        let (leases, next) = self.leases.page(own, page.after.as_deref(), page.limit);
         let leases: Vec<serde_json::Value> = leases
             .iter()
             .map(|(name, view)| view_json(name, view))

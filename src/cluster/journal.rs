@@ -105,6 +105,14 @@ struct Record<'a> {
     state: &'a StoredLease,
 }
 
+impl Record<'_> {
+    /// The record of `lease` in `state`, as JSON.
+    fn bytes(lease: &str, state: &StoredLease) -> Vec<u8> {
+        serde_json::to_vec(&Record { lease, state })
+            .expect("a record of strings and numbers serialises")
+    }
+}
+
 impl Serialize for Record<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let term = self.state.term.as_ref().map(|t| {
@@ -459,11 +467,7 @@ impl EtcdJournal {
                 cache.entry(lease.to_owned()).or_insert(fresh)
             }
         };
-        let record = serde_json::to_vec(&Record {
-            lease,
-            state: stored,
-        })
-        .expect("a record of strings and numbers serialises");
+        let record = Record::bytes(lease, stored);
         let write = Write {
             lease: lease.to_owned(),
             record,
@@ -643,12 +647,7 @@ impl Writer {
         names
             .into_iter()
             .filter_map(|lease| {
-                let state = cache.get(&lease)?;
-                let record = serde_json::to_vec(&Record {
-                    lease: &lease,
-                    state,
-                })
-                .ok()?;
+                let record = Record::bytes(&lease, cache.get(&lease)?);
                 Some(Write {
                     lease,
                     record,
@@ -767,8 +766,7 @@ impl Snapshot {
                     if n > 0 {
                         value.push(b',');
                     }
-                    serde_json::to_writer(&mut value, &Record { lease, state })
-                        .map_err(|e| e.to_string())?;
+                    value.extend_from_slice(&Record::bytes(lease, state));
                     last = Some(lease);
                     n += 1;
                     if value.len() >= self.chunk_bytes {

@@ -583,43 +583,16 @@ impl LeaseStore {
         self.shared.leases.get(name)?.state.view(now_ms)
     }
 
-    /// Every lease ever granted, sorted by name.
-    pub fn list(&self) -> Vec<(String, View)> {
-        let now_ms = self.shared.clock.now_ms();
-        let mut out: Vec<(String, View)> = self
-            .shared
-            .leases
-            .iter()
-            .filter_map(|e| Some((e.key().clone(), e.value().state.view(now_ms)?)))
-            .collect();
-        out.sort_by(|a, b| a.0.cmp(&b.0));
-        out
-    }
-
     /// One page of the leases ever granted, in name order: up to `limit`
-    /// after `after` that `keep` accepts, and the name to continue after
-    /// (`None`: no lease follows that `keep` accepts). The cursor is always
-    /// a lease of the page, never one `keep` refused, so a filtered listing
-    /// names no lease it hides; such a page may look at every name after
-    /// `after`.
+    /// after `after`, only those whose current term is `holder`'s when it is
+    /// given (read from the holder index, so such a page looks at the
+    /// holder's leases only), and the name to continue after (`None`: no
+    /// such lease follows). The cursor is always a lease of the page.
     pub fn page(
-        &self,
-        after: Option<&str>,
-        limit: usize,
-        keep: impl Fn(&View) -> bool,
-    ) -> (Vec<(String, View)>, Option<String>) {
-        self.page_of(None, after, limit, keep)
-    }
-
-    /// [`page`](Self::page) over the leases whose current term is
-    /// `holder`'s only (all with `None`): a holder's page looks at its own
-    /// leases only, however many others there are.
-    pub fn page_of(
         &self,
         holder: Option<&str>,
         after: Option<&str>,
         limit: usize,
-        keep: impl Fn(&View) -> bool,
     ) -> (Vec<(String, View)>, Option<String>) {
         const BATCH: usize = 256;
         let now_ms = self.shared.clock.now_ms();
@@ -665,7 +638,9 @@ impl LeaseStore {
                     .leases
                     .get(name.as_str())
                     .and_then(|slot| slot.state.view(now_ms));
-                if let Some(view) = view.filter(|v| keep(v)) {
+                // The term may have changed hands since the index was read.
+                let theirs = |v: &View| holder.is_none_or(|h| v.holder == h);
+                if let Some(view) = view.filter(theirs) {
                     if out.len() == limit {
                         extra = true;
                         break 'scan;
@@ -749,41 +724,36 @@ mod tests {
         let names = |page: &[(String, View)]| -> Vec<String> {
             page.iter().map(|(n, _)| n.clone()).collect()
         };
-        let all = |_: &View| true;
-        let (page, next) = s.page(None, 4, all);
+        let (page, next) = s.page(None, None, 4);
         assert_eq!(names(&page), ["l0", "l1", "l2", "l3"]);
         assert_eq!(next.as_deref(), Some("l3"));
-        let (page, next) = s.page(Some("l3"), 4, all);
+        let (page, next) = s.page(None, Some("l3"), 4);
         assert_eq!(names(&page), ["l4", "l5", "l6", "l7"]);
-        let (page, next) = s.page(next.as_deref(), 4, all);
+        let (page, next) = s.page(None, next.as_deref(), 4);
         assert_eq!((names(&page), next), (vec!["l8".into(), "l9".into()], None));
         // A page that ends exactly at the last lease has no next page.
-        let (page, next) = s.page(Some("l5"), 4, all);
+        let (page, next) = s.page(None, Some("l5"), 4);
         assert_eq!((names(&page).len(), next), (4, None));
         // A cursor need not be a lease.
-        let (page, _) = s.page(Some("l55"), 1, all);
+        let (page, _) = s.page(None, Some("l55"), 1);
         assert_eq!(names(&page), ["l6"]);
-        // Filtered: the cursor is always a lease the filter let through.
-        let mine = |v: &View| v.holder == "mine";
-        let (page, next) = s.page(None, 2, mine);
+        // One holder's, from the holder index: the cursor is always one of
+        // its leases.
+        let (page, next) = s.page(Some("mine"), None, 2);
         assert_eq!(names(&page), ["l0", "l3"]);
         assert_eq!(next.as_deref(), Some("l3"));
-        let (page, next) = s.page(next.as_deref(), 2, mine);
+        let (page, next) = s.page(Some("mine"), next.as_deref(), 2);
         assert_eq!((names(&page), next), (vec!["l6".into(), "l9".into()], None));
-        // The same from the holder index, which looks at the holder's
-        // leases only; a new term moves a lease to its new holder.
-        let (page, next) = s.page_of(Some("mine"), None, 2, mine);
-        assert_eq!(names(&page), ["l0", "l3"]);
-        let (page, next) = s.page_of(Some("mine"), next.as_deref(), 2, mine);
-        assert_eq!((names(&page), next), (vec!["l6".into(), "l9".into()], None));
-        assert!(s.page_of(Some("min"), None, 10, |_| true).0.is_empty());
+        // A holder whose name another's begins with sees none of them; a
+        // new term moves a lease to its new holder.
+        assert!(s.page(Some("min"), None, 10).0.is_empty());
         clock.advance(1000).unwrap();
         s.acquire(&lease("l3"), &holder("other"), 1000, 0)
             .await
             .unwrap();
-        let (page, _) = s.page_of(Some("mine"), None, 10, mine);
+        let (page, _) = s.page(Some("mine"), None, 10);
         assert_eq!(names(&page), ["l0", "l6", "l9"]);
-        let (page, _) = s.page_of(Some("other"), None, 10, |_| true);
+        let (page, _) = s.page(Some("other"), None, 10);
         assert_eq!(names(&page), ["l1", "l2", "l3", "l4", "l5", "l7", "l8"]);
     }
 
