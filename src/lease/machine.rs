@@ -15,6 +15,8 @@
 //!   state (released, expired). All in one call, so nothing can change
 //!   between the checks.
 
+use compact_str::CompactString;
+
 use super::id::LeaseId;
 
 /// One grant of a lease.
@@ -22,8 +24,9 @@ use super::id::LeaseId;
 pub struct Term {
     /// The fencing token that orders this term among the lease's terms.
     pub token: u64,
-    /// Who asked for it (free text chosen by the client).
-    pub holder: String,
+    /// Who asked for it (free text chosen by the client). Kept inline when
+    /// short (24 bytes or less), as most holder names are.
+    pub holder: CompactString,
     /// The credential handed to the acquirer.
     pub lease_id: LeaseId,
     /// The TTL of the last acquire or renew, used by renewals without a TTL.
@@ -211,7 +214,7 @@ impl LeaseState {
     ) -> Result<Grant, AcquireRefused> {
         if let Some(term) = self.term.as_ref().filter(|t| t.is_live(now_ms)) {
             return Err(AcquireRefused::Held(Held {
-                holder: term.holder.clone(),
+                holder: term.holder.to_string(),
                 token: term.token,
                 expires_in_ms: term.expires_in_ms(now_ms),
             }));
@@ -225,7 +228,7 @@ impl LeaseState {
         self.transitions += 1;
         self.term = Some(Term {
             token,
-            holder: holder.to_owned(),
+            holder: holder.into(),
             lease_id,
             ttl_ms,
             deadline_ms,
@@ -363,7 +366,7 @@ impl LeaseState {
         };
         Some(View {
             state,
-            holder: term.holder.clone(),
+            holder: term.holder.to_string(),
             token: term.token,
             expires_in_ms: if state == TermState::Held {
                 term.expires_in_ms(now_ms)

@@ -215,7 +215,8 @@ impl LeaseStore {
                 Ok(admit) => admit,
                 Err(reject) => return Admission::Refused(reject),
             };
-        let mut inflight = slot.cell.inflight();
+        let cell = slot.cell();
+        let mut inflight = cell.inflight();
         if options.barrier {
             if let Some(blocked) = inflight.older_than(token, now_ms) {
                 inflight.note_waiter();
@@ -224,7 +225,7 @@ impl LeaseStore {
                     deadline_ms: admit.deadline_ms,
                     until_ms: blocked.until_ms,
                     now_ms,
-                    cell: slot.cell.clone(),
+                    cell: cell.clone(),
                 });
             }
             // Writes of earlier terms sent before a restart may still be at
@@ -237,7 +238,7 @@ impl LeaseStore {
                     deadline_ms: admit.deadline_ms,
                     until_ms: Some(unsettled_until_ms),
                     now_ms,
-                    cell: slot.cell.clone(),
+                    cell: cell.clone(),
                 });
             }
         }
@@ -245,7 +246,7 @@ impl LeaseStore {
         drop(inflight);
         Admission::Admitted(WriteGuard {
             store: self.clone(),
-            cell: slot.cell.clone(),
+            cell: cell.clone(),
             token,
             settle_ms: options.settle_ms,
             phase: Phase::Awaiting,

@@ -8,6 +8,9 @@
 //! dropped).
 
 use std::collections::BTreeSet;
+use std::sync::OnceLock;
+
+use compact_str::CompactString;
 use std::ops::Bound;
 use std::sync::{Arc, Mutex};
 
@@ -111,8 +114,23 @@ struct Slot {
     /// restart may still be on their way to the backend.
     recovered: bool,
     /// Shared with the guards of the lease's writes in flight, so finishing a
-    /// write touches only this cell, not the map.
-    cell: Arc<LeaseCell>,
+    /// write touches only this cell, not the map. Made on the lease's first
+    /// write or first waiting acquire: most held leases never need one.
+    cell: OnceLock<Arc<LeaseCell>>,
+}
+
+impl Slot {
+    /// The lease's cell, made now if it has none yet.
+    fn cell(&self) -> &Arc<LeaseCell> {
+        self.cell.get_or_init(Arc::default)
+    }
+
+    /// Wakes whoever waits on the lease (nobody does if it has no cell).
+    fn notify_waiters(&self) {
+        if let Some(cell) = self.cell.get() {
+            cell.changed.notify_waiters();
+        }
+    }
 }
 
 /// The parts of a lease that outlive a map lookup.
@@ -139,14 +157,16 @@ impl LeaseCell {
 }
 
 struct Shared {
-    leases: DashMap<String, Slot>,
+    /// Names of 24 bytes or less (most) are kept inline, in the map and in
+    /// both indexes, with no allocation of their own.
+    leases: DashMap<CompactString, Slot>,
     /// Every name in `leases`, in order, for listing a page at a time.
     /// Lock order: map shard, then this.
-    names: Mutex<BTreeSet<Box<str>>>,
-    /// `holder \0 name` of every lease's current term, in order, for
+    names: Mutex<BTreeSet<CompactString>>,
+    /// `(holder, name)` of every lease's current term, in order, for
     /// listing one holder's leases a page at a time. Lock order: map shard,
     /// then this.
-    by_holder: Mutex<BTreeSet<Box<str>>>,
+    by_holder: Mutex<BTreeSet<(CompactString, CompactString)>>,
     clock: Clock,
     limits: LeaseLimits,
     journal: Arc<dyn Journal>,
@@ -243,7 +263,7 @@ impl LeaseStore {
                 None => None,
                 Some(t) => Some(Term {
                     token: t.token,
-                    holder: t.holder,
+                    holder: t.holder.into(),
                     lease_id: if rule.hashed_ids {
                         LeaseId::from_sha256(t.lease_id)
                     } else {
@@ -266,7 +286,7 @@ impl LeaseStore {
             let state = LeaseState::restored(now_ms, last_token, lease.transitions, term);
             lock(&store.shared.names).insert(lease.lease.as_str().into());
             store.shared.leases.insert(
-                lease.lease,
+                lease.lease.into(),
                 Slot {
                     state,
                     recovered: true,
@@ -319,38 +339,39 @@ impl LeaseStore {
             let mut slot = self
                 .shared
                 .leases
-                .entry(name.as_str().to_owned())
+                .entry(name.as_str().into())
                 .or_insert_with(|| {
                     lock(&self.shared.names).insert(name.as_str().into());
                     self.new_slot()
                 });
-            // Listen before trying, under the lease's lock, so a release
-            // between the attempt and the wait below still wakes this
-            // acquirer.
-            let cell = slot.cell.clone();
-            let notified = cell.changed.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
             let now_ms = clock.now_ms();
-            let attempt = self.attempt(&mut slot, name, holder, ttl_ms, lease_id, now_ms);
-            drop(slot);
-            match attempt {
-                Ok(pending) => return self.confirm(name, holder, ttl_ms, pending).await,
+            let held = match self.attempt(&mut slot, name, holder, ttl_ms, lease_id, now_ms) {
+                Ok(pending) => {
+                    drop(slot);
+                    return self.confirm(name, holder, ttl_ms, pending).await;
+                }
                 Err(AcquireRefused::TokensExhausted) => {
                     return Err(AcquireError::Unavailable(
                         "every fencing token of this lease has been issued".into(),
                     ))
                 }
-                Err(AcquireRefused::Held(held)) => {
-                    if now_ms >= wait_until_ms {
-                        return Err(AcquireError::Held(held));
-                    }
-                    let retry_at_ms = now_ms.saturating_add(held.expires_in_ms).min(wait_until_ms);
-                    tokio::select! {
-                        () = &mut notified => {}
-                        () = clock.sleep_until(retry_at_ms) => {}
-                    }
-                }
+                Err(AcquireRefused::Held(held)) => held,
+            };
+            if now_ms >= wait_until_ms {
+                return Err(AcquireError::Held(held));
+            }
+            // Listen before the lease's lock is dropped, so a release
+            // between the attempt and the wait below still wakes this
+            // acquirer.
+            let cell = slot.cell().clone();
+            let notified = cell.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            drop(slot);
+            let retry_at_ms = now_ms.saturating_add(held.expires_in_ms).min(wait_until_ms);
+            tokio::select! {
+                () = &mut notified => {}
+                () = clock.sleep_until(retry_at_ms) => {}
             }
         }
     }
@@ -477,7 +498,7 @@ impl LeaseStore {
             let before = previous.as_ref().map(|t| t.holder.clone());
             if slot.state.abandon(token, previous) {
                 self.index_holder(Some(holder), before.as_deref(), name);
-                slot.cell.changed.notify_waiters();
+                slot.notify_waiters();
             }
         }
     }
@@ -490,10 +511,10 @@ impl LeaseStore {
         }
         let mut index = lock(&self.shared.by_holder);
         if let Some(from) = from {
-            index.remove(holder_key(from, name).as_str());
+            index.remove(&(from.into(), name.into()));
         }
         if let Some(to) = to {
-            index.insert(holder_key(to, name).into());
+            index.insert((to.into(), name.into()));
         }
     }
 
@@ -527,7 +548,7 @@ impl LeaseStore {
             .map_err(RenewError::Rejected)?;
         let term = slot.state.term().expect("renewed term exists");
         let renewed = Acquired {
-            holder: term.holder.clone(),
+            holder: term.holder.to_string(),
             token,
             lease_id: term.lease_id.clone(),
             ttl_ms: grant.ttl_ms,
@@ -562,7 +583,7 @@ impl LeaseStore {
             .ok_or(Reject::UnknownToken { current: 0 })?;
         slot.state.release(now_ms, token, lease_id, holder)?;
         self.shared.journal.record_release(name, token);
-        slot.cell.changed.notify_waiters();
+        slot.notify_waiters();
         Ok(())
     }
 
@@ -574,7 +595,7 @@ impl LeaseStore {
     /// The current term's token and holder of `name`, if it was ever granted.
     pub fn holder(&self, name: &str) -> Option<(u64, String)> {
         let slot = self.shared.leases.get(name)?;
-        slot.state.term().map(|t| (t.token, t.holder.clone()))
+        slot.state.term().map(|t| (t.token, t.holder.to_string()))
     }
 
     /// What inspection shows of `name`; `None` if it was never granted.
@@ -615,17 +636,19 @@ impl LeaseStore {
                 }
                 Some(holder) => {
                     let index = lock(&self.shared.by_holder);
-                    let start = holder_key(holder, cursor.as_deref().unwrap_or(""));
-                    // '\u{1}' sorts right after the separator.
-                    let end = format!("{holder}\u{1}");
+                    let start = (
+                        CompactString::from(holder),
+                        CompactString::from(cursor.as_deref().unwrap_or("")),
+                    );
                     let from = match cursor {
-                        Some(_) => Bound::Excluded(start.as_str()),
-                        None => Bound::Included(start.as_str()),
+                        Some(_) => Bound::Excluded(start),
+                        None => Bound::Included(start),
                     };
                     index
-                        .range::<str, _>((from, Bound::Excluded(end.as_str())))
+                        .range((from, Bound::Unbounded))
+                        .take_while(|(h, _)| h == holder)
                         .take(BATCH)
-                        .map(|k| k[holder.len() + 1..].to_string())
+                        .map(|(_, name)| name.to_string())
                         .collect()
                 }
             };
@@ -664,7 +687,7 @@ impl LeaseStore {
         self.shared
             .leases
             .iter()
-            .map(|e| e.value().cell.inflight().len())
+            .map(|e| e.value().cell.get().map_or(0, |cell| cell.inflight().len()))
             .sum()
     }
 
@@ -677,13 +700,6 @@ impl LeaseStore {
             .filter(|e| e.value().state.is_held(now_ms))
             .count()
     }
-}
-
-/// A lease's key in the holder index: holder names have no control
-/// characters and lease names no NUL, so `\0` sorts each holder's leases
-/// together and in name order.
-fn holder_key(holder: &str, name: &str) -> String {
-    format!("{holder}\0{name}")
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -843,7 +859,11 @@ mod tests {
     impl Journal for LockProbe {
         fn persist_grant(&self, record: GrantRecord) -> crate::journal::JournalFuture {
             let store = self.store.get().expect("store set");
-            let locked = store.shared.leases.try_get_mut(&record.lease).is_locked();
+            let locked = store
+                .shared
+                .leases
+                .try_get_mut(record.lease.as_str())
+                .is_locked();
             self.locked.lock().unwrap().push(locked);
             Box::pin(async { Ok(()) })
         }
