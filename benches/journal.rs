@@ -211,7 +211,7 @@ fn page_us(store: &LeaseStore, leases: usize) -> f64 {
         .iter()
         .map(|&(after, left)| {
             let start = Instant::now();
-            let (page, _) = store.page(None, after, 1000);
+            let (page, _) = store.page(None, "", after, 1000);
             let us = start.elapsed().as_secs_f64() * 1e6;
             assert_eq!(page.len(), left.min(1000));
             us

@@ -181,6 +181,35 @@ fn json_response(status: StatusCode, value: &serde_json::Value) -> Response<Body
     res
 }
 
+/// The status page (`GET /_fence/ui`): a static shell, compiled in, holding
+/// no data; its script reads the listing, the metrics and readiness with
+/// the caller's secret, so it shows what that caller may read.
+fn status_page() -> Response<Body> {
+    const PAGE: &str = include_str!("ui/status.html");
+    let mut res = Response::new(body::full(Bytes::from_static(PAGE.as_bytes())));
+    let h = res.headers_mut();
+    h.insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/html; charset=utf-8"),
+    );
+    h.insert(
+        http::header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+             connect-src 'self'; form-action 'none'; frame-ancestors 'none'; base-uri 'none'",
+        ),
+    );
+    h.insert(
+        http::header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(
+        http::header::CACHE_CONTROL,
+        HeaderValue::from_static("no-store"),
+    );
+    res
+}
+
 /// Leases per page of `GET /_fence/leases` unless `?limit=` says.
 pub const PAGE_DEFAULT: usize = 1000;
 
@@ -192,6 +221,8 @@ pub const PAGE_MAX: usize = 10_000;
 struct Page {
     limit: usize,
     after: Option<String>,
+    /// Only names that start with this.
+    prefix: String,
 }
 
 impl Page {
@@ -199,6 +230,7 @@ impl Page {
         let mut page = Page {
             limit: PAGE_DEFAULT,
             after: None,
+            prefix: String::new(),
         };
         for pair in query
             .unwrap_or_default()
@@ -225,9 +257,10 @@ impl Page {
                         })?;
                 }
                 "after" => page.after = Some(value),
+                "prefix" => page.prefix = value,
                 _ => {
                     return Err(Problem::invalid_request(format!(
-                        "unknown query parameter {key:?} (this call takes limit and after)"
+                        "unknown query parameter {key:?} (this call takes limit, after and prefix)"
                     )))
                 }
             }
@@ -243,6 +276,7 @@ fn view_json(name: &str, v: &View) -> serde_json::Value {
         "holder": v.holder,
         "token": v.token,
         "expires_in_ms": v.expires_in_ms,
+        "ttl_ms": v.ttl_ms,
         "transitions": v.transitions,
     })
 }
@@ -305,7 +339,7 @@ fn allowed_methods(endpoint: &[&str]) -> Option<&'static str> {
         ["leases"] | ["metrics"] | ["backend", "history"] => "GET",
         ["leases", _] => "GET, POST, DELETE",
         ["leases", _, "renew"] | ["renew"] => "POST",
-        ["livez"] | ["readyz"] => "GET, HEAD",
+        ["livez"] | ["readyz"] | ["ui"] => "GET, HEAD",
         ["clock"] => "GET, POST",
         _ => return None,
     })
@@ -380,15 +414,21 @@ impl Api {
         let who = caller(&req).cloned();
         let endpoint = segments.get(1).copied();
         let admin_only = matches!(endpoint, Some("clock" | "metrics" | "backend"));
+        // The status page is served where the metrics are; it reads the
+        // listing, so the admin listener answers the listing too.
+        let admin_surface = admin_only || endpoint == Some("ui");
         let health = matches!(endpoint, Some("livez" | "readyz"));
+        let listing = segments.len() == 2 && endpoint == Some("leases") && method == Method::GET;
         match self.surface {
-            Surface::Data if admin_only => {
+            Surface::Data if admin_surface => {
                 return Err(Problem::new(
                     Reason::NotFound,
                     "this endpoint is served on the admin listener",
                 ))
             }
-            Surface::Admin if !admin_only && !health => return Err(admin_listener_only()),
+            Surface::Admin if !admin_surface && !health && !listing => {
+                return Err(admin_listener_only())
+            }
             _ => {}
         }
         if admin_only && who.as_ref().is_some_and(|c| !c.admin) {
@@ -420,6 +460,7 @@ impl Api {
                 Ok(json_response(StatusCode::OK, &json!({"status": "live"})))
             }
             (["readyz"], Method::GET | Method::HEAD) => Ok(self.readyz()),
+            (["ui"], Method::GET | Method::HEAD) => Ok(status_page()),
             (["metrics"], Method::GET) => Ok(self.metrics()),
             (["backend", "history"], Method::GET) => match &self.history {
                 Some(store) => Ok(store.history_response()),
@@ -631,8 +672,9 @@ impl Api {
     }
 
     /// One page of the leases, in name order: `?limit=` (default
-    /// [`PAGE_DEFAULT`], at most [`PAGE_MAX`]) after `?after=`; `next` is
-    /// the `after` of the following page, `null` on the last one.
+    /// [`PAGE_DEFAULT`], at most [`PAGE_MAX`]) after `?after=`, only names
+    /// starting with `?prefix=`; `next` is the `after` of the following
+    /// page, `null` on the last one.
     fn list(
         &self,
         query: Option<&str>,
@@ -642,7 +684,9 @@ impl Api {
         // Callers who are not admins see their own leases only, from the
         // holder index (and the cursor is one of them).
         let own = caller.filter(|c| !c.admin).map(|c| c.name.as_str());
-        let (leases, next) = self.leases.page(own, page.after.as_deref(), page.limit);
+        let (leases, next) = self
+            .leases
+            .page(own, &page.prefix, page.after.as_deref(), page.limit);
         let leases: Vec<serde_json::Value> = leases
             .iter()
             .map(|(name, view)| view_json(name, view))

@@ -350,7 +350,12 @@ where
         let to_api = self.api.is_some() && req.uri().path().starts_with(PREFIX);
         let mut req = req;
         if let Some(auth) = &self.auth {
-            let health = matches!(req.uri().path(), "/_fence/livez" | "/_fence/readyz");
+            // The health checks, and the status page's shell (it holds no
+            // data; its script sends the caller's secret with every read).
+            let health = matches!(
+                req.uri().path(),
+                "/_fence/livez" | "/_fence/readyz" | "/_fence/ui"
+            );
             match auth.authenticate(req.headers()) {
                 Some(identity) => {
                     req.extensions_mut().insert(Caller(identity));

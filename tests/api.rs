@@ -212,6 +212,21 @@ async fn the_listing_comes_in_pages() {
     assert_eq!(seen, names);
     assert_eq!(pages, 3);
 
+    // A prefix narrows the pages to the names that start with it; each
+    // lease shows its term's TTL, which the status page's bars need.
+    let page = h
+        .send(Req::new("GET", "/_fence/leases?prefix=e-&limit=1"))
+        .await
+        .json();
+    assert_eq!(page["leases"][0]["lease"], "e-e");
+    assert_eq!(page["leases"][0]["ttl_ms"], 1000);
+    assert_eq!(page["next"], serde_json::Value::Null);
+    let page = h
+        .send(Req::new("GET", "/_fence/leases?prefix=b"))
+        .await
+        .json();
+    assert_eq!(page["leases"].as_array().unwrap().len(), 1);
+
     for bad in [
         "/_fence/leases?limit=0",
         "/_fence/leases?limit=10001",
@@ -226,6 +241,23 @@ async fn the_listing_comes_in_pages() {
             "{bad}"
         );
     }
+}
+
+#[tokio::test]
+async fn the_status_page_is_a_static_shell_with_a_strict_policy() {
+    let h = Harness::new();
+    let r = h.send(Req::new("GET", "/_fence/ui")).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.headers["content-type"], "text/html; charset=utf-8");
+    let csp = r.headers["content-security-policy"].to_str().unwrap();
+    assert!(
+        csp.contains("default-src 'none'") && csp.contains("connect-src 'self'"),
+        "{csp}"
+    );
+    assert!(r.text().contains("/_fence/leases?"));
+    let r = h.send(Req::new("DELETE", "/_fence/ui")).await;
+    assert_eq!(r.status, 405);
+    assert_eq!(r.headers["allow"], "GET, HEAD");
 }
 
 #[tokio::test]

@@ -75,6 +75,14 @@ async fn callers_need_a_known_bearer_token_except_for_health() {
     }
     assert_eq!(h.send(Req::new("GET", "/_fence/livez")).await.status, 200);
     assert_eq!(h.send(Req::new("GET", "/_fence/readyz")).await.status, 200);
+    // The status page's shell holds no data and loads without a secret; what
+    // it shows comes from the listing and metrics, which need one (metrics
+    // an admin's).
+    assert_eq!(h.send(Req::new("GET", "/_fence/ui")).await.status, 200);
+    let r = h.send(as_("bob", Req::new("GET", "/_fence/metrics"))).await;
+    assert_eq!(r.status, 403);
+    let r = h.send(as_("ops", Req::new("GET", "/_fence/metrics"))).await;
+    assert_eq!(r.status, 200);
 }
 
 #[tokio::test]

@@ -190,7 +190,7 @@ fn a_silent_client_is_cut_off_during_the_handshake() {
 }
 
 #[test]
-fn the_admin_listener_serves_health_metrics_and_clock_only() {
+fn the_admin_listener_serves_health_metrics_clock_and_the_status_page_only() {
     let dir = TempDir::new("admin");
     let log = dir.path().join("stderr.log");
     let mut p = Proc::start(
@@ -207,6 +207,7 @@ fn the_admin_listener_serves_health_metrics_and_clock_only() {
         "/_fence/readyz",
         "/_fence/metrics",
         "/_fence/clock",
+        "/_fence/ui",
     ] {
         assert_eq!(
             exchange(&[&format!("{admin}{path}")]).0,
@@ -231,7 +232,7 @@ fn the_admin_listener_serves_health_metrics_and_clock_only() {
             "{path} on main"
         );
     }
-    for path in ["/_fence/metrics", "/_fence/clock"] {
+    for path in ["/_fence/metrics", "/_fence/clock", "/_fence/ui"] {
         let (status, body) = exchange(&[&format!("{main}{path}")]);
         assert_eq!(status, 404, "{path} on main: {body}");
         assert!(body.contains("admin listener"), "{body}");
@@ -242,7 +243,11 @@ fn the_admin_listener_serves_health_metrics_and_clock_only() {
     args.push(&lease);
     assert_eq!(exchange(&args).0, 201);
 
-    // Nothing is proxied or leased through the admin listener.
+    // The admin listener lists leases (its status page reads the listing),
+    // but nothing is proxied or leased through it.
+    let (status, body) = exchange(&[&format!("{admin}/_fence/leases")]);
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"orders\""), "{body}");
     let lease_on_admin = format!("{admin}/_fence/leases/orders");
     let (status, body) = exchange(&[&lease_on_admin]);
     assert_eq!(status, 404, "{body}");

@@ -4,6 +4,7 @@
 // Each test crate includes these fixtures and uses a part of them.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod browser;
 pub mod proc;
 pub mod servers;
 pub mod tools;

@@ -12,13 +12,14 @@ use std::process::Command;
 use std::sync::Mutex;
 
 /// Every program the suite runs, with the Debian package that has it.
-pub const PROGRAMS: [(&str, &str); 6] = [
+pub const PROGRAMS: [(&str, &str); 7] = [
     ("curl", "curl"),
     ("openssl", "openssl"),
     ("kill", "procps"),
     ("nginx", "nginx"),
     ("etcd", "etcd-server"),
     ("promtool", "prometheus"),
+    ("chromium", "chromium"),
 ];
 
 /// Where `name` is installed, if it is: on PATH or in the sbin directories

@@ -38,6 +38,9 @@ pub struct ClientWrite {
     pub stale: bool,
     pub outcome: Outcome,
     pub latency_us: u64,
+    /// When it was sent, in microseconds since the run started.
+    #[serde(default)]
+    pub at_us: u64,
 }
 
 /// What the checker found.
@@ -64,6 +67,9 @@ pub struct Findings {
     pub unknown_in_log: u64,
     /// The first few violations, for people.
     pub examples: Vec<String>,
+    /// The write ids of every stale write applied, for the HTML report.
+    #[serde(skip)]
+    pub stale_applied_ids: Vec<String>,
 }
 
 impl Findings {
@@ -117,6 +123,7 @@ pub fn check(log: &[Applied], writes: &[ClientWrite]) -> Findings {
         let newest = newest_by_lease.entry(write.lease.as_str()).or_insert(0);
         if token < *newest {
             f.stale_writes_applied += 1;
+            f.stale_applied_ids.push(write.write_id.clone());
             example(
                 &mut f.examples,
                 format!(
@@ -168,6 +175,7 @@ mod tests {
             stale,
             outcome,
             latency_us: 100,
+            at_us: 0,
         }
     }
 

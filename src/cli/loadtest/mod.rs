@@ -14,6 +14,7 @@
 //! still come from `--target`), to show what lands without the proxy.
 
 pub mod check;
+pub mod html;
 
 use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
@@ -80,6 +81,11 @@ pub struct LoadtestArgs {
     /// Write the report as JSON to this file.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
+    /// Write the report as one self-contained HTML page to this file: per
+    /// lease a timeline of terms and writes, latency and rejections over
+    /// time, the summary and the verdict.
+    #[arg(long)]
+    pub html: Option<std::path::PathBuf>,
     /// Fail unless at least this many stale writes were attempted.
     #[arg(long, default_value_t = 1)]
     pub min_stale: u64,
@@ -168,6 +174,20 @@ struct Shared {
     started: Stopwatch,
     sent: AtomicU64,
     log: Mutex<Vec<ClientWrite>>,
+    /// Every term a writer was granted, for the HTML report.
+    terms: Mutex<Vec<TermSpan>>,
+}
+
+/// A term as the run saw it: from its grant to its end (release, or the
+/// proxy's deadline as of its last renewal), in milliseconds since the run
+/// started.
+#[derive(Clone, Debug)]
+pub struct TermSpan {
+    pub lease: String,
+    pub writer: String,
+    pub token: u64,
+    pub from_ms: u64,
+    pub until_ms: u64,
 }
 
 impl Shared {
@@ -312,6 +332,8 @@ async fn send(
 /// A term as the writer sees it.
 struct Term {
     lease: String,
+    /// When the grant's answer arrived.
+    granted_ms: u64,
     token: u64,
     lease_id: String,
     /// When the proxy will end the term (writer's clock).
@@ -339,9 +361,19 @@ async fn writer(index: u32, shared: Arc<Shared>, seed: u64) -> Result<(), String
         let Some(mut term) = writer.acquire().await? else {
             continue;
         };
+        let mut until_ms = term.true_deadline_ms;
         if writer.write_with(&mut term).await {
             writer.release(&term).await;
+            until_ms = until_ms.min(writer.shared.started.elapsed_ms());
         }
+        let span = TermSpan {
+            lease: term.lease,
+            writer: writer.name.clone(),
+            token: term.token,
+            from_ms: term.granted_ms,
+            until_ms: until_ms.max(term.granted_ms),
+        };
+        lock(&writer.shared.terms).push(span);
     }
     Ok(())
 }
@@ -417,6 +449,7 @@ impl Writer {
         let expires = answer.json["expires_in_ms"].as_u64().unwrap_or(0);
         Ok(Some(Term {
             lease,
+            granted_ms: self.shared.started.elapsed_ms(),
             token: answer.json["token"].as_u64().unwrap_or(0),
             lease_id: answer.json["lease_id"]
                 .as_str()
@@ -519,6 +552,7 @@ async fn write(
         None => To::Target(path),
     };
     let token = term.token.to_string();
+    let at_us = shared.started.elapsed_us();
     let watch = Stopwatch::start();
     let answer = call(
         shared,
@@ -554,12 +588,9 @@ async fn write(
         stale,
         outcome,
         latency_us,
+        at_us,
     };
-    shared
-        .log
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .push(record);
+    lock(&shared.log).push(record);
 }
 
 /// Draws a progress bar on stderr (a terminal only) once the run has lasted
@@ -625,12 +656,7 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
         .into_iter()
         .filter(|e| e.writer.as_deref().is_some_and(|w| w.starts_with(&prefix)))
         .collect();
-    let writes = std::mem::take(
-        &mut *shared
-            .log
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner),
-    );
+    let writes = std::mem::take(&mut *lock(&shared.log));
     let findings = check::check(&log, &writes);
     let (safe, verdict, status) = verdict(&findings, history.truncated, args.min_stale);
     let report = Report {
@@ -656,7 +682,16 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
         let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
         std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     }
+    if let Some(path) = &args.html {
+        let terms = std::mem::take(&mut *lock(&shared.terms));
+        let page = html::render(&report, &writes, &terms);
+        std::fs::write(path, page).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
     Ok((report, status))
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Refuses arguments no run can use; trims the URLs' trailing slashes.
@@ -721,6 +756,7 @@ fn prepare(args: &LoadtestArgs, total: Option<u64>) -> Result<Arc<Shared>, Strin
         started: Stopwatch::start(),
         sent: AtomicU64::new(0),
         log: Mutex::new(Vec::new()),
+        terms: Mutex::new(Vec::new()),
     }))
 }
 

@@ -605,20 +605,23 @@ impl LeaseStore {
     }
 
     /// One page of the leases ever granted, in name order: up to `limit`
-    /// after `after`, only those whose current term is `holder`'s when it is
-    /// given (read from the holder index, so such a page looks at the
-    /// holder's leases only), and the name to continue after (`None`: no
-    /// such lease follows). The cursor is always a lease of the page.
+    /// whose names start with `prefix` (`""`: all), after `after`, only those
+    /// whose current term is `holder`'s when it is given (read from the
+    /// holder index, so such a page looks at the holder's leases only), and
+    /// the name to continue after (`None`: no such lease follows). The cursor
+    /// is always a lease of the page.
     pub fn page(
         &self,
         holder: Option<&str>,
+        prefix: &str,
         after: Option<&str>,
         limit: usize,
     ) -> (Vec<(String, View)>, Option<String>) {
         const BATCH: usize = 256;
         let now_ms = self.shared.clock.now_ms();
         let mut out: Vec<(String, View)> = Vec::new();
-        let mut cursor = after.map(str::to_owned);
+        // Names before the prefix cannot start with it: skip them at once.
+        let mut cursor = after.filter(|a| *a >= prefix).map(str::to_owned);
         // One more than the page, to know whether another page follows.
         let mut extra = false;
         'scan: loop {
@@ -627,9 +630,12 @@ impl LeaseStore {
             let batch: Vec<String> = match holder {
                 None => {
                     let names = lock(&self.shared.names);
-                    let from = cursor.as_deref().map_or(Bound::Unbounded, Bound::Excluded);
+                    let from = cursor
+                        .as_deref()
+                        .map_or(Bound::Included(prefix), Bound::Excluded);
                     names
                         .range::<str, _>((from, Bound::Unbounded))
+                        .take_while(|n| n.starts_with(prefix))
                         .take(BATCH)
                         .map(|n| n.to_string())
                         .collect()
@@ -638,7 +644,7 @@ impl LeaseStore {
                     let index = lock(&self.shared.by_holder);
                     let start = (
                         CompactString::from(holder),
-                        CompactString::from(cursor.as_deref().unwrap_or("")),
+                        CompactString::from(cursor.as_deref().unwrap_or(prefix)),
                     );
                     let from = match cursor {
                         Some(_) => Bound::Excluded(start),
@@ -646,7 +652,7 @@ impl LeaseStore {
                     };
                     index
                         .range((from, Bound::Unbounded))
-                        .take_while(|(h, _)| h == holder)
+                        .take_while(|(h, name)| h == holder && name.starts_with(prefix))
                         .take(BATCH)
                         .map(|(_, name)| name.to_string())
                         .collect()
@@ -740,37 +746,72 @@ mod tests {
         let names = |page: &[(String, View)]| -> Vec<String> {
             page.iter().map(|(n, _)| n.clone()).collect()
         };
-        let (page, next) = s.page(None, None, 4);
+        let (page, next) = s.page(None, "", None, 4);
         assert_eq!(names(&page), ["l0", "l1", "l2", "l3"]);
         assert_eq!(next.as_deref(), Some("l3"));
-        let (page, next) = s.page(None, Some("l3"), 4);
+        let (page, next) = s.page(None, "", Some("l3"), 4);
         assert_eq!(names(&page), ["l4", "l5", "l6", "l7"]);
-        let (page, next) = s.page(None, next.as_deref(), 4);
+        let (page, next) = s.page(None, "", next.as_deref(), 4);
         assert_eq!((names(&page), next), (vec!["l8".into(), "l9".into()], None));
         // A page that ends exactly at the last lease has no next page.
-        let (page, next) = s.page(None, Some("l5"), 4);
+        let (page, next) = s.page(None, "", Some("l5"), 4);
         assert_eq!((names(&page).len(), next), (4, None));
         // A cursor need not be a lease.
-        let (page, _) = s.page(None, Some("l55"), 1);
+        let (page, _) = s.page(None, "", Some("l55"), 1);
         assert_eq!(names(&page), ["l6"]);
         // One holder's, from the holder index: the cursor is always one of
         // its leases.
-        let (page, next) = s.page(Some("mine"), None, 2);
+        let (page, next) = s.page(Some("mine"), "", None, 2);
         assert_eq!(names(&page), ["l0", "l3"]);
         assert_eq!(next.as_deref(), Some("l3"));
-        let (page, next) = s.page(Some("mine"), next.as_deref(), 2);
+        let (page, next) = s.page(Some("mine"), "", next.as_deref(), 2);
         assert_eq!((names(&page), next), (vec!["l6".into(), "l9".into()], None));
         // A holder whose name another's begins with sees none of them; a
         // new term moves a lease to its new holder.
-        assert!(s.page(Some("min"), None, 10).0.is_empty());
+        assert!(s.page(Some("min"), "", None, 10).0.is_empty());
         clock.advance(1000).unwrap();
         s.acquire(&lease("l3"), &holder("other"), 1000, 0)
             .await
             .unwrap();
-        let (page, _) = s.page(Some("mine"), None, 10);
+        let (page, _) = s.page(Some("mine"), "", None, 10);
         assert_eq!(names(&page), ["l0", "l6", "l9"]);
-        let (page, _) = s.page(Some("other"), None, 10);
+        let (page, _) = s.page(Some("other"), "", None, 10);
         assert_eq!(names(&page), ["l1", "l2", "l3", "l4", "l5", "l7", "l8"]);
+    }
+
+    #[tokio::test]
+    async fn a_prefix_pages_through_the_names_that_start_with_it() {
+        let clock = Clock::manual(0);
+        let (s, _) = store(&clock);
+        for (name, h) in [
+            ("a", "x"),
+            ("ab", "x"),
+            ("abc", "y"),
+            ("abd", "x"),
+            ("b", "x"),
+        ] {
+            s.acquire(&lease(name), &holder(h), 1000, 0).await.unwrap();
+        }
+        let names = |page: &[(String, View)]| -> Vec<String> {
+            page.iter().map(|(n, _)| n.clone()).collect()
+        };
+        let (page, next) = s.page(None, "ab", None, 2);
+        assert_eq!(
+            (names(&page), next.as_deref()),
+            (vec!["ab".into(), "abc".into()], Some("abc"))
+        );
+        let (page, next) = s.page(None, "ab", next.as_deref(), 2);
+        assert_eq!((names(&page), next), (vec!["abd".into()], None));
+        // A cursor before the prefix starts at the prefix; one past it ends.
+        assert_eq!(
+            names(&s.page(None, "ab", Some("a"), 10).0),
+            ["ab", "abc", "abd"]
+        );
+        assert!(s.page(None, "ab", Some("abz"), 10).0.is_empty());
+        assert!(s.page(None, "c", None, 10).0.is_empty());
+        // Within one holder's leases.
+        assert_eq!(names(&s.page(Some("x"), "ab", None, 10).0), ["ab", "abd"]);
+        assert_eq!(names(&s.page(Some("x"), "ab", Some("ab"), 10).0), ["abd"]);
     }
 
     #[tokio::test]
