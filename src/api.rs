@@ -15,11 +15,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use base64::Engine as _;
 use bytes::Bytes;
 use http::header::{HeaderValue, CONTENT_TYPE};
 use http::{Method, Request, Response, StatusCode};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use sha2::{Digest, Sha256};
 use smallvec::SmallVec;
 
 use crate::auth::{Caller, Identity};
@@ -65,9 +67,10 @@ pub enum Surface {
     /// Everything: the single-listener set-up.
     All,
     /// The main listener when an admin listener exists: leases and health,
-    /// but not metrics, clock or the apply log.
+    /// but not metrics, clock, the apply log or the status page.
     Data,
-    /// The admin listener: health, metrics, clock and the apply log only.
+    /// The admin listener: health, metrics, clock, the apply log, the status
+    /// page and the listing it reads (admins only, with auth on) only.
     Admin,
 }
 
@@ -184,9 +187,31 @@ fn json_response(status: StatusCode, value: &serde_json::Value) -> Response<Body
 /// The status page (`GET /_fence/ui`): a static shell, compiled in, holding
 /// no data; its script reads the listing, the metrics and readiness with
 /// the caller's secret, so it shows what that caller may read.
+const STATUS_PAGE: &str = include_str!("ui/status.html");
+
+/// The status page's policy: its own inline script and style only (by their
+/// digests), requests to its own origin only, no framing.
+static STATUS_PAGE_POLICY: std::sync::LazyLock<HeaderValue> = std::sync::LazyLock::new(|| {
+    let digest = |open: &str, close: &str| {
+        let inline = STATUS_PAGE
+            .split_once(open)
+            .and_then(|(_, rest)| rest.split_once(close))
+            .map_or("", |(inline, _)| inline);
+        base64::engine::general_purpose::STANDARD.encode(Sha256::digest(inline.as_bytes()))
+    };
+    let policy = format!(
+        "default-src 'none'; script-src 'sha256-{}'; style-src 'sha256-{}'; \
+         connect-src 'self'; form-action 'none'; frame-ancestors 'none'; base-uri 'none'",
+        digest("<script>", "</script>"),
+        digest("<style>", "</style>"),
+    );
+    // Digests in base64 and fixed text: always a valid header value.
+    HeaderValue::from_str(&policy)
+        .unwrap_or_else(|_| HeaderValue::from_static("default-src 'none'"))
+});
+
 fn status_page() -> Response<Body> {
-    const PAGE: &str = include_str!("ui/status.html");
-    let mut res = Response::new(body::full(Bytes::from_static(PAGE.as_bytes())));
+    let mut res = Response::new(body::full(Bytes::from_static(STATUS_PAGE.as_bytes())));
     let h = res.headers_mut();
     h.insert(
         CONTENT_TYPE,
@@ -194,10 +219,7 @@ fn status_page() -> Response<Body> {
     );
     h.insert(
         http::header::CONTENT_SECURITY_POLICY,
-        HeaderValue::from_static(
-            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
-             connect-src 'self'; form-action 'none'; frame-ancestors 'none'; base-uri 'none'",
-        ),
+        STATUS_PAGE_POLICY.clone(),
     );
     h.insert(
         http::header::X_CONTENT_TYPE_OPTIONS,
@@ -276,7 +298,6 @@ fn view_json(name: &str, v: &View) -> serde_json::Value {
         "holder": v.holder,
         "token": v.token,
         "expires_in_ms": v.expires_in_ms,
-        "ttl_ms": v.ttl_ms,
         "transitions": v.transitions,
     })
 }
@@ -431,7 +452,10 @@ impl Api {
             }
             _ => {}
         }
-        if admin_only && who.as_ref().is_some_and(|c| !c.admin) {
+        // The admin listener is plain HTTP and meant for operators: there
+        // the listing is theirs too.
+        let admin_listing = listing && self.surface == Surface::Admin;
+        if (admin_only || admin_listing) && who.as_ref().is_some_and(|c| !c.admin) {
             return Err(Problem::forbidden(
                 "this endpoint needs an admin credential",
             ));

@@ -277,7 +277,8 @@ impl<S> App<S> {
     }
 
     /// Splits off the app of a separate admin listener (health, metrics,
-    /// clock, apply log); this app stops serving those but health.
+    /// clock, apply log, the status page and the listing it reads); this
+    /// app stops serving those but health and the listing.
     pub fn split_admin(&mut self) -> AdminApp {
         let api = self.api.take().map(Arc::unwrap_or_clone);
         self.api = api.clone().map(|a| Arc::new(a.with_surface(Surface::Data)));

@@ -369,3 +369,33 @@ async fn another_callers_term_is_shown_only_to_admins_and_its_holder() {
     let j = h.send(as_("alice", write0())).await.json();
     assert_eq!(j["current_token"], 1);
 }
+
+#[tokio::test]
+async fn on_the_admin_listener_the_status_page_reads_for_admins_only() {
+    let mut h = harness();
+    let admin = h.app.split_admin();
+    let r = h
+        .send(as_(
+            "alice",
+            Req::new("POST", "/_fence/leases/orders").json(json!({"ttl_ms": 5000})),
+        ))
+        .await;
+    assert_eq!(r.status, 201);
+    let on_admin = |req: Req| {
+        let admin = admin.clone();
+        async move { Resp::read(admin.oneshot(req.build("")).await.unwrap()).await }
+    };
+    // The page is served there, not on the main listener.
+    assert_eq!(on_admin(Req::new("GET", "/_fence/ui")).await.status, 200);
+    assert_eq!(h.send(Req::new("GET", "/_fence/ui")).await.status, 404);
+    // The listing it reads is an operator's there: a writer's secret, even
+    // the holder's, gets nothing.
+    let r = on_admin(as_("alice", Req::new("GET", "/_fence/leases"))).await;
+    assert_eq!((r.status.as_u16(), r.reason().as_str()), (403, "forbidden"));
+    let r = on_admin(as_("ops", Req::new("GET", "/_fence/leases"))).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["leases"][0]["lease"], "orders");
+    // Nothing else of the lease API is there.
+    let r = on_admin(as_("ops", Req::new("GET", "/_fence/leases/orders"))).await;
+    assert_eq!(r.status, 404);
+}

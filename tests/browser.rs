@@ -66,6 +66,16 @@ fn assert_no_id(ids: &[String], what: &str, text: &str) {
     }
 }
 
+/// A child process killed (by its pid) and reaped when dropped.
+struct Stopped(std::process::Child);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 fn screenshot(browser: &mut Browser, name: &str) {
     if let Some(dir) = std::env::var_os("FENCEGATE_SCREENSHOTS") {
         browser.screenshot(&Path::new(&dir).join(name));
@@ -89,28 +99,26 @@ async fn the_status_page_shows_a_running_loadtests_leases_live() {
     let watched = http
         .send(
             Req::new("POST", "/_fence/leases/ui-watch")
-                .json(json!({"holder": "watcher", "ttl_ms": 60_000})),
+                .json(json!({"holder": "watcher", "ttl_ms": 600_000})),
         )
         .await;
     assert_eq!(watched.status, 201);
     let watched_id = watched.json()["lease_id"].as_str().unwrap().to_owned();
 
-    // A load test runs through the proxy while the page is open; TTL 2 s so
-    // that terms last long enough to be seen, and hand over often.
-    let mut loadtest = Command::new(env!("CARGO_BIN_EXE_fencegate"))
-        .args([
-            "loadtest",
-            "--target",
-            &proxy.url,
-            "--history",
-            &backend.url,
-        ])
-        .args(["--writers", "6", "--leases", "4", "--duration", "60s"])
-        .args(["--ttl", "2s", "--pause-prob", "0.05", "--min-stale", "0"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    // A load test runs through the proxy while the page is open (stopped
+    // when the test ends, however it ends); TTL 2 s so that terms last long
+    // enough to be seen, and hand over often.
+    let _loadtest = Stopped(
+        Command::new(env!("CARGO_BIN_EXE_fencegate"))
+            .args(["loadtest", "--target", &proxy.url])
+            .args(["--history", &backend.url])
+            .args(["--writers", "6", "--leases", "4", "--duration", "600s"])
+            .args(["--ttl", "2s", "--pause-prob", "0.05", "--min-stale", "0"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
 
     let url = format!("{}/_fence/ui", proxy.url);
     let page = tokio::task::spawn_blocking(move || {
@@ -145,7 +153,7 @@ async fn the_status_page_shows_a_running_loadtests_leases_live() {
         std::thread::sleep(Duration::from_millis(1500));
         let second = b.eval(left).as_f64().unwrap();
         assert!(
-            first <= 60_000.0 && first - second >= 500.0,
+            first <= 600_000.0 && first - second >= 500.0,
             "time left went from {first} to {second} ms"
         );
         // A prefix search narrows the table to matching names.
@@ -166,8 +174,6 @@ async fn the_status_page_shows_a_running_loadtests_leases_live() {
         .send(Req::new("GET", "/_fence/leases?limit=10000"))
         .await;
     let source = http.send(Req::new("GET", "/_fence/ui")).await;
-    let _ = loadtest.kill();
-    let _ = loadtest.wait();
     let mut ids = journaled_ids(&data);
     assert!(ids.contains(&watched_id), "the journal scan finds ids");
     assert!(ids.len() > 5, "only {} ids in the journal", ids.len());

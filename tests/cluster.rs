@@ -16,6 +16,7 @@ use std::time::Duration;
 use fencegate::clock::Stopwatch;
 
 use serde_json::json;
+use support::browser::Browser;
 use support::proc::{Proc, TempDir};
 use support::servers::{free_port, EtcdCluster, Relay};
 use support::{
@@ -369,6 +370,7 @@ async fn a_standby_takes_over_and_terms_survive_the_primary() {
     assert_eq!(r.status, 200);
     for req in [
         Req::new("GET", "/_fence/readyz"),
+        Req::new("GET", "/_fence/ui"),
         Req::new("GET", "/kv/x"),
         acquire("x", "a"),
         put(
@@ -401,6 +403,24 @@ async fn a_standby_takes_over_and_terms_survive_the_primary() {
     let held = held_from(&r);
     let r = primary.send(put("x", &held, "one")).await;
     assert!(r.status.is_success(), "{}", r.text());
+
+    // The primary's status page shows its role and the lease.
+    let ui = format!("{primary_url}/_fence/ui");
+    let role = tokio::task::spawn_blocking(move || {
+        let mut b = Browser::open(&ui, 1280, 720);
+        let within = Duration::from_secs(30);
+        b.wait_for("!!document.querySelector(\"tr[data-lease='x']\")", within);
+        b.wait_for("!document.getElementById('role').hidden", within);
+        b.eval("document.getElementById('role').textContent")
+    })
+    .await
+    .unwrap();
+    let name = primary
+        .send(Req::new("GET", "/_fence/cluster"))
+        .await
+        .json()["name"]
+        .clone();
+    assert_eq!(role, format!("primary · {}", name.as_str().unwrap()));
 
     // Kill the primary: the standby takes over.
     let killed = Stopwatch::start();

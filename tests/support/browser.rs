@@ -73,7 +73,10 @@ impl Browser {
             .arg("about:blank")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null());
+            .stderr(Stdio::null())
+            // A process group of its own (its id is the browser's pid), so
+            // that stopping it stops its helper processes too.
+            .process_group(0);
         // SAFETY: only async-signal-safe calls (fcntl, dup2) between fork
         // and exec. The pipe ends are first copied above 3 and 4, so that
         // neither dup2 overwrites the other's source or is a no-op (which
@@ -90,6 +93,8 @@ impl Browser {
                 {
                     return Err(std::io::Error::last_os_error());
                 }
+                libc::close(high_in);
+                libc::close(high_out);
                 Ok(())
             });
         }
@@ -131,7 +136,10 @@ impl Browser {
             "Emulation.setDeviceMetricsOverride",
             json!({ "width": width, "height": height, "deviceScaleFactor": 1, "mobile": false }),
         );
-        browser.call("Page.navigate", json!({ "url": url }));
+        let navigated = browser.call("Page.navigate", json!({ "url": url }));
+        if let Some(error) = navigated.get("errorText") {
+            panic!("chromium could not open {url}: {error}");
+        }
         browser.wait_for(
             "document.readyState === 'complete'",
             Duration::from_secs(60),
@@ -218,6 +226,15 @@ impl Browser {
 
 impl Drop for Browser {
     fn drop(&mut self) {
+        // The browser's process group, by its own pid, then the browser
+        // itself reaped; the profile directory goes once they are gone.
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            // SAFETY: a plain signal to the group this browser leads.
+            #[allow(unsafe_code)]
+            unsafe {
+                libc::kill(-pid, libc::SIGKILL);
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

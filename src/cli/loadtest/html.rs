@@ -17,8 +17,10 @@ const WIDTH: f64 = 1000.0;
 const LEFT: f64 = 90.0;
 /// Height of one lease's lane.
 const LANE: f64 = 54.0;
-/// Acknowledged writes drawn at most; every other write is always drawn.
-const MAX_ACKNOWLEDGED_MARKS: usize = 20_000;
+/// Writes drawn at most (one in N of a longer run, evenly), besides the
+/// stale writes that landed, which are always drawn: a long run's page
+/// stays a few megabytes.
+const MAX_MARKS: usize = 20_000;
 
 /// The page for `report`, from the run's `writes` and `terms`.
 pub fn render(report: &Report, writes: &[ClientWrite], terms: &[TermSpan]) -> String {
@@ -41,7 +43,7 @@ pub fn render(report: &Report, writes: &[ClientWrite], terms: &[TermSpan]) -> St
         Some(d) => format!("straight to {d}: no fencing"),
         None => format!("through fencegate at {}", report.target),
     };
-    let mut page = String::with_capacity(64 * 1024 + writes.len() * 120);
+    let mut page = String::with_capacity(64 * 1024 + writes.len().min(MAX_MARKS) * 160);
     let _ = write!(
         page,
         r#"<!doctype html>
@@ -147,11 +149,11 @@ fn timeline(
     for w in writes {
         lanes.entry(&w.lease).or_default().1.push(w);
     }
-    let acknowledged = writes
+    let sampled = writes
         .iter()
-        .filter(|w| w.outcome == Outcome::Acknowledged)
+        .filter(|w| !landed.contains(w.write_id.as_str()))
         .count();
-    let every = acknowledged.div_ceil(MAX_ACKNOWLEDGED_MARKS).max(1);
+    let every = sampled.div_ceil(MAX_MARKS).max(1);
     // Each writer its own colour, spread around the wheel by the golden
     // angle so neighbours differ.
     let writers: std::collections::BTreeSet<&str> =
@@ -177,7 +179,7 @@ fn timeline(
     if every > 1 {
         let _ = write!(
             page,
-            "<p class=\"note\">One acknowledged write in {every} is drawn ({acknowledged} in all); every other write is drawn.</p>"
+            "<p class=\"note\">One write in {every} is drawn ({sampled} in all), and every stale write that landed.</p>"
         );
     }
     let _ = write!(
@@ -222,12 +224,12 @@ fn timeline(
             }
             page.push_str("</g>");
         }
-        let mut drawn_ok = 0usize;
+        let mut seen = 0usize;
         for w in writes {
             let is_landed = landed.contains(w.write_id.as_str());
-            if w.outcome == Outcome::Acknowledged && !is_landed && !w.stale {
-                drawn_ok += 1;
-                if !drawn_ok.is_multiple_of(every) {
+            if !is_landed {
+                seen += 1;
+                if !seen.is_multiple_of(every) {
                     continue;
                 }
             }
