@@ -8,7 +8,7 @@
 //! dropped).
 
 use std::collections::BTreeSet;
-use std::sync::OnceLock;
+use std::sync::{Once, OnceLock};
 
 use compact_str::CompactString;
 use std::ops::Bound;
@@ -156,17 +156,26 @@ impl LeaseCell {
     }
 }
 
+/// `(holder, name)` pairs, in order.
+type HolderIndex = BTreeSet<(CompactString, CompactString)>;
+
 struct Shared {
     /// Names of 24 bytes or less (most) are kept inline, in the map and in
-    /// both indexes, with no allocation of their own.
-    leases: DashMap<CompactString, Slot>,
+    /// both indexes, with no allocation of their own. Each lease is boxed:
+    /// the hash table, half empty after it doubles, then holds 32-byte
+    /// entries rather than 150-byte ones (a third less memory at 1M leases).
+    leases: DashMap<CompactString, Box<Slot>>,
     /// Every name in `leases`, in order, for listing a page at a time.
     /// Lock order: map shard, then this.
     names: Mutex<BTreeSet<CompactString>>,
     /// `(holder, name)` of every lease's current term, in order, for
-    /// listing one holder's leases a page at a time. Lock order: map shard,
-    /// then this.
-    by_holder: Mutex<BTreeSet<(CompactString, CompactString)>>,
+    /// listing one holder's leases a page at a time. Built on the first such
+    /// page (only callers who are not admins, with authentication on, ask
+    /// for one): a store that never serves one keeps no such index. Lock
+    /// order: map shard, then this.
+    by_holder: Mutex<Option<HolderIndex>>,
+    /// Run once, to build `by_holder`.
+    by_holder_built: Once,
     clock: Clock,
     limits: LeaseLimits,
     journal: Arc<dyn Journal>,
@@ -223,6 +232,7 @@ impl LeaseStore {
                 leases: DashMap::new(),
                 names: Mutex::default(),
                 by_holder: Mutex::default(),
+                by_holder_built: Once::new(),
                 clock,
                 limits,
                 journal,
@@ -287,11 +297,11 @@ impl LeaseStore {
             lock(&store.shared.names).insert(lease.lease.as_str().into());
             store.shared.leases.insert(
                 lease.lease.into(),
-                Slot {
+                Box::new(Slot {
                     state,
                     recovered: true,
                     ..Slot::default()
-                },
+                }),
             );
         }
         Ok(store)
@@ -342,7 +352,7 @@ impl LeaseStore {
                 .entry(name.as_str().into())
                 .or_insert_with(|| {
                     lock(&self.shared.names).insert(name.as_str().into());
-                    self.new_slot()
+                    Box::new(self.new_slot())
                 });
             let now_ms = clock.now_ms();
             let held = match self.attempt(&mut slot, name, holder, ttl_ms, lease_id, now_ms) {
@@ -503,19 +513,40 @@ impl LeaseStore {
         }
     }
 
-    /// Moves `name` in the holder index from `from` to `to` (called under
-    /// the lease's map shard lock).
+    /// Moves `name` in the holder index, if there is one yet, from `from`
+    /// to `to` (called under the lease's map shard lock).
     fn index_holder(&self, from: Option<&str>, to: Option<&str>, name: &str) {
         if from == to {
             return;
         }
         let mut index = lock(&self.shared.by_holder);
+        let Some(index) = index.as_mut() else {
+            return;
+        };
         if let Some(from) = from {
             index.remove(&(from.into(), name.into()));
         }
         if let Some(to) = to {
             index.insert((to.into(), name.into()));
         }
+    }
+
+    /// The holder index, built first if this is its first use: from the
+    /// moment it exists every change of holder updates it, then every
+    /// lease's current holder is added under the lease's shard lock (held by
+    /// the map's iterator), so no change can slip between the two.
+    fn holder_index(&self) -> std::sync::MutexGuard<'_, Option<HolderIndex>> {
+        self.shared.by_holder_built.call_once(|| {
+            *lock(&self.shared.by_holder) = Some(BTreeSet::new());
+            for entry in self.shared.leases.iter() {
+                if let Some(term) = entry.value().state.term() {
+                    if let Some(index) = lock(&self.shared.by_holder).as_mut() {
+                        index.insert((term.holder.clone(), entry.key().clone()));
+                    }
+                }
+            }
+        });
+        lock(&self.shared.by_holder)
     }
 
     /// Extends the live term `token` of `name` by `ttl_ms` (or its last TTL).
@@ -641,7 +672,10 @@ impl LeaseStore {
                         .collect()
                 }
                 Some(holder) => {
-                    let index = lock(&self.shared.by_holder);
+                    let index = self.holder_index();
+                    let Some(index) = index.as_ref() else {
+                        break;
+                    };
                     let start = (
                         CompactString::from(holder),
                         CompactString::from(cursor.as_deref().unwrap_or(prefix)),
