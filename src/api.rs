@@ -462,7 +462,7 @@ impl Api {
         }
         let who = who.as_deref();
         match (segments.get(1..).unwrap_or_default(), method) {
-            (["leases"], Method::GET) => self.list(req.uri().query(), who),
+            (["leases"], Method::GET) => self.list(req.uri().query(), who).await,
             (["leases", name], Method::POST) => {
                 let result = self.acquire(name, req).await;
                 self.count("acquire", &result);
@@ -699,7 +699,7 @@ impl Api {
     /// [`PAGE_DEFAULT`], at most [`PAGE_MAX`]) after `?after=`, only names
     /// starting with `?prefix=`; `next` is the `after` of the following
     /// page, `null` on the last one.
-    fn list(
+    async fn list(
         &self,
         query: Option<&str>,
         caller: Option<&Identity>,
@@ -708,6 +708,12 @@ impl Api {
         // Callers who are not admins see their own leases only, from the
         // holder index (and the cursor is one of them).
         let own = caller.filter(|c| !c.admin).map(|c| c.name.as_str());
+        if own.is_some() && !self.leases.has_holder_index() {
+            // The first such page builds the index, a pass over every
+            // lease: off the async workers, so renewals go on meanwhile.
+            let leases = self.leases.clone();
+            let _ = tokio::task::spawn_blocking(move || leases.build_holder_index()).await;
+        }
         let (leases, next) = self
             .leases
             .page(own, &page.prefix, page.after.as_deref(), page.limit);

@@ -2,10 +2,11 @@
 //!
 //! Leases live in a [`DashMap`] keyed by name: a sharded map, so operations on
 //! different leases rarely contend, and the write hot path is one shard read
-//! lock and one lookup. A shard lock is only ever held for the few
-//! instructions of a state-machine call; it is never held across an `.await`
-//! (persisting a grant and waiting for a lease both happen after the guard is
-//! dropped).
+//! lock and one lookup. A shard lock is held for the few instructions of a
+//! state-machine call, or (a read lock) while a scrape counts a shard's
+//! leases or the holder index is first built; it is never held across an
+//! `.await` (persisting a grant and waiting for a lease both happen after the
+//! guard is dropped).
 
 use std::collections::BTreeSet;
 use std::sync::{Once, OnceLock};
@@ -290,9 +291,6 @@ impl LeaseStore {
                 }),
             };
             let last_token = lease.last_token.max(rule.token_floor);
-            if let Some(t) = &term {
-                store.index_holder(None, Some(&t.holder), &lease.lease);
-            }
             let state = LeaseState::restored(now_ms, last_token, lease.transitions, term);
             lock(&store.shared.names).insert(lease.lease.as_str().into());
             store.shared.leases.insert(
@@ -531,18 +529,37 @@ impl LeaseStore {
         }
     }
 
-    /// The holder index, built first if this is its first use: from the
-    /// moment it exists every change of holder updates it, then every
-    /// lease's current holder is added under the lease's shard lock (held by
-    /// the map's iterator), so no change can slip between the two.
+    /// Whether the index by holder exists yet.
+    pub fn has_holder_index(&self) -> bool {
+        self.shared.by_holder_built.is_completed()
+    }
+
+    /// Builds the index by holder if it does not exist yet: a pass over
+    /// every lease, so callers on the async workers run it with
+    /// `spawn_blocking` (the first holder page does).
+    pub fn build_holder_index(&self) {
+        drop(self.holder_index());
+    }
+
+    /// The holder index, built first if this is its first use. From the
+    /// moment it exists every change of holder updates it; then the current
+    /// holders are copied out (each shard read-locked only while its pairs
+    /// are copied) and inserted a batch at a time, so neither a shard nor
+    /// the index is held for long. A change between a pair's copy and its
+    /// insertion can leave that stale pair behind: `page` checks each
+    /// lease's holder again, so it is never shown.
     fn holder_index(&self) -> std::sync::MutexGuard<'_, Option<HolderIndex>> {
         self.shared.by_holder_built.call_once(|| {
             *lock(&self.shared.by_holder) = Some(BTreeSet::new());
-            for entry in self.shared.leases.iter() {
-                if let Some(term) = entry.value().state.term() {
-                    if let Some(index) = lock(&self.shared.by_holder).as_mut() {
-                        index.insert((term.holder.clone(), entry.key().clone()));
-                    }
+            let pairs: Vec<(CompactString, CompactString)> = self
+                .shared
+                .leases
+                .iter()
+                .filter_map(|e| Some((e.value().state.term()?.holder.clone(), e.key().clone())))
+                .collect();
+            for batch in pairs.chunks(4096) {
+                if let Some(index) = lock(&self.shared.by_holder).as_mut() {
+                    index.extend(batch.iter().cloned());
                 }
             }
         });
