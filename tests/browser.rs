@@ -12,32 +12,14 @@ use std::time::Duration;
 
 use serde_json::json;
 use support::browser::Browser;
-use support::proc::{Proc, TempDir};
+use support::proc::{proxy_to, recording_backend, Proc, TempDir};
 use support::{HttpClient, Req};
 
 /// A recording backend and fencegate in front of it, with its data dir.
 fn servers(dir: &TempDir) -> (Proc, Proc, PathBuf) {
-    let log = dir.path().join("servers.log");
-    let backend = Proc::start(
-        &["backend", "--listen", "127.0.0.1:0", "--record"],
-        &log,
-        &[],
-    );
-    let data = dir.path().join("data");
-    let proxy = Proc::start(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--upstream",
-            &backend.url,
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
-        &log,
-        &[],
-    );
-    (backend, proxy, data)
+    let backend = recording_backend(dir);
+    let proxy = proxy_to(dir, &backend.url, &[]);
+    (backend, proxy, dir.path().join("data"))
 }
 
 /// Every lease id the journal under `data` holds: each grant's record

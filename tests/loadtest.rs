@@ -6,7 +6,7 @@ mod support;
 
 use std::process::Command;
 
-use support::proc::{serve_args, Proc, TempDir};
+use support::proc::{proxy_to, recording_backend, serve_args, Proc, TempDir};
 
 fn loadtest(args: &[&str], json: &std::path::Path) -> (i32, serde_json::Value, String) {
     loadtest_writes(args, "2000", json)
@@ -51,26 +51,8 @@ fn loadtest_writes(
 #[test]
 fn through_the_proxy_nothing_stale_lands_and_straight_to_the_backend_it_does() {
     let dir = TempDir::new("loadtest");
-    let log = dir.path().join("servers.log");
-    let backend = Proc::start(
-        &["backend", "--listen", "127.0.0.1:0", "--record"],
-        &log,
-        &[],
-    );
-    let data = dir.path().join("data");
-    let proxy = Proc::start(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--upstream",
-            &backend.url,
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
-        &log,
-        &[],
-    );
+    let backend = recording_backend(&dir);
+    let proxy = proxy_to(&dir, &backend.url, &[]);
 
     let (code, r, stdout) = loadtest(
         &["--target", &proxy.url, "--history", &backend.url],
@@ -204,12 +186,7 @@ async fn backend_faults_are_outcome_unknown_not_violations() {
     use hyper_util::rt::TokioExecutor;
 
     let dir = TempDir::new("loadtest-faults");
-    let log = dir.path().join("servers.log");
-    let backend = Proc::start(
-        &["backend", "--listen", "127.0.0.1:0", "--record"],
-        &log,
-        &[],
-    );
+    let backend = recording_backend(&dir);
     let client: Client<_, fencegate::body::Body> =
         Client::builder(TokioExecutor::new()).build_http();
     let puts = Arc::new(AtomicU64::new(0));
@@ -265,20 +242,7 @@ async fn backend_faults_are_outcome_unknown_not_violations() {
             });
         }
     });
-    let data = dir.path().join("data");
-    let proxy = Proc::start(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--upstream",
-            &relay_url,
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
-        &log,
-        &[],
-    );
+    let proxy = proxy_to(&dir, &relay_url, &[]);
     let json = dir.path().join("faults.json");
     let args = ["--target", &proxy.url, "--history", &backend.url].map(str::to_owned);
     let (code, r, stdout) = tokio::task::spawn_blocking(move || {

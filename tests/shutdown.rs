@@ -10,30 +10,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::json;
-use support::proc::{Proc, TempDir};
+use support::proc::{proxy_to, recording_backend, TempDir};
 use support::{held_from, HttpClient, Req};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_during_writes_loses_no_acknowledged_write() {
     let dir = TempDir::new("shutdown");
-    let log = dir.path().join("servers.log");
-    let backend = Proc::start(
-        &["backend", "--listen", "127.0.0.1:0", "--record"],
-        &log,
-        &[],
-    );
-    let data = dir.path().join("data");
-    let mut proxy = Proc::start(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--upstream",
-            &backend.url,
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
-        &log,
+    let backend = recording_backend(&dir);
+    let mut proxy = proxy_to(
+        &dir,
+        &backend.url,
         &[("FENCEGATE_LIMITS__SHUTDOWN_GRACE_MS", "5000")],
     );
     let c = HttpClient::new(&proxy.url);

@@ -141,3 +141,33 @@ impl Drop for Proc {
         let _ = self.child.wait();
     }
 }
+
+/// `fencegate backend --record` on a free loopback port: a storage with an
+/// apply log. Logs to `servers.log` in `dir`.
+pub fn recording_backend(dir: &TempDir) -> Proc {
+    Proc::start(
+        &["backend", "--listen", "127.0.0.1:0", "--record"],
+        &dir.path().join("servers.log"),
+        &[],
+    )
+}
+
+/// `fencegate serve` on a free loopback port in front of `upstream`, with
+/// its data directory `data` in `dir` and `env` set. Logs to `servers.log`
+/// in `dir`.
+pub fn proxy_to(dir: &TempDir, upstream: &str, env: &[(&str, &str)]) -> Proc {
+    let data = dir.path().join("data");
+    Proc::start(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            upstream,
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        &dir.path().join("servers.log"),
+        env,
+    )
+}
