@@ -24,34 +24,10 @@ path=${1:-/kv/bench/1}
 requests=${2:-2000}
 shift $(($# < 2 ? $# : 2))
 
-cargo build --release --quiet
-cargo bench --bench proxy --no-run --quiet 2>/dev/null
-bench=$(ls -t target/release/deps/proxy-* | grep -v '\.d$' | head -1)
-work=$(mktemp -d)
-pids=()
-cleanup() {
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-    rm -rf "$work"
-}
-trap cleanup EXIT
-
-"$bench" --kv-backend >"$work/backend.out" &
-pids+=($!)
-for _ in $(seq 100); do [[ -s "$work/backend.out" ]] && break; sleep 0.1; done
-backend=$(head -1 "$work/backend.out")
-
-env FENCEGATE_LOG=warn FENCEGATE_FENCE__ALLOW_UNROUTED_WRITES=true \
-    FENCEGATE_RUNTIME__WORKER_THREADS=1 "$@" \
-    valgrind --tool=callgrind --callgrind-out-file="$work/callgrind.out.%p" \
-    target/release/fencegate serve --listen 127.0.0.1:0 \
-    --upstream "http://$backend" --data-dir "$work/data" \
-    >"$work/fencegate.out" 2>"$work/fencegate.log" &
-fencegate=$!
-pids+=("$fencegate")
-for _ in $(seq 300); do grep -q listening "$work/fencegate.out" 2>/dev/null && break; sleep 0.1; done
-addr=$(sed -n 's|^fencegate listening on http://||p' "$work/fencegate.out")
-# Ready: at once standalone; in cluster mode once this member is primary.
-for _ in $(seq 300); do curl -sf "http://$addr/_fence/readyz" >/dev/null && break; sleep 0.1; done
+source benches/bench-lib.sh
+start_fencegate "valgrind --tool=callgrind --callgrind-out-file=$work/callgrind.out.%p" \
+    FENCEGATE_FENCE__ALLOW_UNROUTED_WRITES=true "$@"
+addr=$fg_addr
 
 grant=$(curl -sS -X POST -d '{"holder":"bench","ttl_ms":3600000}' "http://$addr/_fence/leases/bench")
 cat >"$work/client.py" <<'EOF'

@@ -25,38 +25,10 @@ for tool in valgrind callgrind_control callgrind_annotate strace nginx curl pyth
         exit 1
     }
 done
-cargo build --release --quiet
-cargo bench --bench proxy --no-run --quiet 2>/dev/null
-bench=$(ls -t target/release/deps/proxy-* | grep -v '\.d$' | head -1)
-work=$(mktemp -d)
-pids=()
-cleanup() {
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
+source benches/bench-lib.sh
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_http() { for _ in $(seq 600); do curl -s -o /dev/null "http://$1/" && return; sleep 0.1; done; echo "$1 never answered" >&2; exit 1; }
 
-"$bench" --kv-backend >"$work/backend.out" &
-pids+=($!)
-for _ in $(seq 100); do [[ -s "$work/backend.out" ]] && break; sleep 0.1; done
-backend=$(head -1 "$work/backend.out")
-
-# fencegate, to get a lease (its token and id go to both proxies).
-start_fencegate() { # $1: a wrapper command (may be empty)
-    rm -f "$work/fencegate.out"
-    env FENCEGATE_LOG=warn FENCEGATE_RUNTIME__WORKER_THREADS=1 $1 \
-        target/release/fencegate serve --listen 127.0.0.1:0 \
-        --upstream "http://$backend" --data-dir "$work/data" \
-        >"$work/fencegate.out" 2>"$work/fencegate.log" &
-    fencegate=$!
-    pids+=("$fencegate")
-    for _ in $(seq 600); do grep -q listening "$work/fencegate.out" 2>/dev/null && break; sleep 0.1; done
-    fg_addr=$(sed -n 's|^fencegate listening on http://||p' "$work/fencegate.out")
-    for _ in $(seq 600); do curl -sf "http://$fg_addr/_fence/readyz" >/dev/null && break; sleep 0.1; done
-}
 stop() { kill "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
 
 nginx_port=$(port)
