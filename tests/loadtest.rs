@@ -169,36 +169,27 @@ fn an_unreachable_target_fails_the_run_instead_of_hanging() {
     assert!(out.stdout.is_empty(), "the run started");
 }
 
-/// A backend fault: a relay between fencegate and the recording backend
-/// drops the connection after the backend applied every 25th write, so
-/// fencegate answers `502 upstream-error` for writes that did land. The
-/// report counts them as outcome unknown, and the run passes.
-///
-/// Seen failing when every answer with a reason counted as rejected: the
-/// same run said "rejected but applied" and UNSAFE, with no stale write.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn backend_faults_are_outcome_unknown_not_violations() {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::Arc;
-
+/// A relay in front of `backend_url` on a loopback port: every request is
+/// passed on; `drop_answer(request)` saying yes drops the connection after
+/// the backend answered (a service error makes hyper close it unanswered).
+async fn relay(
+    backend_url: String,
+    drop_answer: impl Fn(&http::request::Parts) -> bool + Clone + Send + Sync + 'static,
+) -> String {
     use http_body_util::BodyExt;
     use hyper_util::client::legacy::Client;
     use hyper_util::rt::TokioExecutor;
 
-    let dir = TempDir::new("loadtest-faults");
-    let backend = recording_backend(&dir);
     let client: Client<_, fencegate::body::Body> =
         Client::builder(TokioExecutor::new()).build_http();
-    let puts = Arc::new(AtomicU64::new(0));
-    let backend_url = backend.url.clone();
-    let relay_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let relay_url = format!("http://{}", relay_listener.local_addr().unwrap());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
     let relay = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-        let (client, puts, backend_url) = (client.clone(), puts.clone(), backend_url.clone());
+        let (client, backend_url, drop_answer) =
+            (client.clone(), backend_url.clone(), drop_answer.clone());
         async move {
-            let drop_answer = req.method() == http::Method::PUT
-                && puts.fetch_add(1, Ordering::Relaxed) % 25 == 24;
             let (mut parts, body) = req.into_parts();
+            let drop_it = drop_answer(&parts);
             let pq = parts
                 .uri
                 .path_and_query()
@@ -218,8 +209,7 @@ async fn backend_faults_are_outcome_unknown_not_violations() {
                 .await
                 .map_err(std::io::Error::other)?
                 .to_bytes();
-            if drop_answer {
-                // Applied by the backend; the answer never comes back.
+            if drop_it {
                 return Err(std::io::Error::other(
                     "connection dropped after the backend applied the write",
                 ));
@@ -230,9 +220,8 @@ async fn backend_faults_are_outcome_unknown_not_violations() {
             ))
         }
     });
-    // A service error makes hyper close the connection without an answer.
     tokio::spawn(async move {
-        while let Ok((stream, _)) = relay_listener.accept().await {
+        while let Ok((stream, _)) = listener.accept().await {
             let relay = relay.clone();
             tokio::spawn(async move {
                 let io = hyper_util::rt::TokioIo::new(stream);
@@ -242,6 +231,28 @@ async fn backend_faults_are_outcome_unknown_not_violations() {
             });
         }
     });
+    url
+}
+
+/// A backend fault: a relay between fencegate and the recording backend
+/// drops the connection after the backend applied every 25th write, so
+/// fencegate answers `502 upstream-error` for writes that did land. The
+/// report counts them as outcome unknown, and the run passes.
+///
+/// Seen failing when every answer with a reason counted as rejected: the
+/// same run said "rejected but applied" and UNSAFE, with no stale write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backend_faults_are_outcome_unknown_not_violations() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    let dir = TempDir::new("loadtest-faults");
+    let backend = recording_backend(&dir);
+    let puts = Arc::new(AtomicU64::new(0));
+    let relay_url = relay(backend.url.clone(), move |req| {
+        req.method == http::Method::PUT && puts.fetch_add(1, Ordering::Relaxed) % 25 == 24
+    })
+    .await;
     let proxy = proxy_to(&dir, &relay_url, &[]);
     let json = dir.path().join("faults.json");
     let args = ["--target", &proxy.url, "--history", &backend.url].map(str::to_owned);
@@ -258,4 +269,39 @@ async fn backend_faults_are_outcome_unknown_not_violations() {
     assert!(f["outcome_unknown"].as_u64().unwrap() >= 10, "{stdout}");
     assert!(stdout.contains("SAFE"), "{stdout}");
     assert!(stdout.contains("outcome unknown"), "{stdout}");
+}
+
+/// `--direct` sends the writes to the storage itself: never with the lease
+/// id, a live credential for fencegate that the storage has no use for.
+/// Seen failing before: every direct write carried `Fencing-Lease-Id`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_run_never_sends_the_lease_id_to_the_storage() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    let dir = TempDir::new("loadtest-direct-id");
+    let backend = recording_backend(&dir);
+    let proxy = proxy_to(&dir, &backend.url, &[]);
+    let (writes, with_id) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let counts = (writes.clone(), with_id.clone());
+    let relay_url = relay(backend.url.clone(), move |req| {
+        if req.method == http::Method::PUT {
+            counts.0.fetch_add(1, Ordering::Relaxed);
+            if req.headers.contains_key("fencing-lease-id") {
+                counts.1.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        false
+    })
+    .await;
+    let json = dir.path().join("direct.json");
+    let args = ["--target", &proxy.url, "--direct", &relay_url].map(str::to_owned);
+    let (_, _, stdout) = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        loadtest_writes(&args, "200", &json)
+    })
+    .await
+    .unwrap();
+    assert_eq!(writes.load(Ordering::Relaxed), 200, "{stdout}");
+    assert_eq!(with_id.load(Ordering::Relaxed), 0, "{stdout}");
 }

@@ -316,6 +316,20 @@ struct Written {
     dir_synced: bool,
 }
 
+/// Copies `from` to a new file `to`, readable by its owner only (the log
+/// holds lease ids; `std::fs::copy` would keep the source's mode), synced.
+fn keep_copy(from: &Path, to: &Path) -> io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut source = File::open(from)?;
+    let mut copy = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(to)?;
+    io::copy(&mut source, &mut copy)?;
+    copy.sync_all()
+}
+
 /// Writes a fresh version 2 log of `leases` at `path`, through a temporary
 /// file that is synced and renamed over it. An error before the rename
 /// leaves the old log as it was.
@@ -790,9 +804,7 @@ fn open_after_loss(
         })
         .find(|p| !p.exists())
         .expect("a free name");
-    std::fs::copy(path, &damaged)
-        .and_then(|_| File::open(&damaged)?.sync_all())
-        .map_err(|e| err("cannot keep a copy of", path, e))?;
+    keep_copy(path, &damaged).map_err(|e| err("cannot keep a copy of", path, e))?;
     let (file, len) = write_log_at_start(dir, path, leases.values(), floor, "cannot rewrite")?;
     tracing::error!(
         journal = %path.display(),
@@ -1536,13 +1548,16 @@ mod tests {
         let path = dir.join(JOURNAL_FILE);
         let bytes = std::fs::read(&path).unwrap();
         std::fs::write(&path, &bytes[..20]).unwrap();
+        // Restored by hand with a looser mode: the copy it leaves holds
+        // lease ids all the same. (Seen failing: std::fs::copy kept 0644.)
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
         let (_j, rec) = reopen(&dir, &options);
         assert!(rec.lost_records.is_some());
         assert!(rec.token_floor >= 7, "floor {}", rec.token_floor);
-        assert!(
-            dir.join(DAMAGED_FILE).exists(),
-            "a copy of the damaged log is kept"
-        );
+        let kept =
+            std::fs::metadata(dir.join(DAMAGED_FILE)).expect("a copy of the damaged log is kept");
+        assert_eq!(kept.permissions().mode() & 0o777, 0o600);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -552,18 +552,22 @@ async fn write(
         None => To::Target(path),
     };
     let token = term.token.to_string();
+    let mut headers = vec![
+        (FENCING_TOKEN, token.as_str()),
+        (WRITER_HEADER, writer),
+        (WRITE_ID_HEADER, write_id),
+    ];
+    // The lease id is a credential for fencegate: never sent to the storage.
+    if matches!(key, To::Target(_)) {
+        headers.push((FENCING_LEASE_ID, &term.lease_id));
+    }
     let at_us = shared.started.elapsed_us();
     let watch = Stopwatch::start();
     let answer = call(
         shared,
         Method::PUT,
         key,
-        &[
-            (FENCING_TOKEN, &token),
-            (FENCING_LEASE_ID, &term.lease_id),
-            (WRITER_HEADER, writer),
-            (WRITE_ID_HEADER, write_id),
-        ],
+        &headers,
         Bytes::from(write_id.to_owned()),
     )
     .await;
