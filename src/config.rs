@@ -17,7 +17,7 @@ pub use crate::auth::{AuthConfig, AuthToken};
 use crate::backend::UpstreamOptions;
 use crate::clock::ClockKind;
 use crate::lease::{AdmitOptions, LeaseLimits, RestartRule};
-use crate::route::{Route, Routes};
+use crate::route::{PathRules, Route, Routes};
 use crate::server::ServerOptions;
 
 /// Environment variables with the `FENCEGATE_` prefix that are not config keys.
@@ -229,6 +229,10 @@ pub struct FenceConfig {
     pub drain_barrier: bool,
     /// Path patterns and the lease guarding each; the first match wins.
     pub routes: Vec<RouteConfig>,
+    /// The storage folds case (a file system that does): route literals
+    /// match without regard to case, and a lease named in a path must be
+    /// lower case.
+    pub case_insensitive_paths: bool,
 }
 
 /// One route of the config file.
@@ -299,6 +303,7 @@ impl Default for FenceConfig {
                 timeout_ms: None,
                 upstream_prefix: None,
             }],
+            case_insensitive_paths: false,
         }
     }
 }
@@ -585,7 +590,12 @@ impl FenceConfig {
                     .map(|route| route.with_timeout_ms(r.timeout_ms))
             })
             .collect::<Result<Vec<_>, _>>()
-            .map(Routes::new)
+            .map(|routes| {
+                let rules = PathRules {
+                    case_insensitive: self.case_insensitive_paths,
+                };
+                Routes::with_rules(routes, rules)
+            })
     }
 }
 

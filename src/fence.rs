@@ -174,17 +174,20 @@ impl FencePolicy {
         if caller.is_some() {
             req.headers_mut().remove(http::header::AUTHORIZATION);
         }
-        let matched = match self.routes.resolve(req.uri().path()) {
+        let write = is_write(req.method());
+        let matched = match self.routes.resolve(req.uri().path(), write) {
             Ok(matched) => matched,
             Err(bad) => return Decision::Reject(Problem::invalid_request(bad.0)),
         };
-        let write = is_write(req.method());
         let Some(route) = matched else {
             req.headers_mut().remove(&LEASE_ID_NAME);
             if write && !self.allow_unrouted_writes {
                 return Decision::Reject(Problem::unrouted_write());
             }
             if write {
+                if let Err(bad) = self.routes.check_unrouted_write(req.uri().path()) {
+                    return Decision::Reject(Problem::invalid_request(bad.0));
+                }
                 if let Err(problem) = self.check_destination(req.headers(), None) {
                     return Decision::Reject(problem);
                 }
@@ -212,7 +215,12 @@ impl FencePolicy {
         }
         let lease = match route.lease {
             Ok(lease) => lease,
-            Err(segment) => return Decision::Reject(Problem::invalid_lease_name(&segment)),
+            Err(not) => {
+                return Decision::Reject(match not.why {
+                    Some(why) => Problem::new(Reason::InvalidLeaseName, why),
+                    None => Problem::invalid_lease_name(&not.segment),
+                })
+            }
         };
         if let Err(problem) = self.check_destination(req.headers(), Some(&lease)) {
             return Decision::Reject(problem);
@@ -221,6 +229,16 @@ impl FencePolicy {
             Ok((token, _)) => token,
             Err(p) => return Decision::Reject(p.lease(&lease)),
         };
+        // The backend gets the number in its one form: `0001` goes on as `1`
+        // (a backend comparing tokens as text would misorder it).
+        if req
+            .headers()
+            .get(&TOKEN_NAME)
+            .is_some_and(|v| v.len() > 1 && v.as_bytes()[0] == b'0')
+        {
+            req.headers_mut()
+                .insert(TOKEN_NAME, HeaderValue::from(token));
+        }
         Decision::Fenced(Fenced {
             lease,
             token,
@@ -259,11 +277,19 @@ impl FencePolicy {
             .ok()
             .and_then(|d| d.parse().ok())
             .ok_or_else(|| bad(same_lease()))?;
-        match (self.routes.resolve(uri.path()), lease) {
-            (Ok(Some(m)), Some(lease)) if m.lease.as_deref() == Ok(lease) => Ok(()),
-            (Ok(None), None) => Ok(()),
-            _ => Err(bad(same_lease())),
+        let same = match (self.routes.resolve(uri.path(), true), lease) {
+            (Ok(Some(m)), Some(lease)) => m.lease.as_ref().is_ok_and(|l| l.as_str() == lease),
+            (Ok(None), None) => true,
+            _ => false,
+        };
+        if !same {
+            return Err(bad(same_lease()));
         }
+        // The storage gets the Destination as it is: it must name the same
+        // lease's keys there too.
+        self.routes
+            .check_at_storage(uri.path(), lease)
+            .map_err(|b| bad(&b.0))
     }
 
     /// `Some(answer)` when this member may not send anything to the

@@ -181,6 +181,37 @@ async fn lease_id_and_hop_by_hop_headers_are_stripped_and_the_token_travels() {
     backend.stop().await;
 }
 
+/// Seen failing before: `Fencing-Token: 0001` was admitted as token 1 and
+/// reached the backend as `0001`, which a backend comparing tokens as text
+/// misorders. The backend gets the number in its one form.
+#[tokio::test]
+async fn the_token_reaches_the_backend_in_its_canonical_form() {
+    let (backend, seen) = recording_backend().await;
+    let h = proxy_to(&backend.url(), 5_000);
+    let proxy = spawn(h.app.clone()).await;
+    let c = HttpClient::new(&proxy.url());
+    let a = h.acquire("orders", "A", 1000).await;
+    for sent in ["0001", "01", "1"] {
+        let r = c
+            .send(
+                Req::new("PUT", "/kv/orders/1")
+                    .header("fencing-token", sent)
+                    .header("fencing-lease-id", &a.lease_id)
+                    .body("a"),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{sent}: {}", r.text());
+    }
+    let seen = seen.lock().unwrap().clone();
+    let tokens: Vec<&str> = seen
+        .iter()
+        .map(|h| h["fencing-token"].to_str().unwrap())
+        .collect();
+    assert_eq!(tokens, ["1", "1", "1"]);
+    proxy.stop().await;
+    backend.stop().await;
+}
+
 #[tokio::test]
 async fn host_and_forwarding_headers_are_configurable() {
     let (backend, seen) = recording_backend().await;

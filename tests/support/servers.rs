@@ -181,6 +181,87 @@ http {{
     )
 }
 
+/// A servlet key-value store on embedded Tomcat (Debian's libtomcat10-java;
+/// `tests/support/tomcat/KvStore.java`, compiled here with javac): it keys
+/// values by the path a servlet sees, after Tomcat dropped `;parameters` and
+/// resolved dot segments.
+pub async fn tomcat() -> Server {
+    let java = program("java");
+    let javac = program("javac");
+    let catalina = program("tomcat10-catalina.jar");
+    // Every Tomcat 10 jar under its unversioned name.
+    let jars: Vec<PathBuf> = std::fs::read_dir(catalina.parent().unwrap())
+        .unwrap()
+        .filter_map(|e| Some(e.ok()?.path()))
+        .filter(|p| {
+            let name = p.file_name().unwrap().to_string_lossy();
+            let Some(stem) = name
+                .strip_prefix("tomcat10-")
+                .and_then(|n| n.strip_suffix(".jar"))
+            else {
+                return false;
+            };
+            // tomcat10-util.jar, not tomcat10-util-10.1.52.jar.
+            !stem
+                .rsplit('-')
+                .next()
+                .unwrap()
+                .starts_with(|c: char| c.is_ascii_digit())
+        })
+        .collect();
+    let classpath = std::env::join_paths(&jars).unwrap();
+    let dir = TempDir::new("tomcat");
+    let d = dir.path().to_owned();
+    let source =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/tomcat/KvStore.java");
+    let classes = d.join("classes");
+    let compiled = Command::new(&javac)
+        .arg("-cp")
+        .arg(&classpath)
+        .arg("-d")
+        .arg(&classes)
+        .arg(&source)
+        .output()
+        .unwrap();
+    assert!(
+        compiled.status.success(),
+        "javac failed: {}",
+        String::from_utf8_lossy(&compiled.stderr)
+    );
+    let mut run_classpath = std::ffi::OsString::from(&classpath);
+    run_classpath.push(":");
+    run_classpath.push(&classes);
+    let log = d.join("tomcat.log");
+    for _ in 0..START_ATTEMPTS {
+        let port = free_port();
+        let out = std::fs::File::create(&log).unwrap();
+        let mut child = Command::new(&java)
+            .arg("-cp")
+            .arg(&run_classpath)
+            .arg("KvStore")
+            .arg(port.to_string())
+            .arg(d.join("base"))
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap();
+        if wait_for_port(port, &mut child, "tomcat", &log)
+            .await
+            .is_err()
+        {
+            continue;
+        }
+        return Server {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            root: d.clone(),
+            _dir: dir,
+        };
+    }
+    panic!("tomcat found its port taken {START_ATTEMPTS} times");
+}
+
 /// A single-node etcd with the v2 keys API enabled.
 pub async fn etcd() -> Server {
     let (child, dir, client, log) = start_etcd("http", &["--enable-v2"]).await;

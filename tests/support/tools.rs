@@ -11,8 +11,9 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Mutex;
 
-/// Every program the suite runs, with the Debian package that has it.
-pub const PROGRAMS: [(&str, &str); 7] = [
+/// Every program the suite runs, with the Debian package that has it (a
+/// `.jar` is a Java library the tests load, found in `/usr/share/java`).
+pub const PROGRAMS: [(&str, &str); 10] = [
     ("curl", "curl"),
     ("openssl", "openssl"),
     ("kill", "procps"),
@@ -20,11 +21,17 @@ pub const PROGRAMS: [(&str, &str); 7] = [
     ("etcd", "etcd-server"),
     ("promtool", "prometheus"),
     ("chromium", "chromium"),
+    ("java", "default-jre-headless"),
+    ("javac", "default-jdk-headless"),
+    ("tomcat10-catalina.jar", "libtomcat10-java"),
 ];
 
 /// Where `name` is installed, if it is: on PATH or in the sbin directories
-/// Debian puts servers in.
+/// Debian puts servers in (Java libraries: in `/usr/share/java`).
 fn find(name: &str) -> Option<PathBuf> {
+    if name.ends_with(".jar") {
+        return Some(PathBuf::from("/usr/share/java").join(name)).filter(|p| p.is_file());
+    }
     let path = std::env::var("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .chain(["/usr/sbin", "/usr/bin", "/sbin", "/bin"].map(PathBuf::from))
