@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 
@@ -233,11 +234,15 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
 
 /// The storage `config.upstream` names.
 fn build_backend(config: &Config) -> Result<Backend, String> {
+    let body_timeout = Duration::from_millis(config.limits.body_read_timeout_ms);
     Ok(match config.upstream_target()? {
         UpstreamTarget::Embedded if config.embedded.record => Backend::Embedded(
-            EmbeddedStore::recording(config.embedded.history_max_entries),
+            EmbeddedStore::recording(config.embedded.history_max_entries)
+                .with_body_read_timeout(body_timeout),
         ),
-        UpstreamTarget::Embedded => Backend::Embedded(EmbeddedStore::new()),
+        UpstreamTarget::Embedded => {
+            Backend::Embedded(EmbeddedStore::new().with_body_read_timeout(body_timeout))
+        }
         UpstreamTarget::Http(uri) => {
             Backend::Upstream(Upstream::new(&uri, &config.upstream_options())?)
         }

@@ -254,3 +254,69 @@ async fn a_lease_api_body_that_never_comes_frees_its_connection_slot() {
     let _ = stop.send(());
     task.await.unwrap().unwrap();
 }
+
+/// A writer paused in the middle of its body (the embedded backend): its
+/// write is answered `408` once `limits.body_read_timeout_ms` has passed,
+/// so the next holder's first write goes through within that time, not
+/// after the whole upstream deadline. (tokio's paused time: the body
+/// deadline is a tokio timer, the lease clock manual.)
+///
+/// Seen failing before the embedded store read bodies under that deadline:
+/// the stalled write stayed in flight for ever (the real binary answered B
+/// 504 after 30 s; here, on the manual clock, B's write never came back).
+#[tokio::test(start_paused = true)]
+async fn a_writer_paused_mid_body_does_not_hold_the_next_term() {
+    use bytes::Bytes;
+    use fencegate::clock::Stopwatch;
+    use tower::ServiceExt;
+
+    let mut config = fencegate::config::Config {
+        clock: fencegate::clock::ClockKind::Manual,
+        ..fencegate::config::Config::default()
+    };
+    config.limits.body_read_timeout_ms = 2_000;
+    let h = Harness::with_config(config);
+    let a = h.acquire("o", "A", 1000).await;
+    let (mut tx, body) = http_body_util::Channel::<Bytes, std::convert::Infallible>::new(1);
+    let req = http::Request::builder()
+        .method("PUT")
+        .uri("/kv/o/x")
+        .header("fencing-token", a.token.to_string())
+        .header("fencing-lease-id", &a.lease_id)
+        .header("content-length", "100")
+        .body(body)
+        .unwrap();
+    // The answer is read as the server would send it.
+    let app = h.app.clone();
+    let stalled =
+        tokio::spawn(async move { support::Resp::read(app.oneshot(req).await.unwrap()).await });
+    tx.send_data(Bytes::from_static(b"hello world"))
+        .await
+        .unwrap();
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert!(!stalled.is_finished());
+    h.advance(1000);
+    let b = h.acquire("o", "B", 60_000).await;
+    let watch = Stopwatch::start();
+    let r = tokio::time::timeout(
+        Duration::from_secs(600),
+        h.send(support::Req::new("PUT", "/kv/o/x").held(&b).body("b")),
+    )
+    .await
+    .expect("B's write never came back");
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert!(
+        watch.elapsed_ms() <= 2_000 + 1_000,
+        "B waited {} ms",
+        watch.elapsed_ms()
+    );
+    let a_res = stalled.await.unwrap();
+    assert_eq!(
+        (a_res.status.as_u16(), a_res.reason().as_str()),
+        (408, "request-timeout")
+    );
+    assert_eq!(h.store.get("/kv/o/x").unwrap(), "b");
+    drop(tx);
+}

@@ -11,6 +11,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use dashmap::DashMap;
@@ -61,7 +62,7 @@ pub struct History {
 }
 
 /// The in-memory store; clones share the same data.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct EmbeddedStore {
     // A sharded map: keys are independent, and no guard lives across an await
     // (the body is read in full before the insert).
@@ -69,6 +70,20 @@ pub struct EmbeddedStore {
     /// The apply log, when recording. Writes take this mutex around the
     /// change itself, so the log's order is the order writes were applied.
     history: Option<Arc<Mutex<History>>>,
+    /// Time a `PUT` body has to arrive in full (`limits.body_read_timeout_ms`):
+    /// a writer that stops sending mid-body is answered 408 then, so its
+    /// write stops holding the next term at the handover barrier.
+    body_read_timeout: Duration,
+}
+
+impl Default for EmbeddedStore {
+    fn default() -> Self {
+        Self {
+            values: Arc::default(),
+            history: None,
+            body_read_timeout: Duration::from_millis(10_000),
+        }
+    }
 }
 
 impl EmbeddedStore {
@@ -80,12 +95,18 @@ impl EmbeddedStore {
     /// at [`HISTORY_PATH`].
     pub fn recording(max_entries: usize) -> Self {
         Self {
-            values: Arc::default(),
             history: Some(Arc::new(Mutex::new(History {
                 max_entries,
                 ..History::default()
             }))),
+            ..Self::default()
         }
+    }
+
+    /// Gives `PUT` bodies `timeout` to arrive in full (default 10 s).
+    pub fn with_body_read_timeout(mut self, timeout: Duration) -> Self {
+        self.body_read_timeout = timeout;
+        self
     }
 
     /// Whether this store keeps an apply log.
@@ -204,7 +225,14 @@ impl EmbeddedStore {
             }
             Method::PUT => {
                 let (parts, body) = req.into_parts();
-                let bytes = match body::collect(body, usize::MAX).await {
+                let read =
+                    tokio::time::timeout(self.body_read_timeout, body::collect(body, usize::MAX));
+                let Ok(read) = read.await else {
+                    let timeout_ms = u64::try_from(self.body_read_timeout.as_millis());
+                    return Problem::request_timeout(timeout_ms.unwrap_or(u64::MAX))
+                        .into_response();
+                };
+                let bytes = match read {
                     Ok(bytes) => bytes,
                     Err(body::ReadError::TooLarge) => {
                         return Problem::new(

@@ -161,7 +161,9 @@ impl Harness {
     }
 
     pub fn with_config(config: Config) -> Self {
-        let store = EmbeddedStore::new();
+        let store = EmbeddedStore::new().with_body_read_timeout(std::time::Duration::from_millis(
+            config.limits.body_read_timeout_ms,
+        ));
         Self::with_backend(config, Backend::Embedded(store.clone()), store)
     }
 
