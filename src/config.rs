@@ -265,6 +265,7 @@ pub struct LimitsConfig {
     pub header_read_timeout_ms: u64,
     pub body_read_timeout_ms: u64,
     pub shutdown_grace_ms: u64,
+    pub send_timeout_ms: u64,
 }
 
 impl Default for Config {
@@ -318,6 +319,7 @@ impl Default for LimitsConfig {
             header_read_timeout_ms: server.header_read_timeout_ms,
             body_read_timeout_ms: 10_000,
             shutdown_grace_ms: server.shutdown_grace_ms,
+            send_timeout_ms: server.send_timeout_ms,
         }
     }
 }
@@ -465,12 +467,19 @@ impl Config {
             ("limits.max_connections", lim.max_connections as u64),
             ("limits.header_read_timeout_ms", lim.header_read_timeout_ms),
             ("limits.body_read_timeout_ms", lim.body_read_timeout_ms),
+            ("limits.send_timeout_ms", lim.send_timeout_ms),
             ("proxy.connect_timeout_ms", self.proxy.connect_timeout_ms),
             ("proxy.timeout_ms", self.proxy.timeout_ms),
         ] {
             if value == 0 {
                 return Err(format!("{name} must be greater than 0"));
             }
+        }
+        if self.proxy.read_buffer_bytes < crate::backend::MIN_READ_BUFFER {
+            return Err(format!(
+                "proxy.read_buffer_bytes must be at least {}",
+                crate::backend::MIN_READ_BUFFER
+            ));
         }
         Ok(())
     }

@@ -26,17 +26,22 @@
 //! test (`tests/framing.rs`) checks the guard against hyper on generated
 //! byte streams split at every point.
 //!
-//! Memory: the guard holds at most one incomplete head per connection, and
-//! never more than the head limit it is given (hyper's buffer size, derived
-//! from `limits.max_header_bytes`); a chunked body costs a few bytes of state.
+//! Memory: the guard holds at most one incomplete head per connection, in
+//! one buffer of the head limit it is given plus one byte (hyper's buffer
+//! size, derived from `limits.max_header_bytes`), made when a head does not
+//! arrive in one read and dropped once it is complete; a chunked body costs
+//! a few bytes of state.
 
 use std::io;
 use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
 use smallvec::SmallVec;
+use std::future::Future;
+
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// The name `Content-Length` is renamed to in a head that also carries
@@ -358,11 +363,18 @@ fn from_digits(bytes: &[u8]) -> Option<u64> {
     })
 }
 
-/// A connection whose incoming bytes pass through a [`Scanner`].
+/// A connection whose incoming bytes pass through a [`Scanner`], and whose
+/// outgoing bytes must keep moving.
 ///
 /// Bytes are read straight into the parser's buffer and scanned there; only
 /// an incomplete head at the end of a read is taken back and held until the
 /// rest arrives, so the common case copies nothing.
+///
+/// Writes are passed on vectored when the connection can take them (so
+/// hyper queues response body chunks as they are instead of copying each
+/// into its write buffer), and a client that accepts no byte for the send
+/// timeout fails the write: hyper then closes the connection (as nginx's
+/// `send_timeout` does), freeing its slot and what it held.
 pub struct Guarded<S> {
     inner: S,
     scanner: Scanner,
@@ -370,18 +382,67 @@ pub struct Guarded<S> {
     held: BytesMut,
     /// Scanned bytes not yet handed to the parser.
     ready: BytesMut,
+    send: SendDeadline,
 }
 
 impl<S> Guarded<S> {
     /// Guards `inner`, whose parser buffers at most `max_head_bytes` of an
-    /// incomplete head (see [`head_buffer_bytes`]).
-    pub fn new(inner: S, max_head_bytes: usize) -> Self {
+    /// incomplete head (see [`head_buffer_bytes`]), and whose client must
+    /// accept some of what is sent to it within `send_timeout`.
+    pub fn new(inner: S, max_head_bytes: usize, send_timeout: Duration) -> Self {
         Self {
             inner,
             scanner: Scanner::new(max_head_bytes),
             held: BytesMut::new(),
             ready: BytesMut::new(),
+            send: SendDeadline::new(send_timeout),
         }
+    }
+}
+
+/// The send timeout: armed when a write finds the connection full, disarmed
+/// by any progress.
+struct SendDeadline {
+    timeout: Duration,
+    /// The deadline of the current stall.
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+    armed: bool,
+}
+
+impl SendDeadline {
+    fn new(timeout: Duration) -> Self {
+        Self {
+            timeout,
+            sleep: None,
+            armed: false,
+        }
+    }
+
+    /// Passes on what a write (or flush) returned: progress disarms the
+    /// deadline; a stall arms it, and fails once it has passed.
+    fn watch<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if polled.is_ready() {
+            self.armed = false;
+            return polled;
+        }
+        if !self.armed {
+            self.armed = true;
+            // A timer of tokio's (I/O deadlines are; see clock.rs), made
+            // anew for each stall: a connection that never stalls makes none.
+            self.sleep = Some(Box::pin(tokio::time::sleep(self.timeout)));
+        }
+        let Some(sleep) = self.sleep.as_mut() else {
+            return Poll::Pending; // never: arming made it
+        };
+        ready!(sleep.as_mut().poll(cx));
+        Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "the client accepted no response bytes within the send timeout",
+        )))
     }
 }
 
@@ -397,6 +458,10 @@ impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
                 let n = this.ready.len().min(out.remaining());
                 out.put_slice(&this.ready[..n]);
                 this.ready.advance(n);
+                if this.ready.is_empty() {
+                    // Let go of the buffer it shares with `held`.
+                    this.ready = BytesMut::new();
+                }
                 return Poll::Ready(Ok(()));
             }
             if this.held.is_empty() {
@@ -409,6 +474,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
                 }
                 let done = start + this.scanner.scan(&mut out.filled_mut()[start..end]);
                 if done < end {
+                    this.held = this.head_buffer();
                     this.held.extend_from_slice(&out.filled()[done..end]);
                     out.set_filled(done);
                 }
@@ -418,10 +484,12 @@ impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
                 continue;
             }
             // An incomplete head is held: read more onto it and scan again.
-            // It never grows past the head limit: past it, the scanner lets
-            // everything through.
-            if this.held.capacity() - this.held.len() < 4096 {
-                this.held.reserve(8 * 1024);
+            // It never grows past the head limit: one byte past it, the
+            // scanner lets everything through (and hyper refuses it).
+            if this.held.len() == this.held.capacity() {
+                let mut room = this.head_buffer();
+                room.extend_from_slice(&this.held);
+                this.held = room;
             }
             let had = this.held.len();
             let n = {
@@ -445,7 +513,19 @@ impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
             };
             let done = this.scanner.scan(&mut this.held);
             this.ready = this.held.split_to(done);
+            if this.held.is_empty() {
+                // An idle connection keeps no head buffer.
+                this.held = BytesMut::new();
+            }
         }
+    }
+}
+
+impl<S> Guarded<S> {
+    /// A buffer for an incomplete head: room for a head at the limit and
+    /// one byte more, made in one allocation that never grows.
+    fn head_buffer(&self) -> BytesMut {
+        BytesMut::with_capacity(self.scanner.max_head_bytes + 1)
     }
 }
 
@@ -455,15 +535,35 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.send.watch(cx, polled)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.send.watch(cx, polled)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.inner).poll_flush(cx);
+        this.send.watch(cx, polled)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.inner).poll_shutdown(cx);
+        this.send.watch(cx, polled)
     }
 }
 
@@ -512,7 +612,7 @@ mod tests {
         for size in [1, 2, 3, 7, 16, 40, 1000] {
             for read_size in [5, 64, 4096] {
                 let chunks = PIPELINE.chunks(size).map(|c| c.to_vec()).collect();
-                let mut g = Guarded::new(Chunks(chunks), LIMIT);
+                let mut g = Guarded::new(Chunks(chunks), LIMIT, Duration::from_secs(30));
                 let mut got = Vec::new();
                 let mut buf = vec![0u8; read_size];
                 loop {

@@ -226,6 +226,7 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
             header_read_timeout_ms: config.limits.header_read_timeout_ms,
             max_header_bytes: config.limits.max_header_bytes,
             shutdown_grace_ms: config.limits.shutdown_grace_ms,
+            send_timeout_ms: config.limits.send_timeout_ms,
             timer_tick_ms: config.timer_tick_ms(),
         },
         draining,

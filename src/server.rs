@@ -37,6 +37,9 @@ pub struct ServerOptions {
     pub max_header_bytes: usize,
     /// Time in-flight requests get to finish at shutdown.
     pub shutdown_grace_ms: u64,
+    /// Time a client may accept no response bytes before its connection is
+    /// closed (slow or stalled readers).
+    pub send_timeout_ms: u64,
     /// How often a timer that does nothing fires while the server runs (0:
     /// never). tokio's timer wakes its driver through the I/O driver (an
     /// eventfd write, then one more `epoll_wait`) whenever a timer is set to
@@ -55,6 +58,7 @@ impl Default for ServerOptions {
             header_read_timeout_ms: 10_000,
             max_header_bytes: 16 * 1024,
             shutdown_grace_ms: 10_000,
+            send_timeout_ms: 30_000,
             timer_tick_ms: 500,
         }
     }
@@ -119,6 +123,7 @@ where
     let head_buffer = head_buffer_bytes(options.max_header_bytes);
     let builder = Arc::new(http1_builder(&options, head_buffer));
     let handshake_timeout = Duration::from_millis(options.header_read_timeout_ms);
+    let send_timeout = Duration::from_millis(options.send_timeout_ms);
     let graceful = GracefulShutdown::new();
     let permits = Arc::new(Semaphore::new(options.max_connections));
     tokio::pin!(shutdown);
@@ -155,7 +160,7 @@ where
             let _permit = permit;
             let served = match tls {
                 None => {
-                    let io = TokioIo::new(Guarded::new(stream, head_buffer));
+                    let io = TokioIo::new(Guarded::new(stream, head_buffer, send_timeout));
                     watcher.watch(builder.serve_connection(io, service)).await
                 }
                 Some(tls) => {
@@ -163,7 +168,7 @@ where
                     else {
                         return;
                     };
-                    let io = TokioIo::new(Guarded::new(stream, head_buffer));
+                    let io = TokioIo::new(Guarded::new(stream, head_buffer, send_timeout));
                     watcher.watch(builder.serve_connection(io, service)).await
                 }
             };

@@ -119,7 +119,11 @@ async fn serve(chunks: Vec<Vec<u8>>, guarded: bool) -> Vec<Seen> {
     // nothing left to do.
     let limit = Duration::from_secs(3600);
     if guarded {
-        let io = TokioIo::new(Guarded::new(Script(chunks.into()), head_buffer));
+        let io = TokioIo::new(Guarded::new(
+            Script(chunks.into()),
+            head_buffer,
+            std::time::Duration::from_secs(30),
+        ));
         let _ = tokio::time::timeout(limit, builder.serve_connection(io, service)).await;
     } else {
         let io = TokioIo::new(Script(chunks.into()));

@@ -320,3 +320,57 @@ async fn a_writer_paused_mid_body_does_not_hold_the_next_term() {
     assert_eq!(h.store.get("/kv/o/x").unwrap(), "b");
     drop(tx);
 }
+
+/// Clients that pipeline reads of a large value and never read the answers
+/// hold their connection slots only until `limits.send_timeout_ms`, then
+/// are closed, so other clients get in. (Real time here is the server's own
+/// timer, not a lease; the margins are wide.)
+///
+/// Seen failing before the send timeout: with every slot taken by such a
+/// client, the next client was never served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_that_stop_reading_free_their_connection_slots() {
+    use fencegate::server::{self, ServerOptions};
+    let mut config = fencegate::config::Config {
+        clock: fencegate::clock::ClockKind::Manual,
+        ..fencegate::config::Config::default()
+    };
+    config.limits.max_body_bytes = 4 * 1024 * 1024;
+    let h = Harness::with_config(config);
+    h.store.put("/kv/o/big", vec![b'x'; 2 * 1024 * 1024]);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let options = ServerOptions {
+        max_connections: 2,
+        send_timeout_ms: 300,
+        ..ServerOptions::default()
+    };
+    let task = tokio::spawn(server::run(listener, h.app.clone(), options, async {
+        let _ = stopped.await;
+    }));
+    // 32 MiB of answers each: far more than the sockets buffer.
+    let gets = "GET /kv/o/big HTTP/1.1\r\nHost: a\r\n\r\n".repeat(16);
+    let mut stalled = Vec::new();
+    for _ in 0..2 {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(gets.as_bytes()).await.unwrap();
+        stalled.push(s);
+    }
+    let served = tokio::time::timeout(
+        Duration::from_secs(10),
+        raw_status(addr, b"GET /_fence/livez HTTP/1.1\r\nHost: a\r\n\r\n"),
+    )
+    .await
+    .expect("no slot came free");
+    assert_eq!(served, 200);
+    for mut s in stalled {
+        // What was sent before the close, then the end of the stream.
+        let mut sink = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut sink)).await;
+        assert!(read.is_ok(), "the stalled reader was not closed");
+        assert!(sink.len() < 32 * 1024 * 1024, "every answer was sent");
+    }
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+}

@@ -16,7 +16,7 @@ use tower::Service;
 
 use crate::body::Body;
 pub use embedded::EmbeddedStore;
-pub use upstream::{ClientAddr, ConnectionMode, Upstream, UpstreamOptions};
+pub use upstream::{ClientAddr, ConnectionMode, Upstream, UpstreamOptions, MIN_READ_BUFFER};
 
 /// The storage behind the fence.
 #[derive(Clone, Debug)]

@@ -64,11 +64,19 @@ pub struct UpstreamOptions {
     /// PEM CA certificates trusted beside the system's, for an `https://`
     /// upstream with a private CA (empty: the system's only).
     pub upstream_ca_file: std::path::PathBuf,
+    /// The most an upstream connection reads ahead of its client, in bytes
+    /// (at least 8 KiB): a response body is relayed in chunks of at most
+    /// this, so a client that reads slowly holds about twice this much of
+    /// its answer in fencegate (hyper's own default is about 400 KiB).
+    pub read_buffer_bytes: usize,
     /// The request body limit, for the 413 of a stream cut off at it (the
     /// config's `limits.max_body_bytes`, not a `[proxy]` key).
     #[serde(skip)]
     pub max_body_bytes: u64,
 }
+
+/// The smallest `read_buffer_bytes` hyper accepts.
+pub const MIN_READ_BUFFER: usize = 8192;
 
 /// How client connections map onto upstream connections.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
@@ -85,6 +93,7 @@ impl Default for UpstreamOptions {
     fn default() -> Self {
         Self {
             connect_timeout_ms: 2_000,
+            read_buffer_bytes: 32 * 1024,
             timeout_ms: 30_000,
             pool_idle_timeout_ms: 90_000,
             pool_max_idle: 64,
@@ -123,6 +132,8 @@ struct Shared {
     metrics: OnceLock<Metrics>,
     mode: ConnectionMode,
     connect_timeout: Duration,
+    /// `read_buffer_bytes` of the options.
+    read_buffer: usize,
     /// `host:port` to dial for a dedicated connection.
     dial: String,
     /// The upstream's `Host` header.
@@ -317,6 +328,7 @@ impl Upstream {
             origin,
             mode: options.upstream_connections,
             connect_timeout: Duration::from_millis(options.connect_timeout_ms),
+            read_buffer: options.read_buffer_bytes.max(MIN_READ_BUFFER),
             dial,
             host,
             client,
@@ -453,7 +465,7 @@ impl Shared {
         .map_err(|_| format!("connecting to {} timed out", self.dial))??;
         stream.set_nodelay(true)?;
         let Some(tls) = &self.tls else {
-            return Self::handshake(TokioIo::new(stream)).await;
+            return Self::handshake(TokioIo::new(stream), self.read_buffer).await;
         };
         let stream = tokio::time::timeout(
             self.connect_timeout,
@@ -461,15 +473,16 @@ impl Shared {
         )
         .await
         .map_err(|_| format!("the TLS handshake with {} timed out", self.dial))??;
-        Self::handshake(TokioIo::new(stream)).await
+        Self::handshake(TokioIo::new(stream), self.read_buffer).await
     }
 
     /// Starts HTTP/1.1 on an open connection, its driver on a task of its own.
-    async fn handshake<T>(io: T) -> Result<Dedicated, BoxError>
+    async fn handshake<T>(io: T, read_buffer: usize) -> Result<Dedicated, BoxError>
     where
         T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
     {
         let (sender, conn) = hyper::client::conn::http1::Builder::new()
+            .max_buf_size(read_buffer)
             .handshake(io)
             .await?;
         let driver = tokio::spawn(async move {
@@ -641,6 +654,7 @@ fn pooled_client(
         .enable_http1()
         .wrap_connector(connector);
     Ok(Client::builder(TokioExecutor::new())
+        .http1_max_buf_size(options.read_buffer_bytes.max(MIN_READ_BUFFER))
         .pool_idle_timeout(Duration::from_millis(options.pool_idle_timeout_ms))
         .pool_max_idle_per_host(options.pool_max_idle)
         .build(connector))
