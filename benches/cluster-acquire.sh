@@ -36,7 +36,8 @@ pids+=($!)
 for _ in $(seq 100); do curl -sf -X POST -d '{}' "http://127.0.0.1:$client/v3/maintenance/status" >/dev/null && break; sleep 0.1; done
 
 # Acquires never reach the upstream; cluster mode needs one all members share.
-FENCEGATE_LOG=warn target/release/fencegate serve --listen 127.0.0.1:0 \
+# wrk's clients share one address: the per-client acquire rate is off here.
+FENCEGATE_LOG=warn FENCEGATE_LEASES__ACQUIRE_RATE_PER_CLIENT=0 target/release/fencegate serve --listen 127.0.0.1:0 \
     --upstream "http://127.0.0.1:$(port)" --etcd "http://127.0.0.1:$client" --name bench >"$work/fencegate.out" 2>"$work/fencegate.log" &
 pids+=($!)
 for _ in $(seq 100); do grep -q listening "$work/fencegate.out" 2>/dev/null && break; sleep 0.1; done

@@ -2,8 +2,8 @@
 //! concurrent clients (every grant fsync'd before it is returned; concurrent
 //! grants share fsyncs), renewals per second, and recovery time of 100,000
 //! leases; resident memory per held lease, the write-admission check time
-//! and the time to list a page of 1,000 leases at 1,000, 100,000 and
-//! 1,000,000 leases.
+//! and the time to list a page of 1,000 leases and to render the whole
+//! `/_fence/metrics` exposition, at 1,000, 100,000 and 1,000,000 leases.
 //!
 //!     cargo bench --bench journal             # full run (about 10 s)
 //!     cargo bench --bench journal -- --quick  # smoke run
@@ -34,7 +34,7 @@ fn scratch(tag: &str) -> PathBuf {
 /// limiter (its clients acquire thousands of leases a second).
 fn limits() -> LeaseLimits {
     LeaseLimits {
-        acquire_rate_per_holder: 0,
+        acquire_rate_per_client: 0,
         ..LeaseLimits::default()
     }
 }
@@ -270,8 +270,19 @@ async fn memory_child(leases: usize) {
     let start = Instant::now();
     store.build_holder_index();
     let index_ms = start.elapsed().as_secs_f64() * 1000.0;
+    // A whole /_fence/metrics exposition, the median of 21.
+    let metrics = fencegate::metrics::Metrics::new(&store);
+    let mut scrapes: Vec<f64> = (0..21)
+        .map(|_| {
+            let start = Instant::now();
+            std::hint::black_box(metrics.render());
+            start.elapsed().as_secs_f64() * 1e6
+        })
+        .collect();
+    scrapes.sort_by(f64::total_cmp);
+    let scrape_us = scrapes[scrapes.len() / 2];
     println!(
-        "{} {} {ns:.1} {page_us:.0} {index_ms:.0}",
+        "{} {} {ns:.1} {page_us:.0} {index_ms:.0} {scrape_us:.0}",
         after.saturating_sub(before),
         live.saturating_sub(before)
     );
@@ -280,9 +291,9 @@ async fn memory_child(leases: usize) {
 }
 
 /// Resident bytes added by `leases` held leases (and after `malloc_trim`),
-/// check ns, page µs and the holder index's build ms, measured in a child
-/// process.
-fn memory(leases: usize) -> (u64, u64, f64, f64, f64) {
+/// check ns, page µs, the holder index's build ms and a metrics scrape's
+/// µs, measured in a child process.
+fn memory(leases: usize) -> (u64, u64, f64, f64, f64, f64) {
     let out = std::process::Command::new(std::env::current_exe().expect("exe"))
         .args(["--memory", &leases.to_string()])
         .output()
@@ -295,9 +306,10 @@ fn memory(leases: usize) -> (u64, u64, f64, f64, f64) {
         words.next().and_then(|w| w.parse().ok()),
         words.next().and_then(|w| w.parse().ok()),
         words.next().and_then(|w| w.parse().ok()),
+        words.next().and_then(|w| w.parse().ok()),
     ) {
-        (Some(bytes), Some(live), Some(ns), Some(page_us), Some(index_ms)) => {
-            (bytes, live, ns, page_us, index_ms)
+        (Some(bytes), Some(live), Some(ns), Some(page_us), Some(index_ms), Some(scrape_us)) => {
+            (bytes, live, ns, page_us, index_ms, scrape_us)
         }
         _ => panic!(
             "memory child failed: {text}{}",
@@ -353,19 +365,20 @@ fn main() {
     };
     println!("\nheld leases (names like tenant-00000042, one holder)");
     println!(
-        "{:>10} {:>12} {:>10} {:>14} {:>10} {:>10} {:>16}",
+        "{:>10} {:>12} {:>10} {:>14} {:>10} {:>10} {:>16} {:>10}",
         "leases",
         "RSS added",
         "per lease",
         "live per lease",
         "check ns",
         "page µs",
-        "holder index ms"
+        "holder index ms",
+        "scrape µs"
     );
     for &n in sizes {
-        let (bytes, live, ns, page_us, index_ms) = memory(n);
+        let (bytes, live, ns, page_us, index_ms, scrape_us) = memory(n);
         println!(
-            "{n:>10} {:>8.1} MiB {:>8} B {:>12} B {ns:>10.1} {page_us:>10.0} {index_ms:>16.0}",
+            "{n:>10} {:>8.1} MiB {:>8} B {:>12} B {ns:>10.1} {page_us:>10.0} {index_ms:>16.0} {scrape_us:>10.0}",
             bytes as f64 / 1048576.0,
             bytes / n as u64,
             live / n as u64

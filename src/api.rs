@@ -25,12 +25,12 @@ use sha2::{Digest, Sha256};
 use smallvec::SmallVec;
 
 use crate::auth::{Caller, Identity};
-use crate::backend::EmbeddedStore;
+use crate::backend::{ClientAddr, EmbeddedStore};
 use crate::body::{self, Body};
 use crate::clock::ClockKind;
 use crate::error::{Problem, Reason};
 use crate::fence::{credentials, visible_to};
-use crate::lease::{Acquired, LeaseStore, View};
+use crate::lease::{Acquired, LeaseStore, Requester, View};
 use crate::metrics::Metrics;
 use crate::names::{Holder, LeaseName};
 use crate::route::decode_path;
@@ -515,6 +515,7 @@ impl Api {
         let lease = self.name(name)?;
         let name = lease.as_str();
         let caller = caller(&req).cloned();
+        let client_ip = req.extensions().get::<ClientAddr>().map(ClientAddr::ip);
         let body: AcquireBody = read_json(req.into_body(), false, self.body_read_timeout)
             .await?
             .expect("required body");
@@ -533,9 +534,22 @@ impl Api {
         let ttl_ms = ttl_from_json(&body.ttl_ms, &self.leases)?;
         let holder = holder
             .or_else(|h| Holder::new(&h).map_err(|e| Problem::invalid_request(e.to_string())))?;
+        // The acquire rate is the caller's, or the client address's: never
+        // keyed on a name the client picks.
+        let requester = match (&caller, client_ip) {
+            (Some(c), _) => Requester::Caller(c.name.as_str()),
+            (None, Some(ip)) => Requester::Address(ip),
+            (None, None) => Requester::Holder(holder.as_str()),
+        };
         let granted = self
             .leases
-            .acquire(&lease, &holder, ttl_ms, body.wait_ms.unwrap_or(0))
+            .acquire_from(
+                requester,
+                &lease,
+                &holder,
+                ttl_ms,
+                body.wait_ms.unwrap_or(0),
+            )
             .await
             .map_err(|e| {
                 let problem = Problem::acquire_failed(name, e);

@@ -386,6 +386,15 @@ impl Config {
         if let Some(advertise) = &flags.advertise {
             config.cluster.advertise.clone_from(advertise);
         }
+        if let Some(rate) = config.leases.acquire_rate_per_holder.take() {
+            tracing::warn!(
+                rate,
+                "leases.acquire_rate_per_holder is read as leases.acquire_rate_per_client: the \
+                 acquire rate is now counted per authenticated caller, or per client address \
+                 with authentication off, not per holder name; rename the setting"
+            );
+            config.leases.acquire_rate_per_client = rate;
+        }
         config.validate()?;
         Ok(config)
     }
@@ -625,7 +634,13 @@ fn apply_env(
             .split("__")
             .map(str::to_ascii_lowercase)
             .collect();
-        let Some(default_value) = lookup(&defaults, &path) else {
+        // The older name of a key, typed like the new one.
+        let typed_as: Vec<String> = if path == ["leases", "acquire_rate_per_holder"] {
+            vec!["leases".into(), "acquire_rate_per_client".into()]
+        } else {
+            path.clone()
+        };
+        let Some(default_value) = lookup(&defaults, &typed_as) else {
             // Scripts keep their own FENCEGATE_* variables; a typo is still
             // visible in the log.
             tracing::warn!(variable = %var, "ignoring environment variable: no such setting");
@@ -852,6 +867,29 @@ mod tests {
         std::fs::write(&file, "[limits]\nmax_body_bytes = \"lots\"\n").unwrap();
         let err = Config::load(Some(&file), env(&[]), &Overrides::default()).unwrap_err();
         assert!(err.contains("limits.max_body_bytes"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The acquire rate's older key still works, in the file and in the
+    /// environment, as the new one.
+    #[test]
+    fn the_older_acquire_rate_key_is_read_as_the_new_one() {
+        let dir =
+            std::env::temp_dir().join(format!("fencegate-config-rate-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("old.toml");
+        std::fs::write(&file, "[leases]\nacquire_rate_per_holder = 7\n").unwrap();
+        let c = Config::load(Some(&file), env(&[]), &Overrides::default()).unwrap();
+        assert_eq!(c.leases.acquire_rate_per_client, 7);
+        let c = Config::load(
+            None,
+            env(&[("FENCEGATE_LEASES__ACQUIRE_RATE_PER_HOLDER", "9")]),
+            &Overrides::default(),
+        )
+        .unwrap();
+        assert_eq!(c.leases.acquire_rate_per_client, 9);
+        let c = Config::load(None, env(&[]), &Overrides::default()).unwrap();
+        assert_eq!(c.leases.acquire_rate_per_client, 1000);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -635,7 +635,7 @@ async fn a_holder_over_its_acquire_rate_is_429_with_retry_after() {
         clock: ClockKind::Manual,
         ..Config::default()
     };
-    config.leases.acquire_rate_per_holder = 1;
+    config.leases.acquire_rate_per_client = 1;
     let h = Harness::with_config(config);
     h.acquire("a", "A", 1000).await;
     let r = h
@@ -648,4 +648,36 @@ async fn a_holder_over_its_acquire_rate_is_429_with_retry_after() {
     assert_eq!(r.headers["retry-after"], "1");
     h.advance(1000);
     h.acquire("b", "A", 1000).await;
+}
+
+/// The acquire rate is the client's, not the holder name's: a client that
+/// names a new holder for every acquire is held to the rate all the same.
+/// Seen failing when the rate was kept per holder: every acquire passed.
+#[tokio::test]
+async fn varying_the_holder_does_not_escape_the_acquire_rate() {
+    let mut config = Config {
+        clock: ClockKind::Manual,
+        ..Config::default()
+    };
+    config.leases.acquire_rate_per_client = 3;
+    let h = Harness::with_config(config);
+    let server = support::spawn(h.app.clone()).await;
+    let c = support::HttpClient::new(&server.url());
+    let mut statuses = Vec::new();
+    for i in 0..5 {
+        let r = c
+            .send(
+                Req::new("POST", &format!("/_fence/leases/l{i}"))
+                    .json(json!({"holder": format!("h{i}"), "ttl_ms": 1000})),
+            )
+            .await;
+        statuses.push(r.status.as_u16());
+    }
+    assert_eq!(statuses, [201, 201, 201, 429, 429]);
+    h.advance(1000);
+    let r = c
+        .send(Req::new("POST", "/_fence/leases/l9").json(json!({"holder": "h9", "ttl_ms": 1000})))
+        .await;
+    assert_eq!(r.status, 201, "time refills the client's bucket");
+    server.stop().await;
 }

@@ -189,6 +189,11 @@ impl Drop for Dedicated {
 }
 
 impl ClientAddr {
+    /// The address the client connected from.
+    pub fn ip(&self) -> std::net::IpAddr {
+        self.0.addr.ip()
+    }
+
     /// The client at `addr`, connected over TLS if `https`.
     pub fn new(addr: SocketAddr, https: bool) -> Self {
         let proto = if https { "https" } else { "http" };

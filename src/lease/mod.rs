@@ -14,5 +14,5 @@ pub use machine::{Admit, Grant, Held, LeaseState, Reject, TermState, View};
 pub use primacy::Primacy;
 pub use store::{
     AcquireError, Acquired, Admission, AdmitError, AdmitOptions, Admitted, LeaseLimits, LeaseStore,
-    RenewError, RestartRule, WriteGuard,
+    RenewError, Requester, RestartRule, WriteGuard,
 };

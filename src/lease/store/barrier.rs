@@ -167,11 +167,12 @@ impl WriteGuard {
             Phase::Streaming { .. } => true,
         };
         self.phase = Phase::Done;
-        if self
+        let removed = self
             .cell
             .inflight()
-            .remove(self.token, streaming, linger_until_ms)
-        {
+            .remove(self.token, streaming, linger_until_ms);
+        self.store.count_inflight(&self.cell, false);
+        if removed {
             self.cell.changed.notify_waiters();
         }
     }
@@ -244,6 +245,7 @@ impl LeaseStore {
         }
         inflight.add(token);
         drop(inflight);
+        self.count_inflight(cell, true);
         Admission::Admitted(WriteGuard {
             store: self.clone(),
             cell: cell.clone(),
