@@ -469,6 +469,20 @@ impl Config {
                 l.min_ttl_ms, l.max_ttl_ms
             ));
         }
+        // A lease is forgotten only when nothing can still be waiting on it
+        // or writing under it: an acquire waits at most max_wait_ms, a write
+        // is settled the longest upstream deadline plus settle_ms after it
+        // left. (A waiting acquire or write also pins the lease itself.)
+        let busy_ms = l
+            .max_wait_ms
+            .max(self.upstream_timeouts_ms().max().unwrap_or(0))
+            .saturating_add(self.fence.settle_ms);
+        if l.retention_ms != 0 && l.retention_ms <= busy_ms {
+            return Err(format!(
+                "leases.retention_ms must be 0 (keep every lease) or more than {busy_ms} \
+                 (the longest acquire wait or upstream deadline, plus fence.settle_ms)"
+            ));
+        }
         let lim = &self.limits;
         for (name, value) in [
             ("limits.max_body_bytes", lim.max_body_bytes),

@@ -195,6 +195,7 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
             (Served::Cluster(member), None)
         }
         Some(leases) => {
+            leases.start_sweeper();
             let parts = Parts {
                 leases,
                 backend: build_backend(&config).map_err(StartError::Config)?,
@@ -296,6 +297,8 @@ fn join(
             takeover.leases,
             takeover.rule,
         )?;
+        // It ends with this term of primacy's store.
+        leases.start_sweeper();
         // A backend per term: its upstream metrics belong to this term's
         // app, and nothing of an earlier term stays pinned.
         let parts = Parts {
@@ -344,6 +347,7 @@ fn recover(config: &Config, options: StartOptions) -> Result<LeaseStore, StartEr
     let rule = RestartRule {
         token_floor: recovered.token_floor,
         lost_records: recovered.lost_records.is_some(),
+        forgotten_above: recovered.forgotten_above,
         ..config.restart_rule()
     };
     let leases = LeaseStore::restore(

@@ -301,6 +301,83 @@ async fn a_live_term_is_held_for_a_full_ttl_after_restart() {
     p.kill9();
 }
 
+/// Nobody takes the lease namespace for good: names idle for
+/// `leases.retention_ms` are forgotten, new names fit again, and a
+/// forgotten name's next token is above every token it had, also after
+/// kill -9. (The manual clock moves the lease time; the sweep itself runs
+/// on a real-time tick, so the test waits for it, bounded.) Seen failing
+/// before retention: the fourth name was refused for ever.
+#[tokio::test]
+async fn idle_names_are_forgotten_and_keep_their_tokens_across_sigkill() {
+    let dir = TempDir::new("retention");
+    let data = dir.path().join("data");
+    let log = dir.path().join("fencegate.log");
+    let args = serve_args(&data, true);
+    let env = [
+        ("FENCEGATE_LEASES__MAX_LEASES", "3"),
+        ("FENCEGATE_LEASES__RETENTION_MS", "5000"),
+        ("FENCEGATE_LEASES__MAX_WAIT_MS", "1000"),
+        ("FENCEGATE_PROXY__TIMEOUT_MS", "1000"),
+        ("FENCEGATE_FENCE__SETTLE_MS", "100"),
+    ];
+    let advance = |ms: u64| Req::new("POST", "/_fence/clock").json(json!({"advance_ms": ms}));
+    let listed = |c: HttpClient| async move {
+        let v = c.send(Req::new("GET", "/_fence/leases")).await.json();
+        v["leases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l["lease"].as_str().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+
+    let p = Proc::start(&args, &log, &env);
+    let c = HttpClient::new(&p.url);
+    let mut tokens = Vec::new();
+    for _ in 0..3 {
+        let a = held_from(&c.send(acquire("a", "A", 1000)).await);
+        tokens.push(a.token);
+        c.send(Req::new("DELETE", "/_fence/leases/a").held(&a))
+            .await;
+    }
+    held_from(&c.send(acquire("b", "B", 1000)).await);
+    held_from(&c.send(acquire("c", "C", 1000)).await);
+    let r = c.send(acquire("d", "D", 1000)).await;
+    assert_eq!(
+        (r.status.as_u16(), r.reason().as_str()),
+        (429, "too-many-leases")
+    );
+    c.send(advance(10_000)).await;
+    let mut waited = 0;
+    while !listed(c.clone()).await.is_empty() {
+        assert!(waited < 100, "the idle leases were not forgotten in 10 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        waited += 1;
+    }
+    let d = c.send(acquire("d", "D", 1000)).await;
+    assert_eq!(d.status, 201, "{}", d.text());
+    // The grant of d is synced, and with it the records of the leases
+    // forgotten before it.
+    p.kill9();
+
+    let p = Proc::start(&args, &log, &env);
+    let c = HttpClient::new(&p.url);
+    assert_eq!(listed(c.clone()).await, ["d"]);
+    let again = held_from(&c.send(acquire("a", "A2", 1000)).await);
+    assert!(
+        tokens.iter().all(|&t| again.token > t),
+        "a got {} after {tokens:?}",
+        again.token
+    );
+    let fresh = held_from(&c.send(acquire("e", "E", 1000)).await);
+    assert!(
+        fresh.token > 3,
+        "a new name starts above every forgotten token: {}",
+        fresh.token
+    );
+    p.kill9();
+}
+
 /// A journal whose tail was torn mid-record: the start cuts the tail and keeps
 /// every acknowledged grant.
 #[tokio::test]

@@ -56,6 +56,11 @@ pub struct StoredLease {
     pub last_token: u64,
     pub transitions: u64,
     pub term: Option<StoredTerm>,
+    /// The lease was forgotten (retention): a replay drops it, and every
+    /// lease not in the log continues above `last_token`. The cache keeps
+    /// that mark for all forgotten leases under the empty name, which
+    /// snapshots write first.
+    pub forgotten: bool,
 }
 
 /// A lease's latest term, with the SHA-256 digest of its lease id (never
@@ -98,8 +103,10 @@ struct Write {
 
 /// One record of the log or a snapshot, as a JSON array (etcd's cost
 /// grows with the bytes written, so no field names):
-/// `[lease, last_token, transitions, term]`, where `term` is `null` or
-/// `[token, holder, ttl_ms, lease id's SHA-256 in hex, released]`.
+/// `[lease, last_token, transitions, term]`, where `term` is `null`,
+/// `[token, holder, ttl_ms, lease id's SHA-256 in hex, released]`, or
+/// `"forgotten"` for a lease forgotten (the empty name: the mark of every
+/// lease forgotten before).
 struct Record<'a> {
     lease: &'a str,
     state: &'a StoredLease,
@@ -115,6 +122,15 @@ impl Record<'_> {
 
 impl Serialize for Record<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if self.state.forgotten {
+            return (
+                self.lease,
+                self.state.last_token,
+                self.state.transitions,
+                FORGOTTEN,
+            )
+                .serialize(s);
+        }
         let term = self.state.term.as_ref().map(|t| {
             let mut digest = [0u8; 64];
             hex::encode_into(&t.lease_id_sha256, &mut digest);
@@ -140,16 +156,35 @@ impl Serialize for Hex {
     }
 }
 
+/// The term of a forgotten lease's record.
+const FORGOTTEN: &str = "forgotten";
+
 /// A record read back.
 #[derive(Deserialize)]
-struct OwnedRecord(String, u64, u64, Option<(u64, String, u64, String, bool)>);
+struct OwnedRecord(String, u64, u64, Option<TermField>);
+
+/// The fourth field of a record.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum TermField {
+    Term(u64, String, u64, String, bool),
+    Mark(String),
+}
 
 impl OwnedRecord {
     fn into_parts(self) -> Result<(String, StoredLease), String> {
         let OwnedRecord(lease, last_token, transitions, term) = self;
+        let mut forgotten = false;
         let term = match term {
             None => None,
-            Some((token, holder, ttl_ms, digest, released)) => Some(StoredTerm {
+            Some(TermField::Mark(mark)) if mark == FORGOTTEN => {
+                forgotten = true;
+                None
+            }
+            Some(TermField::Mark(mark)) => {
+                return Err(format!("lease {lease:?} has an unknown mark {mark:?}"))
+            }
+            Some(TermField::Term(token, holder, ttl_ms, digest, released)) => Some(StoredTerm {
                 token,
                 holder,
                 ttl_ms,
@@ -162,6 +197,7 @@ impl OwnedRecord {
             last_token,
             transitions,
             term,
+            forgotten,
         };
         Ok((lease, state))
     }
@@ -252,9 +288,15 @@ impl Keys {
 pub struct Loaded {
     leases: BTreeMap<String, StoredLease>,
     next_seq: u64,
+    forgotten_above: u64,
 }
 
 impl Loaded {
+    /// Leases not loaded (forgotten, or never granted) continue above this.
+    pub fn forgotten_above(&self) -> u64 {
+        self.forgotten_above
+    }
+
     /// Every lease, for the lease store to restore.
     pub fn records(&self) -> Vec<LeaseRecord> {
         self.leases
@@ -273,12 +315,18 @@ pub async fn load(client: &EtcdClient, prefix: &[u8]) -> Result<Loaded, String> 
         prefix: prefix.to_vec(),
     };
     let mut leases = BTreeMap::new();
+    let mut forgotten_above = 0;
     let mut apply = |what: &str, value: &[u8]| -> Result<(), String> {
         let records: Vec<OwnedRecord> = serde_json::from_slice(value)
             .map_err(|e| format!("{what} in etcd is unreadable: {e}"))?;
         for r in records {
             let (lease, state) = r.into_parts()?;
-            leases.insert(lease, state);
+            if state.forgotten {
+                leases.remove(&lease);
+                forgotten_above = u64::max(forgotten_above, state.last_token);
+            } else {
+                leases.insert(lease, state);
+            }
         }
         Ok(())
     };
@@ -345,7 +393,11 @@ pub async fn load(client: &EtcdClient, prefix: &[u8]) -> Result<Loaded, String> 
             _ => break,
         }
     }
-    Ok(Loaded { leases, next_seq })
+    Ok(Loaded {
+        leases,
+        next_seq,
+        forgotten_above,
+    })
 }
 
 /// The lease store's journal on a cluster's primary.
@@ -409,7 +461,11 @@ impl EtcdJournal {
         loaded: Loaded,
         limits: Limits,
     ) -> Self {
-        let cache = Arc::new(Mutex::new(loaded.leases));
+        let mut leases = loaded.leases;
+        if loaded.forgotten_above > 0 {
+            leases.insert(String::new(), forgotten_mark(loaded.forgotten_above));
+        }
+        let cache = Arc::new(Mutex::new(leases));
         let spilled = Arc::new(Mutex::new(BTreeSet::new()));
         let (tx, rx) = mpsc::channel(limits.queue.max(1));
         let state = Arc::new(Failure::default());
@@ -489,6 +545,16 @@ impl EtcdJournal {
     }
 }
 
+/// The cached state under the empty name: every lease forgotten so far
+/// had tokens up to `last_token`.
+fn forgotten_mark(last_token: u64) -> StoredLease {
+    StoredLease {
+        last_token,
+        forgotten: true,
+        ..StoredLease::default()
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -534,6 +600,24 @@ impl Journal for EtcdJournal {
             }
             _ => false,
         });
+    }
+
+    fn record_forget(&self, lease: &str, last_token: u64) {
+        let _ = self.queue(lease, None, |stored| {
+            stored.last_token = stored.last_token.max(last_token);
+            stored.forgotten = true;
+            true
+        });
+        // The cache lets go of the lease and keeps its mark for snapshots.
+        // (A record that found the queue full is written from the cache,
+        // where the lease is gone: then the lease is simply still kept in
+        // etcd, which is safe.)
+        let mut cache = lock(&self.cache);
+        cache.remove(lease);
+        let mark = cache
+            .entry(String::new())
+            .or_insert_with(|| forgotten_mark(0));
+        mark.last_token = mark.last_token.max(last_token);
     }
 
     fn is_healthy(&self) -> bool {
@@ -841,11 +925,19 @@ mod tests {
                 lease_id_sha256: digest,
                 released: false,
             }),
+            forgotten: false,
         };
         let bare = StoredLease {
             last_token: 2,
             transitions: 2,
             term: None,
+            forgotten: false,
+        };
+        let gone = StoredLease {
+            last_token: 9,
+            transitions: 4,
+            term: None,
+            forgotten: true,
         };
         let json = serde_json::to_string(&[
             Record {
@@ -856,12 +948,16 @@ mod tests {
                 lease: "idle",
                 state: &bare,
             },
+            Record {
+                lease: "old",
+                state: &gone,
+            },
         ])
         .unwrap();
         assert_eq!(
             json,
             format!(
-                r#"[["orders",7,3,[7,"a",5000,"{}",false]],["idle",2,2,null]]"#,
+                r#"[["orders",7,3,[7,"a",5000,"{}",false]],["idle",2,2,null],["old",9,4,"forgotten"]]"#,
                 hex::encode(&digest)
             )
         );
@@ -873,7 +969,8 @@ mod tests {
             back,
             [
                 ("orders".to_owned(), state.clone()),
-                ("idle".to_owned(), bare)
+                ("idle".to_owned(), bare),
+                ("old".to_owned(), gone)
             ]
         );
         assert_eq!(

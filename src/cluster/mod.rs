@@ -478,6 +478,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
             }
         };
         let leases = loaded.records();
+        let forgotten_above = loaded.forgotten_above();
         let journal = Arc::new(EtcdJournal::start(
             self.client.clone(),
             self.options.prefix.clone().into_bytes(),
@@ -494,6 +495,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
             rule: RestartRule {
                 unsettled_ms: self.options.unsettled_ms,
                 hashed_ids: true,
+                forgotten_above,
                 ..RestartRule::default()
             },
         })?;

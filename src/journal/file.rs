@@ -237,6 +237,9 @@ pub struct Recovered {
     pub torn_bytes: u64,
     /// Every lease's tokens, known or new, continue above this.
     pub token_floor: u64,
+    /// Leases the log no longer holds (forgotten ones, and names never
+    /// seen) continue above this.
+    pub forgotten_above: u64,
     /// Set when acknowledged records may have been lost (and how): every
     /// recovered term was ended and every lease continues above the floor.
     pub lost_records: Option<String>,
@@ -338,8 +341,16 @@ fn write_log<'a>(
     path: &Path,
     leases: impl Iterator<Item = &'a LeaseRecord>,
     token_floor: u64,
+    forgotten_above: u64,
 ) -> io::Result<Written> {
     let mut frames = Vec::new();
+    if forgotten_above > 0 {
+        Record::Forget {
+            lease: String::new(),
+            last_token: forgotten_above,
+        }
+        .encode_frame(&mut frames);
+    }
     for lease in leases {
         Record::State(lease.clone()).encode_frame(&mut frames);
     }
@@ -376,10 +387,11 @@ fn write_log_at_start<'a>(
     dir: &Path,
     path: &Path,
     leases: impl Iterator<Item = &'a LeaseRecord>,
-    token_floor: u64,
+    (token_floor, forgotten_above): (u64, u64),
     what: &str,
 ) -> Result<(File, u64), JournalError> {
-    let written = write_log(dir, path, leases, token_floor).map_err(|e| err(what, path, e))?;
+    let written = write_log(dir, path, leases, token_floor, forgotten_above)
+        .map_err(|e| err(what, path, e))?;
     if !written.dir_synced {
         return Err(err(what, dir, "the directory could not be synced"));
     }
@@ -528,7 +540,7 @@ fn open_empty(
         dir,
         path,
         std::iter::empty(),
-        meta.floor,
+        (meta.floor, 0),
         "cannot initialise",
     )?;
     write_meta(dir, meta).map_err(|e| err("cannot write", &dir.join(META_FILE), e))?;
@@ -551,6 +563,7 @@ fn open_empty(
             leases: Vec::new(),
             torn_bytes: 0,
             token_floor: meta.floor,
+            forgotten_above: 0,
             lost_records,
         },
     })
@@ -574,8 +587,10 @@ struct Replayed {
     good_len: u64,
     /// Bytes past them.
     torn_bytes: u64,
-    /// The highest token of any lease.
+    /// The highest token of any lease, forgotten ones too.
     max_token: u64,
+    /// Leases not in the log continue above this (forgotten ones).
+    forgotten_above: u64,
 }
 
 /// A log with bytes: replay it, check it against its header, and repair
@@ -595,9 +610,13 @@ fn open_existing(
         Start::V2(h) => h.durable_len,
         Start::V1 | Start::V2Damaged => u64::MAX,
     };
-    let (leases, good_len) = replay(bytes, offset, torn_from, path)?;
+    let (leases, good_len, forgotten_above) = replay(bytes, offset, torn_from, path)?;
     let replayed = Replayed {
-        max_token: leases.values().map(|l| l.last_token).max().unwrap_or(0),
+        max_token: leases
+            .values()
+            .map(|l| l.last_token)
+            .fold(forgotten_above, u64::max),
+        forgotten_above,
         leases,
         good_len,
         torn_bytes: bytes.len() as u64 - good_len,
@@ -681,6 +700,7 @@ fn open_intact(
         good_len,
         torn_bytes,
         max_token,
+        forgotten_above,
     } = replayed;
     let header_floor = header.map_or(0, |h| h.token_floor);
     let floor = match meta {
@@ -701,8 +721,13 @@ fn open_intact(
     };
     let (file, len, header) = match header {
         None => {
-            let (file, len) =
-                write_log_at_start(dir, path, leases.values(), floor, "cannot rewrite")?;
+            let (file, len) = write_log_at_start(
+                dir,
+                path,
+                leases.values(),
+                (floor, forgotten_above),
+                "cannot rewrite",
+            )?;
             tracing::info!(journal = %path.display(), "journal rewritten in format version 2");
             let header = Header {
                 seq: 1,
@@ -743,6 +768,7 @@ fn open_intact(
             leases: leases.into_values().collect(),
             torn_bytes,
             token_floor: floor,
+            forgotten_above,
             lost_records: None,
         },
     })
@@ -764,6 +790,7 @@ fn open_after_loss(
         mut leases,
         torn_bytes,
         max_token,
+        forgotten_above,
         ..
     } = replayed;
     let MetaFile::Found(meta) = meta else {
@@ -805,7 +832,13 @@ fn open_after_loss(
         .find(|p| !p.exists())
         .expect("a free name");
     keep_copy(path, &damaged).map_err(|e| err("cannot keep a copy of", path, e))?;
-    let (file, len) = write_log_at_start(dir, path, leases.values(), floor, "cannot rewrite")?;
+    let (file, len) = write_log_at_start(
+        dir,
+        path,
+        leases.values(),
+        (floor, forgotten_above),
+        "cannot rewrite",
+    )?;
     tracing::error!(
         journal = %path.display(),
         kept = %damaged.display(),
@@ -828,6 +861,7 @@ fn open_after_loss(
             leases: leases.into_values().collect(),
             torn_bytes,
             token_floor: floor,
+            forgotten_above,
             lost_records: Some(why),
         },
     })
@@ -873,6 +907,13 @@ impl Journal for FileJournal {
         });
     }
 
+    fn record_forget(&self, lease: &str, last_token: u64) {
+        self.send_lazy(Record::Forget {
+            lease: lease.to_owned(),
+            last_token,
+        });
+    }
+
     fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::Acquire)
     }
@@ -912,13 +953,17 @@ fn replay(
     start: usize,
     torn_from: u64,
     path: &Path,
-) -> Result<(HashMap<String, LeaseRecord>, u64), JournalError> {
+) -> Result<(HashMap<String, LeaseRecord>, u64, u64), JournalError> {
     let mut state: HashMap<String, LeaseRecord> = HashMap::new();
+    let mut forgotten_above = 0;
     let mut at = start;
     while at < bytes.len() {
         match read_frame(&bytes[at..]) {
             Frame::Record(record, len) => {
-                if let Some(lease) = record.lease() {
+                if let Some((lease, last_token)) = record.forgets() {
+                    state.remove(lease);
+                    forgotten_above = u64::max(forgotten_above, last_token);
+                } else if let Some(lease) = record.lease() {
                     let entry = state
                         .entry(lease.to_owned())
                         .or_insert_with(|| LeaseRecord {
@@ -944,7 +989,7 @@ fn replay(
             }
         }
     }
-    Ok((state, at as u64))
+    Ok((state, at as u64, forgotten_above))
 }
 
 /// The offset of the first position in `bytes` where a valid frame starts.
@@ -1161,7 +1206,7 @@ impl Writer {
         // Everything up to `len` was written by this writer.
         let mut bytes = std::fs::read(&self.path)?;
         bytes.truncate(usize::try_from(self.len).unwrap_or(usize::MAX));
-        let (state, good_len) =
+        let (state, good_len, forgotten_above) =
             replay(&bytes, HEADER_LEN, u64::MAX, &self.path).map_err(|e| io::Error::other(e.0))?;
         if good_len != self.len {
             return Err(io::Error::other(format!(
@@ -1176,6 +1221,7 @@ impl Writer {
             &self.path,
             state.values(),
             self.header.token_floor,
+            forgotten_above,
         )?;
         // Renamed: from here on the new log is the log, whatever else fails.
         let len = written.len;
@@ -1295,6 +1341,42 @@ mod tests {
         let size = std::fs::metadata(dir.join(JOURNAL_FILE)).unwrap().len();
         assert!(size < 4096 * 2, "the log was compacted ({size} bytes)");
         drop(j);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A forgotten lease is gone after a restart, and the mark above its
+    /// tokens stays, in the log and once the log is compacted.
+    #[tokio::test]
+    async fn a_forgotten_lease_stays_gone_and_its_tokens_stay_above() {
+        let dir = temp_dir("forget");
+        let options = FileJournalOptions {
+            compact_min_bytes: 4096,
+            ..FileJournalOptions::default()
+        };
+        {
+            let (j, _) = FileJournal::open(&dir, options.clone()).unwrap();
+            for token in 1..=7 {
+                j.persist_grant(grant("a", token)).await.unwrap();
+            }
+            j.persist_grant(grant("b", 1)).await.unwrap();
+            j.record_forget("a", 7);
+            j.record_forget("b", 1);
+            j.persist_grant(grant("c", 1)).await.unwrap();
+        }
+        let (j, rec) = reopen(&dir, &options);
+        let names: Vec<&str> = rec.leases.iter().map(|l| l.lease.as_str()).collect();
+        assert_eq!((names, rec.forgotten_above), (vec!["c"], 7));
+        // Enough grants of another lease to compact the log: the mark
+        // survives the rewrite.
+        for token in 2..=200 {
+            j.persist_grant(grant("c", token)).await.unwrap();
+        }
+        drop(j);
+        let size = std::fs::metadata(dir.join(JOURNAL_FILE)).unwrap().len();
+        assert!(size < 4096, "the log was compacted ({size} bytes)");
+        let (_j, rec) = reopen(&dir, &options);
+        let names: Vec<&str> = rec.leases.iter().map(|l| l.lease.as_str()).collect();
+        assert_eq!((names, rec.forgotten_above), (vec!["c"], 7));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -4,7 +4,7 @@
 //! calls [`Journal::persist_grant`] after the state machine grants a term and
 //! before answering; if the journal fails, the grant is abandoned and the
 //! client gets 503 `lease-store-unavailable` (fail closed). Renewals that
-//! change the TTL and releases are recorded lazily.
+//! change the TTL, releases and forgotten leases are recorded lazily.
 //!
 //! This module knows records and bytes, not lease rules: [`file`](mod@file) is the
 //! durable journal in the data directory, [`record`] its on-disk format, and
@@ -68,6 +68,12 @@ pub trait Journal: Send + Sync + 'static {
     /// Records that term `token` of `lease` was released (lazy).
     fn record_release(&self, lease: &str, token: u64);
 
+    /// Records that `lease`, whose highest token was `last_token`, was
+    /// forgotten (lazy): its state may be dropped, and a lease no longer
+    /// kept continues above `last_token` (losing the record is safe: the
+    /// lease is then still kept after a restart).
+    fn record_forget(&self, lease: &str, last_token: u64);
+
     /// Whether the journal can currently persist (drives `/_fence/readyz`).
     fn is_healthy(&self) -> bool;
 }
@@ -101,6 +107,8 @@ impl Journal for MemoryJournal {
     fn record_renew(&self, _lease: &str, _token: u64, _ttl_ms: u64) {}
 
     fn record_release(&self, _lease: &str, _token: u64) {}
+
+    fn record_forget(&self, _lease: &str, _last_token: u64) {}
 
     fn is_healthy(&self) -> bool {
         !self.failing.load(Ordering::Acquire)

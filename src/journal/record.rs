@@ -97,6 +97,7 @@ const KIND_RENEW: u8 = 2;
 const KIND_RELEASE: u8 = 3;
 const KIND_STATE: u8 = 4;
 const KIND_NOOP: u8 = 5;
+const KIND_FORGET: u8 = 6;
 
 /// The latest term of a lease, as the journal knows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -143,6 +144,11 @@ pub enum Record {
     State(LeaseRecord),
     /// Carries nothing; written by the health probe.
     Noop,
+    /// The lease was forgotten (retention): what the log held of it ends
+    /// here, and a lease the log no longer holds continues above
+    /// `last_token`. With an empty name (written by compaction, first) it
+    /// carries only that mark for every name forgotten before.
+    Forget { lease: String, last_token: u64 },
 }
 
 /// Why bytes are not a record.
@@ -186,7 +192,17 @@ impl Record {
                 }
             }
             Record::State(s) => *state = s.clone(),
-            Record::Noop => {}
+            // The replay removes the lease (see `Record::forgets`).
+            Record::Noop | Record::Forget { .. } => {}
+        }
+    }
+
+    /// For [`Record::Forget`]: the lease it removes (`""`: none) and the
+    /// mark every name not in the log continues above.
+    pub fn forgets(&self) -> Option<(&str, u64)> {
+        match self {
+            Record::Forget { lease, last_token } => Some((lease, *last_token)),
+            _ => None,
         }
     }
 
@@ -197,7 +213,7 @@ impl Record {
             | Record::Renew { lease, .. }
             | Record::Release { lease, .. } => Some(lease),
             Record::State(s) => Some(&s.lease),
-            Record::Noop => None,
+            Record::Noop | Record::Forget { .. } => None,
         }
     }
 
@@ -263,6 +279,11 @@ impl Record {
                 }
             }
             Record::Noop => out.put_u8(KIND_NOOP),
+            Record::Forget { lease, last_token } => {
+                out.put_u8(KIND_FORGET);
+                put_name(out, lease);
+                out.put_u64_le(*last_token);
+            }
         }
     }
 
@@ -309,6 +330,10 @@ impl Record {
                 })
             }
             KIND_NOOP => Record::Noop,
+            KIND_FORGET => Record::Forget {
+                lease: get_name(&mut buf)?,
+                last_token: get_u64(&mut buf)?,
+            },
             _ => return Err(DecodeError("unknown record kind")),
         };
         if buf.has_remaining() {

@@ -167,6 +167,13 @@ impl Inflight {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Whether no write of any term holds anything back at `now_ms` (none
+    /// in flight, none of unknown outcome still settling).
+    pub fn is_settled(&mut self, now_ms: u64) -> bool {
+        self.terms.retain(|t| !t.is_done(now_ms));
+        self.terms.is_empty()
+    }
 }
 
 #[cfg(test)]

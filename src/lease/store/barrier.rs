@@ -214,7 +214,12 @@ impl LeaseStore {
                 .check_write(now_ms, options.margin_ms, token, lease_id, holder)
             {
                 Ok(admit) => admit,
-                Err(reject) => return Admission::Refused(reject),
+                Err(reject) => {
+                    // A refused write names the lease too (retention); an
+                    // admitted one has a live term, which keeps it anyway.
+                    slot.touch(now_ms);
+                    return Admission::Refused(reject);
+                }
             };
         let cell = slot.cell();
         let mut inflight = cell.inflight();

@@ -9,6 +9,7 @@
 //! guard is dropped).
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Once, OnceLock};
 
 use compact_str::CompactString;
@@ -50,6 +51,11 @@ pub struct LeaseLimits {
     /// Most distinct lease names the store keeps (concurrent first acquires
     /// may overshoot by a few).
     pub max_leases: usize,
+    /// How long a lease with no live term, nothing waiting on it and no
+    /// request naming it is kept; then it is forgotten, and its name no
+    /// longer counts against `max_leases` (0: kept for ever). A forgotten
+    /// name's next term still gets a token above every one it had.
+    pub retention_ms: u64,
     /// Acquire attempts per second per client: the authenticated caller,
     /// or the address a request came from (a token bucket with a burst of
     /// one second's worth); 0 for no limit.
@@ -67,6 +73,7 @@ impl Default for LeaseLimits {
             max_ttl_ms: 3_600_000,
             max_wait_ms: 60_000,
             max_leases: 1_000_000,
+            retention_ms: 3_600_000,
             acquire_rate_per_client: 1000,
             acquire_rate_per_holder: None,
         }
@@ -127,9 +134,36 @@ struct Slot {
     /// write touches only this cell, not the map. Made on the lease's first
     /// write or first waiting acquire: most held leases never need one.
     cell: OnceLock<Arc<LeaseCell>>,
+    /// When a request last named the lease (acquire, renew, release,
+    /// inspect, a refused write), on the store's clock: retention counts
+    /// from the later of this and the end of its last term.
+    touched_ms: AtomicU64,
 }
 
 impl Slot {
+    /// A request named the lease at `now_ms`.
+    fn touch(&self, now_ms: u64) {
+        self.touched_ms.fetch_max(now_ms, Ordering::Relaxed);
+    }
+
+    /// Whether the lease may be forgotten at `now_ms`: no live term, no
+    /// request naming it and no term ending for `retention_ms`, and nobody
+    /// holding its cell (a waiting acquire or write, a write in flight)
+    /// nor any write of it still settling.
+    fn is_idle(&self, now_ms: u64, retention_ms: u64, unsettled_until_ms: u64) -> bool {
+        if self.state.is_held(now_ms) || (self.recovered && now_ms < unsettled_until_ms) {
+            return false;
+        }
+        let ended_ms = self.state.term().map_or(0, |t| t.deadline_ms);
+        let quiet_since_ms = ended_ms.max(self.touched_ms.load(Ordering::Relaxed));
+        if now_ms < quiet_since_ms.saturating_add(retention_ms) {
+            return false;
+        }
+        self.cell
+            .get()
+            .is_none_or(|cell| Arc::strong_count(cell) == 1 && cell.inflight().is_settled(now_ms))
+    }
+
     /// The lease's cell, made now if it has none yet.
     fn cell(&self) -> &Arc<LeaseCell> {
         self.cell.get_or_init(Arc::default)
@@ -204,6 +238,12 @@ struct Shared {
     live_terms: LiveTerms,
     /// Writes in flight, kept on each admission and finish.
     inflight_writes: InflightCount,
+    /// Leases not in the store (never granted, or forgotten) continue above
+    /// this: the highest token of any lease forgotten, here or before a
+    /// restart (the journal keeps it).
+    forgotten_above: AtomicU64,
+    /// Where the retention sweep goes on from.
+    sweep_cursor: Mutex<Option<CompactString>>,
 }
 
 /// What a restart must respect besides the recovered leases.
@@ -221,6 +261,9 @@ pub struct RestartRule {
     /// The recovered terms carry the SHA-256 digest of each lease id, not
     /// its text (the lease state cluster members share in etcd).
     pub hashed_ids: bool,
+    /// Leases not recovered (forgotten before the restart, or never
+    /// granted) continue above this.
+    pub forgotten_above: u64,
 }
 
 /// The lease store: cheap to clone, shared by the lease API and the fence.
@@ -257,6 +300,8 @@ impl LeaseStore {
                 lost_records: false,
                 live_terms: LiveTerms::new(limits.max_ttl_ms),
                 inflight_writes: InflightCount::default(),
+                forgotten_above: AtomicU64::new(0),
+                sweep_cursor: Mutex::new(None),
             }),
         }
     }
@@ -278,6 +323,7 @@ impl LeaseStore {
         shared.unsettled_until_ms = now_ms.saturating_add(rule.unsettled_ms);
         shared.token_floor = rule.token_floor;
         shared.lost_records = rule.lost_records;
+        shared.forgotten_above = AtomicU64::new(rule.forgotten_above);
         // A recovered term may have a TTL above today's limit: the ring of
         // live terms must reach its deadline.
         let longest_ttl_ms = recovered
@@ -396,6 +442,7 @@ impl LeaseStore {
                     Box::new(self.new_slot())
                 });
             let now_ms = clock.now_ms();
+            slot.touch(now_ms);
             let held = match self.attempt(&mut slot, name, holder, ttl_ms, lease_id, now_ms) {
                 Ok(pending) => {
                     drop(slot);
@@ -541,8 +588,9 @@ impl LeaseStore {
 
     /// The entry of a lease not in the store yet.
     fn new_slot(&self) -> Slot {
+        let forgotten_above = self.shared.forgotten_above.load(Ordering::Acquire);
         Slot {
-            state: LeaseState::above(self.shared.token_floor),
+            state: LeaseState::above(self.shared.token_floor.max(forgotten_above)),
             recovered: self.shared.lost_records,
             ..Slot::default()
         }
@@ -641,6 +689,7 @@ impl LeaseStore {
             .leases
             .get_mut(name)
             .ok_or(RenewError::Rejected(Reject::UnknownToken { current: 0 }))?;
+        slot.touch(now_ms);
         let previous_ttl_ms = slot.state.term().map(|t| t.ttl_ms);
         let before = live_deadline(&slot.state);
         let grant = slot
@@ -685,6 +734,7 @@ impl LeaseStore {
             .leases
             .get_mut(name)
             .ok_or(Reject::UnknownToken { current: 0 })?;
+        slot.touch(now_ms);
         let before = live_deadline(&slot.state);
         slot.state.release(now_ms, token, lease_id, holder)?;
         self.shared.live_terms.track(before, None);
@@ -707,7 +757,100 @@ impl LeaseStore {
     /// What inspection shows of `name`; `None` if it was never granted.
     pub fn inspect(&self, name: &str) -> Option<View> {
         let now_ms = self.shared.clock.now_ms();
-        self.shared.leases.get(name)?.state.view(now_ms)
+        let slot = self.shared.leases.get(name)?;
+        slot.touch(now_ms);
+        slot.state.view(now_ms)
+    }
+
+    /// Forgets, of the next `budget` leases in name order (going on from
+    /// where the last call stopped, and round again), those idle for the
+    /// retention time (see [`LeaseLimits::retention_ms`]); how many it
+    /// forgot. Each is checked and removed under its lease's lock, its
+    /// highest token raised into the mark every lease not in the store
+    /// continues above, and the journal told, before any later grant of
+    /// the name can be queued.
+    pub fn forget_idle(&self, budget: usize) -> usize {
+        let shared = &self.shared;
+        let retention_ms = shared.limits.retention_ms;
+        if retention_ms == 0 {
+            return 0;
+        }
+        let names: Vec<CompactString> = {
+            let mut cursor = lock(&shared.sweep_cursor);
+            let from = match cursor.as_deref() {
+                Some(after) => Bound::Excluded(after),
+                None => Bound::Unbounded,
+            };
+            let names: Vec<CompactString> = lock(&shared.names)
+                .range::<str, _>((from, Bound::Unbounded))
+                .take(budget)
+                .cloned()
+                .collect();
+            *cursor = if names.len() < budget {
+                None
+            } else {
+                names.last().cloned()
+            };
+            names
+        };
+        let now_ms = shared.clock.now_ms();
+        let mut forgotten = 0;
+        for name in names {
+            let removed = shared.leases.remove_if(name.as_str(), |_, slot| {
+                if !slot.is_idle(now_ms, retention_ms, shared.unsettled_until_ms) {
+                    return false;
+                }
+                // Under the lease's lock: no grant of this name can come
+                // between the mark, the journal's record and the removal.
+                let last_token = slot.state.last_token();
+                shared
+                    .forgotten_above
+                    .fetch_max(last_token, Ordering::AcqRel);
+                shared.journal.record_forget(&name, last_token);
+                lock(&shared.names).remove(name.as_str());
+                let holder = slot.state.term().map(|t| t.holder.as_str());
+                self.index_holder(holder, None, &name);
+                true
+            });
+            if removed.is_some() {
+                forgotten += 1;
+            }
+        }
+        if forgotten > 0 {
+            tracing::debug!(forgotten, "idle leases forgotten");
+        }
+        forgotten
+    }
+
+    /// Runs [`LeaseStore::forget_idle`] a thousand leases at a time, ten
+    /// times a second (a pass over a million leases takes 100 s), for as
+    /// long as the store exists; does nothing when retention is off.
+    pub fn start_sweeper(&self) {
+        if self.shared.limits.retention_ms == 0 {
+            return;
+        }
+        let store = Arc::downgrade(&self.shared);
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(std::time::Duration::from_millis(100));
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                let Some(shared) = store.upgrade() else {
+                    return;
+                };
+                LeaseStore { shared }.forget_idle(1_000);
+            }
+        });
+    }
+
+    /// How many leases the store keeps.
+    pub fn len(&self) -> usize {
+        self.shared.leases.len()
+    }
+
+    /// Whether the store keeps no lease.
+    pub fn is_empty(&self) -> bool {
+        self.shared.leases.is_empty()
     }
 
     /// One page of the leases ever granted, in name order: up to `limit`
@@ -1038,6 +1181,7 @@ mod tests {
         }
         fn record_renew(&self, _: &str, _: u64, _: u64) {}
         fn record_release(&self, _: &str, _: u64) {}
+        fn record_forget(&self, _: &str, _: u64) {}
         fn is_healthy(&self) -> bool {
             true
         }
@@ -1096,6 +1240,120 @@ mod tests {
                 .token,
             2
         );
+    }
+
+    /// Seen failing before retention: once `max_leases` names were taken,
+    /// every new name was refused for ever.
+    #[tokio::test]
+    async fn idle_leases_are_forgotten_and_their_names_keep_their_tokens() {
+        let clock = Clock::manual(0);
+        let limits = LeaseLimits {
+            max_leases: 3,
+            retention_ms: 10_000,
+            ..LeaseLimits::default()
+        };
+        let leases = LeaseStore::new(clock.clone(), limits, Arc::new(MemoryJournal::default()));
+        let mut tokens = Vec::new();
+        for _ in 0..4 {
+            let a = leases
+                .acquire(&lease("a"), &holder("A"), 1000, 0)
+                .await
+                .unwrap();
+            tokens.push(a.token);
+            leases
+                .release("a", a.token, Some(a.lease_id.expose().as_bytes()), None)
+                .unwrap();
+        }
+        leases
+            .acquire(&lease("b"), &holder("B"), 1000, 0)
+            .await
+            .unwrap();
+        leases
+            .acquire(&lease("c"), &holder("C"), 1000, 0)
+            .await
+            .unwrap();
+        assert!(matches!(
+            leases.acquire(&lease("d"), &holder("D"), 1000, 0).await,
+            Err(AcquireError::TooManyLeases { .. })
+        ));
+        // Not before the retention time has passed since the terms ended
+        // (b's and c's at 1 s) and the last request naming them.
+        clock.advance(10_999);
+        assert_eq!(leases.inspect("c").map(|v| v.token), Some(1));
+        clock.advance(1);
+        assert_eq!(leases.forget_idle(100), 2, "a and b");
+        assert_eq!(leases.forget_idle(100), 0, "c was inspected at 10,999");
+        assert!(leases.inspect("a").is_none());
+        // Room again; a forgotten name goes on above every token it had.
+        leases
+            .acquire(&lease("d"), &holder("D"), 1000, 0)
+            .await
+            .unwrap();
+        let again = leases
+            .acquire(&lease("a"), &holder("A2"), 1000, 0)
+            .await
+            .unwrap();
+        assert!(
+            tokens.iter().all(|&t| again.token > t),
+            "{} after {tokens:?}",
+            again.token
+        );
+        assert_eq!(leases.len(), 3);
+    }
+
+    /// After a restart or a takeover, names the journal no longer holds
+    /// start above its mark of forgotten tokens.
+    #[tokio::test]
+    async fn a_restored_store_starts_new_names_above_the_forgotten_mark() {
+        let rule = RestartRule {
+            forgotten_above: 7,
+            ..RestartRule::default()
+        };
+        let leases = LeaseStore::restore(
+            Clock::manual(0),
+            LeaseLimits::default(),
+            Arc::new(MemoryJournal::default()),
+            Vec::new(),
+            rule,
+        )
+        .unwrap();
+        let a = leases
+            .acquire(&lease("a"), &holder("A"), 1000, 0)
+            .await
+            .unwrap();
+        assert_eq!(a.token, 8);
+    }
+
+    /// A lease something still waits on or writes under is kept, however
+    /// long ago its term ended.
+    #[tokio::test]
+    async fn a_lease_with_a_waiter_or_a_write_is_kept() {
+        let clock = Clock::manual(0);
+        let limits = LeaseLimits {
+            retention_ms: 10_000,
+            ..LeaseLimits::default()
+        };
+        let leases = LeaseStore::new(clock.clone(), limits, Arc::new(MemoryJournal::default()));
+        let a = leases
+            .acquire(&lease("w"), &holder("A"), 1000, 0)
+            .await
+            .unwrap();
+        let options = AdmitOptions::default();
+        let Admission::Admitted(guard) = leases.try_admit_write(
+            "w",
+            a.token,
+            Some(a.lease_id.expose().as_bytes()),
+            None,
+            &options,
+        ) else {
+            panic!("not admitted");
+        };
+        clock.advance(60_000);
+        assert_eq!(leases.forget_idle(10), 0, "a write in flight");
+        drop(guard); // outcome unknown: it settles for settle_ms
+        assert_eq!(leases.forget_idle(10), 0, "a write settling");
+        clock.advance(options.settle_ms);
+        assert_eq!(leases.forget_idle(10), 1);
     }
 
     #[tokio::test]
