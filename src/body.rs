@@ -86,13 +86,32 @@ pub enum ReadError {
     TooLarge,
     /// The stream failed (client gone, bad framing).
     Failed(BoxError),
+    /// Nothing arrived for the idle time.
+    Stalled,
 }
 
 /// Reads a whole body of at most `limit` bytes. A limit already imposed
 /// upstream (the app's body limit) reports as [`ReadError::TooLarge`] too.
-pub async fn collect(mut body: Body, limit: usize) -> Result<Bytes, ReadError> {
+pub async fn collect(body: Body, limit: usize) -> Result<Bytes, ReadError> {
+    collect_idle(body, limit, None).await
+}
+
+/// [`collect`], failing with [`ReadError::Stalled`] when nothing arrives for
+/// `idle` (a sender that stopped; one that sends slowly goes on).
+pub async fn collect_idle(
+    mut body: Body,
+    limit: usize,
+    idle: Option<std::time::Duration>,
+) -> Result<Bytes, ReadError> {
     let mut buf = bytes::BytesMut::new();
-    while let Some(frame) = body.frame().await {
+    loop {
+        let next = match idle {
+            Some(idle) => tokio::time::timeout(idle, body.frame())
+                .await
+                .map_err(|_| ReadError::Stalled)?,
+            None => body.frame().await,
+        };
+        let Some(frame) = next else { break };
         let frame = frame.map_err(|e| {
             if is_length_limit(&*e) {
                 ReadError::TooLarge

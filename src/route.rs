@@ -30,16 +30,18 @@
 //! by lease `orders` as `/kv/orders/1` is; the lease segment itself must be
 //! exactly a lease name (`/kv/orders;x/1` names no lease). With
 //! `fence.case_insensitive_paths` (storage on a file system that folds
-//! case), literals match without regard to case and a lease segment must be
-//! lower case, since `Orders` and `orders` would be one set of keys there.
+//! case), literals match without regard to case (compared upper-cased, as
+//! NTFS does) and a lease segment must be lower case, since `Orders` and
+//! `orders` would be one set of keys there.
 //!
 //! Finally every request is checked against every route where it lands
 //! **upstream** (after a route's `upstream_prefix` rewrite): a request that
 //! reaches keys another route guards (an alias around the rewrite, such as
 //! `/v2/keys/locks/job-7` beside a route `/locks/{lease}` rewritten to
 //! `/v2/keys/locks`), or a parent of them (`/v2/keys?recursive=true`), is
-//! refused unless it is that same lease's fenced request. Reads are held to
-//! this only for routes that fence reads.
+//! refused unless it is that same lease's fenced request. A request no lease
+//! admits is checked as it reads decoded twice too. Reads are held to this
+//! only for routes that fence reads.
 
 use std::borrow::Cow;
 
@@ -167,6 +169,9 @@ struct Seg<'a> {
     exact: bool,
     /// The segment as sent, for messages.
     raw: &'a str,
+    /// Its normalised form once decoded again (as a backend that decodes
+    /// twice would see it), when that differs.
+    again: Option<String>,
 }
 
 type Segs<'a> = SmallVec<[Seg<'a>; 8]>;
@@ -299,7 +304,7 @@ impl Route {
     fn fold_case(&mut self) {
         for seg in self.segments.iter_mut().chain(self.upstream.iter_mut()) {
             if let Segment::Literal(lit) = seg {
-                *lit = lit.to_lowercase();
+                *lit = fold(lit);
             }
         }
     }
@@ -466,6 +471,34 @@ impl Routes {
         admitting: Option<&str>,
         write: bool,
     ) -> Result<(), BadPath> {
+        let once: SmallVec<[&str; 8]> = segments.iter().map(|s| s.form.as_ref()).collect();
+        self.check_landing(&once, matched, admitting, write, self.any_rewrite)?;
+        // A backend (or a proxy before it) that decodes twice sees another
+        // path, which must not reach guarded keys either. A request a lease
+        // admits is not concerned: its literals and lease segment hold no
+        // '%', and its other segments cannot turn into separators or dot
+        // segments (they would have been refused).
+        if admitting.is_none() && segments.iter().any(|s| s.again.is_some()) {
+            let twice: SmallVec<[&str; 8]> = segments
+                .iter()
+                .map(|s| s.again.as_deref().unwrap_or(&s.form))
+                .collect();
+            // Whether a route holds it must be asked: it matched none.
+            self.check_landing(&twice, matched, None, write, true)
+                .map_err(|BadPath(why)| BadPath(Cow::Owned(format!("decoded twice, {why}"))))?;
+        }
+        Ok(())
+    }
+
+    /// [`Routes::check_reach`] for the path of these segment forms.
+    fn check_landing(
+        &self,
+        forms: &[&str],
+        matched: Option<&Matched<'_>>,
+        admitting: Option<&str>,
+        write: bool,
+        find_guard: bool,
+    ) -> Result<(), BadPath> {
         // The path as the storage sees it, less a trailing slash.
         let mut upstream: SmallVec<[&str; 8]> = SmallVec::new();
         match matched.map(|m| m.route) {
@@ -478,9 +511,9 @@ impl Routes {
                     Segment::Literal(lit) => Some(lit.as_str()),
                     _ => None,
                 }));
-                upstream.extend(segments[drop..].iter().map(|s| s.form.as_ref()));
+                upstream.extend(forms[drop..].iter().copied());
             }
-            _ => upstream.extend(segments.iter().map(|s| s.form.as_ref())),
+            _ => upstream.extend(forms.iter().copied()),
         }
         if upstream.last() == Some(&"") {
             upstream.pop();
@@ -488,8 +521,9 @@ impl Routes {
         let concerns = |r: &Route| write || r.fence_reads;
         // Who guards the keys this lands on: the first route whose
         // upstream pattern holds it, as for a request sent that way.
-        // Without rewrites that is the route that matched, if any.
-        if self.any_rewrite {
+        // Without rewrites that is the route that matched, if any, unless
+        // the path is not the one routes were matched on (`find_guard`).
+        if find_guard {
             let guard = self.routes.iter().find_map(|r| match r.reach(&upstream) {
                 Reach::Inside(lease) => Some((r, lease)),
                 _ => None,
@@ -638,6 +672,7 @@ fn normalise(decoded: Cow<'_, str>, last: bool, rules: PathRules) -> Result<Seg<
                 form: decoded,
                 exact: true,
                 raw: "",
+                again: None,
             })
         } else {
             Err(BadPath::new("the path has an empty segment ('//')"))
@@ -645,19 +680,21 @@ fn normalise(decoded: Cow<'_, str>, last: bool, rules: PathRules) -> Result<Seg<
     }
     let form = canonical(&decoded)?;
     // A backend that decodes twice sees the segment decoded once more.
-    let mut again = Cow::Borrowed(decoded.as_ref());
+    let mut again: Option<(String, Option<String>)> = None;
     for _ in 0..3 {
-        let Some(next) = decode_again(&again) else {
+        let from = again.as_ref().map_or(decoded.as_ref(), |(a, _)| a.as_str());
+        let Some(next) = decode_again(from) else {
             break;
         };
-        canonical(&next)
+        let normal = canonical(&next)
             .map_err(|BadPath(why)| BadPath(Cow::Owned(format!("decoded once more, {why}"))))?;
-        again = Cow::Owned(next);
+        again = Some((next, normal));
     }
+    let fold_if = |s: String| if rules.case_insensitive { fold(&s) } else { s };
+    let again = again.map(|(next, normal)| fold_if(normal.unwrap_or(next)));
     let folded = match form {
-        Some(form) if rules.case_insensitive => Some(form.to_lowercase()),
-        Some(form) => Some(form),
-        None if rules.case_insensitive && !is_lower(&decoded) => Some(decoded.to_lowercase()),
+        Some(form) => Some(fold_if(form)),
+        None if rules.case_insensitive && !is_folded(&decoded) => Some(fold(&decoded)),
         None => None,
     };
     Ok(match folded {
@@ -666,6 +703,7 @@ fn normalise(decoded: Cow<'_, str>, last: bool, rules: PathRules) -> Result<Seg<
             form: decoded,
             exact: true,
             raw: "",
+            again,
         },
         Some(form) => {
             let exact = form == *decoded;
@@ -673,19 +711,26 @@ fn normalise(decoded: Cow<'_, str>, last: bool, rules: PathRules) -> Result<Seg<
                 form: Cow::Owned(form),
                 exact,
                 raw: "",
+                again,
             }
         }
     })
 }
 
-/// Whether lower-casing leaves `s` as it is (checked without copying for
+/// Whether folding case leaves `s` as it is (checked without copying for
 /// ASCII).
-fn is_lower(s: &str) -> bool {
+fn is_folded(s: &str) -> bool {
     if s.is_ascii() {
         !s.bytes().any(|b| b.is_ascii_uppercase())
     } else {
-        s.to_lowercase() == s
+        fold(s) == s
     }
+}
+
+/// `s` as storage that folds case compares it: upper-cased as NTFS does
+/// (so the dotless `ı` is `I`, the long `ſ` is `S`), then lower-cased.
+fn fold(s: &str) -> String {
+    s.to_uppercase().to_lowercase()
 }
 
 /// Checks a decoded, non-empty segment against the rules of the module
@@ -964,6 +1009,41 @@ mod tests {
         }
         let m = routes.resolve("/locks/job-7", false).unwrap().unwrap();
         assert_eq!(m.lease.unwrap().as_str(), "job-7");
+    }
+
+    /// Seen failing before (a review): a read that a double-decoding proxy
+    /// turns into a fenced key was forwarded, and so was an unrouted write
+    /// that such a proxy turns into a route's path.
+    #[test]
+    fn what_a_second_decoding_makes_of_a_path_is_checked_too() {
+        let routes = lease_per_key();
+        assert!(routes.resolve("/v2/keys/lock%2573/job-7", false).is_err());
+        assert!(routes.resolve("/v2/keys/%256Cocks", false).is_err());
+        assert!(routes
+            .resolve("/v2/keys/other%2573", false)
+            .unwrap()
+            .is_none());
+        let kv = kv();
+        assert!(kv.check_unrouted_write("/k%2576/payments/x").is_err());
+        assert!(kv.check_unrouted_write("/other%2573/x").is_ok());
+        // A fenced write's own keys may hold an escaped '%'.
+        assert!(kv.resolve("/kv/orders/100%2525", true).unwrap().is_some());
+    }
+
+    /// NTFS compares names upper-cased: the dotless `ı` is `I` there.
+    #[test]
+    fn case_folding_is_the_upper_case_comparison() {
+        let folding = Routes::with_rules(
+            vec![Route::new("/files/{lease}", None, false).unwrap()],
+            PathRules {
+                case_insensitive: true,
+            },
+        );
+        let m = folding
+            .resolve("/f%C4%B1les/orders/1", true)
+            .unwrap()
+            .unwrap();
+        assert_eq!(m.lease.unwrap().as_str(), "orders");
     }
 
     #[test]

@@ -70,9 +70,10 @@ pub struct EmbeddedStore {
     /// The apply log, when recording. Writes take this mutex around the
     /// change itself, so the log's order is the order writes were applied.
     history: Option<Arc<Mutex<History>>>,
-    /// Time a `PUT` body has to arrive in full (`limits.body_read_timeout_ms`):
+    /// Time a `PUT` body may send nothing (`limits.body_read_timeout_ms`):
     /// a writer that stops sending mid-body is answered 408 then, so its
-    /// write stops holding the next term at the handover barrier.
+    /// write stops holding the next term at the handover barrier; one that
+    /// sends slowly goes on.
     body_read_timeout: Duration,
 }
 
@@ -225,15 +226,14 @@ impl EmbeddedStore {
             }
             Method::PUT => {
                 let (parts, body) = req.into_parts();
-                let read =
-                    tokio::time::timeout(self.body_read_timeout, body::collect(body, usize::MAX));
-                let Ok(read) = read.await else {
-                    let timeout_ms = u64::try_from(self.body_read_timeout.as_millis());
-                    return Problem::request_timeout(timeout_ms.unwrap_or(u64::MAX))
-                        .into_response();
-                };
+                let read = body::collect_idle(body, usize::MAX, Some(self.body_read_timeout)).await;
                 let bytes = match read {
                     Ok(bytes) => bytes,
+                    Err(body::ReadError::Stalled) => {
+                        let timeout_ms = u64::try_from(self.body_read_timeout.as_millis());
+                        return Problem::request_timeout(timeout_ms.unwrap_or(u64::MAX))
+                            .into_response();
+                    }
                     Err(body::ReadError::TooLarge) => {
                         return Problem::new(
                             Reason::PayloadTooLarge,

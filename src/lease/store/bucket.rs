@@ -69,6 +69,13 @@ impl Bucket {
         }
     }
 
+    /// Whether the bucket is full again at `now_ms`: no different from a
+    /// new one.
+    fn is_full(&self, rate: u64, now_ms: u64) -> bool {
+        let refill = now_ms.saturating_sub(self.at_ms).saturating_mul(rate);
+        self.milli_tokens.saturating_add(refill) >= rate.saturating_mul(1000)
+    }
+
     /// Spends one attempt at `now_ms`, or says in how many milliseconds one
     /// will be there. `rate` is greater than 0.
     fn take(&mut self, rate: u64, now_ms: u64) -> Result<(), u64> {
@@ -105,7 +112,12 @@ impl ClientBuckets {
         }
         let key = ClientKey::of(requester);
         if self.buckets.len() >= MAX_BUCKETS && !self.buckets.contains_key(&key) {
-            self.buckets.clear();
+            // Full buckets are as good as new ones: drop those first, and
+            // everything only if every client is busy (a burst, at worst).
+            self.buckets.retain(|_, b| !b.is_full(rate, now_ms));
+            if self.buckets.len() >= MAX_BUCKETS {
+                self.buckets.clear();
+            }
         }
         self.buckets
             .entry(key)

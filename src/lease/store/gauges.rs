@@ -63,7 +63,15 @@ impl LiveTerms {
     pub(super) fn add(&self, deadline_ms: u64) {
         let (slot, tag) = self.slot(deadline_ms);
         let _ = slot.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
-            let count = if (v >> 32) as u32 == tag { v as u32 } else { 0 };
+            let held = (v >> 32) as u32;
+            let count = match held.wrapping_sub(tag) as i32 {
+                0 => v as u32,
+                // The slot holds a newer bucket: this deadline is long
+                // past (a term put back after a refused grant), and counts
+                // nowhere.
+                newer if newer > 0 => return None,
+                _ => 0,
+            };
             Some(u64::from(tag) << 32 | u64::from(count.saturating_add(1)))
         });
     }
@@ -175,6 +183,18 @@ mod tests {
         t.remove(2_350);
         t.remove(2_350);
         assert_eq!(t.count(2_000), 0);
+    }
+
+    /// Seen failing before: a term long expired, put back after a refused
+    /// grant, took over the slot of a newer bucket and wiped its count.
+    #[test]
+    fn a_long_past_deadline_never_takes_over_a_newer_bucket() {
+        let t = LiveTerms::new(1_000); // 13 slots of 100 ms
+        t.add(2_350); // bucket 23, slot 10
+        t.add(1_050); // bucket 10, slot 10: long past
+        assert_eq!(t.count(2_000), 1);
+        t.remove(1_050);
+        assert_eq!(t.count(2_000), 1);
     }
 
     #[test]
