@@ -164,7 +164,7 @@ async fn read_json_up_to<T: serde::de::DeserializeOwned>(
     let bytes = match read {
         Ok(bytes) => bytes,
         Err(body::ReadError::TooLarge) => return Err(Problem::payload_too_large(max_bytes as u64)),
-        Err(body::ReadError::Failed(_)) => {
+        Err(body::ReadError::Failed(_) | body::ReadError::Stalled) => {
             return Err(Problem::invalid_request("the body could not be read"))
         }
     };
@@ -470,7 +470,7 @@ impl Api {
             }
             (["leases", name], Method::GET) => self.inspect(name, who),
             (["leases", name], Method::DELETE) => {
-                let result = self.release(name, &req);
+                let result = self.release(name, req).await;
                 self.count("release", &result);
                 result
             }
@@ -676,18 +676,33 @@ impl Api {
         Ok(result)
     }
 
-    fn release(&self, name: &str, req: &Request<Body>) -> Result<Response<Body>, Problem> {
+    async fn release(&self, name: &str, req: Request<Body>) -> Result<Response<Body>, Problem> {
         let name = self.name(name)?;
         let name = name.as_str();
-        let (token, lease_id) =
-            credentials(req.headers(), self.require_lease_id).map_err(|p| p.lease(name))?;
-        let caller = caller(req);
-        self.leases
-            .release(name, token, lease_id, caller.map(|c| c.name.as_str()))
-            .map_err(|r| {
-                let problem = Problem::rejected(name, r);
-                visible_to(problem, &self.leases, name, caller.map(|c| &**c))
-            })?;
+        let (token, persisted) = {
+            let (token, lease_id) =
+                credentials(req.headers(), self.require_lease_id).map_err(|p| p.lease(name))?;
+            let caller = caller(&req);
+            let persisted = self
+                .leases
+                .release(name, token, lease_id, caller.map(|c| c.name.as_str()))
+                .map_err(|r| {
+                    let problem = Problem::rejected(name, r);
+                    visible_to(problem, &self.leases, name, caller.map(|c| &**c))
+                })?;
+            (token, persisted)
+        };
+        drop(req);
+        // 204 only once the release is durable: a term answered as released
+        // never comes back after a crash or a power cut.
+        if let Err(err) = persisted.await {
+            tracing::warn!(target: "audit", lease = name, token, error = %err, "release not persisted");
+            return Err(Problem::store_unavailable(
+                "the release could not be made durable: the term has ended here, but after a \
+                 restart it may be held again until its TTL ends",
+            )
+            .lease(name));
+        }
         tracing::info!(target: "audit", lease = name, token, "lease released");
         let mut res = Response::new(body::empty());
         *res.status_mut() = StatusCode::NO_CONTENT;

@@ -508,22 +508,13 @@ impl EtcdJournal {
         }
         let mut cache = lock(&self.cache);
         // A lease is kept only once a change was written for it.
-        let stored = match cache.get_mut(lease) {
-            Some(stored) => {
-                if !change(stored) {
-                    return Ok(());
-                }
-                stored
-            }
-            None => {
-                let mut fresh = StoredLease::default();
-                if !change(&mut fresh) {
-                    return Ok(());
-                }
-                cache.entry(lease.to_owned()).or_insert(fresh)
-            }
-        };
-        let record = Record::bytes(lease, stored);
+        let before = cache.get(lease).cloned();
+        let mut changed = before.clone().unwrap_or_default();
+        if !change(&mut changed) {
+            return Ok(());
+        }
+        let record = Record::bytes(lease, &changed);
+        cache.insert(lease.to_owned(), changed);
         let write = Write {
             lease: lease.to_owned(),
             record,
@@ -539,8 +530,16 @@ impl EtcdJournal {
                 lock(&self.spilled).insert(w.lease);
                 Ok(())
             }
-            // A grant fails alone; the member stays primary.
-            Err(_) => Err(JournalError("the etcd write queue is full".into())),
+            // A grant (or release) fails alone; the member stays primary,
+            // and the cache goes back to what was written (a refused grant
+            // must not reach the next snapshot).
+            Err(_) => {
+                match before {
+                    Some(before) => cache.insert(lease.to_owned(), before),
+                    None => cache.remove(lease),
+                };
+                Err(JournalError("the etcd write queue is full".into()))
+            }
         }
     }
 }
@@ -592,32 +591,54 @@ impl Journal for EtcdJournal {
         });
     }
 
-    fn record_release(&self, lease: &str, token: u64) {
-        let _ = self.queue(lease, None, |stored| match stored.term.as_mut() {
+    fn persist_release(&self, lease: &str, token: u64) -> JournalFuture {
+        let (ack, done) = oneshot::channel();
+        let mut changed = false;
+        let queued = self.queue(lease, Some(ack), |stored| match stored.term.as_mut() {
             Some(t) if t.token == token && !t.released => {
                 t.released = true;
+                changed = true;
                 true
             }
             _ => false,
         });
+        Box::pin(async move {
+            queued?;
+            if !changed {
+                // Released already (or never written): nothing to wait for.
+                return Ok(());
+            }
+            done.await
+                .unwrap_or_else(|_| Err(JournalError("the etcd writer stopped".into())))
+        })
     }
 
     fn record_forget(&self, lease: &str, last_token: u64) {
-        let _ = self.queue(lease, None, |stored| {
-            stored.last_token = stored.last_token.max(last_token);
-            stored.forgotten = true;
-            true
-        });
-        // The cache lets go of the lease and keeps its mark for snapshots.
-        // (A record that found the queue full is written from the cache,
-        // where the lease is gone: then the lease is simply still kept in
-        // etcd, which is safe.)
+        if self.state.is_failed() {
+            return;
+        }
+        // The record is sent, the lease dropped from the cache and the mark
+        // raised there in one step under the cache's lock, so a snapshot
+        // sees either the lease or the mark above it, never neither.
         let mut cache = lock(&self.cache);
-        cache.remove(lease);
-        let mark = cache
-            .entry(String::new())
-            .or_insert_with(|| forgotten_mark(0));
-        mark.last_token = mark.last_token.max(last_token);
+        let mut gone = cache.get(lease).cloned().unwrap_or_default();
+        gone.last_token = gone.last_token.max(last_token);
+        gone.forgotten = true;
+        let write = Write {
+            lease: lease.to_owned(),
+            record: Record::bytes(lease, &gone),
+            ack: None,
+        };
+        // A full queue: the lease stays in the cache and so in etcd, which
+        // is safe (this store's mark is above it already): after a failover
+        // it is simply kept.
+        if self.tx.try_send(write).is_ok() {
+            cache.remove(lease);
+            let mark = cache
+                .entry(String::new())
+                .or_insert_with(|| forgotten_mark(0));
+            mark.last_token = mark.last_token.max(gone.last_token);
+        }
     }
 
     fn is_healthy(&self) -> bool {
@@ -870,6 +891,22 @@ impl Snapshot {
             chunks += 1;
             leases += n;
             after = Some(last);
+        }
+        // The mark of forgotten leases once more, read after every chunk, so
+        // the snapshot's mark is at least what it was when its last lease
+        // was read (a forget after the generation began is in the log too).
+        let mark = lock(&self.cache).get("").cloned();
+        if let Some(mark) = mark {
+            let mut value = vec![b'['];
+            value.extend_from_slice(&Record::bytes("", &mark));
+            value.push(b']');
+            let put = [Op::Put {
+                key: self.keys.chunk(self.generation, chunks),
+                value,
+                lease: 0,
+            }];
+            self.commit(&put).await?;
+            chunks += 1;
         }
         let pointer = serde_json::to_vec(&Pointer {
             generation: self.generation,

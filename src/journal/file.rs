@@ -18,12 +18,13 @@
 //!
 //! One writer thread owns the file. Callers send records over a bounded
 //! channel; the thread takes everything queued, appends it in one `write`,
-//! and, if any record in the batch is waiting for durability (grants),
-//! rewrites the file's header (the length that is now durable) and calls
-//! `fdatasync` once. Renewals and releases are appended lazily: they ride
-//! along with the next sync, and losing them is safe (the restart rule holds
-//! a live term for a full TTL, and an unreleased term only delays the next
-//! holder).
+//! and, if any record in the batch is waiting for durability (grants and
+//! releases), calls `fdatasync` once and then rewrites the file's header
+//! with the length that is now durable (the header never claims bytes a
+//! power cut could still take; it reaches the disk with the next sync).
+//! Renewals that change a TTL and forgotten leases are appended lazily:
+//! they ride along with the next sync, and losing them is safe (the restart
+//! rule holds a live term for a full TTL; a lease not forgotten is kept).
 //!
 //! When a write or sync fails (disk full, EIO, read-only), every waiting grant
 //! fails, the file is cut back to its last good length (retried before any
@@ -319,6 +320,39 @@ struct Written {
     dir_synced: bool,
 }
 
+/// Most copies of damaged logs kept in the data directory; making one more
+/// removes the oldest.
+pub const MAX_DAMAGED_COPIES: usize = 3;
+
+/// Where the next copy of a damaged log goes (`journal.log.damaged`, then
+/// `.1`, `.2`, …, numbered on), after removing the oldest copies beyond
+/// [`MAX_DAMAGED_COPIES`] - 1, so repeated damage cannot fill the disk.
+fn damaged_copy_path(dir: &Path) -> io::Result<PathBuf> {
+    let number = |name: &str| -> Option<u64> {
+        match name.strip_prefix(DAMAGED_FILE)? {
+            "" => Some(0),
+            rest => rest.strip_prefix('.')?.parse().ok(),
+        }
+    };
+    let mut copies: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)?
+        .filter_map(|e| {
+            let e = e.ok()?;
+            Some((number(e.file_name().to_str()?)?, e.path()))
+        })
+        .collect();
+    copies.sort();
+    let next = copies.last().map_or(0, |(n, _)| n + 1);
+    let excess = (copies.len() + 1).saturating_sub(MAX_DAMAGED_COPIES);
+    for (_, old) in copies.iter().take(excess) {
+        tracing::warn!(removed = %old.display(), "removing the oldest copy of a damaged journal");
+        std::fs::remove_file(old)?;
+    }
+    Ok(match next {
+        0 => dir.join(DAMAGED_FILE),
+        n => dir.join(format!("{DAMAGED_FILE}.{n}")),
+    })
+}
+
 /// Copies `from` to a new file `to`, readable by its owner only (the log
 /// holds lease ids; `std::fs::copy` would keep the source's mode), synced.
 fn keep_copy(from: &Path, to: &Path) -> io::Result<()> {
@@ -405,7 +439,7 @@ impl FileJournal {
         dir: &Path,
         options: FileJournalOptions,
     ) -> Result<(Self, Recovered), JournalError> {
-        std::fs::create_dir_all(dir).map_err(|e| err("cannot create data directory", dir, e))?;
+        create_dir_durably(dir).map_err(|e| err("cannot create data directory", dir, e))?;
         let lock_path = dir.join(LOCK_FILE);
         let lock = OpenOptions::new()
             .create(true)
@@ -478,6 +512,25 @@ impl FileJournal {
     #[cfg(any(test, feature = "test-util"))]
     pub fn faults(&self) -> FaultInjector {
         self.faults.clone()
+    }
+
+    /// Queues `record` and completes once it is durable.
+    fn send_durable(&self, record: Record) -> JournalFuture {
+        let (ack, done) = oneshot::channel();
+        let command = Command {
+            record,
+            ack: Some(ack),
+        };
+        let sent = match self.tx.try_send(command) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => Err("the journal queue is full"),
+            Err(TrySendError::Disconnected(_)) => Err("the journal writer has stopped"),
+        };
+        Box::pin(async move {
+            sent.map_err(|why| JournalError(why.into()))?;
+            done.await
+                .unwrap_or_else(|_| Err(JournalError("the journal writer has stopped".into())))
+        })
     }
 
     fn send_lazy(&self, record: Record) {
@@ -824,13 +877,7 @@ fn open_after_loss(
     // A copy of the damaged log is kept (never over an earlier one); the
     // fresh log then replaces it in one rename, so a crash in between finds
     // the damaged log again and repeats this.
-    let damaged = (0..)
-        .map(|n| match n {
-            0 => dir.join(DAMAGED_FILE),
-            n => dir.join(format!("{DAMAGED_FILE}.{n}")),
-        })
-        .find(|p| !p.exists())
-        .expect("a free name");
+    let damaged = damaged_copy_path(dir).map_err(|e| err("cannot keep a copy of", path, e))?;
     keep_copy(path, &damaged).map_err(|e| err("cannot keep a copy of", path, e))?;
     let (file, len) = write_log_at_start(
         dir,
@@ -869,26 +916,19 @@ fn open_after_loss(
 
 impl Journal for FileJournal {
     fn persist_grant(&self, record: GrantRecord) -> JournalFuture {
-        let (ack, done) = oneshot::channel();
-        let command = Command {
-            record: Record::Grant {
-                lease: record.lease,
-                token: record.token,
-                holder: record.holder,
-                ttl_ms: record.ttl_ms,
-                lease_id: record.lease_id,
-            },
-            ack: Some(ack),
-        };
-        let sent = match self.tx.try_send(command) {
-            Ok(()) => Ok(()),
-            Err(TrySendError::Full(_)) => Err("the journal queue is full"),
-            Err(TrySendError::Disconnected(_)) => Err("the journal writer has stopped"),
-        };
-        Box::pin(async move {
-            sent.map_err(|why| JournalError(why.into()))?;
-            done.await
-                .unwrap_or_else(|_| Err(JournalError("the journal writer has stopped".into())))
+        self.send_durable(Record::Grant {
+            lease: record.lease,
+            token: record.token,
+            holder: record.holder,
+            ttl_ms: record.ttl_ms,
+            lease_id: record.lease_id,
+        })
+    }
+
+    fn persist_release(&self, lease: &str, token: u64) -> JournalFuture {
+        self.send_durable(Record::Release {
+            lease: lease.to_owned(),
+            token,
         })
     }
 
@@ -897,13 +937,6 @@ impl Journal for FileJournal {
             lease: lease.to_owned(),
             token,
             ttl_ms,
-        });
-    }
-
-    fn record_release(&self, lease: &str, token: u64) {
-        self.send_lazy(Record::Release {
-            lease: lease.to_owned(),
-            token,
         });
     }
 
@@ -943,6 +976,21 @@ fn open_log(path: &Path) -> Result<File, JournalError> {
 
 fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
+}
+
+/// Creates `dir` and any parents it lacks, each new directory's entry made
+/// durable in its parent (else a power cut right after the first start
+/// could lose the whole data directory, and the next start would issue
+/// token 1 again).
+fn create_dir_durably(dir: &Path) -> io::Result<()> {
+    let missing: Vec<&Path> = dir.ancestors().take_while(|d| !d.exists()).collect();
+    std::fs::create_dir_all(dir)?;
+    for created in missing.iter().rev() {
+        if let Some(parent) = created.parent().filter(|p| !p.as_os_str().is_empty()) {
+            sync_dir(parent)?;
+        }
+    }
+    Ok(())
 }
 
 /// Folds every valid frame of `bytes` from `start`; returns the state and
@@ -1143,13 +1191,23 @@ impl Writer {
         let len = self.len + buf.len() as u64;
         if sync {
             self.faults.check()?;
+            self.file.sync_data()?;
+            // The header claims the bytes only once they are durable. Written
+            // before the sync, it could reach the disk first (nothing orders
+            // the writes of one sync; Linux often writes page 0 first) and
+            // claim a batch a power cut then took, which the next start would
+            // read as acknowledged records lost; and after a failed sync it
+            // would claim the batch that failed. It is not synced itself: it
+            // goes to the disk with the next sync (or the writer's last), and
+            // until then the older claim on the disk is smaller, which is
+            // safe. In the page cache before any grant is acknowledged, it
+            // survives a kill of the process.
             let header = Header {
                 seq: self.header.seq + 1,
                 durable_len: len,
                 ..self.header
             };
             write_at(&self.file, &header.encode(), header.offset())?;
-            self.file.sync_data()?;
             self.header = header;
         }
         self.len = len;
@@ -1326,7 +1384,7 @@ mod tests {
                 j.record_renew("a", token, 2000);
             }
             j.persist_grant(grant("b", 1)).await.unwrap();
-            j.record_release("b", 1);
+            drop(j.persist_release("b", 1));
             // One more durable record so the lazy ones are surely written.
             j.persist_grant(grant("c", 1)).await.unwrap();
         }
@@ -1640,6 +1698,34 @@ mod tests {
         let kept =
             std::fs::metadata(dir.join(DAMAGED_FILE)).expect("a copy of the damaged log is kept");
         assert_eq!(kept.permissions().mode() & 0o777, 0o600);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Seen failing before: every damaged start kept one more copy, without
+    /// limit (ten copies after ten cuts).
+    #[tokio::test]
+    async fn copies_of_damaged_logs_are_bounded() {
+        let dir = temp_dir("damaged-bound");
+        let options = FileJournalOptions::default();
+        for round in 0..6u64 {
+            {
+                let (j, _) = reopen(&dir, &options);
+                j.persist_grant(grant("a", 10 * round + 1)).await.unwrap();
+            }
+            let path = dir.join(JOURNAL_FILE);
+            let bytes = std::fs::read(&path).unwrap();
+            std::fs::write(&path, &bytes[..20]).unwrap();
+            let (_j, rec) = reopen(&dir, &options);
+            assert!(rec.lost_records.is_some());
+        }
+        let copies: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with(DAMAGED_FILE))
+            .collect();
+        assert_eq!(copies.len(), MAX_DAMAGED_COPIES, "{copies:?}");
+        // The newest are kept.
+        assert!(copies.contains(&format!("{DAMAGED_FILE}.5")), "{copies:?}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -3,8 +3,9 @@
 //! A token must be durable before it is returned to a client. The lease store
 //! calls [`Journal::persist_grant`] after the state machine grants a term and
 //! before answering; if the journal fails, the grant is abandoned and the
-//! client gets 503 `lease-store-unavailable` (fail closed). Renewals that
-//! change the TTL, releases and forgotten leases are recorded lazily.
+//! client gets 503 `lease-store-unavailable` (fail closed). A release is
+//! durable before it is answered too; renewals that change the TTL and
+//! forgotten leases are recorded lazily.
 //!
 //! This module knows records and bytes, not lease rules: [`file`](mod@file) is the
 //! durable journal in the data directory, [`record`] its on-disk format, and
@@ -65,8 +66,9 @@ pub trait Journal: Send + Sync + 'static {
     /// Records that term `token` of `lease` now has TTL `ttl_ms` (lazy).
     fn record_renew(&self, lease: &str, token: u64, ttl_ms: u64);
 
-    /// Records that term `token` of `lease` was released (lazy).
-    fn record_release(&self, lease: &str, token: u64);
+    /// Records that term `token` of `lease` was released; completes once
+    /// that is durable (queued by the call itself, like a grant).
+    fn persist_release(&self, lease: &str, token: u64) -> JournalFuture;
 
     /// Records that `lease`, whose highest token was `last_token`, was
     /// forgotten (lazy): its state may be dropped, and a lease no longer
@@ -92,8 +94,9 @@ impl MemoryJournal {
     }
 }
 
-impl Journal for MemoryJournal {
-    fn persist_grant(&self, _record: GrantRecord) -> JournalFuture {
+impl MemoryJournal {
+    /// What a durable write answers: at once, failed if told to fail.
+    fn answer(&self) -> JournalFuture {
         let failing = self.failing.load(Ordering::Acquire);
         Box::pin(async move {
             if failing {
@@ -103,10 +106,18 @@ impl Journal for MemoryJournal {
             }
         })
     }
+}
+
+impl Journal for MemoryJournal {
+    fn persist_grant(&self, _record: GrantRecord) -> JournalFuture {
+        self.answer()
+    }
 
     fn record_renew(&self, _lease: &str, _token: u64, _ttl_ms: u64) {}
 
-    fn record_release(&self, _lease: &str, _token: u64) {}
+    fn persist_release(&self, _lease: &str, _token: u64) -> JournalFuture {
+        self.answer()
+    }
 
     fn record_forget(&self, _lease: &str, _last_token: u64) {}
 

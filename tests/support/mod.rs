@@ -5,6 +5,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod browser;
+pub mod lazyfs;
 pub mod proc;
 pub mod servers;
 pub mod tools;

@@ -504,7 +504,10 @@ impl LeaseStore {
             )
             .map_err(|retry_after_ms| AcquireError::RateLimited { retry_after_ms })?;
         let leases = &self.shared.leases;
-        if leases.len() >= limits.max_leases && !leases.contains_key(name.as_str()) {
+        if leases.len() >= limits.max_leases
+            && !leases.contains_key(name.as_str())
+            && !self.make_room()
+        {
             return Err(AcquireError::TooManyLeases {
                 max_leases: limits.max_leases,
             });
@@ -721,13 +724,16 @@ impl LeaseStore {
 
     /// Ends the live term `token` of `name`; waiting acquirers retry at once.
     /// `holder` is the authenticated caller, when authentication is on.
+    /// The release's record is queued under the lease's lock; the future
+    /// completes once it is durable (answer only then: else a crash could
+    /// bring the released term back).
     pub fn release(
         &self,
         name: &str,
         token: u64,
         lease_id: Option<&[u8]>,
         holder: Option<&str>,
-    ) -> Result<(), Reject> {
+    ) -> Result<JournalFuture, Reject> {
         let now_ms = self.shared.clock.now_ms();
         let mut slot = self
             .shared
@@ -738,9 +744,9 @@ impl LeaseStore {
         let before = live_deadline(&slot.state);
         slot.state.release(now_ms, token, lease_id, holder)?;
         self.shared.live_terms.track(before, None);
-        self.shared.journal.record_release(name, token);
+        let persisted = self.shared.journal.persist_release(name, token);
         slot.notify_waiters();
-        Ok(())
+        Ok(persisted)
     }
 
     /// Counters of the handover barrier.
@@ -770,11 +776,27 @@ impl LeaseStore {
     /// continues above, and the journal told, before any later grant of
     /// the name can be queued.
     pub fn forget_idle(&self, budget: usize) -> usize {
-        let shared = &self.shared;
-        let retention_ms = shared.limits.retention_ms;
+        let retention_ms = self.shared.limits.retention_ms;
         if retention_ms == 0 {
             return 0;
         }
+        self.forget(budget, retention_ms, usize::MAX)
+    }
+
+    /// The store is full and a new name asks in: forgets, of the next few
+    /// hundred leases the sweep would look at, the first with no live
+    /// term and nothing waiting on or writing under it, however recently it
+    /// was named (the mark keeps its tokens safe; only the retention's
+    /// courtesy is cut short). Whether room was made. Nothing is forgotten
+    /// with retention off.
+    fn make_room(&self) -> bool {
+        self.shared.limits.retention_ms != 0 && self.forget(256, 0, 1) > 0
+    }
+
+    /// [`LeaseStore::forget_idle`] with `retention_ms` as the idle time,
+    /// stopping once `most` were forgotten.
+    fn forget(&self, budget: usize, retention_ms: u64, most: usize) -> usize {
+        let shared = &self.shared;
         let names: Vec<CompactString> = {
             let mut cursor = lock(&shared.sweep_cursor);
             let from = match cursor.as_deref() {
@@ -814,6 +836,9 @@ impl LeaseStore {
             });
             if removed.is_some() {
                 forgotten += 1;
+                if forgotten == most {
+                    break;
+                }
             }
         }
         if forgotten > 0 {
@@ -1101,6 +1126,8 @@ mod tests {
         assert!(!waiter.is_finished());
         leases
             .release("l", a.token, Some(a.lease_id.expose().as_bytes()), None)
+            .unwrap()
+            .await
             .unwrap();
         let b = waiter.await.unwrap().unwrap();
         assert_eq!(b.token, 2);
@@ -1180,7 +1207,9 @@ mod tests {
             Box::pin(async { Ok(()) })
         }
         fn record_renew(&self, _: &str, _: u64, _: u64) {}
-        fn record_release(&self, _: &str, _: u64) {}
+        fn persist_release(&self, _: &str, _: u64) -> crate::journal::JournalFuture {
+            Box::pin(async { Ok(()) })
+        }
         fn record_forget(&self, _: &str, _: u64) {}
         fn is_healthy(&self) -> bool {
             true
@@ -1231,6 +1260,8 @@ mod tests {
         // Known names keep working.
         leases
             .release("b", b.token, Some(b.lease_id.expose().as_bytes()), None)
+            .unwrap()
+            .await
             .unwrap();
         assert_eq!(
             leases
@@ -1262,6 +1293,8 @@ mod tests {
             tokens.push(a.token);
             leases
                 .release("a", a.token, Some(a.lease_id.expose().as_bytes()), None)
+                .unwrap()
+                .await
                 .unwrap();
         }
         leases
@@ -1299,6 +1332,22 @@ mod tests {
             again.token
         );
         assert_eq!(leases.len(), 3);
+        // Full (a, c, d): a new name makes room at once by forgetting a
+        // lease with no live term, however recently it was named (c). Seen
+        // failing before: a client that kept naming its idle names kept
+        // every new name out for as long as it went on.
+        leases
+            .acquire(&lease("e"), &holder("E"), 1000, 0)
+            .await
+            .unwrap();
+        assert!(leases.inspect("c").is_none());
+        assert!(
+            matches!(
+                leases.acquire(&lease("f"), &holder("F"), 1000, 0).await,
+                Err(AcquireError::TooManyLeases { .. })
+            ),
+            "a, d and e have live terms"
+        );
     }
 
     /// After a restart or a takeover, names the journal no longer holds
