@@ -47,7 +47,10 @@ fn modes() -> Vec<Mode> {
         },
         Mode {
             name: "fenced write (barrier off)",
-            env: vec![("FENCEGATE_FENCE__DRAIN_BARRIER", "false")],
+            env: vec![
+                ("FENCEGATE_FENCE__DRAIN_BARRIER", "false"),
+                ("FENCEGATE_ALLOW_UNSAFE_SETTINGS", "true"),
+            ],
             fenced: true,
         },
         Mode {

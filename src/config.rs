@@ -43,6 +43,10 @@ pub struct Config {
     pub data_dir: PathBuf,
     /// `system` (monotonic) or `manual` (moves only via `POST /_fence/clock`).
     pub clock: ClockKind,
+    /// Lets the settings that void a guarantee be used (the handover
+    /// barrier off, self-fencing off, no settle time): they exist to show
+    /// what those guarantees prevent, in tests and demonstrations.
+    pub allow_unsafe_settings: bool,
     pub fence: FenceConfig,
     /// Bounds on every acquire and renew.
     pub leases: LeaseLimits,
@@ -275,6 +279,7 @@ impl Default for Config {
             upstream: "embedded".into(),
             data_dir: PathBuf::from("./data"),
             clock: ClockKind::System,
+            allow_unsafe_settings: false,
             fence: FenceConfig::default(),
             leases: LeaseLimits::default(),
             limits: LimitsConfig::default(),
@@ -458,6 +463,24 @@ impl Config {
                      this member at (--advertise)"
                 ));
             }
+        }
+        let unsafe_settings: Vec<&str> = [
+            (!self.fence.drain_barrier, "fence.drain_barrier = false"),
+            (self.fence.settle_ms == 0, "fence.settle_ms = 0"),
+            (
+                self.cluster.enabled() && !self.cluster.self_fencing,
+                "cluster.self_fencing = false",
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(on, name)| on.then_some(name))
+        .collect();
+        if !unsafe_settings.is_empty() && !self.allow_unsafe_settings {
+            return Err(format!(
+                "{} voids a guarantee (a stale write can reach the storage); it exists to show \
+                 what the guarantee prevents: set allow_unsafe_settings = true to use it anyway",
+                unsafe_settings.join(" and ")
+            ));
         }
         self.tls.files()?;
         self.upstream_target()?;
@@ -846,6 +869,21 @@ mod tests {
         assert!(load(&[("FENCEGATE_CLOCK", "sundial")]).is_err());
         assert!(load(&[("FENCEGATE_LEASES__MIN_TTL_MS", "0")]).is_err());
         assert!(load(&[("FENCEGATE_FENCE__ROUTES", "x")]).is_err());
+    }
+
+    /// Seen failing before: a release build took the settings that void
+    /// the guarantees like any other.
+    #[test]
+    fn settings_that_void_a_guarantee_need_saying_so() {
+        let load = |pairs: &[(&str, &str)]| Config::load(None, env(pairs), &Overrides::default());
+        for switch in [
+            ("FENCEGATE_FENCE__DRAIN_BARRIER", "false"),
+            ("FENCEGATE_FENCE__SETTLE_MS", "0"),
+        ] {
+            let err = load(&[switch]).unwrap_err();
+            assert!(err.contains("allow_unsafe_settings"), "{err}");
+            assert!(load(&[switch, ("FENCEGATE_ALLOW_UNSAFE_SETTINGS", "true")]).is_ok());
+        }
     }
 
     #[test]

@@ -30,6 +30,7 @@ use pin_project_lite::pin_project;
 use tower::{Layer, Service};
 
 use crate::auth::{Caller, Identity};
+use crate::backend::BeforeSend;
 use crate::body::Body;
 use crate::error::{Problem, Reason};
 use crate::lease::{Admission, AdmitError, AdmitOptions, LeaseStore, Primacy, WriteGuard};
@@ -307,6 +308,27 @@ impl FencePolicy {
         Some(problem.into_response())
     }
 
+    /// The check the upstream client makes right before an admitted
+    /// write's first byte leaves (after any connect): this member still
+    /// provably primary, the term still current and live.
+    fn before_send(&self, fenced: &Fenced) -> BeforeSend {
+        let primacy = self.primacy.clone();
+        let leases = self.leases.clone();
+        let lease = fenced.lease.clone();
+        let (token, margin_ms) = (fenced.token, self.admit.margin_ms);
+        BeforeSend::new(move || {
+            if primacy.as_ref().is_some_and(|p| !p.is_live()) {
+                return Err(Problem::not_primary(
+                    "this member could not confirm in time that it is the primary; nothing was sent to the backend",
+                    None,
+                ));
+            }
+            leases
+                .check_live(&lease, token, margin_ms)
+                .map_err(|reject| Problem::rejected(&lease, reject))
+        })
+    }
+
     fn admit_options(&self, max_wait_ms: u64) -> AdmitOptions {
         AdmitOptions {
             max_wait_ms,
@@ -392,6 +414,8 @@ where
                 if let Some(refused) = self.policy.not_primary() {
                     return FenceFuture::ready(refused);
                 }
+                req.extensions_mut()
+                    .insert(self.policy.before_send(&fenced));
                 self.policy.metrics.write_forwarded();
                 tracing::debug!(lease = fenced.lease.as_str(), token = fenced.token, method = %req.method(), "write admitted");
                 FenceFuture::forward(self.inner.call(req), Some(guard))
@@ -469,6 +493,8 @@ where
             if let Some(refused) = policy.not_primary() {
                 return Ok(refused);
             }
+            let mut req = req;
+            req.extensions_mut().insert(policy.before_send(&fenced));
             policy.metrics.write_forwarded();
             tracing::debug!(lease = fenced.lease.as_str(), token = fenced.token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted after the handover barrier");
             let res = forward(req).await?;

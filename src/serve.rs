@@ -326,6 +326,12 @@ fn warn_of_test_seams(config: &Config) {
              one of a newer term; it is off only to show what the barrier prevents"
         );
     }
+    if config.fence.settle_ms == 0 {
+        tracing::warn!(
+            "fence.settle_ms is 0: a write whose outcome is unknown stops holding back newer \
+             terms at once, though the storage may still apply it"
+        );
+    }
     if config.cluster.enabled() && !config.cluster.self_fencing {
         tracing::warn!(
             "cluster.self_fencing is off: a primary that cannot confirm its primacy goes on \

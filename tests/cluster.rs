@@ -660,6 +660,7 @@ async fn behind_relay(self_fencing: bool) -> (Members, Relay) {
     let fencing = if self_fencing { "true" } else { "false" };
     let env = [
         ("FENCEGATE_CLUSTER__SELF_FENCING", fencing),
+        ("FENCEGATE_ALLOW_UNSAFE_SETTINGS", "true"),
         ("FENCEGATE_PROXY__TIMEOUT_MS", "2000"),
         ("FENCEGATE_FENCE__SETTLE_MS", "500"),
     ];
@@ -734,6 +735,7 @@ async fn a_write_in_flight_across_failover(barrier: bool) -> usize {
     let barrier = if barrier { "true" } else { "false" };
     let env = [
         ("FENCEGATE_FENCE__DRAIN_BARRIER", barrier),
+        ("FENCEGATE_ALLOW_UNSAFE_SETTINGS", "true"),
         ("FENCEGATE_PROXY__TIMEOUT_MS", "4000"),
         ("FENCEGATE_FENCE__SETTLE_MS", "500"),
     ];

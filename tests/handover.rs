@@ -23,6 +23,7 @@ use support::{
 fn config(barrier: bool) -> Config {
     let mut c = Config::default();
     c.fence.drain_barrier = barrier;
+    c.allow_unsafe_settings = !barrier;
     c
 }
 

@@ -539,3 +539,72 @@ async fn a_body_that_breaks_off_reaches_the_backend_only_as_an_incomplete_reques
     }
     proxy.stop().await;
 }
+
+/// A write admitted while its term is live, whose upstream connection
+/// takes long to open (here: the upstream's accept queue is full, so the
+/// kernel drops the SYN and the client tries again after a second), is
+/// checked again right before its first byte leaves: the term ended
+/// meanwhile, so it is refused and the storage receives nothing. (Real
+/// time: the kernel's SYN retry; the margins are wide.)
+///
+/// Seen failing before the check before sending: the write reached the
+/// storage after its term had ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_term_that_ends_while_the_upstream_connects_sends_nothing() {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    use std::time::Duration;
+
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    // SAFETY: listen(2) on a socket this test owns; it only changes the
+    // queue of connections not yet accepted, here to one.
+    #[allow(unsafe_code)]
+    unsafe {
+        assert_eq!(libc::listen(listener.as_raw_fd(), 0), 0);
+    }
+    let addr = listener.local_addr().unwrap();
+    // Fill the queue: the next connection's SYN is dropped for now.
+    let filler = std::net::TcpStream::connect(addr).unwrap();
+    let h = proxy_to(&format!("http://{addr}"), 10_000);
+    let proxy = spawn(h.app.clone()).await;
+    let c = HttpClient::new(&proxy.url());
+    let a = h.acquire("orders", "A", 1000).await;
+    let write = tokio::spawn({
+        let c = c.clone();
+        let held = a.clone();
+        async move {
+            c.send(Req::new("PUT", "/kv/orders/1").held(&held).body("late"))
+                .await
+        }
+    });
+    // Admitted, and waiting for its connection: the term ends.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    h.advance(1000);
+    // Make room: the retried SYN gets through.
+    let (first, _) = listener.accept().unwrap();
+    drop((first, filler));
+    let r = tokio::time::timeout(Duration::from_secs(10), write)
+        .await
+        .expect("the write came back")
+        .unwrap();
+    assert_eq!(
+        (r.status.as_u16(), r.reason().as_str()),
+        (412, "lease-expired"),
+        "{}",
+        r.text()
+    );
+    // The connection fencegate opened received not a byte.
+    listener.set_nonblocking(false).unwrap();
+    let (mut conn, _) = listener.accept().unwrap();
+    conn.set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let mut buf = [0u8; 64];
+    let got = conn.read(&mut buf).unwrap_or(0);
+    assert_eq!(
+        got,
+        0,
+        "bytes reached the storage: {:?}",
+        String::from_utf8_lossy(&buf[..got])
+    );
+    proxy.stop().await;
+}

@@ -16,7 +16,9 @@ use tower::Service;
 
 use crate::body::Body;
 pub use embedded::EmbeddedStore;
-pub use upstream::{ClientAddr, ConnectionMode, Upstream, UpstreamOptions, MIN_READ_BUFFER};
+pub use upstream::{
+    BeforeSend, ClientAddr, ConnectionMode, Upstream, UpstreamOptions, MIN_READ_BUFFER,
+};
 
 /// The storage behind the fence.
 #[derive(Clone, Debug)]

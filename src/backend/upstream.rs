@@ -75,6 +75,42 @@ pub struct UpstreamOptions {
     pub max_body_bytes: u64,
 }
 
+/// A request extension: a check the upstream client makes right before the
+/// request's first byte leaves, after any connect (which may take up to
+/// `connect_timeout_ms`): the fence puts one on each admitted write, so a
+/// member that stopped being primary, or a term that ended, meanwhile
+/// sends nothing. `Err(problem)`: answer that instead, nothing sent.
+#[derive(Clone)]
+pub struct BeforeSend(Arc<dyn Fn() -> Result<(), Problem> + Send + Sync>);
+
+impl BeforeSend {
+    pub fn new(check: impl Fn() -> Result<(), Problem> + Send + Sync + 'static) -> Self {
+        Self(Arc::new(check))
+    }
+
+    fn check(&self) -> Result<(), Problem> {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for BeforeSend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BeforeSend")
+    }
+}
+
+/// The request's [`BeforeSend`] refused it: nothing was sent.
+#[derive(Debug)]
+struct Withheld(Problem);
+
+impl std::fmt::Display for Withheld {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("withheld before sending")
+    }
+}
+
+impl std::error::Error for Withheld {}
+
 /// The smallest `read_buffer_bytes` hyper accepts.
 pub const MIN_READ_BUFFER: usize = 8192;
 
@@ -447,6 +483,11 @@ impl Shared {
                 }
                 return Err(err.into());
             }
+            if let Some(Err(problem)) = req.extensions().get::<BeforeSend>().map(BeforeSend::check)
+            {
+                *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn);
+                return Err(Box::new(Withheld(problem)));
+            }
             match conn.sender.try_send_request(req).await {
                 Ok(res) => {
                     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn);
@@ -516,7 +557,11 @@ impl Shared {
         let send = async {
             match &peer {
                 Some(peer) => self.send_dedicated(&peer.0.upstream, req).await,
-                None => self.client.request(req).await.map_err(BoxError::from),
+                // The pool connects inside: checked before it is asked.
+                None => match req.extensions().get::<BeforeSend>().map(BeforeSend::check) {
+                    Some(Err(problem)) => Err(Box::new(Withheld(problem)) as BoxError),
+                    _ => self.client.request(req).await.map_err(BoxError::from),
+                },
             }
         };
         let result = tokio::time::timeout(Duration::from_millis(timeout_ms), send).await;
@@ -525,7 +570,10 @@ impl Shared {
         }
         match result {
             Ok(Ok(res)) => self.relay(res, client.as_ref()),
-            Ok(Err(err)) => self.failed(&*err),
+            Ok(Err(err)) => match err.downcast::<Withheld>() {
+                Ok(withheld) => withheld.0.into_response(),
+                Err(err) => self.failed(&*err),
+            },
             Err(_) => {
                 // Dropping the request future closes its connection, so it is
                 // never reused.

@@ -749,6 +749,21 @@ impl LeaseStore {
         Ok(persisted)
     }
 
+    /// Whether term `token` of `name` is still current and live with more
+    /// than `margin_ms` left (a write admitted a moment ago, checked again
+    /// right before it leaves).
+    pub fn check_live(&self, name: &str, token: u64, margin_ms: u64) -> Result<(), Reject> {
+        let now_ms = self.shared.clock.now_ms();
+        let slot = self
+            .shared
+            .leases
+            .get(name)
+            .ok_or(Reject::UnknownToken { current: 0 })?;
+        slot.state
+            .check_write(now_ms, margin_ms, token, None, None)
+            .map(|_| ())
+    }
+
     /// Counters of the handover barrier.
     pub fn handover_stats(&self) -> &HandoverStats {
         &self.shared.stats
