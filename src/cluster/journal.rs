@@ -93,12 +93,34 @@ impl StoredLease {
     }
 }
 
-/// One queued write: a lease's whole stored state as a log record, and
-/// who waits for it.
+/// One queued write: a lease's whole stored state, and who waits for it.
+/// The writer task makes its log record, so no JSON is written while the
+/// cache's lock (and the lease store's lock of the lease) is held.
 struct Write {
     lease: String,
+    state: StoredLease,
+    /// The log record, made by the writer.
     record: Vec<u8>,
     ack: Option<oneshot::Sender<Result<(), JournalError>>>,
+}
+
+type Ack = oneshot::Sender<Result<(), JournalError>>;
+
+impl Write {
+    fn new(lease: &str, state: StoredLease, ack: Option<Ack>) -> Self {
+        Self {
+            lease: lease.to_owned(),
+            state,
+            record: Vec::new(),
+            ack,
+        }
+    }
+
+    /// With its log record made.
+    fn encoded(mut self) -> Self {
+        self.record = Record::bytes(&self.lease, &self.state);
+        self
+    }
 }
 
 /// One record of the log or a snapshot, as a JSON array (etcd's cost
@@ -244,6 +266,10 @@ impl Default for Limits {
         }
     }
 }
+
+/// About the bytes of a record besides its lease name and holder (the
+/// numbers, the digest, the punctuation).
+const RECORD_OVERHEAD: usize = 110;
 
 /// Most records in one log entry.
 const ENTRY_RECORDS: usize = 1000;
@@ -513,13 +539,8 @@ impl EtcdJournal {
         if !change(&mut changed) {
             return Ok(());
         }
-        let record = Record::bytes(lease, &changed);
+        let write = Write::new(lease, changed.clone(), ack);
         cache.insert(lease.to_owned(), changed);
-        let write = Write {
-            lease: lease.to_owned(),
-            record,
-            ack,
-        };
         // Sent under the cache's lock, so the queue's order is the order
         // of the changes.
         match self.tx.try_send(write) {
@@ -624,11 +645,8 @@ impl Journal for EtcdJournal {
         let mut gone = cache.get(lease).cloned().unwrap_or_default();
         gone.last_token = gone.last_token.max(last_token);
         gone.forgotten = true;
-        let write = Write {
-            lease: lease.to_owned(),
-            record: Record::bytes(lease, &gone),
-            ack: None,
-        };
+        let mark_above = gone.last_token;
+        let write = Write::new(lease, gone, None);
         // A full queue: the lease stays in the cache and so in etcd, which
         // is safe (this store's mark is above it already): after a failover
         // it is simply kept.
@@ -637,7 +655,7 @@ impl Journal for EtcdJournal {
             let mark = cache
                 .entry(String::new())
                 .or_insert_with(|| forgotten_mark(0));
-            mark.last_token = mark.last_token.max(gone.last_token);
+            mark.last_token = mark.last_token.max(mark_above);
         }
     }
 
@@ -676,7 +694,7 @@ impl Writer {
             // Spilled leases are written without waiting for the queue.
             if lock(&self.spilled).is_empty() {
                 match rx.recv().await {
-                    Some(first) => batch.push(first),
+                    Some(first) => batch.push(first.encoded()),
                     None => break,
                 }
             }
@@ -684,6 +702,7 @@ impl Writer {
             while batch.len() < ENTRY_RECORDS && bytes < ENTRY_BYTES {
                 match rx.try_recv() {
                     Ok(write) => {
+                        let write = write.encoded();
                         bytes += write.record.len();
                         batch.push(write);
                     }
@@ -693,6 +712,7 @@ impl Writer {
             // Then spilled leases, after what was queued: their cached state
             // is at least as new.
             for write in self.take_spilled(ENTRY_RECORDS.saturating_sub(batch.len())) {
+                let write = write.encoded();
                 bytes += write.record.len();
                 batch.push(write);
             }
@@ -751,14 +771,7 @@ impl Writer {
         let cache = lock(&self.cache);
         names
             .into_iter()
-            .filter_map(|lease| {
-                let record = Record::bytes(&lease, cache.get(&lease)?);
-                Some(Write {
-                    lease,
-                    record,
-                    ack: None,
-                })
-            })
+            .filter_map(|lease| Some(Write::new(&lease, cache.get(&lease)?.clone(), None)))
             .collect()
     }
 
@@ -858,29 +871,38 @@ impl Snapshot {
             }
             // The lock is held for one chunk at a time; leases created
             // meanwhile are in log entries from the generation on.
-            let (value, last, n) = {
+            // The lock is held to copy one chunk's states (sized by their
+            // names and holders, about what their records weigh); the JSON
+            // is written after it is let go.
+            let states: Vec<(String, StoredLease)> = {
                 let cache = lock(&self.cache);
                 let from = match &after {
                     Some(a) => Bound::Excluded(a.as_str()),
                     None => Bound::Unbounded,
                 };
-                let mut value = vec![b'['];
-                let mut last = None;
-                let mut n = 0;
+                let mut size = 0;
+                let mut states = Vec::new();
                 for (lease, state) in cache.range::<str, _>((from, Bound::Unbounded)) {
-                    if n > 0 {
-                        value.push(b',');
-                    }
-                    value.extend_from_slice(&Record::bytes(lease, state));
-                    last = Some(lease);
-                    n += 1;
-                    if value.len() >= self.chunk_bytes {
+                    size += RECORD_OVERHEAD
+                        + lease.len()
+                        + state.term.as_ref().map_or(0, |t| t.holder.len());
+                    states.push((lease.clone(), state.clone()));
+                    if size >= self.chunk_bytes {
                         break;
                     }
                 }
-                value.push(b']');
-                (value, last.cloned(), n)
+                states
             };
+            let n = states.len();
+            let last = states.last().map(|(lease, _)| lease.clone());
+            let mut value = vec![b'['];
+            for (i, (lease, state)) in states.iter().enumerate() {
+                if i > 0 {
+                    value.push(b',');
+                }
+                value.extend_from_slice(&Record::bytes(lease, state));
+            }
+            value.push(b']');
             let Some(last) = last else { break };
             let put = [Op::Put {
                 key: self.keys.chunk(self.generation, chunks),
