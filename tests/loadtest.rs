@@ -305,3 +305,95 @@ async fn a_direct_run_never_sends_the_lease_id_to_the_storage() {
     assert_eq!(writes.load(Ordering::Relaxed), 200, "{stdout}");
     assert_eq!(with_id.load(Ordering::Relaxed), 0, "{stdout}");
 }
+
+/// The proxy killed (SIGKILL) and restarted on the same port and data
+/// directory over and over during a run: the load test keeps going (each
+/// restart is short), and no token is issued twice. (Real time: the
+/// restarts; the margins are wide.)
+#[test]
+fn a_run_goes_on_through_many_crashes_and_sees_no_token_twice() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    let dir = TempDir::new("loadtest-crashes");
+    let backend = recording_backend(&dir);
+    let port = support::servers::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let data = dir.path().join("data");
+    let args: Vec<String> = [
+        "serve",
+        "--listen",
+        &listen,
+        "--upstream",
+        &backend.url,
+        "--data-dir",
+        data.to_str().unwrap(),
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    let env = [
+        ("FENCEGATE_PROXY__TIMEOUT_MS", "1000"),
+        ("FENCEGATE_FENCE__SETTLE_MS", "100"),
+    ];
+    let log = dir.path().join("proxy.log");
+    let done = Arc::new(AtomicBool::new(false));
+    let killer = std::thread::spawn({
+        let (done, args, log) = (done.clone(), args.clone(), log.clone());
+        move || {
+            let mut proxy = Proc::start(&args, &log, &env);
+            let mut kills = 0;
+            while !done.load(Ordering::Relaxed) {
+                std::thread::sleep(std::time::Duration::from_millis(400));
+                proxy.kill9();
+                kills += 1;
+                proxy = Proc::start(&args, &log, &env);
+            }
+            drop(proxy);
+            kills
+        }
+    });
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let json = dir.path().join("crashes.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .args([
+            "loadtest",
+            "--target",
+            &format!("http://{listen}"),
+            "--history",
+            &backend.url,
+        ])
+        .args([
+            "--writers",
+            "4",
+            "--leases",
+            "4",
+            "--duration",
+            "8s",
+            "--ttl",
+            "500ms",
+        ])
+        .args([
+            "--pause-prob",
+            "0.1",
+            "--seed",
+            "7",
+            "--min-stale",
+            "0",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    done.store(true, Ordering::Relaxed);
+    let kills = killer.join().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(kills >= 10, "only {kills} kills");
+    assert!(!stderr.contains("cannot reach"), "{stderr}");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let f = &r["findings"];
+    assert_eq!(f["tokens_issued_twice"], 0, "{stdout}");
+    assert_eq!(f["stale_writes_applied"], 0, "{stdout}");
+    assert!(f["acknowledged"].as_u64().unwrap() > 0, "{stdout}");
+}

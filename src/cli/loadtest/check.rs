@@ -65,6 +65,10 @@ pub struct Findings {
     pub rejected_present: u64,
     /// Writes in the storage's log that no client of this run sent.
     pub unknown_in_log: u64,
+    /// Grants of a token this run had been granted before for the same
+    /// lease.
+    #[serde(default)]
+    pub tokens_issued_twice: u64,
     /// The first few violations, for people.
     pub examples: Vec<String>,
     /// The write ids of every stale write applied, for the HTML report.
@@ -75,7 +79,28 @@ pub struct Findings {
 impl Findings {
     /// The safety figures that must all be zero.
     pub fn violations(&self) -> u64 {
-        self.stale_writes_applied + self.acknowledged_missing + self.rejected_present
+        self.stale_writes_applied
+            + self.acknowledged_missing
+            + self.rejected_present
+            + self.tokens_issued_twice
+    }
+}
+
+/// Counts the grants of a token the run had been granted before for the
+/// same lease (a token is issued once, ever).
+pub fn issued_twice(f: &mut Findings, terms: &[super::TermSpan]) {
+    let mut seen: HashSet<(&str, u64)> = HashSet::new();
+    for t in terms {
+        if !seen.insert((t.lease.as_str(), t.token)) {
+            f.tokens_issued_twice += 1;
+            example(
+                &mut f.examples,
+                format!(
+                    "token {} of lease {} issued twice (again to {})",
+                    t.token, t.lease, t.writer
+                ),
+            );
+        }
     }
 }
 
@@ -165,6 +190,22 @@ fn example(examples: &mut Vec<String>, text: String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_token_granted_twice_is_a_violation() {
+        let span = |lease: &str, token| crate::cli::loadtest::TermSpan {
+            lease: lease.into(),
+            writer: "w".into(),
+            token,
+            from_ms: 0,
+            until_ms: 1,
+        };
+        let mut f = Findings::default();
+        issued_twice(&mut f, &[span("a", 1), span("b", 1), span("a", 2)]);
+        assert_eq!(f.violations(), 0);
+        issued_twice(&mut f, &[span("a", 1), span("a", 2), span("a", 1)]);
+        assert_eq!((f.tokens_issued_twice, f.violations()), (1, 1));
+    }
 
     fn write(id: &str, lease: &str, token: u64, stale: bool, outcome: Outcome) -> ClientWrite {
         ClientWrite {

@@ -86,9 +86,15 @@ pub struct LoadtestArgs {
     /// time, the summary and the verdict.
     #[arg(long)]
     pub html: Option<std::path::PathBuf>,
-    /// Fail unless at least this many stale writes were attempted.
+    /// Fail unless at least this many stale writes were attempted and
+    /// refused (through the proxy) or applied (with --direct): a run in
+    /// which no stale write was refused has not exercised the fence.
     #[arg(long, default_value_t = 1)]
     pub min_stale: u64,
+    /// Fail the run once the lease API has not answered anything for this
+    /// long (fencegate restarting, a failover, a crash test).
+    #[arg(long, default_value = "30s", value_parser = parse_duration_ms)]
+    pub unreachable_limit: u64,
     /// A file holding the bearer secret, for a target with authentication
     /// on (or put the secret itself in FENCEGATE_TOKEN). Never echoed.
     #[arg(long, env = "FENCEGATE_TOKEN_FILE")]
@@ -155,10 +161,6 @@ pub struct Report {
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
-/// A writer gives up (and the run fails) once the lease API has not answered
-/// for this long.
-const UNREACHABLE_LIMIT_MS: u64 = 5_000;
-
 struct Shared {
     client: HttpClient,
     args: LoadtestArgs,
@@ -174,8 +176,12 @@ struct Shared {
     started: Stopwatch,
     sent: AtomicU64,
     log: Mutex<Vec<ClientWrite>>,
-    /// Every term a writer was granted, for the HTML report.
+    /// Every term a writer was granted, for the HTML report and the check
+    /// that no token was issued twice.
     terms: Mutex<Vec<TermSpan>>,
+    /// When the target last answered anything, in milliseconds since the
+    /// run started.
+    answered_ms: AtomicU64,
 }
 
 /// A term as the run saw it: from its grant to its end (release, or the
@@ -277,6 +283,10 @@ async fn call(
             true,
         )
         .await;
+        if answer.is_ok() {
+            let now_ms = shared.started.elapsed_ms();
+            shared.answered_ms.fetch_max(now_ms, Ordering::Relaxed);
+        }
         let answered = match &answer {
             Ok(a) if a.json["reason"] == "not-primary" => {
                 Answered::NotPrimary(a.json["primary"].as_str().map(str::to_owned))
@@ -355,7 +365,6 @@ async fn writer(index: u32, shared: Arc<Shared>, seed: u64) -> Result<(), String
         name,
         skew_ms,
         n: 0,
-        unreachable_since: None,
     };
     while !writer.shared.done() {
         let Some(mut term) = writer.acquire().await? else {
@@ -388,8 +397,6 @@ struct Writer {
     skew_ms: u64,
     /// Writes sent so far.
     n: u64,
-    /// Since when the lease API has not answered at all.
-    unreachable_since: Option<Stopwatch>,
 }
 
 impl Writer {
@@ -414,17 +421,15 @@ impl Writer {
         )
         .await;
         let answer = match answer {
-            Ok(answer) => {
-                self.unreachable_since = None;
-                answer
-            }
+            Ok(answer) => answer,
             Err(e) => {
-                let since = *self.unreachable_since.get_or_insert_with(Stopwatch::start);
-                if since.elapsed_ms() >= UNREACHABLE_LIMIT_MS {
+                // Unreachable since the last answer any writer got.
+                let now_ms = self.shared.started.elapsed_ms();
+                let since_ms = self.shared.answered_ms.load(Ordering::Relaxed);
+                if now_ms.saturating_sub(since_ms) >= args.unreachable_limit {
                     return Err(format!(
-                        "cannot reach {} for {} s: {e}",
-                        args.target,
-                        UNREACHABLE_LIMIT_MS / 1000
+                        "cannot reach {} for {} ms: {e}",
+                        args.target, args.unreachable_limit
                     ));
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
@@ -661,7 +666,8 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
         .filter(|e| e.writer.as_deref().is_some_and(|w| w.starts_with(&prefix)))
         .collect();
     let writes = std::mem::take(&mut *lock(&shared.log));
-    let findings = check::check(&log, &writes);
+    let mut findings = check::check(&log, &writes);
+    check::issued_twice(&mut findings, &lock(&shared.terms));
     let (safe, verdict, status) = verdict(&findings, history.truncated, args.min_stale);
     let report = Report {
         target: args.target.clone(),
@@ -757,6 +763,7 @@ fn prepare(args: &LoadtestArgs, total: Option<u64>) -> Result<Arc<Shared>, Strin
             total.map_or(i64::MAX, |t| i64::try_from(t).unwrap_or(i64::MAX)),
         ),
         stop: std::sync::atomic::AtomicBool::new(false),
+        answered_ms: AtomicU64::new(0),
         started: Stopwatch::start(),
         sent: AtomicU64::new(0),
         log: Mutex::new(Vec::new()),
@@ -824,6 +831,18 @@ fn verdict(findings: &Findings, truncated: bool, min_stale: u64) -> (bool, Strin
             format!(
                 "INCONCLUSIVE: only {} stale writes attempted (--min-stale {})",
                 findings.stale_attempts, min_stale
+            ),
+            1,
+        )
+    } else if findings.stale_attempts_rejected < min_stale {
+        // Stale by the writers' own reckoning, yet admitted, and nothing
+        // reordered: the run never showed the fence refusing anything (a
+        // proxy clock slower than the writers', say).
+        (
+            true,
+            format!(
+                "INCONCLUSIVE: {} stale writes attempted, {} refused (--min-stale {})",
+                findings.stale_attempts, findings.stale_attempts_rejected, min_stale
             ),
             1,
         )
@@ -910,6 +929,7 @@ pub fn summary(r: &Report) -> String {
         ("stale writes applied", f.stale_writes_applied.to_string()),
         ("acked writes missing", f.acknowledged_missing.to_string()),
         ("rejected but applied", f.rejected_present.to_string()),
+        ("tokens issued twice", f.tokens_issued_twice.to_string()),
         (
             "latency p50/p99/p99.9",
             format!(
@@ -942,6 +962,26 @@ pub fn summary(r: &Report) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Seen failing before: a run whose stale writes were all admitted (a
+    /// proxy clock at half speed) and so never reordered anything was
+    /// called SAFE.
+    #[test]
+    fn a_run_in_which_nothing_stale_was_refused_is_not_safe() {
+        let f = Findings {
+            stale_attempts: 40,
+            stale_attempts_rejected: 0,
+            ..Findings::default()
+        };
+        let (_, line, status) = verdict(&f, false, 1);
+        assert_eq!(status, 1);
+        assert!(line.starts_with("INCONCLUSIVE"), "{line}");
+        let f = Findings {
+            stale_attempts_rejected: 40,
+            ..f
+        };
+        assert_eq!(verdict(&f, false, 1).2, 0);
+    }
 
     #[test]
     fn durations() {
