@@ -11,7 +11,15 @@
 //!
 //! Two clocks share one handle, [`Clock`]:
 //! - the system clock reads tokio's monotonic [`tokio::time::Instant`] (so tests
-//!   that pause tokio's time also pause it);
+//!   that pause tokio's time also pause it), plus the time the machine spent
+//!   suspended since the clock started: on Linux `CLOCK_MONOTONIC`, which
+//!   tokio reads, stops during a system suspend, and `CLOCK_BOOTTIME` does
+//!   not; the clock adds how far the two drifted apart, so a term or a
+//!   primary's deadline that passed while the machine slept has passed when
+//!   it wakes (a primary suspended past its etcd lease does not wake
+//!   believing it is still primary). tokio's timers still run on the
+//!   monotonic clock: a waiter asleep across a suspend wakes that much late,
+//!   and then sees the right time;
 //! - the manual clock only moves when [`Clock::advance`] is called, which is how
 //!   tests and `--clock manual` replay a timeline exactly.
 
@@ -56,8 +64,76 @@ pub struct Clock {
 
 #[derive(Debug)]
 enum Inner {
-    System { origin: Instant },
-    Manual { now_ms: AtomicU64, advanced: Notify },
+    System {
+        origin: Instant,
+        suspend: Suspend,
+    },
+    Manual {
+        now_ms: AtomicU64,
+        advanced: Notify,
+    },
+}
+
+/// How long the machine was suspended since the clock started: how much
+/// further `CLOCK_BOOTTIME` went than `CLOCK_MONOTONIC`.
+#[derive(Debug)]
+struct Suspend {
+    /// `CLOCK_BOOTTIME - CLOCK_MONOTONIC` when the clock started, in ns.
+    start_ns: u64,
+    /// The suspended time seen so far, in ms: it only grows, and only by a
+    /// whole step of at least 2 ms, so the nanoseconds between the two
+    /// readings never make the clock go back.
+    seen_ms: AtomicU64,
+    /// Where the offset comes from (a fake one in tests).
+    offset_ns: fn() -> u64,
+}
+
+impl Suspend {
+    fn new(offset_ns: fn() -> u64) -> Self {
+        Self {
+            start_ns: offset_ns(),
+            seen_ms: AtomicU64::new(0),
+            offset_ns,
+        }
+    }
+
+    fn ms(&self) -> u64 {
+        let now = (self.offset_ns)().saturating_sub(self.start_ns) / 1_000_000;
+        let seen = self.seen_ms.load(Ordering::Relaxed);
+        if now >= seen.saturating_add(2) {
+            self.seen_ms.fetch_max(now, Ordering::Relaxed);
+            now
+        } else {
+            seen
+        }
+    }
+}
+
+/// `CLOCK_BOOTTIME - CLOCK_MONOTONIC` in nanoseconds: the time the machine
+/// has spent suspended since it booted (0 where there is no such clock).
+fn boot_minus_monotonic_ns() -> u64 {
+    #[cfg(target_os = "linux")]
+    {
+        let read = |id| {
+            let mut ts = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            // SAFETY: clock_gettime only writes the timespec it is given, a
+            // local; both clocks exist on every Linux fencegate runs on.
+            #[allow(unsafe_code)]
+            let ok = unsafe { libc::clock_gettime(id, &mut ts) } == 0;
+            (ok).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
+        };
+        match (read(libc::CLOCK_BOOTTIME), read(libc::CLOCK_MONOTONIC)) {
+            (Some(boot), Some(mono)) => boot.saturating_sub(mono),
+            _ => 0,
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        0
+    }
 }
 
 impl Clock {
@@ -66,6 +142,7 @@ impl Clock {
         Self {
             inner: Arc::new(Inner::System {
                 origin: Instant::now(),
+                suspend: Suspend::new(boot_minus_monotonic_ns),
             }),
         }
     }
@@ -99,8 +176,9 @@ impl Clock {
     /// Milliseconds since the clock's origin. Never goes backwards.
     pub fn now_ms(&self) -> u64 {
         match &*self.inner {
-            Inner::System { origin } => {
-                u64::try_from(origin.elapsed().as_millis()).unwrap_or(u64::MAX)
+            Inner::System { origin, suspend } => {
+                let awake = u64::try_from(origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+                awake.saturating_add(suspend.ms())
             }
             Inner::Manual { now_ms, .. } => now_ms.load(Ordering::Acquire),
         }
@@ -127,9 +205,11 @@ impl Clock {
     /// Completes once `now_ms() >= deadline_ms`.
     pub async fn sleep_until(&self, deadline_ms: u64) {
         match &*self.inner {
-            Inner::System { origin } => {
+            Inner::System { origin, suspend } => {
+                // On tokio's (monotonic) timeline, less the time slept.
+                let awake_ms = deadline_ms.saturating_sub(suspend.ms());
                 let at = origin
-                    .checked_add(std::time::Duration::from_millis(deadline_ms))
+                    .checked_add(std::time::Duration::from_millis(awake_ms))
                     .unwrap_or_else(|| {
                         Instant::now() + std::time::Duration::from_secs(86_400 * 365)
                     });
@@ -211,6 +291,32 @@ mod tests {
         assert!(!waiter.is_finished());
         clock.advance(50);
         waiter.await.unwrap();
+    }
+
+    /// The time the machine spent suspended counts (a real suspend cannot
+    /// be had in a test: the offset is faked), never going back for the
+    /// nanoseconds between the two clocks' readings.
+    #[tokio::test(start_paused = true)]
+    async fn the_system_clock_counts_a_suspend() {
+        static OFFSET_NS: AtomicU64 = AtomicU64::new(5_000_000_000);
+        fn fake() -> u64 {
+            OFFSET_NS.load(Ordering::Relaxed)
+        }
+        let clock = Clock {
+            inner: Arc::new(Inner::System {
+                origin: Instant::now(),
+                suspend: Suspend::new(fake),
+            }),
+        };
+        let t0 = clock.now_ms();
+        tokio::time::advance(std::time::Duration::from_millis(100)).await;
+        assert_eq!(clock.now_ms() - t0, 100);
+        // Suspended for 30 s: the monotonic clock stood still.
+        OFFSET_NS.fetch_add(30_000_000_000, Ordering::Relaxed);
+        assert_eq!(clock.now_ms() - t0, 30_100);
+        // Readings a nanosecond apart around a millisecond boundary.
+        OFFSET_NS.fetch_sub(1_000_001, Ordering::Relaxed);
+        assert_eq!(clock.now_ms() - t0, 30_100);
     }
 
     #[tokio::test(start_paused = true)]
