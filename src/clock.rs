@@ -64,14 +64,8 @@ pub struct Clock {
 
 #[derive(Debug)]
 enum Inner {
-    System {
-        origin: Instant,
-        suspend: Suspend,
-    },
-    Manual {
-        now_ms: AtomicU64,
-        advanced: Notify,
-    },
+    System { origin: Instant, suspend: Suspend },
+    Manual { now_ms: AtomicU64, advanced: Notify },
 }
 
 /// How long the machine was suspended since the clock started: how much
