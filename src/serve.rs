@@ -49,6 +49,12 @@ pub struct ServeArgs {
     /// in store.meta (none is reissued).
     #[arg(long)]
     pub accept_journal_loss: bool,
+    /// The data directory was just restored from a backup (for one start):
+    /// every recovered term ends, and every lease continues more than N
+    /// tokens above the highest the backup knows of (pick N above the
+    /// tokens granted since the backup was taken).
+    #[arg(long, value_name = "N")]
+    pub restored_from_backup: Option<u64>,
     /// etcd client URLs, comma-separated: turns on cluster mode (the lease
     /// state lives in etcd; one member at a time is the primary).
     #[arg(long, value_delimiter = ',')]
@@ -81,6 +87,7 @@ impl ServeArgs {
         let config = Config::load(self.config.as_deref(), env, &flags)?;
         let options = StartOptions {
             accept_journal_loss: self.accept_journal_loss,
+            restored_from_backup: self.restored_from_backup,
         };
         Ok((config, options))
     }
@@ -103,6 +110,9 @@ pub struct StartOptions {
     /// Start even though the journal is missing or empty (see
     /// [`FileJournalOptions::accept_journal_loss`]).
     pub accept_journal_loss: bool,
+    /// The data directory was restored from a backup (see
+    /// [`FileJournalOptions::restored_from_backup`]).
+    pub restored_from_backup: Option<u64>,
 }
 
 /// Why fencegate could not start (or stopped serving).
@@ -171,6 +181,13 @@ enum Served {
 /// cluster, builds the backend and the app, loads TLS and binds the
 /// listeners.
 pub async fn start(config: Config, options: StartOptions) -> Result<Bound, StartError> {
+    if config.cluster.enabled() && options.restored_from_backup.is_some() {
+        return Err(StartError::Config(
+            "--restored-from-backup is for a standalone store's data directory: a cluster's \
+             lease state lives in etcd, not in the data directory"
+                .into(),
+        ));
+    }
     let leases = if config.cluster.enabled() {
         None
     } else {
@@ -345,6 +362,7 @@ fn recover(config: &Config, options: StartOptions) -> Result<LeaseStore, StartEr
     let stopwatch = Clock::system();
     let journal_options = FileJournalOptions {
         accept_journal_loss: options.accept_journal_loss,
+        restored_from_backup: options.restored_from_backup,
         ..FileJournalOptions::default()
     };
     let (journal, recovered) =

@@ -123,6 +123,7 @@ async fn start_up_errors_say_what_failed() {
     }
     let options = StartOptions {
         accept_journal_loss: true,
+        ..StartOptions::default()
     };
     start(config(&data), options).await.unwrap();
 }

@@ -49,6 +49,11 @@
 //!   continues every lease, known or not, above the floor, ends every
 //!   recovered term (none can be revived), keeps the damaged log as
 //!   `journal.log.damaged`, and writes a fresh one;
+//! - `store.meta` names the log it goes with: the log gets a new identity
+//!   (a [`Record::Identity`]) at each start, clean stop and compaction and
+//!   after each [`IDENTITY_BYTES`] of growth, named in `store.meta` before
+//!   the log carries it; a log `store.meta` does not name (an older copy
+//!   put back, of any version) is treated as one that lost records;
 //! - a data directory remembers that it was initialised (`store.meta`): a
 //!   missing or empty log next to it refuses the start, unless the operator
 //!   accepts the loss, and then every lease continues above the floor.
@@ -89,7 +94,12 @@ pub const DAMAGED_FILE: &str = "journal.log.damaged";
 const COMPACT_TMP: &str = "journal.log.compact";
 const META_TMP: &str = "store.meta.tmp";
 const LOCK_FILE: &str = "LOCK";
-const META_MAGIC: &[u8; 8] = b"FGMETA01";
+const META_MAGIC: &[u8; 8] = b"FGMETA02";
+/// A meta file without the log's identity (before it was kept).
+const META_MAGIC_V1: &[u8; 8] = b"FGMETA01";
+/// The log grows this much between two changes of its identity (besides
+/// the change at each start and compaction).
+pub const IDENTITY_BYTES: u64 = 1024 * 1024;
 
 /// Tokens reserved at a time (the default of
 /// [`FileJournalOptions::floor_block`]): the floor in `store.meta` is raised
@@ -113,6 +123,13 @@ pub struct FileJournalOptions {
     pub accept_journal_loss: bool,
     /// Tokens the floor in `store.meta` is raised ahead at a time.
     pub floor_block: u64,
+    /// The data directory was restored from a backup (`fencegate serve
+    /// --restored-from-backup N`): every recovered term ends and every
+    /// lease, known or not, continues more than this many tokens above the
+    /// highest the backup knows of.
+    pub restored_from_backup: Option<u64>,
+    /// Bytes the log grows between two changes of its identity.
+    pub identity_bytes: u64,
 }
 
 impl Default for FileJournalOptions {
@@ -123,6 +140,8 @@ impl Default for FileJournalOptions {
             queue_capacity: 65_536,
             accept_journal_loss: false,
             floor_block: FLOOR_BLOCK,
+            restored_from_backup: None,
+            identity_bytes: IDENTITY_BYTES,
         }
     }
 }
@@ -215,7 +234,10 @@ struct Command {
 
 /// The durable journal; see the module docs.
 pub struct FileJournal {
-    tx: mpsc::SyncSender<Command>,
+    /// `None` once dropped.
+    tx: Option<mpsc::SyncSender<Command>>,
+    /// Says when the writer has finished.
+    done: std::sync::Mutex<mpsc::Receiver<()>>,
     healthy: Arc<AtomicBool>,
     #[cfg(any(test, feature = "test-util"))]
     faults: FaultInjector,
@@ -250,37 +272,80 @@ fn err(context: &str, path: &Path, e: impl std::fmt::Display) -> JournalError {
     JournalError(format!("{context} {}: {e}", path.display()))
 }
 
-/// The store's meta file: its token floors.
+/// The store's meta file: its token floors, and which log it goes with.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Meta {
     /// No token above this was ever returned (raised before grants pass it).
     reserved: u64,
     /// Every lease's tokens continue above this (set when records were lost).
     floor: u64,
+    /// The identity of the log ([`Record::Identity`]) this file was last
+    /// written with (0: a log that carries none).
+    identity: u64,
+    /// The identity the log had before, also accepted: a change of identity
+    /// names the new one here first, then gives it to the log, then drops
+    /// the old one from here, so a crash at any point leaves the log with
+    /// one of the two.
+    previous: u64,
 }
 
 impl Meta {
     fn encode(&self) -> Vec<u8> {
         let mut out = META_MAGIC.to_vec();
-        out.extend_from_slice(&self.reserved.to_le_bytes());
-        out.extend_from_slice(&self.floor.to_le_bytes());
+        for field in [self.reserved, self.floor, self.identity, self.previous] {
+            out.extend_from_slice(&field.to_le_bytes());
+        }
         let crc = crc32fast::hash(&out);
         out.extend_from_slice(&crc.to_le_bytes());
         out
     }
 
+    /// Reads a meta file of either version (a version 1 file names no log).
     fn decode(b: &[u8]) -> Option<Self> {
-        if b.len() != 28 || &b[..8] != META_MAGIC {
+        let fields = match b.get(..8)? {
+            m if m == META_MAGIC => 4,
+            m if m == META_MAGIC_V1 => 2,
+            _ => return None,
+        };
+        let end = 8 + 8 * fields;
+        if b.len() != end + 4 {
             return None;
         }
-        let crc = u32::from_le_bytes(b[24..28].try_into().ok()?);
-        if crc32fast::hash(&b[..24]) != crc {
+        let crc = u32::from_le_bytes(b[end..].try_into().ok()?);
+        if crc32fast::hash(&b[..end]) != crc {
             return None;
         }
+        let field = |i: usize| -> u64 {
+            u64::from_le_bytes(b[8 + 8 * i..16 + 8 * i].try_into().expect("8 bytes"))
+        };
         Some(Self {
-            reserved: u64::from_le_bytes(b[8..16].try_into().ok()?),
-            floor: u64::from_le_bytes(b[16..24].try_into().ok()?),
+            reserved: field(0),
+            floor: field(1),
+            identity: if fields == 4 { field(2) } else { 0 },
+            previous: if fields == 4 { field(3) } else { 0 },
         })
+    }
+
+    /// Whether a log of identity `log` (0: none) is the one this file was
+    /// last written with.
+    fn names(&self, log: u64) -> bool {
+        log == self.identity || log == self.previous
+    }
+}
+
+/// A new log identity after `last`: random, never 0 nor `last`.
+fn new_identity(last: u64) -> u64 {
+    let mut raw = [0u8; 8];
+    // Without the OS's randomness, a value that differs from the last
+    // still tells this log from the one before.
+    let random = match getrandom::fill(&mut raw) {
+        Ok(()) => u64::from_le_bytes(raw),
+        Err(_) => last.wrapping_add(1),
+    };
+    if random == 0 || random == last {
+        last.wrapping_add(2).max(1)
+    } else {
+        random
     }
 }
 
@@ -376,8 +441,12 @@ fn write_log<'a>(
     leases: impl Iterator<Item = &'a LeaseRecord>,
     token_floor: u64,
     forgotten_above: u64,
+    identity: u64,
 ) -> io::Result<Written> {
     let mut frames = Vec::new();
+    if identity != 0 {
+        Record::Identity { id: identity }.encode_frame(&mut frames);
+    }
     if forgotten_above > 0 {
         Record::Forget {
             lease: String::new(),
@@ -421,10 +490,10 @@ fn write_log_at_start<'a>(
     dir: &Path,
     path: &Path,
     leases: impl Iterator<Item = &'a LeaseRecord>,
-    (token_floor, forgotten_above): (u64, u64),
+    (token_floor, forgotten_above, identity): (u64, u64, u64),
     what: &str,
 ) -> Result<(File, u64), JournalError> {
-    let written = write_log(dir, path, leases, token_floor, forgotten_above)
+    let written = write_log(dir, path, leases, token_floor, forgotten_above, identity)
         .map_err(|e| err(what, path, e))?;
     if !written.dir_synced {
         return Err(err(what, dir, "the directory could not be synced"));
@@ -473,19 +542,27 @@ impl FileJournal {
             len,
             header,
             reserved,
+            identity,
             recovered,
         } = opened;
 
         let (tx, rx) = mpsc::sync_channel(options.queue_capacity.max(1));
         let healthy = Arc::new(AtomicBool::new(true));
         let faults = FaultInjector::default();
-        let writer = Writer {
+        let mut writer = Writer {
             dir: dir.to_owned(),
             path,
             file,
             len,
             header,
-            reserved,
+            meta: Meta {
+                reserved,
+                floor: header.token_floor,
+                identity,
+                previous: identity,
+            },
+            log_identity: identity,
+            identity_len: len,
             needs_cut: false,
             needs_dir_sync: false,
             healthy: healthy.clone(),
@@ -493,13 +570,23 @@ impl FileJournal {
             options,
             _lock: lock,
         };
+        // Each start gives the log a new identity, so a copy of it taken
+        // before is caught if it is ever put back.
+        writer
+            .change_identity()
+            .map_err(|e| err("cannot write", &writer.path, e))?;
+        let (done_tx, done) = mpsc::channel();
         std::thread::Builder::new()
             .name("fencegate-journal".into())
-            .spawn(move || writer.run(rx))
+            .spawn(move || {
+                writer.run(rx);
+                let _ = done_tx.send(());
+            })
             .map_err(|e| JournalError(format!("cannot start the journal writer: {e}")))?;
         Ok((
             Self {
-                tx,
+                tx: Some(tx),
+                done: std::sync::Mutex::new(done),
                 healthy,
                 #[cfg(any(test, feature = "test-util"))]
                 faults,
@@ -514,6 +601,10 @@ impl FileJournal {
         self.faults.clone()
     }
 
+    fn sender(&self) -> &mpsc::SyncSender<Command> {
+        self.tx.as_ref().expect("only dropped with the journal")
+    }
+
     /// Queues `record` and completes once it is durable.
     fn send_durable(&self, record: Record) -> JournalFuture {
         let (ack, done) = oneshot::channel();
@@ -521,7 +612,7 @@ impl FileJournal {
             record,
             ack: Some(ack),
         };
-        let sent = match self.tx.try_send(command) {
+        let sent = match self.sender().try_send(command) {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(_)) => Err("the journal queue is full"),
             Err(TrySendError::Disconnected(_)) => Err("the journal writer has stopped"),
@@ -536,8 +627,20 @@ impl FileJournal {
     fn send_lazy(&self, record: Record) {
         // A full queue or a stopped writer: the record is not needed for
         // safety (see the module docs), so it is dropped.
-        if let Err(TrySendError::Full(_)) = self.tx.try_send(Command { record, ack: None }) {
+        if let Err(TrySendError::Full(_)) = self.sender().try_send(Command { record, ack: None }) {
             tracing::debug!("journal queue full; a renew or release record was dropped");
+        }
+    }
+}
+
+impl Drop for FileJournal {
+    /// A clean stop: the writer takes what is queued, gives the log a new
+    /// identity and ends; the drop waits for it (bounded: a stalled disk
+    /// must not hold the process for ever).
+    fn drop(&mut self) {
+        drop(self.tx.take());
+        if let Ok(done) = self.done.lock() {
+            let _ = done.recv_timeout(Duration::from_secs(5));
         }
     }
 }
@@ -548,6 +651,8 @@ struct Opened {
     len: u64,
     header: Header,
     reserved: u64,
+    /// The log's identity (0: none), one `store.meta` names.
+    identity: u64,
     recovered: Recovered,
 }
 
@@ -575,6 +680,7 @@ fn open_empty(
         MetaFile::Found(meta) if options.accept_journal_loss => Meta {
             reserved: meta.reserved,
             floor: meta.reserved.max(meta.floor),
+            ..Meta::default()
         },
         MetaFile::Found(meta) => {
             return Err(JournalError(format!(
@@ -593,7 +699,7 @@ fn open_empty(
         dir,
         path,
         std::iter::empty(),
-        (meta.floor, 0),
+        (meta.floor, 0, 0),
         "cannot initialise",
     )?;
     write_meta(dir, meta).map_err(|e| err("cannot write", &dir.join(META_FILE), e))?;
@@ -612,6 +718,7 @@ fn open_empty(
             token_floor: meta.floor,
         },
         reserved: meta.reserved,
+        identity: 0,
         recovered: Recovered {
             leases: Vec::new(),
             torn_bytes: 0,
@@ -644,6 +751,8 @@ struct Replayed {
     max_token: u64,
     /// Leases not in the log continue above this (forgotten ones).
     forgotten_above: u64,
+    /// The log's identity (its last [`Record::Identity`]; 0: none).
+    identity: u64,
 }
 
 /// A log with bytes: replay it, check it against its header, and repair
@@ -663,20 +772,28 @@ fn open_existing(
         Start::V2(h) => h.durable_len,
         Start::V1 | Start::V2Damaged => u64::MAX,
     };
-    let (leases, good_len, forgotten_above) = replay(bytes, offset, torn_from, path)?;
+    let folded = replay(bytes, offset, torn_from, path)?;
     let replayed = Replayed {
-        max_token: leases
+        max_token: folded
+            .leases
             .values()
             .map(|l| l.last_token)
-            .fold(forgotten_above, u64::max),
-        forgotten_above,
-        leases,
-        good_len,
-        torn_bytes: bytes.len() as u64 - good_len,
+            .fold(folded.forgotten_above, u64::max),
+        forgotten_above: folded.forgotten_above,
+        identity: folded.identity,
+        leases: folded.leases,
+        good_len: folded.good_len,
+        torn_bytes: bytes.len() as u64 - folded.good_len,
     };
+    if let Some(bump) = options.restored_from_backup {
+        let why = format!(
+            "the data directory was restored from a backup (--restored-from-backup {bump})"
+        );
+        return open_after_loss(dir, path, replayed, start, meta, why, bump);
+    }
     match intact(start, &meta, &replayed, options) {
         Ok(header) => open_intact(dir, path, replayed, header, meta, options),
-        Err(why) => open_after_loss(dir, path, replayed, start, meta, why),
+        Err(why) => open_after_loss(dir, path, replayed, start, meta, why, 0),
     }
 }
 
@@ -710,6 +827,26 @@ fn intact(
     replayed: &Replayed,
     options: &FileJournalOptions,
 ) -> Result<Option<Header>, String> {
+    // Whatever the log's version: a log other than the one the meta file
+    // was last written with is an older copy put back (or another store's);
+    // and the floor is raised only a block ahead of the highest token, so a
+    // log whose tokens end far below it is an older copy too.
+    if let MetaFile::Found(m) = meta {
+        if !m.names(replayed.identity) {
+            return Err(format!(
+                "it is not the log {META_FILE} was last written with (its identity is {:016x}, \
+                 {META_FILE} names {:016x}): it is an older copy, or another store's",
+                replayed.identity, m.identity
+            ));
+        }
+        if m.reserved > replayed.max_token.saturating_add(2 * options.floor_block) {
+            return Err(format!(
+                "its highest token is {}, far below the floor of {} in {META_FILE}: \
+                 it is an older copy",
+                replayed.max_token, m.reserved
+            ));
+        }
+    }
     let header = match start {
         Start::V1 => return Ok(None),
         Start::V2Damaged => return Err("its header is damaged or cut off".to_owned()),
@@ -721,20 +858,7 @@ fn intact(
             replayed.good_len, header.durable_len
         ));
     }
-    // The floor is raised only a block ahead of the highest token: a log
-    // whose tokens end far below it is an older copy put back.
-    match meta {
-        MetaFile::Found(m)
-            if m.reserved > replayed.max_token.saturating_add(2 * options.floor_block) =>
-        {
-            Err(format!(
-                "its highest token is {}, far below the floor of {} in {META_FILE}: \
-                 it is an older copy",
-                replayed.max_token, m.reserved
-            ))
-        }
-        _ => Ok(Some(header)),
-    }
+    Ok(Some(header))
 }
 
 /// Opens a log that lost nothing acknowledged: whatever follows the valid
@@ -754,6 +878,7 @@ fn open_intact(
         torn_bytes,
         max_token,
         forgotten_above,
+        identity,
     } = replayed;
     let header_floor = header.map_or(0, |h| h.token_floor);
     let floor = match meta {
@@ -767,6 +892,8 @@ fn open_intact(
             let meta = Meta {
                 reserved: max_token.max(floor).saturating_add(options.floor_block),
                 floor,
+                identity,
+                previous: identity,
             };
             write_meta(dir, meta).map_err(|e| err("cannot write", &dir.join(META_FILE), e))?;
             meta.reserved
@@ -778,7 +905,7 @@ fn open_intact(
                 dir,
                 path,
                 leases.values(),
-                (floor, forgotten_above),
+                (floor, forgotten_above, identity),
                 "cannot rewrite",
             )?;
             tracing::info!(journal = %path.display(), "journal rewritten in format version 2");
@@ -817,6 +944,7 @@ fn open_intact(
         len,
         header,
         reserved,
+        identity,
         recovered: Recovered {
             leases: leases.into_values().collect(),
             torn_bytes,
@@ -829,8 +957,9 @@ fn open_intact(
 
 /// Opens a log that may have lost acknowledged records (`why`): no token
 /// may be issued again, and no recovered term may come back to life (a
-/// later one may have been lost). The damaged log is kept beside the fresh
-/// one.
+/// later one may have been lost). Every lease continues above the highest
+/// token known, plus `bump` (tokens a restored backup may not know of). The
+/// damaged log is kept beside the fresh one.
 fn open_after_loss(
     dir: &Path,
     path: &Path,
@@ -838,6 +967,7 @@ fn open_after_loss(
     start: Start,
     meta: MetaFile,
     why: String,
+    bump: u64,
 ) -> Result<Opened, JournalError> {
     let Replayed {
         mut leases,
@@ -862,10 +992,13 @@ fn open_after_loss(
         .reserved
         .max(meta.floor)
         .max(max_token)
-        .max(header_floor);
+        .max(header_floor)
+        .saturating_add(bump);
+    // The fresh log carries no identity until the start gives it one.
     let meta = Meta {
         reserved: floor,
         floor,
+        ..Meta::default()
     };
     write_meta(dir, meta).map_err(|e| err("cannot write", &dir.join(META_FILE), e))?;
     for lease in leases.values_mut() {
@@ -883,7 +1016,7 @@ fn open_after_loss(
         dir,
         path,
         leases.values(),
-        (floor, forgotten_above),
+        (floor, forgotten_above, 0),
         "cannot rewrite",
     )?;
     tracing::error!(
@@ -904,6 +1037,7 @@ fn open_after_loss(
             token_floor: floor,
         },
         reserved: floor,
+        identity: 0,
         recovered: Recovered {
             leases: leases.into_values().collect(),
             torn_bytes,
@@ -993,22 +1127,31 @@ fn create_dir_durably(dir: &Path) -> io::Result<()> {
     Ok(())
 }
 
-/// Folds every valid frame of `bytes` from `start`; returns the state and
-/// the length of the valid prefix. A bad frame before `torn_from` with any
-/// valid frame after it is corruption.
-fn replay(
-    bytes: &[u8],
-    start: usize,
-    torn_from: u64,
-    path: &Path,
-) -> Result<(HashMap<String, LeaseRecord>, u64, u64), JournalError> {
+/// The valid records of a log, folded.
+#[derive(Debug)]
+struct Folded {
+    leases: HashMap<String, LeaseRecord>,
+    /// The length of the valid prefix.
+    good_len: u64,
+    /// Leases not in the log continue above this (forgotten ones).
+    forgotten_above: u64,
+    /// The last identity the log was given (0: none).
+    identity: u64,
+}
+
+/// Folds every valid frame of `bytes` from `start`. A bad frame before
+/// `torn_from` with any valid frame after it is corruption.
+fn replay(bytes: &[u8], start: usize, torn_from: u64, path: &Path) -> Result<Folded, JournalError> {
     let mut state: HashMap<String, LeaseRecord> = HashMap::new();
     let mut forgotten_above = 0;
+    let mut identity = 0;
     let mut at = start;
     while at < bytes.len() {
         match read_frame(&bytes[at..]) {
             Frame::Record(record, len) => {
-                if let Some((lease, last_token)) = record.forgets() {
+                if let Record::Identity { id } = record {
+                    identity = id;
+                } else if let Some((lease, last_token)) = record.forgets() {
                     state.remove(lease);
                     forgotten_above = u64::max(forgotten_above, last_token);
                 } else if let Some(lease) = record.lease() {
@@ -1037,7 +1180,12 @@ fn replay(
             }
         }
     }
-    Ok((state, at as u64, forgotten_above))
+    Ok(Folded {
+        leases: state,
+        good_len: at as u64,
+        forgotten_above,
+        identity,
+    })
 }
 
 /// The offset of the first position in `bytes` where a valid frame starts.
@@ -1068,9 +1216,13 @@ struct Writer {
     len: u64,
     /// The header last written (and synced).
     header: Header,
-    /// The token floor in the meta file: no grant above it is acknowledged
-    /// before it is raised.
-    reserved: u64,
+    /// What the meta file says: its token floor `reserved` is raised before
+    /// a grant above it is acknowledged.
+    meta: Meta,
+    /// The identity the log carries (its last [`Record::Identity`]).
+    log_identity: u64,
+    /// The log's length when it was last given an identity.
+    identity_len: u64,
     /// A failed write left bytes past `len` that could not be cut yet.
     needs_cut: bool,
     /// A compaction's rename is not durable yet (the directory sync failed):
@@ -1145,13 +1297,14 @@ impl Writer {
                         }
                     }
                     self.maybe_compact();
+                    if sync && self.len >= self.identity_len + self.options.identity_bytes {
+                        if let Err(e) = self.change_identity() {
+                            self.failed(&e);
+                        }
+                    }
                 }
                 Err(e) => {
-                    if self.healthy.swap(false, Ordering::AcqRel) {
-                        tracing::error!(journal = %self.path.display(), error = %e, "journal cannot persist; refusing grants until it can");
-                    }
-                    self.needs_cut = true;
-                    self.cut_back();
+                    self.failed(&e);
                     for cmd in batch.drain(..) {
                         if let Some(ack) = cmd.ack {
                             let _ =
@@ -1159,6 +1312,11 @@ impl Writer {
                         }
                     }
                 }
+            }
+        }
+        if self.healthy.load(Ordering::Acquire) {
+            if let Err(e) = self.change_identity() {
+                tracing::warn!(journal = %self.path.display(), error = %e, "cannot give the journal a new identity at its stop");
             }
         }
         let _ = self.file.sync_data();
@@ -1175,13 +1333,11 @@ impl Writer {
             self.needs_dir_sync = false;
         }
         self.faults.check()?;
-        if max_token > self.reserved {
-            let meta = Meta {
+        if max_token > self.meta.reserved {
+            self.set_meta(Meta {
                 reserved: max_token.saturating_add(self.options.floor_block),
-                floor: self.header.token_floor,
-            };
-            write_meta(&self.dir, meta)?;
-            self.reserved = meta.reserved;
+                ..self.meta
+            })?;
         }
         if self.faults.has(FAULT_PARTIAL) {
             self.file.write_all(&buf[..buf.len() / 2])?;
@@ -1212,6 +1368,44 @@ impl Writer {
         }
         self.len = len;
         Ok(())
+    }
+
+    fn set_meta(&mut self, meta: Meta) -> io::Result<()> {
+        write_meta(&self.dir, meta)?;
+        self.meta = meta;
+        Ok(())
+    }
+
+    /// Gives the log a new identity: the meta file names it (beside the
+    /// old one) first, then the log carries it, durably, then the meta file
+    /// drops the old one. A crash between any two steps leaves a log the
+    /// meta file names.
+    fn change_identity(&mut self) -> io::Result<()> {
+        let next = new_identity(self.log_identity);
+        self.set_meta(Meta {
+            identity: next,
+            previous: self.log_identity,
+            ..self.meta
+        })?;
+        let mut frame = Vec::new();
+        Record::Identity { id: next }.encode_frame(&mut frame);
+        self.append(&frame, true, 0)?;
+        self.log_identity = next;
+        self.identity_len = self.len;
+        self.set_meta(Meta {
+            previous: next,
+            ..self.meta
+        })
+    }
+
+    /// A batch (or a change of identity) failed: the journal is unhealthy
+    /// until a probe succeeds, and the file is cut back.
+    fn failed(&mut self, e: &io::Error) {
+        if self.healthy.swap(false, Ordering::AcqRel) {
+            tracing::error!(journal = %self.path.display(), error = %e, "journal cannot persist; refusing grants until it can");
+        }
+        self.needs_cut = true;
+        self.cut_back();
     }
 
     /// Drops whatever part of a failed batch reached the file; returns
@@ -1264,28 +1458,46 @@ impl Writer {
         // Everything up to `len` was written by this writer.
         let mut bytes = std::fs::read(&self.path)?;
         bytes.truncate(usize::try_from(self.len).unwrap_or(usize::MAX));
-        let (state, good_len, forgotten_above) =
+        let state =
             replay(&bytes, HEADER_LEN, u64::MAX, &self.path).map_err(|e| io::Error::other(e.0))?;
-        if good_len != self.len {
+        if state.good_len != self.len {
             return Err(io::Error::other(format!(
-                "the log reads back {good_len} good bytes of {}",
-                self.len
+                "the log reads back {} good bytes of {}",
+                state.good_len, self.len
             )));
         }
         drop(bytes);
-        let leases = state.len();
+        let leases = state.leases.len();
+        // The compacted log has an identity of its own (named first).
+        let next = new_identity(self.log_identity);
+        self.set_meta(Meta {
+            identity: next,
+            previous: self.log_identity,
+            ..self.meta
+        })?;
         let written = write_log(
             &self.dir,
             &self.path,
-            state.values(),
+            state.leases.values(),
             self.header.token_floor,
-            forgotten_above,
+            state.forgotten_above,
+            next,
         )?;
         // Renamed: from here on the new log is the log, whatever else fails.
         let len = written.len;
         self.file = written.file;
         self.len = len;
+        self.log_identity = next;
+        self.identity_len = len;
         self.needs_dir_sync = !written.dir_synced;
+        if written.dir_synced {
+            // Until the rename is durable, a power cut may bring back the
+            // old log: the meta file names both until then.
+            let _ = self.set_meta(Meta {
+                previous: next,
+                ..self.meta
+            });
+        }
         self.header = Header {
             seq: 1,
             durable_len: len,
@@ -1673,6 +1885,199 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// Seen failing before: an older copy of the log put back beside the
+    /// meta file, its tokens within two floor blocks of the floor, was
+    /// taken for the log: token 3 was issued again to a lease at 5, and the
+    /// copy's live term (ended since) was honoured again.
+    #[tokio::test]
+    async fn an_older_copy_of_the_log_is_caught_by_its_identity() {
+        let dir = temp_dir("old-identity");
+        let options = FileJournalOptions::default();
+        let path = dir.join(JOURNAL_FILE);
+        let copy = dir.join("copy.log");
+        {
+            let (j, _) = FileJournal::open(&dir, options.clone()).unwrap();
+            j.persist_grant(grant("a", 2)).await.unwrap();
+            std::fs::copy(&path, &copy).unwrap();
+            j.persist_release("a", 2).await.unwrap();
+            j.persist_grant(grant("a", 5)).await.unwrap();
+            j.persist_release("a", 5).await.unwrap();
+        }
+        std::fs::copy(&copy, &path).unwrap();
+        let (_j, rec) = reopen(&dir, &options);
+        let why = rec
+            .lost_records
+            .expect("the old copy was taken for the log");
+        assert!(why.contains("not the log store.meta"), "{why}");
+        assert!(rec.token_floor >= 5, "floor {}", rec.token_floor);
+        let a = &rec.leases[0];
+        assert!(a.last_token >= 5, "{a:?}");
+        assert!(a.term.as_ref().is_some_and(|t| t.released), "{a:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Seen failing before: with its first bytes made those of a version 1
+    /// log, an older copy thousands of tokens behind skipped the floor check.
+    #[tokio::test]
+    async fn an_older_copy_is_caught_whatever_its_version() {
+        let dir = temp_dir("old-v1");
+        let options = FileJournalOptions {
+            floor_block: 16,
+            ..FileJournalOptions::default()
+        };
+        let path = dir.join(JOURNAL_FILE);
+        let copy;
+        {
+            let (j, _) = FileJournal::open(&dir, options.clone()).unwrap();
+            j.persist_grant(grant("a", 2)).await.unwrap();
+            copy = std::fs::read(&path).unwrap();
+            for token in 3..=200 {
+                j.persist_grant(grant("a", token)).await.unwrap();
+            }
+        }
+        let mut v1 = FILE_MAGIC_V1.to_vec();
+        v1.extend_from_slice(&copy[HEADER_LEN..]);
+        std::fs::write(&path, &v1).unwrap();
+        let (_j, rec) = reopen(&dir, &options);
+        assert!(rec.lost_records.is_some(), "a version 1 copy was accepted");
+        assert!(rec.leases[0].last_token >= 200, "{:?}", rec.leases[0]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A store whose meta file and log both came from before this change
+    /// (no identity) opens as it is, and its log gets one.
+    #[tokio::test]
+    async fn a_store_from_before_identities_opens() {
+        let dir = temp_dir("pre-identity");
+        let options = FileJournalOptions::default();
+        {
+            let (j, _) = FileJournal::open(&dir, options.clone()).unwrap();
+            j.persist_grant(grant("a", 3)).await.unwrap();
+        }
+        // The log without its identity records, the meta file in version 1.
+        let path = dir.join(JOURNAL_FILE);
+        let bytes = std::fs::read(&path).unwrap();
+        let mut old = bytes[..HEADER_LEN].to_vec();
+        let mut at = HEADER_LEN;
+        while let Frame::Record(record, len) = read_frame(&bytes[at..]) {
+            if !matches!(record, Record::Identity { .. }) {
+                old.extend_from_slice(&bytes[at..at + len]);
+            }
+            at += len;
+        }
+        let header = Header::read(&bytes).unwrap();
+        let header = Header {
+            seq: header.seq + 1,
+            durable_len: old.len() as u64,
+            ..header
+        };
+        let slot = header.offset() as usize;
+        old[slot..slot + super::super::record::SLOT_LEN].copy_from_slice(&header.encode());
+        std::fs::write(&path, &old).unwrap();
+        let meta = dir.join(META_FILE);
+        let m = Meta::decode(&std::fs::read(&meta).unwrap()).unwrap();
+        let mut v1 = META_MAGIC_V1.to_vec();
+        v1.extend_from_slice(&m.reserved.to_le_bytes());
+        v1.extend_from_slice(&m.floor.to_le_bytes());
+        let crc = crc32fast::hash(&v1);
+        v1.extend_from_slice(&crc.to_le_bytes());
+        std::fs::write(&meta, &v1).unwrap();
+        let (j, rec) = reopen(&dir, &options);
+        assert!(rec.lost_records.is_none(), "{:?}", rec.lost_records);
+        assert_eq!(rec.leases[0].last_token, 3);
+        drop(j);
+        let m = Meta::decode(&std::fs::read(&meta).unwrap()).unwrap();
+        assert_ne!(m.identity, 0, "the store was given an identity");
+        let (_j, rec) = reopen(&dir, &options);
+        assert!(rec.lost_records.is_none(), "{:?}", rec.lost_records);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A crash at any step of a change of identity leaves a log the meta
+    /// file names: replayed here by stopping after each step.
+    #[tokio::test]
+    async fn a_crash_inside_a_change_of_identity_loses_nothing() {
+        let dir = temp_dir("identity-steps");
+        let options = FileJournalOptions::default();
+        {
+            let (j, _) = FileJournal::open(&dir, options.clone()).unwrap();
+            j.persist_grant(grant("a", 3)).await.unwrap();
+        }
+        let path = dir.join(JOURNAL_FILE);
+        let meta_path = dir.join(META_FILE);
+        let log = std::fs::read(&path).unwrap();
+        let meta = Meta::decode(&std::fs::read(&meta_path).unwrap()).unwrap();
+        // Step one done: the meta file names a new identity beside the old.
+        let named = Meta {
+            identity: meta.identity ^ 0xff,
+            previous: meta.identity,
+            ..meta
+        };
+        std::fs::write(&meta_path, named.encode()).unwrap();
+        let (j, rec) = reopen(&dir, &options);
+        assert!(rec.lost_records.is_none(), "{:?}", rec.lost_records);
+        drop(j);
+        // Step two done: the log carries the new identity, the meta file
+        // still names both.
+        let mut given = log.clone();
+        Record::Identity { id: named.identity }.encode_frame(&mut given);
+        std::fs::write(&path, &given).unwrap();
+        std::fs::write(&meta_path, named.encode()).unwrap();
+        let (j, rec) = reopen(&dir, &options);
+        assert!(rec.lost_records.is_none(), "{:?}", rec.lost_records);
+        drop(j);
+        // And the old log beside the finished change: caught.
+        std::fs::write(&path, &log).unwrap();
+        let (_j, rec) = reopen(&dir, &options);
+        assert!(rec.lost_records.is_some());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A whole data directory put back from a backup cannot be told from
+    /// the real one; started as restored, it ends every term and continues
+    /// every lease, known or not, above what the backup knew plus the bump.
+    #[tokio::test]
+    async fn a_restored_backup_ends_every_term_and_skips_tokens() {
+        let dir = temp_dir("restored");
+        let backup = temp_dir("restored-backup");
+        let options = FileJournalOptions::default();
+        {
+            let (j, _) = FileJournal::open(&dir, options.clone()).unwrap();
+            j.persist_grant(grant("a", 4)).await.unwrap();
+        }
+        std::fs::create_dir_all(&backup).unwrap();
+        for file in [JOURNAL_FILE, META_FILE] {
+            std::fs::copy(dir.join(file), backup.join(file)).unwrap();
+        }
+        {
+            let (j, _) = reopen(&dir, &options);
+            j.persist_grant(grant("a", 9)).await.unwrap();
+            j.persist_grant(grant("b", 1)).await.unwrap();
+        }
+        for file in [JOURNAL_FILE, META_FILE] {
+            std::fs::copy(backup.join(file), dir.join(file)).unwrap();
+        }
+        let restored = FileJournalOptions {
+            restored_from_backup: Some(1000),
+            ..options.clone()
+        };
+        let (j, rec) = reopen(&dir, &restored);
+        let why = rec.lost_records.expect("a restore is a loss");
+        assert!(why.contains("restored from a backup"), "{why}");
+        assert!(rec.token_floor >= 1004, "floor {}", rec.token_floor);
+        assert!(rec
+            .leases
+            .iter()
+            .all(|l| l.last_token >= 1004 && l.term.as_ref().is_none_or(|t| t.released)));
+        drop(j);
+        // The next start (without the flag) goes on from there.
+        let (_j, rec) = reopen(&dir, &options);
+        assert!(rec.lost_records.is_none());
+        assert!(rec.token_floor >= 1004);
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&backup);
+    }
+
     /// A log cut inside its header lost whatever it held: with the meta file
     /// beside it, every lease continues above the floor.
     #[tokio::test]
@@ -1766,10 +2171,10 @@ mod tests {
         let good = bytes.len() as u64;
         let mut torn = bytes.clone();
         torn.extend_from_slice(&bytes[8..20]);
-        assert_eq!(replay(&torn, 8, u64::MAX, path).unwrap().1, good);
+        assert_eq!(replay(&torn, 8, u64::MAX, path).unwrap().good_len, good);
         let mut zeros = bytes.clone();
         zeros.extend_from_slice(&[0; 100]);
-        assert_eq!(replay(&zeros, 8, u64::MAX, path).unwrap().1, good);
+        assert_eq!(replay(&zeros, 8, u64::MAX, path).unwrap().good_len, good);
         let mut corrupt = bytes.clone();
         corrupt[12] ^= 1;
         assert!(replay(&corrupt, 8, u64::MAX, path)

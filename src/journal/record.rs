@@ -98,6 +98,7 @@ const KIND_RELEASE: u8 = 3;
 const KIND_STATE: u8 = 4;
 const KIND_NOOP: u8 = 5;
 const KIND_FORGET: u8 = 6;
+const KIND_IDENTITY: u8 = 7;
 
 /// The latest term of a lease, as the journal knows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -149,6 +150,10 @@ pub enum Record {
     /// `last_token`. With an empty name (written by compaction, first) it
     /// carries only that mark for every name forgotten before.
     Forget { lease: String, last_token: u64 },
+    /// The log's identity from here on: `store.meta` names the identity of
+    /// the log it was last written with, so an older copy of the log put
+    /// back beside it is caught (the last one in a log counts).
+    Identity { id: u64 },
 }
 
 /// Why bytes are not a record.
@@ -193,7 +198,7 @@ impl Record {
             }
             Record::State(s) => *state = s.clone(),
             // The replay removes the lease (see `Record::forgets`).
-            Record::Noop | Record::Forget { .. } => {}
+            Record::Noop | Record::Forget { .. } | Record::Identity { .. } => {}
         }
     }
 
@@ -213,7 +218,7 @@ impl Record {
             | Record::Renew { lease, .. }
             | Record::Release { lease, .. } => Some(lease),
             Record::State(s) => Some(&s.lease),
-            Record::Noop | Record::Forget { .. } => None,
+            Record::Noop | Record::Forget { .. } | Record::Identity { .. } => None,
         }
     }
 
@@ -284,6 +289,10 @@ impl Record {
                 put_name(out, lease);
                 out.put_u64_le(*last_token);
             }
+            Record::Identity { id } => {
+                out.put_u8(KIND_IDENTITY);
+                out.put_u64_le(*id);
+            }
         }
     }
 
@@ -333,6 +342,9 @@ impl Record {
             KIND_FORGET => Record::Forget {
                 lease: get_name(&mut buf)?,
                 last_token: get_u64(&mut buf)?,
+            },
+            KIND_IDENTITY => Record::Identity {
+                id: get_u64(&mut buf)?,
             },
             _ => return Err(DecodeError("unknown record kind")),
         };
@@ -475,6 +487,9 @@ mod tests {
                 ..LeaseRecord::default()
             }),
             Record::Noop,
+            Record::Identity {
+                id: 0x0123_4567_89ab_cdef,
+            },
         ]
     }
 
