@@ -904,12 +904,7 @@ impl Snapshot {
             }
             value.push(b']');
             let Some(last) = last else { break };
-            let put = [Op::Put {
-                key: self.keys.chunk(self.generation, chunks),
-                value,
-                lease: 0,
-            }];
-            self.commit(&put).await?;
+            self.put_chunk(chunks, value).await?;
             chunks += 1;
             leases += n;
             after = Some(last);
@@ -922,12 +917,7 @@ impl Snapshot {
             let mut value = vec![b'['];
             value.extend_from_slice(&Record::bytes("", &mark));
             value.push(b']');
-            let put = [Op::Put {
-                key: self.keys.chunk(self.generation, chunks),
-                value,
-                lease: 0,
-            }];
-            self.commit(&put).await?;
+            self.put_chunk(chunks, value).await?;
             chunks += 1;
         }
         let pointer = serde_json::to_vec(&Pointer {
@@ -952,6 +942,16 @@ impl Snapshot {
         ];
         self.commit(&swap).await?;
         Ok((chunks, leases))
+    }
+
+    /// Writes chunk `chunk` of the snapshot being made.
+    async fn put_chunk(&self, chunk: u64, value: Vec<u8>) -> Result<(), String> {
+        let put = [Op::Put {
+            key: self.keys.chunk(self.generation, chunk),
+            value,
+            lease: 0,
+        }];
+        self.commit(&put).await
     }
 
     async fn commit(&self, ops: &[Op]) -> Result<(), String> {

@@ -1381,6 +1381,12 @@ impl Writer {
     /// drops the old one. A crash between any two steps leaves a log the
     /// meta file names.
     fn change_identity(&mut self) -> io::Result<()> {
+        // A compaction's rename not durable yet could bring back the log of
+        // the identity before: make it durable before that one is dropped.
+        if self.needs_dir_sync {
+            sync_dir(&self.dir)?;
+            self.needs_dir_sync = false;
+        }
         let next = new_identity(self.log_identity);
         self.set_meta(Meta {
             identity: next,
