@@ -137,6 +137,8 @@ async fn recovery_ms(leases: usize) -> (f64, u64) {
                             holder: format!("holder-{}", i % 100),
                             ttl_ms: 30_000,
                             lease_id: [b'a'; 32],
+                            quiet: false,
+                            wall_ms: 0,
                         };
                         journal.persist_grant(record).await.expect("persist");
                     }

@@ -7,7 +7,10 @@
 //!
 //! Lease deadlines live on a monotonic millisecond timeline that starts when the
 //! process starts. Wall time is never used for deadlines, so a clock step (NTP,
-//! a VM resume, an operator) cannot shorten or lengthen a term.
+//! a VM resume, an operator) cannot shorten or lengthen a live term. It is read
+//! only for a hint the journal keeps with each grant and renewal
+//! ([`Clock::wall_ms`]), by which a restart may end a recovered term early,
+//! never extend one.
 //!
 //! Two clocks share one handle, [`Clock`]:
 //! - the system clock reads tokio's monotonic [`tokio::time::Instant`] (so tests
@@ -55,6 +58,9 @@ impl std::str::FromStr for ClockKind {
         }
     }
 }
+
+/// Where a manual clock's wall clock stands at its time 0 (2020-09-13).
+pub const MANUAL_WALL_EPOCH_MS: u64 = 1_600_000_000_000;
 
 /// A cheap, cloneable handle to the proxy's monotonic millisecond clock.
 #[derive(Clone, Debug)]
@@ -175,6 +181,20 @@ impl Clock {
                 awake.saturating_add(suspend.ms())
             }
             Inner::Manual { now_ms, .. } => now_ms.load(Ordering::Acquire),
+        }
+    }
+
+    /// The wall clock, in ms since the Unix epoch (0 if it reads before the
+    /// epoch): a hint for the journal, never a deadline. A manual clock's
+    /// wall clock is its own time above [`MANUAL_WALL_EPOCH_MS`].
+    pub fn wall_ms(&self) -> u64 {
+        match &*self.inner {
+            Inner::System { .. } => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            Inner::Manual { now_ms, .. } => {
+                MANUAL_WALL_EPOCH_MS.saturating_add(now_ms.load(Ordering::Acquire))
+            }
         }
     }
 

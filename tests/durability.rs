@@ -301,6 +301,124 @@ async fn a_live_term_is_held_for_a_full_ttl_after_restart() {
     p.kill9();
 }
 
+/// The restart window holds only the leases whose earlier terms may still
+/// have a write on its way to the storage. Before, every write of a token
+/// above 1 waited `proxy.timeout_ms + fence.settle_ms` after any restart
+/// (31 s with the defaults; seen failing: the first write below was refused
+/// 504 for the restart window). After kill -9:
+/// - `calm`: term 2 was granted with nothing in flight: its holder writes at
+///   once;
+/// - `handed`: term 1 was released with nothing in flight: term 2, granted
+///   after the restart, writes at once;
+/// - `busy`: term 2 was granted while a write of term 1 was in flight: its
+///   write is held back until the restart window has passed.
+#[tokio::test]
+async fn the_restart_window_holds_only_what_may_be_unfinished() {
+    let dir = TempDir::new("window");
+    let data = dir.path().join("data");
+    let log = dir.path().join("fencegate.log");
+    let args = serve_args(&data, true);
+    // The restart window: the upstream deadline plus the settle time.
+    let env = [
+        ("FENCEGATE_PROXY__TIMEOUT_MS", "1000"),
+        ("FENCEGATE_FENCE__SETTLE_MS", "500"),
+        // The unfinished body below is not cut off (real time).
+        ("FENCEGATE_LIMITS__BODY_READ_TIMEOUT_MS", "600000"),
+    ];
+    let put = |lease: &str, held: &Held| {
+        Req::new("PUT", &format!("/kv/{lease}/k"))
+            .held(held)
+            .body(format!("by {}", held.token))
+    };
+    let release = |lease: &str, held: &Held| {
+        Req::new("DELETE", &format!("/_fence/leases/{lease}")).held(held)
+    };
+    let waits = |metrics: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("fencegate_barrier_waits_total "))
+            .map(|v| v.trim().to_owned())
+    };
+
+    let p = Proc::start(&args, &log, &env);
+    let c = HttpClient::new(&p.url);
+    let one = held_from(&c.send(acquire("calm", "A", TTL_MS)).await);
+    assert_eq!(c.send(put("calm", &one)).await.status, 201);
+    c.send(release("calm", &one)).await;
+    let calm = held_from(&c.send(acquire("calm", "B", TTL_MS)).await);
+    assert_eq!(calm.token, 2);
+    assert!(c.send(put("calm", &calm)).await.status.is_success());
+
+    let one = held_from(&c.send(acquire("handed", "A", TTL_MS)).await);
+    assert_eq!(c.send(put("handed", &one)).await.status, 201);
+    c.send(release("handed", &one)).await;
+
+    // A write still in flight (its body unfinished) when term 1 is released
+    // and term 2 granted, and when the store is killed.
+    let one = held_from(&c.send(acquire("busy", "A", TTL_MS)).await);
+    let addr = p.url.trim_start_matches("http://").to_owned();
+    let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    {
+        use tokio::io::AsyncWriteExt;
+        let head = format!(
+            "PUT /kv/busy/k HTTP/1.1\r\nhost: x\r\nfencing-token: {}\r\n\
+             fencing-lease-id: {}\r\ncontent-length: 100\r\n\r\npartial",
+            one.token, one.lease_id
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        // Until the proxy counts it in flight (bounded: 10 s).
+        let mut counted = false;
+        for _ in 0..1000 {
+            let m = c.send(Req::new("GET", "/_fence/metrics")).await.text();
+            if m.contains("fencegate_writes_in_flight 1") {
+                counted = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(counted, "the partial write was never in flight");
+    }
+    c.send(release("busy", &one)).await;
+    let busy = held_from(&c.send(acquire("busy", "B", TTL_MS)).await);
+    assert_eq!(busy.token, 2);
+    p.kill9();
+    drop(s);
+
+    let p = Proc::start(&args, &log, &env);
+    let c = HttpClient::new(&p.url);
+    let r = c.send(put("calm", &calm)).await;
+    assert!(r.status.is_success(), "{}", r.text());
+    let handed = held_from(&c.send(acquire("handed", "C", TTL_MS)).await);
+    assert_eq!(handed.token, 2);
+    let r = c.send(put("handed", &handed)).await;
+    assert!(r.status.is_success(), "{}", r.text());
+    let m = c.send(Req::new("GET", "/_fence/metrics")).await.text();
+    assert_eq!(waits(&m).as_deref(), Some("0"), "{m}");
+
+    // It is held back: the window (1.5 s) is longer than the upstream
+    // deadline (1 s), so it is refused at once, told when to come back…
+    let r = c.send(put("busy", &busy)).await;
+    assert_eq!(
+        (r.status.as_u16(), r.reason().as_str()),
+        (504, "upstream-timeout"),
+        "{}",
+        r.text()
+    );
+    assert!(
+        r.text().contains("before fencegate restarted"),
+        "{}",
+        r.text()
+    );
+    let m = c.send(Req::new("GET", "/_fence/metrics")).await.text();
+    assert_eq!(waits(&m).as_deref(), Some("1"), "{m}");
+    // …and goes out once the restart window has passed.
+    c.send(Req::new("POST", "/_fence/clock").json(json!({"advance_ms": 1500})))
+        .await;
+    let r = c.send(put("busy", &busy)).await;
+    assert!(r.status.is_success(), "{}", r.text());
+    p.kill9();
+}
+
 /// Nobody takes the lease namespace for good: names idle for
 /// `leases.retention_ms` are forgotten, new names fit again, and a
 /// forgotten name's next token is above every token it had, also after
@@ -405,6 +523,8 @@ async fn a_torn_tail_is_cut_and_acknowledged_grants_survive() {
         holder: "Z".into(),
         ttl_ms: 5000,
         lease_id: [b'0'; 32],
+        quiet: false,
+        wall_ms: 0,
     }
     .encode_frame(&mut frame);
     let bytes = std::fs::read(&journal).unwrap();

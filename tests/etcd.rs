@@ -378,17 +378,21 @@ impl Model {
         let current = m.term.as_ref().map_or(0, |t| t.token);
         match i % 5 {
             3 => {
-                j.record_renew(lease, current, 1000 + 7 * i);
-                if let Some(t) = m.term.as_mut() {
+                let wall_ms = 2_000_000 + i;
+                j.record_renew(lease, current, 1000 + 7 * i, wall_ms);
+                if let Some(t) = m.term.as_mut().filter(|t| !t.released) {
                     t.ttl_ms = 1000 + 7 * i;
+                    t.wall_deadline_ms = wall_ms + t.ttl_ms;
                 }
                 None
             }
             4 => {
                 // Queued by the call; its durability is not awaited here.
-                drop(j.persist_release(lease, current));
-                if let Some(t) = m.term.as_mut() {
+                let quiet = i.is_multiple_of(3);
+                drop(j.persist_release(lease, current, quiet));
+                if let Some(t) = m.term.as_mut().filter(|t| !t.released) {
                     t.released = true;
+                    t.released_quiet = quiet;
                 }
                 None
             }
@@ -403,6 +407,9 @@ impl Model {
                     ttl_ms: 1000 + i,
                     lease_id: Sha256::digest(id).into(),
                     released: false,
+                    granted_quiet: i.is_multiple_of(2),
+                    released_quiet: false,
+                    wall_deadline_ms: 1_000_000 + i + 1000 + i,
                 });
                 Some(j.persist_grant(GrantRecord {
                     lease: lease.to_owned(),
@@ -410,6 +417,8 @@ impl Model {
                     holder: format!("holder-{i}"),
                     ttl_ms: 1000 + i,
                     lease_id: id,
+                    quiet: i.is_multiple_of(2),
+                    wall_ms: 1_000_000 + i,
                 }))
             }
         }
@@ -523,6 +532,8 @@ async fn the_lease_log_and_its_snapshots_load_back_whole() {
         holder: "h".into(),
         ttl_ms: 1000,
         lease_id: [0; 32],
+        quiet: false,
+        wall_ms: 0,
     });
     assert!(late.await.is_err());
     assert!(j.failure().is_failed());
@@ -653,6 +664,8 @@ async fn a_full_queue_fails_a_grant_alone_and_loses_no_renewal() {
         holder: "h".into(),
         ttl_ms: 1000,
         lease_id: [7; 32],
+        quiet: false,
+        wall_ms: 0,
     });
     assert!(refused.await.is_err(), "a grant past the queue fails");
     assert!(!j.failure().is_failed(), "the journal stays healthy");

@@ -72,6 +72,17 @@ pub struct StoredTerm {
     pub ttl_ms: u64,
     pub lease_id_sha256: [u8; 32],
     pub released: bool,
+    /// See [`TermRecord`]'s fields of the same names.
+    pub granted_quiet: bool,
+    pub released_quiet: bool,
+    pub wall_deadline_ms: u64,
+}
+
+impl StoredTerm {
+    /// The flags' bits in a record: 1 granted quiet, 2 released quiet.
+    fn flags(&self) -> u8 {
+        u8::from(self.granted_quiet) | (u8::from(self.released_quiet) << 1)
+    }
 }
 
 impl StoredLease {
@@ -88,6 +99,9 @@ impl StoredLease {
                 ttl_ms: t.ttl_ms,
                 lease_id: t.lease_id_sha256,
                 released: t.released,
+                granted_quiet: t.granted_quiet,
+                released_quiet: t.released_quiet,
+                wall_deadline_ms: t.wall_deadline_ms,
             }),
         }
     }
@@ -126,7 +140,9 @@ impl Write {
 /// One record of the log or a snapshot, as a JSON array (etcd's cost
 /// grows with the bytes written, so no field names):
 /// `[lease, last_token, transitions, term]`, where `term` is `null`,
-/// `[token, holder, ttl_ms, lease id's SHA-256 in hex, released]`, or
+/// `[token, holder, ttl_ms, lease id's SHA-256 in hex, released, flags,
+/// wall_deadline_ms]` (flags: 1 granted quiet, 2 released quiet; records
+/// written before them have neither of the last two), or
 /// `"forgotten"` for a lease forgotten (the empty name: the mark of every
 /// lease forgotten before).
 struct Record<'a> {
@@ -156,7 +172,15 @@ impl Serialize for Record<'_> {
         let term = self.state.term.as_ref().map(|t| {
             let mut digest = [0u8; 64];
             hex::encode_into(&t.lease_id_sha256, &mut digest);
-            (t.token, &t.holder, t.ttl_ms, Hex(digest), t.released)
+            (
+                t.token,
+                &t.holder,
+                t.ttl_ms,
+                Hex(digest),
+                t.released,
+                t.flags(),
+                t.wall_deadline_ms,
+            )
         });
         (
             self.lease,
@@ -185,11 +209,17 @@ const FORGOTTEN: &str = "forgotten";
 #[derive(Deserialize)]
 struct OwnedRecord(String, u64, u64, Option<TermField>);
 
+/// A term's fields: token, holder, TTL, the lease id's digest in hex,
+/// released, flags, wall-clock deadline.
+type TermFields = (u64, String, u64, String, bool, u8, u64);
+
 /// The fourth field of a record.
 #[derive(Deserialize)]
 #[serde(untagged)]
 enum TermField {
-    Term(u64, String, u64, String, bool),
+    Term(TermFields),
+    /// A term written before its flags and wall-clock hint.
+    Term1(u64, String, u64, String, bool),
     Mark(String),
 }
 
@@ -206,14 +236,11 @@ impl OwnedRecord {
             Some(TermField::Mark(mark)) => {
                 return Err(format!("lease {lease:?} has an unknown mark {mark:?}"))
             }
-            Some(TermField::Term(token, holder, ttl_ms, digest, released)) => Some(StoredTerm {
-                token,
-                holder,
-                ttl_ms,
-                lease_id_sha256: hex::decode32(&digest)
-                    .ok_or_else(|| format!("lease {lease:?} has a malformed lease id digest"))?,
-                released,
-            }),
+            Some(TermField::Term1(token, holder, ttl_ms, digest, released)) => Some(stored_term(
+                &lease,
+                (token, holder, ttl_ms, digest, released, 0, 0),
+            )?),
+            Some(TermField::Term(fields)) => Some(stored_term(&lease, fields)?),
         };
         let state = StoredLease {
             last_token,
@@ -223,6 +250,22 @@ impl OwnedRecord {
         };
         Ok((lease, state))
     }
+}
+
+/// A term's fields read back.
+fn stored_term(lease: &str, fields: TermFields) -> Result<StoredTerm, String> {
+    let (token, holder, ttl_ms, digest, released, flags, wall_deadline_ms) = fields;
+    Ok(StoredTerm {
+        token,
+        holder,
+        ttl_ms,
+        lease_id_sha256: hex::decode32(&digest)
+            .ok_or_else(|| format!("lease {lease:?} has a malformed lease id digest"))?,
+        released,
+        granted_quiet: flags & 1 != 0,
+        released_quiet: flags & 2 != 0,
+        wall_deadline_ms,
+    })
 }
 
 /// The `snapshot` key's value.
@@ -565,6 +608,16 @@ impl EtcdJournal {
     }
 }
 
+/// The wall-clock deadline of a term granted or renewed at `wall_ms` for
+/// `ttl_ms` (0, unknown, if the wall clock was).
+fn wall_deadline(wall_ms: u64, ttl_ms: u64) -> u64 {
+    if wall_ms == 0 {
+        0
+    } else {
+        wall_ms.saturating_add(ttl_ms)
+    }
+}
+
 /// The cached state under the empty name: every lease forgotten so far
 /// had tokens up to `last_token`.
 fn forgotten_mark(last_token: u64) -> StoredLease {
@@ -592,6 +645,9 @@ impl Journal for EtcdJournal {
                 ttl_ms: record.ttl_ms,
                 lease_id_sha256: digest,
                 released: false,
+                granted_quiet: record.quiet,
+                released_quiet: false,
+                wall_deadline_ms: wall_deadline(record.wall_ms, record.ttl_ms),
             });
             true
         });
@@ -602,22 +658,26 @@ impl Journal for EtcdJournal {
         })
     }
 
-    fn record_renew(&self, lease: &str, token: u64, ttl_ms: u64) {
+    fn record_renew(&self, lease: &str, token: u64, ttl_ms: u64, wall_ms: u64) {
         let _ = self.queue(lease, None, |stored| match stored.term.as_mut() {
-            Some(t) if t.token == token && t.ttl_ms != ttl_ms => {
+            Some(t) if t.token == token && !t.released => {
                 t.ttl_ms = ttl_ms;
+                if wall_ms != 0 {
+                    t.wall_deadline_ms = wall_deadline(wall_ms, ttl_ms);
+                }
                 true
             }
             _ => false,
         });
     }
 
-    fn persist_release(&self, lease: &str, token: u64) -> JournalFuture {
+    fn persist_release(&self, lease: &str, token: u64, quiet: bool) -> JournalFuture {
         let (ack, done) = oneshot::channel();
         let mut changed = false;
         let queued = self.queue(lease, Some(ack), |stored| match stored.term.as_mut() {
             Some(t) if t.token == token && !t.released => {
                 t.released = true;
+                t.released_quiet = quiet;
                 changed = true;
                 true
             }
@@ -983,6 +1043,9 @@ mod tests {
                 ttl_ms: 5000,
                 lease_id_sha256: digest,
                 released: false,
+                granted_quiet: true,
+                released_quiet: false,
+                wall_deadline_ms: 1_700_000_005_000,
             }),
             forgotten: false,
         };
@@ -1016,7 +1079,7 @@ mod tests {
         assert_eq!(
             json,
             format!(
-                r#"[["orders",7,3,[7,"a",5000,"{}",false]],["idle",2,2,null],["old",9,4,"forgotten"]]"#,
+                r#"[["orders",7,3,[7,"a",5000,"{}",false,1,1700000005000]],["idle",2,2,null],["old",9,4,"forgotten"]]"#,
                 hex::encode(&digest)
             )
         );
@@ -1039,6 +1102,18 @@ mod tests {
         let bad: Vec<OwnedRecord> =
             serde_json::from_str(r#"[["x",1,1,[1,"a",5,"zz",false]]]"#).unwrap();
         assert!(bad.into_iter().next().unwrap().into_parts().is_err());
+        // A record written before the flags and the hint: not quiet, no hint.
+        let old = format!(
+            r#"["orders",7,3,[7,"a",5000,"{}",true]]"#,
+            hex::encode(&digest)
+        );
+        let (_, old) = serde_json::from_str::<OwnedRecord>(&old)
+            .unwrap()
+            .into_parts()
+            .unwrap();
+        let t = old.term.unwrap();
+        assert!(t.released && !t.granted_quiet && !t.released_quiet);
+        assert_eq!(t.wall_deadline_ms, 0);
     }
 
     #[test]

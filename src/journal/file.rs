@@ -1056,21 +1056,25 @@ impl Journal for FileJournal {
             holder: record.holder,
             ttl_ms: record.ttl_ms,
             lease_id: record.lease_id,
+            quiet: record.quiet,
+            wall_ms: record.wall_ms,
         })
     }
 
-    fn persist_release(&self, lease: &str, token: u64) -> JournalFuture {
+    fn persist_release(&self, lease: &str, token: u64, quiet: bool) -> JournalFuture {
         self.send_durable(Record::Release {
             lease: lease.to_owned(),
             token,
+            quiet,
         })
     }
 
-    fn record_renew(&self, lease: &str, token: u64, ttl_ms: u64) {
+    fn record_renew(&self, lease: &str, token: u64, ttl_ms: u64, wall_ms: u64) {
         self.send_lazy(Record::Renew {
             lease: lease.to_owned(),
             token,
             ttl_ms,
+            wall_ms,
         });
     }
 
@@ -1548,6 +1552,8 @@ mod tests {
             holder: "h".into(),
             ttl_ms: 1000,
             lease_id: [b'0'; 32],
+            quiet: false,
+            wall_ms: 0,
         }
     }
 
@@ -1599,10 +1605,10 @@ mod tests {
             assert!(rec.leases.is_empty());
             for token in 1..=200 {
                 j.persist_grant(grant("a", token)).await.unwrap();
-                j.record_renew("a", token, 2000);
+                j.record_renew("a", token, 2000, 0);
             }
             j.persist_grant(grant("b", 1)).await.unwrap();
-            drop(j.persist_release("b", 1));
+            drop(j.persist_release("b", 1, false));
             // One more durable record so the lazy ones are surely written.
             j.persist_grant(grant("c", 1)).await.unwrap();
         }
@@ -1846,6 +1852,7 @@ mod tests {
         Record::Release {
             lease: "a".into(),
             token: 1,
+            quiet: false,
         }
         .encode_frame(&mut bytes);
         std::fs::write(&path, &bytes).unwrap();
@@ -1905,9 +1912,9 @@ mod tests {
             let (j, _) = FileJournal::open(&dir, options.clone()).unwrap();
             j.persist_grant(grant("a", 2)).await.unwrap();
             std::fs::copy(&path, &copy).unwrap();
-            j.persist_release("a", 2).await.unwrap();
+            j.persist_release("a", 2, false).await.unwrap();
             j.persist_grant(grant("a", 5)).await.unwrap();
-            j.persist_release("a", 5).await.unwrap();
+            j.persist_release("a", 5, false).await.unwrap();
         }
         std::fs::copy(&copy, &path).unwrap();
         let (_j, rec) = reopen(&dir, &options);
@@ -2171,6 +2178,7 @@ mod tests {
             Record::Release {
                 lease: "a".into(),
                 token,
+                quiet: false,
             }
             .encode_frame(&mut bytes);
         }

@@ -31,6 +31,12 @@ pub struct GrantRecord {
     pub ttl_ms: u64,
     /// The lease id's text form, so the holder can renew after a restart.
     pub lease_id: [u8; 32],
+    /// No write of an earlier term could still be unfinished at the storage
+    /// (after a restart, this term's writes have nothing to wait for).
+    pub quiet: bool,
+    /// The wall clock at the grant (Unix ms), a hint used only to end the
+    /// term early after a restart.
+    pub wall_ms: u64,
 }
 
 /// Why a record could not be persisted.
@@ -63,12 +69,14 @@ pub trait Journal: Send + Sync + 'static {
     /// lease store relies on (it calls this while the lease is locked).
     fn persist_grant(&self, record: GrantRecord) -> JournalFuture;
 
-    /// Records that term `token` of `lease` now has TTL `ttl_ms` (lazy).
-    fn record_renew(&self, lease: &str, token: u64, ttl_ms: u64);
+    /// Records that term `token` of `lease` was renewed at `wall_ms` (the
+    /// wall clock, Unix ms) for `ttl_ms` (lazy).
+    fn record_renew(&self, lease: &str, token: u64, ttl_ms: u64, wall_ms: u64);
 
-    /// Records that term `token` of `lease` was released; completes once
-    /// that is durable (queued by the call itself, like a grant).
-    fn persist_release(&self, lease: &str, token: u64) -> JournalFuture;
+    /// Records that term `token` of `lease` was released, `quiet` if no
+    /// write of it or of an earlier term was unfinished; completes once that
+    /// is durable (queued by the call itself, like a grant).
+    fn persist_release(&self, lease: &str, token: u64, quiet: bool) -> JournalFuture;
 
     /// Records that `lease`, whose highest token was `last_token`, was
     /// forgotten (lazy): its state may be dropped, and a lease no longer
@@ -113,9 +121,9 @@ impl Journal for MemoryJournal {
         self.answer()
     }
 
-    fn record_renew(&self, _lease: &str, _token: u64, _ttl_ms: u64) {}
+    fn record_renew(&self, _lease: &str, _token: u64, _ttl_ms: u64, _wall_ms: u64) {}
 
-    fn persist_release(&self, _lease: &str, _token: u64) -> JournalFuture {
+    fn persist_release(&self, _lease: &str, _token: u64, _quiet: bool) -> JournalFuture {
         self.answer()
     }
 

@@ -99,6 +99,17 @@ const KIND_STATE: u8 = 4;
 const KIND_NOOP: u8 = 5;
 const KIND_FORGET: u8 = 6;
 const KIND_IDENTITY: u8 = 7;
+// Since the restart window and the wall-clock hints: the kinds above with
+// their flags and hints (the older kinds are still read, without them).
+const KIND_GRANT_2: u8 = 8;
+const KIND_RENEW_2: u8 = 9;
+const KIND_RELEASE_2: u8 = 10;
+const KIND_STATE_2: u8 = 11;
+
+/// Flag bits of a term in [`KIND_GRANT_2`], [`KIND_RELEASE_2`] and
+/// [`KIND_STATE_2`] records.
+const GRANTED_QUIET: u8 = 1;
+const RELEASED_QUIET: u8 = 2;
 
 /// The latest term of a lease, as the journal knows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -109,6 +120,30 @@ pub struct TermRecord {
     /// The lease id's text form, so the holder can renew after a restart.
     pub lease_id: [u8; 32],
     pub released: bool,
+    /// When the term was granted, no write of an earlier term could still
+    /// be unfinished at the storage: after a restart, the term's own writes
+    /// have nothing to wait for.
+    pub granted_quiet: bool,
+    /// The term was released with no write of it (or of an earlier term)
+    /// unfinished: after a restart, the next term has nothing to wait for.
+    pub released_quiet: bool,
+    /// The Unix time (ms, the wall clock) at which the term ends unless it
+    /// was renewed after the last record of it; 0 if unknown. A hint, used
+    /// only to end a term early after a restart, never to extend one.
+    pub wall_deadline_ms: u64,
+}
+
+impl TermRecord {
+    fn flags(&self) -> u8 {
+        let mut flags = 0;
+        if self.granted_quiet {
+            flags |= GRANTED_QUIET;
+        }
+        if self.released_quiet {
+            flags |= RELEASED_QUIET;
+        }
+        flags
+    }
 }
 
 /// Everything the journal keeps of one lease.
@@ -132,15 +167,27 @@ pub enum Record {
         holder: String,
         ttl_ms: u64,
         lease_id: [u8; 32],
+        /// No write of an earlier term was unfinished at the grant.
+        quiet: bool,
+        /// The wall clock at the grant (Unix ms; 0: unknown).
+        wall_ms: u64,
     },
-    /// A term was renewed with a different TTL.
+    /// A term was renewed (recorded lazily: when its TTL changes, and when
+    /// the wall-clock hint of its end falls behind).
     Renew {
         lease: String,
         token: u64,
         ttl_ms: u64,
+        /// The wall clock at the renewal (Unix ms; 0: unknown).
+        wall_ms: u64,
     },
     /// A term was released.
-    Release { lease: String, token: u64 },
+    Release {
+        lease: String,
+        token: u64,
+        /// No write of it, or of an earlier term, was unfinished.
+        quiet: bool,
+    },
     /// A lease's whole state, written by compaction.
     State(LeaseRecord),
     /// Carries nothing; written by the health probe.
@@ -169,6 +216,8 @@ impl Record {
                 holder,
                 ttl_ms,
                 lease_id,
+                quiet,
+                wall_ms,
                 ..
             } => {
                 state.last_token = state.last_token.max(*token);
@@ -184,16 +233,28 @@ impl Record {
                     ttl_ms: *ttl_ms,
                     lease_id: *lease_id,
                     released: false,
+                    granted_quiet: *quiet,
+                    released_quiet: false,
+                    wall_deadline_ms: wall_deadline(*wall_ms, *ttl_ms),
                 });
             }
-            Record::Renew { token, ttl_ms, .. } => {
+            Record::Renew {
+                token,
+                ttl_ms,
+                wall_ms,
+                ..
+            } => {
                 if let Some(term) = state.term.as_mut().filter(|t| t.token == *token) {
                     term.ttl_ms = *ttl_ms;
+                    if *wall_ms != 0 {
+                        term.wall_deadline_ms = wall_deadline(*wall_ms, *ttl_ms);
+                    }
                 }
             }
-            Record::Release { token, .. } => {
+            Record::Release { token, quiet, .. } => {
                 if let Some(term) = state.term.as_mut().filter(|t| t.token == *token) {
                     term.released = true;
+                    term.released_quiet = *quiet;
                 }
             }
             Record::State(s) => *state = s.clone(),
@@ -244,31 +305,42 @@ impl Record {
                 holder,
                 ttl_ms,
                 lease_id,
+                quiet,
+                wall_ms,
             } => {
-                out.put_u8(KIND_GRANT);
+                out.put_u8(KIND_GRANT_2);
                 put_name(out, lease);
                 out.put_u64_le(*token);
                 out.put_u64_le(*ttl_ms);
                 put_holder(out, holder);
                 out.put_slice(lease_id);
+                out.put_u8(if *quiet { GRANTED_QUIET } else { 0 });
+                out.put_u64_le(*wall_ms);
             }
             Record::Renew {
                 lease,
                 token,
                 ttl_ms,
+                wall_ms,
             } => {
-                out.put_u8(KIND_RENEW);
+                out.put_u8(KIND_RENEW_2);
                 put_name(out, lease);
                 out.put_u64_le(*token);
                 out.put_u64_le(*ttl_ms);
+                out.put_u64_le(*wall_ms);
             }
-            Record::Release { lease, token } => {
-                out.put_u8(KIND_RELEASE);
+            Record::Release {
+                lease,
+                token,
+                quiet,
+            } => {
+                out.put_u8(KIND_RELEASE_2);
                 put_name(out, lease);
                 out.put_u64_le(*token);
+                out.put_u8(if *quiet { RELEASED_QUIET } else { 0 });
             }
             Record::State(s) => {
-                out.put_u8(KIND_STATE);
+                out.put_u8(KIND_STATE_2);
                 put_name(out, &s.lease);
                 out.put_u64_le(s.last_token);
                 out.put_u64_le(s.transitions);
@@ -280,6 +352,8 @@ impl Record {
                         out.put_u64_le(t.ttl_ms);
                         put_holder(out, &t.holder);
                         out.put_slice(&t.lease_id);
+                        out.put_u8(t.flags());
+                        out.put_u64_le(t.wall_deadline_ms);
                     }
                 }
             }
@@ -300,35 +374,69 @@ impl Record {
     pub fn decode_payload(mut buf: &[u8]) -> Result<Self, DecodeError> {
         let kind = get_u8(&mut buf)?;
         let record = match kind {
-            KIND_GRANT => Record::Grant {
+            KIND_GRANT | KIND_GRANT_2 => {
+                let lease = get_name(&mut buf)?;
+                let token = get_u64(&mut buf)?;
+                let ttl_ms = get_u64(&mut buf)?;
+                let holder = get_holder(&mut buf)?;
+                let lease_id = get_id(&mut buf)?;
+                let (flags, wall_ms) = if kind == KIND_GRANT_2 {
+                    (get_u8(&mut buf)?, get_u64(&mut buf)?)
+                } else {
+                    (0, 0)
+                };
+                Record::Grant {
+                    lease,
+                    token,
+                    holder,
+                    ttl_ms,
+                    lease_id,
+                    quiet: flags & GRANTED_QUIET != 0,
+                    wall_ms,
+                }
+            }
+            KIND_RENEW | KIND_RENEW_2 => Record::Renew {
                 lease: get_name(&mut buf)?,
                 token: get_u64(&mut buf)?,
                 ttl_ms: get_u64(&mut buf)?,
-                holder: get_holder(&mut buf)?,
-                lease_id: get_id(&mut buf)?,
+                wall_ms: if kind == KIND_RENEW_2 {
+                    get_u64(&mut buf)?
+                } else {
+                    0
+                },
             },
-            KIND_RENEW => Record::Renew {
+            KIND_RELEASE | KIND_RELEASE_2 => Record::Release {
                 lease: get_name(&mut buf)?,
                 token: get_u64(&mut buf)?,
-                ttl_ms: get_u64(&mut buf)?,
+                quiet: kind == KIND_RELEASE_2 && get_u8(&mut buf)? & RELEASED_QUIET != 0,
             },
-            KIND_RELEASE => Record::Release {
-                lease: get_name(&mut buf)?,
-                token: get_u64(&mut buf)?,
-            },
-            KIND_STATE => {
+            KIND_STATE | KIND_STATE_2 => {
                 let lease = get_name(&mut buf)?;
                 let last_token = get_u64(&mut buf)?;
                 let transitions = get_u64(&mut buf)?;
                 let term = match get_u8(&mut buf)? {
                     0 => None,
-                    tag @ (1 | 2) => Some(TermRecord {
-                        token: get_u64(&mut buf)?,
-                        ttl_ms: get_u64(&mut buf)?,
-                        holder: get_holder(&mut buf)?,
-                        lease_id: get_id(&mut buf)?,
-                        released: tag == 2,
-                    }),
+                    tag @ (1 | 2) => {
+                        let token = get_u64(&mut buf)?;
+                        let ttl_ms = get_u64(&mut buf)?;
+                        let holder = get_holder(&mut buf)?;
+                        let lease_id = get_id(&mut buf)?;
+                        let (flags, wall_deadline_ms) = if kind == KIND_STATE_2 {
+                            (get_u8(&mut buf)?, get_u64(&mut buf)?)
+                        } else {
+                            (0, 0)
+                        };
+                        Some(TermRecord {
+                            token,
+                            holder,
+                            ttl_ms,
+                            lease_id,
+                            released: tag == 2,
+                            granted_quiet: flags & GRANTED_QUIET != 0,
+                            released_quiet: flags & RELEASED_QUIET != 0,
+                            wall_deadline_ms,
+                        })
+                    }
                     _ => return Err(DecodeError("bad term tag")),
                 };
                 Record::State(LeaseRecord {
@@ -386,6 +494,16 @@ pub fn read_frame(buf: &[u8]) -> Frame {
     match Record::decode_payload(payload) {
         Ok(record) => Frame::Record(record, FRAME_HEADER + len),
         Err(DecodeError(why)) => Frame::Invalid(why),
+    }
+}
+
+/// The wall-clock deadline of a term granted or renewed at `wall_ms` for
+/// `ttl_ms` (0, unknown, if the wall clock was).
+fn wall_deadline(wall_ms: u64, ttl_ms: u64) -> u64 {
+    if wall_ms == 0 {
+        0
+    } else {
+        wall_ms.saturating_add(ttl_ms)
     }
 }
 
@@ -460,15 +578,19 @@ mod tests {
                 holder: "worker-1".into(),
                 ttl_ms: 5000,
                 lease_id: [b'a'; 32],
+                quiet: true,
+                wall_ms: 1_700_000_000_000,
             },
             Record::Renew {
                 lease: "orders".into(),
                 token: 7,
                 ttl_ms: 9000,
+                wall_ms: 1_700_000_001_000,
             },
             Record::Release {
                 lease: "orders".into(),
                 token: 7,
+                quiet: true,
             },
             Record::State(LeaseRecord {
                 lease: "x".repeat(128),
@@ -480,6 +602,9 @@ mod tests {
                     ttl_ms: 100,
                     lease_id: [b'f'; 32],
                     released: true,
+                    granted_quiet: false,
+                    released_quiet: true,
+                    wall_deadline_ms: 42,
                 }),
             }),
             Record::State(LeaseRecord {
@@ -560,14 +685,61 @@ mod tests {
             (s.last_token, s.transitions, t.ttl_ms, t.released),
             (7, 1, 9000, true)
         );
+        assert!(t.granted_quiet && t.released_quiet);
+        assert_eq!(t.wall_deadline_ms, 1_700_000_010_000);
         // A renew or release of another token changes nothing.
         Record::Renew {
             lease: "orders".into(),
             token: 6,
             ttl_ms: 1,
+            wall_ms: 1,
         }
         .apply(&mut s);
         assert_eq!(s.term.unwrap().ttl_ms, 9000);
+    }
+
+    /// Records of the kinds written before the flags and hints are read as
+    /// not quiet, with no wall-clock hint: the restart window applies to
+    /// them as it did.
+    #[test]
+    fn older_kinds_are_read_without_flags() {
+        let frame = |payload: Vec<u8>| {
+            let mut out = vec![FRAME_MAGIC];
+            out.extend((payload.len() as u32).to_le_bytes());
+            out.extend(crc32fast::hash(&payload).to_le_bytes());
+            out.extend(payload);
+            out
+        };
+        let mut grant = vec![KIND_GRANT];
+        put_name(&mut grant, "orders");
+        grant.extend(7u64.to_le_bytes());
+        grant.extend(5000u64.to_le_bytes());
+        put_holder(&mut grant, "w");
+        grant.extend([b'a'; 32]);
+        let mut release = vec![KIND_RELEASE];
+        put_name(&mut release, "orders");
+        release.extend(7u64.to_le_bytes());
+        let read = |payload| match read_frame(&frame(payload)) {
+            Frame::Record(r, _) => r,
+            Frame::Invalid(why) => panic!("{why}"),
+        };
+        let mut s = LeaseRecord::default();
+        let g = read(grant);
+        assert!(matches!(
+            g,
+            Record::Grant {
+                quiet: false,
+                wall_ms: 0,
+                ..
+            }
+        ));
+        g.apply(&mut s);
+        let r = read(release);
+        assert!(matches!(r, Record::Release { quiet: false, .. }));
+        r.apply(&mut s);
+        let t = s.term.unwrap();
+        assert!(t.released && !t.released_quiet && !t.granted_quiet);
+        assert_eq!(t.wall_deadline_ms, 0);
     }
 
     /// Seen failing before grants compared tokens: the grant of term 6,
@@ -580,6 +752,8 @@ mod tests {
             holder: format!("h{token}"),
             ttl_ms: 1000,
             lease_id: [b'a'; 32],
+            quiet: false,
+            wall_ms: 0,
         };
         let mut s = LeaseRecord::default();
         grant(7).apply(&mut s);

@@ -235,10 +235,11 @@ impl LeaseStore {
                 });
             }
             // Writes of earlier terms sent before a restart may still be at
-            // the backend: they left no trace but the time of the restart.
-            // (A lease's first term has no earlier term to wait for.)
+            // the backend: they left no trace but the time of the restart,
+            // and the grant or release that said none could be (see
+            // `Slot::unsettled_from`).
             let unsettled_until_ms = self.shared.unsettled_until_ms;
-            if slot.recovered && token > 1 && now_ms < unsettled_until_ms {
+            if slot.unsettled_from < token && now_ms < unsettled_until_ms {
                 return Admission::MustWait(MustWait {
                     older_token: token - 1,
                     deadline_ms: admit.deadline_ms,

@@ -123,13 +123,17 @@ pub enum RenewError {
     InvalidTtl { min_ttl_ms: u64, max_ttl_ms: u64 },
 }
 
+/// [`Slot::unsettled_from`] of a lease no write forwarded before the
+/// restart can be unfinished for.
+const SETTLED: u64 = u64::MAX;
+
 /// One lease's entry in the map.
-#[derive(Default)]
 struct Slot {
     state: LeaseState,
-    /// Recovered from the journal at start: writes forwarded before the
-    /// restart may still be on their way to the backend.
-    recovered: bool,
+    /// Writes forwarded before the restart with this token or a later one
+    /// may still be on their way to the backend ([`SETTLED`]: none may): a
+    /// write of a later term waits for the restart window.
+    unsettled_from: u64,
     /// Shared with the guards of the lease's writes in flight, so finishing a
     /// write touches only this cell, not the map. Made on the lease's first
     /// write or first waiting acquire: most held leases never need one.
@@ -138,6 +142,17 @@ struct Slot {
     /// inspect, a refused write), on the store's clock: retention counts
     /// from the later of this and the end of its last term.
     touched_ms: AtomicU64,
+}
+
+impl Default for Slot {
+    fn default() -> Self {
+        Self {
+            state: LeaseState::default(),
+            unsettled_from: SETTLED,
+            cell: OnceLock::new(),
+            touched_ms: AtomicU64::new(0),
+        }
+    }
 }
 
 impl Slot {
@@ -151,7 +166,9 @@ impl Slot {
     /// holding its cell (a waiting acquire or write, a write in flight)
     /// nor any write of it still settling.
     fn is_idle(&self, now_ms: u64, retention_ms: u64, unsettled_until_ms: u64) -> bool {
-        if self.state.is_held(now_ms) || (self.recovered && now_ms < unsettled_until_ms) {
+        if self.state.is_held(now_ms)
+            || (self.unsettled_from != SETTLED && now_ms < unsettled_until_ms)
+        {
             return false;
         }
         let ended_ms = self.state.term().map_or(0, |t| t.deadline_ms);
@@ -162,6 +179,18 @@ impl Slot {
         self.cell
             .get()
             .is_none_or(|cell| Arc::strong_count(cell) == 1 && cell.inflight().is_settled(now_ms))
+    }
+
+    /// Whether no write with a token below `token` may still be unfinished
+    /// at the storage at `now_ms`: none forwarded before the restart (or the
+    /// restart window is over) and none in flight or settling now.
+    fn quiet_below(&self, token: u64, now_ms: u64, unsettled_until_ms: u64) -> bool {
+        let restart_settled = self.unsettled_from >= token || now_ms >= unsettled_until_ms;
+        restart_settled
+            && self
+                .cell
+                .get()
+                .is_none_or(|cell| cell.inflight().older_than(token, now_ms).is_none())
     }
 
     /// The lease's cell, made now if it has none yet.
@@ -251,12 +280,12 @@ struct Shared {
 pub struct RestartRule {
     /// How long after the start a write forwarded before it may still reach
     /// the backend: the longest upstream deadline plus the settle time. Until
-    /// then, no write of a recovered lease's later terms is forwarded.
+    /// then, no write of a term that may follow such a write is forwarded.
     pub unsettled_ms: u64,
     /// Every lease's tokens, recovered or new, continue above this.
     pub token_floor: u64,
     /// The journal may have lost records: every lease, recovered or not,
-    /// counts as recovered (its earlier terms may have had writes in flight).
+    /// may have had writes in flight, whatever the records kept say.
     pub lost_records: bool,
     /// The recovered terms carry the SHA-256 digest of each lease id, not
     /// its text (the lease state cluster members share in etcd).
@@ -308,8 +337,10 @@ impl LeaseStore {
 
     /// A store holding the leases a journal recovered: tokens continue above
     /// every recovered token, unreleased terms are held for a full TTL from
-    /// now (see [`LeaseState::restored`]), and writes of those leases' later
-    /// terms wait until writes sent before the restart have settled.
+    /// now (see [`LeaseState::restored`]), and writes of a term that may
+    /// follow a write sent before the restart wait until it has settled
+    /// (unless the journal says none can be unfinished: a quiet grant or
+    /// release, see [`LeaseRecord`]'s term).
     pub fn restore(
         clock: Clock,
         limits: LeaseLimits,
@@ -341,6 +372,15 @@ impl LeaseStore {
                     lease.lease
                 ));
             }
+            // Which writes forwarded before the restart may be unfinished:
+            // none after a quiet release, only the term's own after a quiet
+            // grant, else any (every lease's, if records may be lost).
+            let unsettled_from = match &lease.term {
+                _ if rule.lost_records => 1,
+                Some(t) if t.released && t.released_quiet => SETTLED,
+                Some(t) if t.granted_quiet => t.token,
+                _ => 1,
+            };
             let term = match lease.term {
                 None => None,
                 Some(t) => Some(Term {
@@ -369,7 +409,7 @@ impl LeaseStore {
                 lease.lease.into(),
                 Box::new(Slot {
                     state,
-                    recovered: true,
+                    unsettled_from,
                     ..Slot::default()
                 }),
             );
@@ -541,12 +581,15 @@ impl LeaseStore {
             Some(holder.as_str()),
             name.as_str(),
         );
+        let quiet = slot.quiet_below(grant.token, now_ms, self.shared.unsettled_until_ms);
         let persisted = self.shared.journal.persist_grant(GrantRecord {
             lease: name.as_str().to_owned(),
             token: grant.token,
             holder: holder.as_str().to_owned(),
             ttl_ms,
             lease_id: lease_id.to_text(),
+            quiet,
+            wall_ms: self.shared.clock.wall_ms(),
         });
         Ok(Pending {
             grant,
@@ -594,7 +637,7 @@ impl LeaseStore {
         let forgotten_above = self.shared.forgotten_above.load(Ordering::Acquire);
         Slot {
             state: LeaseState::above(self.shared.token_floor.max(forgotten_above)),
-            recovered: self.shared.lost_records,
+            unsettled_from: if self.shared.lost_records { 1 } else { SETTLED },
             ..Slot::default()
         }
     }
@@ -714,9 +757,12 @@ impl LeaseStore {
         // full TTL), so plain renewals write nothing. Queued under the guard,
         // like every record of a lease, so records keep the order of events.
         if previous_ttl_ms != Some(grant.ttl_ms) {
-            self.shared
-                .journal
-                .record_renew(name, token, renewed.ttl_ms);
+            self.shared.journal.record_renew(
+                name,
+                token,
+                renewed.ttl_ms,
+                self.shared.clock.wall_ms(),
+            );
         }
         drop(slot);
         Ok(renewed)
@@ -744,7 +790,12 @@ impl LeaseStore {
         let before = live_deadline(&slot.state);
         slot.state.release(now_ms, token, lease_id, holder)?;
         self.shared.live_terms.track(before, None);
-        let persisted = self.shared.journal.persist_release(name, token);
+        let quiet = slot.quiet_below(
+            token.saturating_add(1),
+            now_ms,
+            self.shared.unsettled_until_ms,
+        );
+        let persisted = self.shared.journal.persist_release(name, token, quiet);
         slot.notify_waiters();
         Ok(persisted)
     }
@@ -1221,8 +1272,8 @@ mod tests {
             self.locked.lock().unwrap().push(locked);
             Box::pin(async { Ok(()) })
         }
-        fn record_renew(&self, _: &str, _: u64, _: u64) {}
-        fn persist_release(&self, _: &str, _: u64) -> crate::journal::JournalFuture {
+        fn record_renew(&self, _: &str, _: u64, _: u64, _: u64) {}
+        fn persist_release(&self, _: &str, _: u64, _: bool) -> crate::journal::JournalFuture {
             Box::pin(async { Ok(()) })
         }
         fn record_forget(&self, _: &str, _: u64) {}
