@@ -419,6 +419,95 @@ async fn the_restart_window_holds_only_what_may_be_unfinished() {
     p.kill9();
 }
 
+/// A term that ended before a restart stays ended (issue: after a crash
+/// every unreleased term was held again for a full TTL, so a holder whose
+/// term had expired renewed it and wrote; seen failing: `gone` was held
+/// again, its renewal accepted). The journal's wall-clock hint of each
+/// term's end, 20 s later on the wall clock: `gone` (TTL 1 s) has ended,
+/// `live` (TTL 60 s) is held for its full TTL, and `renewed` (TTL 10 s,
+/// last renewed at 6 s, recorded as its hint fell half a TTL behind) for
+/// what the hint allows at most: its end (16 s) plus half its TTL plus the
+/// tolerance (1 s), 2 s. In process, on manual clocks (the second starting
+/// 20 s later, as the restart's wall clock).
+#[tokio::test]
+async fn a_term_that_ended_before_a_restart_stays_ended() {
+    use fencegate::clock::Clock;
+    use fencegate::journal::{FileJournal, FileJournalOptions};
+    use fencegate::lease::{LeaseLimits, LeaseStore, RestartRule, TermState};
+    use fencegate::names::{Holder, LeaseName};
+
+    let dir = TempDir::new("hint");
+    let data = dir.path().join("data");
+    let open = |start_ms: u64| {
+        let (journal, recovered) = loop {
+            match FileJournal::open(&data, FileJournalOptions::default()) {
+                Ok(opened) => break opened,
+                // The last store's journal thread lets go of the directory.
+                Err(e) if e.0.contains("in use") => std::thread::sleep(Duration::from_millis(5)),
+                Err(e) => panic!("{e}"),
+            }
+        };
+        LeaseStore::restore(
+            Clock::manual(start_ms),
+            LeaseLimits::default(),
+            Arc::new(journal),
+            recovered.leases,
+            RestartRule::default(),
+        )
+        .unwrap()
+    };
+    let name = |n: &str| LeaseName::new(n).unwrap();
+    let holder = |h: &str| Holder::new(h).unwrap();
+
+    let leases = open(0);
+    let gone = leases
+        .acquire(&name("gone"), &holder("A"), 1000, 0)
+        .await
+        .unwrap();
+    leases
+        .acquire(&name("live"), &holder("B"), 60_000, 0)
+        .await
+        .unwrap();
+    let renewed = leases
+        .acquire(&name("renewed"), &holder("C"), 10_000, 0)
+        .await
+        .unwrap();
+    let id = renewed.lease_id.to_text();
+    for at in [4_000, 6_000] {
+        leases.clock().advance(at - leases.clock().now_ms());
+        leases
+            .renew("renewed", renewed.token, Some(&id), None, None)
+            .unwrap();
+    }
+    // A grant is synced, and with it the renewal's lazy record before it.
+    leases
+        .acquire(&name("sync"), &holder("D"), 60_000, 0)
+        .await
+        .unwrap();
+    drop(leases);
+
+    let leases = open(20_000);
+    let view = |n: &str| leases.inspect(n).unwrap();
+    assert_eq!(view("gone").state, TermState::Expired);
+    let gone_id = gone.lease_id.to_text();
+    assert!(leases
+        .renew("gone", gone.token, Some(&gone_id), None, None)
+        .is_err());
+    let next = leases
+        .acquire(&name("gone"), &holder("E"), 1000, 0)
+        .await
+        .unwrap();
+    assert_eq!(next.token, 2);
+    assert_eq!(
+        (view("live").state, view("live").expires_in_ms),
+        (TermState::Held, 60_000)
+    );
+    assert_eq!(
+        (view("renewed").state, view("renewed").expires_in_ms),
+        (TermState::Held, 2_000)
+    );
+}
+
 /// Nobody takes the lease namespace for good: names idle for
 /// `leases.retention_ms` are forgotten, new names fit again, and a
 /// forgotten name's next token is above every token it had, also after

@@ -19,12 +19,15 @@
 //! One writer thread owns the file. Callers send records over a bounded
 //! channel; the thread takes everything queued, appends it in one `write`,
 //! and, if any record in the batch is waiting for durability (grants and
-//! releases), calls `fdatasync` once and then rewrites the file's header
-//! with the length that is now durable (the header never claims bytes a
-//! power cut could still take; it reaches the disk with the next sync).
-//! Renewals that change a TTL and forgotten leases are appended lazily:
-//! they ride along with the next sync, and losing them is safe (the restart
-//! rule holds a live term for a full TTL; a lease not forgotten is kept).
+//! releases) or is a renewal, calls `fdatasync` once and then rewrites the
+//! file's header with the length that is now durable (the header never
+//! claims bytes a power cut could still take; it reaches the disk with the
+//! next sync). Renewals (one when a TTL changes or a term's wall-clock hint
+//! falls half a TTL behind) and forgotten leases are lazy: nobody waits for
+//! them. A renewal is synced with its batch, since a start ends a recovered
+//! term whose hint says it had ended, and losing a hint could end a live
+//! one early (never unsafe: its token is then stale); a lost forget is safe
+//! (the lease is kept).
 //!
 //! When a write or sync fails (disk full, EIO, read-only), every waiting grant
 //! fails, the file is cut back to its last good length (retried before any
@@ -1287,9 +1290,15 @@ impl Writer {
                 }
             }
             // An unhealthy journal syncs every batch, so a probe proves the
-            // disk takes durable writes again.
-            let sync =
-                !self.healthy.load(Ordering::Acquire) || batch.iter().any(|c| c.ack.is_some());
+            // disk takes durable writes again. A renewal's wall-clock hint is
+            // synced with its batch too (nobody waits for it): a start may
+            // end a term whose hint it lost, so hints must not wait for the
+            // next grant to reach the disk.
+            let sync = !self.healthy.load(Ordering::Acquire)
+                || batch.iter().any(|c| {
+                    c.ack.is_some()
+                        || matches!(c.record, Record::Renew { wall_ms, .. } if wall_ms != 0)
+                });
             match self.append(&buf, sync, max_token) {
                 Ok(()) => {
                     if !self.healthy.swap(true, Ordering::AcqRel) {

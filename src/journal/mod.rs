@@ -4,8 +4,9 @@
 //! calls [`Journal::persist_grant`] after the state machine grants a term and
 //! before answering; if the journal fails, the grant is abandoned and the
 //! client gets 503 `lease-store-unavailable` (fail closed). A release is
-//! durable before it is answered too; renewals that change the TTL and
-//! forgotten leases are recorded lazily.
+//! durable before it is answered too; renewals (when the TTL changes or
+//! the term's wall-clock hint falls behind) and forgotten leases are
+//! recorded lazily.
 //!
 //! This module knows records and bytes, not lease rules: [`file`](mod@file) is the
 //! durable journal in the data directory, [`record`] its on-disk format, and

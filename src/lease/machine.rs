@@ -160,13 +160,21 @@ impl TermState {
 
 impl LeaseState {
     /// The state of a lease after a restart. A term that was not released is
-    /// held for a full TTL from `now_ms`: it may have been live when the
-    /// process stopped, and nothing can tell for how much longer, so no new
-    /// holder may start until the old one could have finished.
-    pub fn restored(now_ms: u64, last_token: u64, transitions: u64, term: Option<Term>) -> Self {
+    /// held for a full TTL from `now_ms`, or for `held_ms` if that is less:
+    /// it may have been live when the process stopped, and only a hint
+    /// (`held_ms`: how long it can at most have had left) tells for how
+    /// much longer, so no new holder may start until the old one could
+    /// have finished. With `held_ms` 0 the term has ended.
+    pub fn restored(
+        now_ms: u64,
+        last_token: u64,
+        transitions: u64,
+        term: Option<Term>,
+        held_ms: u64,
+    ) -> Self {
         let term = term.map(|mut t| {
             if !t.released {
-                t.deadline_ms = now_ms.saturating_add(t.ttl_ms);
+                t.deadline_ms = now_ms.saturating_add(t.ttl_ms.min(held_ms));
             }
             t
         });
@@ -468,21 +476,34 @@ mod tests {
             deadline_ms: 0,
             released: false,
         };
-        let mut l = LeaseState::restored(10, 4, 4, Some(term.clone()));
+        let mut l = LeaseState::restored(10, 4, 4, Some(term.clone()), u64::MAX);
         assert!(l.check(509, 4, Some(&key(1)), None).is_ok());
         assert!(l.acquire(509, "B", 100, id(2)).is_err());
         assert_eq!(l.acquire(510, "B", 100, id(2)).unwrap().token, 5);
 
         let released = Term {
             released: true,
-            ..term
+            ..term.clone()
         };
-        let mut l = LeaseState::restored(10, 9, 4, Some(released));
+        let mut l = LeaseState::restored(10, 9, 4, Some(released), u64::MAX);
         assert_eq!(
             l.check(10, 4, Some(&key(1)), None),
             Err(Reject::Released { current: 4 })
         );
         assert_eq!(l.acquire(10, "B", 100, id(2)).unwrap().token, 10);
+
+        // A hint shortens the hold, never lengthens it; 0 ends the term.
+        let mut l = LeaseState::restored(10, 4, 4, Some(term.clone()), 200);
+        assert!(l.check(209, 4, Some(&key(1)), None).is_ok());
+        assert_eq!(l.acquire(210, "B", 100, id(2)).unwrap().token, 5);
+        let mut l = LeaseState::restored(10, 4, 4, Some(term.clone()), 0);
+        assert_eq!(
+            l.check(10, 4, Some(&key(1)), None),
+            Err(Reject::Expired { current: 4 })
+        );
+        assert_eq!(l.acquire(10, "B", 100, id(2)).unwrap().token, 5);
+        let l = LeaseState::restored(10, 4, 4, Some(term), 10_000);
+        assert_eq!(l.term().unwrap().deadline_ms, 510);
     }
 
     #[test]

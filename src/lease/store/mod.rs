@@ -64,6 +64,12 @@ pub struct LeaseLimits {
     /// name then; still read (with a warning at start), never written.
     #[serde(skip_serializing)]
     pub acquire_rate_per_holder: Option<u32>,
+    /// How far the wall clock may be off between a term's last record and
+    /// a restart (or a takeover, on another member's clock): a recovered
+    /// term whose recorded wall-clock end lies further back than this ends
+    /// at the start instead of being held for a full TTL (ending a term
+    /// early is safe; the hint never extends one).
+    pub wall_clock_tolerance_ms: u64,
 }
 
 impl Default for LeaseLimits {
@@ -76,6 +82,7 @@ impl Default for LeaseLimits {
             retention_ms: 3_600_000,
             acquire_rate_per_client: 1000,
             acquire_rate_per_holder: None,
+            wall_clock_tolerance_ms: 1000,
         }
     }
 }
@@ -127,6 +134,29 @@ pub enum RenewError {
 /// restart can be unfinished for.
 const SETTLED: u64 = u64::MAX;
 
+/// Whether a renewal at `wall_ms` (the wall clock) for `ttl_ms` must tell
+/// the journal, whose last hint of the term's end was `recorded_ms`: once
+/// the term's end would be more than half a TTL past it. So the true end
+/// is never more than half a TTL past the hint (a lost lazy record aside),
+/// at most two records a TTL for a term renewed however often.
+fn wall_hint_due(recorded_ms: u64, wall_ms: u64, ttl_ms: u64) -> bool {
+    wall_ms.saturating_add(ttl_ms) > recorded_ms.saturating_add(ttl_ms / 2)
+}
+
+/// How long, at most, a recovered term whose journal hint of its end on
+/// the wall clock is `wall_deadline_ms` can still have left at `wall_ms`,
+/// allowing `tolerance_ms` of clock error (`u64::MAX`: no hint). See
+/// [`wall_hint_due`] for the half TTL.
+fn wall_hint_left_ms(wall_deadline_ms: u64, ttl_ms: u64, wall_ms: u64, tolerance_ms: u64) -> u64 {
+    if wall_deadline_ms == 0 || wall_ms == 0 {
+        return u64::MAX;
+    }
+    wall_deadline_ms
+        .saturating_add(ttl_ms / 2)
+        .saturating_add(tolerance_ms)
+        .saturating_sub(wall_ms)
+}
+
 /// One lease's entry in the map.
 struct Slot {
     state: LeaseState,
@@ -134,6 +164,9 @@ struct Slot {
     /// may still be on their way to the backend ([`SETTLED`]: none may): a
     /// write of a later term waits for the restart window.
     unsettled_from: u64,
+    /// The current term's end on the wall clock as the journal last heard
+    /// it (Unix ms; 0: unknown): see [`wall_hint_due`].
+    wall_deadline_ms: u64,
     /// Shared with the guards of the lease's writes in flight, so finishing a
     /// write touches only this cell, not the map. Made on the lease's first
     /// write or first waiting acquire: most held leases never need one.
@@ -149,6 +182,7 @@ impl Default for Slot {
         Self {
             state: LeaseState::default(),
             unsettled_from: SETTLED,
+            wall_deadline_ms: 0,
             cell: OnceLock::new(),
             touched_ms: AtomicU64::new(0),
         }
@@ -350,6 +384,8 @@ impl LeaseStore {
     ) -> Result<Self, String> {
         let mut store = Self::new(clock, limits, journal);
         let now_ms = store.shared.clock.now_ms();
+        let wall_ms = store.shared.clock.wall_ms();
+        let mut ended_by_hint = 0u64;
         let shared = Arc::get_mut(&mut store.shared).expect("a new store is not shared yet");
         shared.unsettled_until_ms = now_ms.saturating_add(rule.unsettled_ms);
         shared.token_floor = rule.token_floor;
@@ -381,6 +417,18 @@ impl LeaseStore {
                 Some(t) if t.granted_quiet => t.token,
                 _ => 1,
             };
+            let (held_ms, wall_deadline_ms) = match &lease.term {
+                Some(t) if !t.released => (
+                    wall_hint_left_ms(
+                        t.wall_deadline_ms,
+                        t.ttl_ms,
+                        wall_ms,
+                        limits.wall_clock_tolerance_ms,
+                    ),
+                    t.wall_deadline_ms,
+                ),
+                _ => (u64::MAX, 0),
+            };
             let term = match lease.term {
                 None => None,
                 Some(t) => Some(Term {
@@ -402,7 +450,10 @@ impl LeaseStore {
                 }),
             };
             let last_token = lease.last_token.max(rule.token_floor);
-            let state = LeaseState::restored(now_ms, last_token, lease.transitions, term);
+            let state = LeaseState::restored(now_ms, last_token, lease.transitions, term, held_ms);
+            if held_ms == 0 {
+                ended_by_hint += 1;
+            }
             store.shared.live_terms.track(None, live_deadline(&state));
             lock(&store.shared.names).insert(lease.lease.as_str().into());
             store.shared.leases.insert(
@@ -410,8 +461,15 @@ impl LeaseStore {
                 Box::new(Slot {
                     state,
                     unsettled_from,
+                    wall_deadline_ms,
                     ..Slot::default()
                 }),
+            );
+        }
+        if ended_by_hint > 0 {
+            tracing::info!(
+                terms = ended_by_hint,
+                "recovered terms ended by their wall-clock hint: they had ended before the restart"
             );
         }
         Ok(store)
@@ -582,6 +640,8 @@ impl LeaseStore {
             name.as_str(),
         );
         let quiet = slot.quiet_below(grant.token, now_ms, self.shared.unsettled_until_ms);
+        let wall_ms = self.shared.clock.wall_ms();
+        slot.wall_deadline_ms = wall_ms.saturating_add(ttl_ms);
         let persisted = self.shared.journal.persist_grant(GrantRecord {
             lease: name.as_str().to_owned(),
             token: grant.token,
@@ -589,7 +649,7 @@ impl LeaseStore {
             ttl_ms,
             lease_id: lease_id.to_text(),
             quiet,
-            wall_ms: self.shared.clock.wall_ms(),
+            wall_ms,
         });
         Ok(Pending {
             grant,
@@ -753,16 +813,19 @@ impl LeaseStore {
             ttl_ms: grant.ttl_ms,
             expires_in_ms: grant.deadline_ms - now_ms,
         };
-        // Only a new TTL matters after a restart (the term is then held for a
-        // full TTL), so plain renewals write nothing. Queued under the guard,
-        // like every record of a lease, so records keep the order of events.
-        if previous_ttl_ms != Some(grant.ttl_ms) {
-            self.shared.journal.record_renew(
-                name,
-                token,
-                renewed.ttl_ms,
-                self.shared.clock.wall_ms(),
-            );
+        // After a restart the term is held for a full TTL, or less if the
+        // wall-clock hint says it had ended: a new TTL is recorded, and a
+        // plain renewal only when the hint falls half a TTL behind. Queued
+        // under the guard, like every record of a lease, so records keep
+        // the order of events.
+        let wall_ms = self.shared.clock.wall_ms();
+        if previous_ttl_ms != Some(grant.ttl_ms)
+            || wall_hint_due(slot.wall_deadline_ms, wall_ms, grant.ttl_ms)
+        {
+            slot.wall_deadline_ms = wall_ms.saturating_add(grant.ttl_ms);
+            self.shared
+                .journal
+                .record_renew(name, token, renewed.ttl_ms, wall_ms);
         }
         drop(slot);
         Ok(renewed)
