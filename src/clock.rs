@@ -184,6 +184,15 @@ impl Clock {
         }
     }
 
+    /// How long the machine was suspended since the clock started, as far
+    /// as the clock has counted it (0 for a manual clock).
+    pub fn suspended_ms(&self) -> u64 {
+        match &*self.inner {
+            Inner::System { suspend, .. } => suspend.ms(),
+            Inner::Manual { .. } => 0,
+        }
+    }
+
     /// The wall clock, in ms since the Unix epoch (0 if it reads before the
     /// epoch): a hint for the journal, never a deadline. A manual clock's
     /// wall clock is its own time above [`MANUAL_WALL_EPOCH_MS`].

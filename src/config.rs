@@ -88,6 +88,9 @@ pub struct ClusterConfig {
     pub password: String,
     /// Self-fencing; off only to show what it prevents (tests).
     pub self_fencing: bool,
+    /// How far behind etcd's the member's clock may fall (beyond etcd's
+    /// whole seconds) before it steps down and stops campaigning.
+    pub clock_tolerance_ms: u64,
 }
 
 impl Default for ClusterConfig {
@@ -103,6 +106,7 @@ impl Default for ClusterConfig {
             user: String::new(),
             password: String::new(),
             self_fencing: true,
+            clock_tolerance_ms: 500,
         }
     }
 }

@@ -309,6 +309,19 @@ impl EtcdClient {
         }
     }
 
+    /// How many whole seconds etcd lease `id` has left by etcd's clock
+    /// (rounded down), or `None` if the lease is gone.
+    pub async fn time_to_live(&self, id: i64) -> Result<Option<i64>, EtcdError> {
+        let answer = self
+            .call("/v3/lease/timetolive", json!({ "ID": id.to_string() }))
+            .await?;
+        // The gateway leaves out a zero TTL; a lease that is gone has -1.
+        match int(&answer["TTL"]) {
+            ttl if ttl >= 0 => Ok(Some(ttl)),
+            _ => Ok(None),
+        }
+    }
+
     /// Ends etcd lease `id` and deletes the keys attached to it.
     pub async fn revoke(&self, id: i64) -> Result<(), EtcdError> {
         match self

@@ -97,6 +97,12 @@ impl Collector for StoreCollector {
             "fencegate_barrier_timeouts",
             "Writes refused because an earlier term's writes did not finish in time.",
             ConstCounter::new(h.barrier_timeouts.load(Relaxed)),
+        )?;
+        encode_const(
+            &mut encoder,
+            "fencegate_clock_suspended_seconds",
+            "Time the machine spent suspended since fencegate started, which the proxy's clock counts (CLOCK_BOOTTIME past CLOCK_MONOTONIC).",
+            ConstCounter::new(self.leases.clock().suspended_ms() as f64 / 1000.0),
         )
     }
 }

@@ -302,6 +302,7 @@ fn join(
         margin_ms: c.margin_ms,
         unsettled_ms: config.restart_rule().unsettled_ms,
         self_fencing: c.self_fencing,
+        clock_tolerance_ms: c.clock_tolerance_ms,
     };
     tracing::info!(name = %options.name, advertise = %options.advertise, etcd = ?c.etcd, "joining the cluster");
     let config = config.clone();

@@ -286,6 +286,13 @@ async fn health_metrics_and_request_ids() {
         .unwrap()
         .starts_with("text/plain"));
     assert!(r.text().contains("fencegate_leases_held 1"), "{}", r.text());
+    // The manual clock counts no suspend.
+    assert!(
+        r.text()
+            .contains("fencegate_clock_suspended_seconds_total 0.0"),
+        "{}",
+        r.text()
+    );
 }
 
 #[tokio::test]

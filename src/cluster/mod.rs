@@ -12,8 +12,11 @@
 //! its etcd lease alive; each confirmed keepalive moves its [`Primacy`]
 //! deadline to the keepalive's send time plus the TTL etcd granted, minus a
 //! margin, on the proxy's clock, so the deadline passes before etcd can let
-//! the election key go. Past the deadline, or when etcd says the lease is
-//! gone, or when a write of lease state fails, the member steps down: its
+//! the election key go. That deadline is only as good as the member's clock,
+//! so each member also checks its clock against etcd's ([`ClockProbe`]):
+//! it campaigns only once the two agreed over half a TTL. Past the
+//! deadline, or when etcd says the lease is gone, or when a write of lease
+//! state fails, or when its clock is found slow, the member steps down: its
 //! primacy is revoked (nothing more reaches the backend), its app is
 //! dropped, and a new session starts from what etcd holds. Losers poll the
 //! election key and campaign again when it is gone.
@@ -65,6 +68,10 @@ pub struct ClusterOptions {
     /// Test-only: off, a primary whose deadline passed goes on admitting
     /// until etcd tells it the lease is gone.
     pub self_fencing: bool,
+    /// How far behind etcd's this member's clock may fall (beyond etcd's
+    /// whole seconds) before it steps down and stops campaigning (see
+    /// [`ClockProbe`]).
+    pub clock_tolerance_ms: u64,
 }
 
 /// What a member gets when it wins: the lease state to serve from.
@@ -289,7 +296,166 @@ struct Session {
     ttl_s: i64,
 }
 
+/// A second etcd lease, never renewed, against whose countdown the member
+/// checks its own clock: self-fencing trusts that clock, and etcd's is the
+/// one that expires the election key (a primary whose clock runs slow
+/// would go on admitting after another member won).
+#[derive(Clone, Copy, Debug)]
+struct ClockProbe {
+    id: i64,
+    /// The TTL etcd granted, in seconds.
+    ttl_s: i64,
+    /// When its grant was sent and answered (proxy clock).
+    sent_ms: u64,
+    answered_ms: u64,
+}
+
+/// What one look at a [`ClockProbe`] says of this member's clock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ClockVerdict {
+    /// Within the tolerance, over a span of at least `span_ms`.
+    Agrees { span_ms: u64 },
+    /// etcd counted at least `behind_ms` more than this clock did.
+    Slow { behind_ms: u64 },
+    /// This clock counted at least `ahead_ms` more than etcd did (safe: the
+    /// member only stops early; said, not acted on).
+    Fast { ahead_ms: u64 },
+}
+
+impl ClockProbe {
+    /// Judges the clock from etcd's answer that the probe has `left_s`
+    /// whole seconds left, asked at `asked_ms` and answered at
+    /// `answered_ms`. etcd counted between its grant and its answer
+    /// somewhere in `(ttl - left - 1 s, ttl - left]`; a right clock counted
+    /// between `asked - grant answered` and `answered - grant sent`. Only a
+    /// gap beyond both bounds and `tolerance_ms` is a verdict, so slow
+    /// networks never make one.
+    fn judge(
+        &self,
+        left_s: i64,
+        asked_ms: u64,
+        answered_ms: u64,
+        tolerance_ms: u64,
+    ) -> ClockVerdict {
+        let counted_s = u64::try_from(self.ttl_s.saturating_sub(left_s)).unwrap_or(0);
+        let etcd_max_ms = counted_s.saturating_mul(1000);
+        let etcd_min_ms = etcd_max_ms.saturating_sub(1000);
+        let local_min_ms = asked_ms.saturating_sub(self.answered_ms);
+        let local_max_ms = answered_ms.saturating_sub(self.sent_ms);
+        if etcd_min_ms > local_max_ms.saturating_add(tolerance_ms) {
+            ClockVerdict::Slow {
+                behind_ms: etcd_min_ms - local_max_ms,
+            }
+        } else if local_min_ms > etcd_max_ms.saturating_add(tolerance_ms) {
+            ClockVerdict::Fast {
+                ahead_ms: local_min_ms - etcd_max_ms,
+            }
+        } else {
+            ClockVerdict::Agrees {
+                span_ms: local_min_ms,
+            }
+        }
+    }
+}
+
+/// The state of this member's clock check, kept across its sessions.
+#[derive(Debug, Default)]
+struct ClockCheck {
+    probe: Option<ClockProbe>,
+    /// The clock agreed with etcd's over at least half a TTL (a whole
+    /// probe's half TTL once it was ever found slow) and has not been found
+    /// slow since: the member may campaign.
+    trusted: bool,
+    /// Why the clock is not trusted, while it is found slow.
+    slow: Option<String>,
+    /// Found slow at least once: trusted again only over a longer span, so
+    /// a clock a little slow does not win, step down and win again.
+    ever_slow: bool,
+    /// A fast clock was said once.
+    said_fast: bool,
+}
+
 impl<S: Send + Sync + 'static> Elector<S> {
+    /// The probe's TTL: long, so its span (and the check's precision) grows
+    /// well past etcd's whole seconds; at least six TTLs.
+    fn probe_ttl_s(&self) -> i64 {
+        i64::try_from((self.options.ttl_ms / 1000).saturating_mul(6).max(60)).unwrap_or(60)
+    }
+
+    /// Checks this member's clock against etcd's once (see [`ClockCheck`]).
+    /// An etcd that does not answer says nothing here (keepalives fail
+    /// closed on their own). A probe past half its TTL is replaced by a new
+    /// one, which starts a new span.
+    async fn check_clock(&self, check: &mut ClockCheck) {
+        let Some(probe) = check.probe else {
+            let sent_ms = self.clock.now_ms();
+            if let Ok((id, ttl_s)) = self.client.grant(self.probe_ttl_s()).await {
+                check.probe = Some(ClockProbe {
+                    id,
+                    ttl_s,
+                    sent_ms,
+                    answered_ms: self.clock.now_ms(),
+                });
+            }
+            return;
+        };
+        let asked_ms = self.clock.now_ms();
+        let left_s = match self.client.time_to_live(probe.id).await {
+            Ok(Some(left_s)) => left_s,
+            // Gone before its time: a new probe next time.
+            Ok(None) => {
+                check.probe = None;
+                return;
+            }
+            Err(_) => return,
+        };
+        let answered_ms = self.clock.now_ms();
+        let tolerance_ms = self.options.clock_tolerance_ms;
+        match probe.judge(left_s, asked_ms, answered_ms, tolerance_ms) {
+            ClockVerdict::Slow { behind_ms } => {
+                let why = format!(
+                    "this member's clock runs slow against etcd's: {behind_ms} ms behind over {} ms \
+                     (tolerance {tolerance_ms} ms)",
+                    answered_ms.saturating_sub(probe.sent_ms),
+                );
+                if check.slow.is_none() {
+                    tracing::error!(name = %self.options.name, reason = %why, "clock check failed: not primary until this member's clock agrees with etcd's again");
+                }
+                check.slow = Some(why);
+                check.trusted = false;
+                check.ever_slow = true;
+            }
+            ClockVerdict::Fast { ahead_ms } => {
+                if !check.said_fast {
+                    tracing::warn!(name = %self.options.name, ahead_ms, "this member's clock runs fast against etcd's (safe: it stops early)");
+                    check.said_fast = true;
+                }
+            }
+            ClockVerdict::Agrees { span_ms } => {
+                // Once ever slow: about the probe's whole span (it is
+                // replaced at half its TTL, give or take etcd's seconds).
+                let needed_ms = if check.ever_slow {
+                    u64::try_from(probe.ttl_s)
+                        .unwrap_or(0)
+                        .saturating_mul(500)
+                        .saturating_sub(2000)
+                } else {
+                    self.options.ttl_ms / 2
+                };
+                if span_ms >= needed_ms && !check.trusted {
+                    if check.slow.take().is_some() {
+                        tracing::warn!(name = %self.options.name, "this member's clock agrees with etcd's again");
+                    }
+                    check.trusted = true;
+                }
+            }
+        }
+        if left_s < probe.ttl_s / 2 {
+            let _ = self.client.revoke(probe.id).await;
+            check.probe = None;
+        }
+    }
+
     fn key(&self, rest: &str) -> Vec<u8> {
         format!("{}{rest}", self.options.prefix).into_bytes()
     }
@@ -315,8 +481,9 @@ impl<S: Send + Sync + 'static> Elector<S> {
     }
 
     async fn run(self) {
+        let mut check = ClockCheck::default();
         while !self.member.is_stopping() {
-            if let Err(error) = self.session().await {
+            if let Err(error) = self.session(&mut check).await {
                 tracing::warn!(%error, "cluster session ended; starting a new one");
             }
             tokio::select! {
@@ -329,7 +496,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
 
     /// One etcd session: register, campaign until won or the session is
     /// lost, serve while primary.
-    async fn session(&self) -> Result<(), String> {
+    async fn session(&self, check: &mut ClockCheck) -> Result<(), String> {
         let ttl_s = i64::try_from(self.options.ttl_ms.div_ceil(1000)).unwrap_or(i64::MAX);
         let sent_ms = self.clock.now_ms();
         let (id, ttl_s) = self.client.grant(ttl_s).await.map_err(|e| e.to_string())?;
@@ -349,6 +516,28 @@ impl<S: Send + Sync + 'static> Elector<S> {
                     return Ok(());
                 }
                 let primary_key = self.key("primary");
+                if !check.trusted {
+                    // Not before this member's clock agreed with etcd's.
+                    if check.probe.is_none() {
+                        self.check_clock(check).await;
+                    }
+                    tokio::select! {
+                        () = tokio::time::sleep(self.poll()) => {}
+                        () = self.member.stopped() => {}
+                    }
+                    if self.clock.now_ms().saturating_sub(session.sent_ms)
+                        >= self.beat().as_millis() as u64
+                    {
+                        self.check_clock(check).await;
+                        session = self
+                            .keep_alive(session)
+                            .await
+                            .map_err(|e| e.to_string())?
+                            .ok_or("this member's etcd lease expired")?;
+                        self.refresh_members().await;
+                    }
+                    continue;
+                }
                 let campaign = self
                     .client
                     .txn(
@@ -377,7 +566,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
                         key: primary_key,
                         revision,
                     };
-                    return self.lead(session, election).await;
+                    return self.lead(session, election, check).await;
                 }
                 let primary = holder.and_then(|kv| serde_json::from_slice::<Peer>(&kv.value).ok());
                 self.member.view_mut().primary = primary;
@@ -388,6 +577,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
                 if self.clock.now_ms().saturating_sub(session.sent_ms)
                     >= self.beat().as_millis() as u64
                 {
+                    self.check_clock(check).await;
                     session = self
                         .keep_alive(session)
                         .await
@@ -426,14 +616,16 @@ impl<S: Send + Sync + 'static> Elector<S> {
     }
 
     /// Renews this member's etcd lease once and, if the election key is
-    /// still this election's, moves the primacy deadline on; why to step
-    /// down otherwise. Bounded by the etcd client's timeout per endpoint;
-    /// the deadline passes by itself meanwhile.
+    /// still this election's, moves the primacy deadline on, then checks
+    /// the clock; why to step down otherwise (the clock found slow among
+    /// them). Bounded by the etcd client's timeout per endpoint; the
+    /// deadline passes by itself meanwhile.
     async fn confirm(
         &self,
         session: &mut Session,
         election: &Election,
         primacy: &Primacy,
+        check: &mut ClockCheck,
     ) -> Result<(), String> {
         match self.keep_alive(*session).await {
             Ok(None) => return Err("this member's etcd lease expired".to_owned()),
@@ -454,11 +646,21 @@ impl<S: Send + Sync + 'static> Elector<S> {
         if self.options.self_fencing && !primacy.is_live() {
             return Err("primacy could not be confirmed in time".to_owned());
         }
+        // After the keepalive, so a slow answer here never delays it.
+        self.check_clock(check).await;
+        if let Some(why) = &check.slow {
+            return Err(why.clone());
+        }
         Ok(())
     }
 
     /// Serves as primary until primacy is lost.
-    async fn lead(&self, mut session: Session, election: Election) -> Result<(), String> {
+    async fn lead(
+        &self,
+        mut session: Session,
+        election: Election,
+        check: &mut ClockCheck,
+    ) -> Result<(), String> {
         let until_ms = self.deadline(session.sent_ms, session.ttl_s);
         let primacy = Arc::new(Primacy::new(
             self.clock.clone(),
@@ -473,7 +675,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
             tokio::select! {
                 loaded = &mut load => break loaded?,
                 () = tokio::time::sleep(self.beat()) => {
-                    self.confirm(&mut session, &election, &primacy).await?;
+                    self.confirm(&mut session, &election, &primacy, check).await?;
                 }
             }
         };
@@ -512,7 +714,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
                 () = failure.wait() => break "a write of lease state failed".to_owned(),
                 () = self.member.stopped() => break "the process is stopping".to_owned(),
             }
-            if let Err(why) = self.confirm(&mut session, &election, &primacy).await {
+            if let Err(why) = self.confirm(&mut session, &election, &primacy, check).await {
                 break why;
             }
             self.refresh_members().await;
@@ -534,5 +736,69 @@ impl<S> std::fmt::Debug for Member<S> {
         f.debug_struct("Member")
             .field("me", &self.shared.me)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A probe of 60 s granted between 0 and 10 ms on this member's clock.
+    const PROBE: ClockProbe = ClockProbe {
+        id: 1,
+        ttl_s: 60,
+        sent_ms: 0,
+        answered_ms: 10,
+    };
+
+    #[test]
+    fn a_clock_that_keeps_etcds_time_agrees() {
+        // 10 s later by both clocks: etcd has 50 s left (rounded down).
+        assert_eq!(
+            PROBE.judge(50, 10_000, 10_010, 500),
+            ClockVerdict::Agrees { span_ms: 9_990 }
+        );
+        // Slow answers widen the bounds, never make a verdict.
+        assert!(matches!(
+            PROBE.judge(45, 10_000, 15_000, 500),
+            ClockVerdict::Agrees { .. }
+        ));
+        // etcd's whole seconds: 49 s left (10 to 11 s counted) after 10 s
+        // here is within them; 48 s left is a second behind.
+        assert!(matches!(
+            PROBE.judge(49, 10_000, 10_010, 500),
+            ClockVerdict::Agrees { .. }
+        ));
+        assert_eq!(
+            PROBE.judge(48, 10_000, 10_010, 500),
+            ClockVerdict::Slow { behind_ms: 990 }
+        );
+    }
+
+    /// The trial's clock at 0.4 of etcd's rate: 2.5 s of etcd's time
+    /// while 1 s passed here is seen; 10 s of etcd's against 4 s here is
+    /// 5 s behind at least.
+    #[test]
+    fn a_slow_clock_is_caught() {
+        assert_eq!(
+            PROBE.judge(50, 4_000, 4_010, 500),
+            ClockVerdict::Slow { behind_ms: 4_990 }
+        );
+        assert_eq!(
+            PROBE.judge(57, 1_000, 1_010, 500),
+            ClockVerdict::Slow { behind_ms: 990 }
+        );
+        assert!(matches!(
+            PROBE.judge(57, 1_000, 1_010, 1_000),
+            ClockVerdict::Agrees { .. }
+        ));
+    }
+
+    #[test]
+    fn a_fast_clock_is_told_apart() {
+        assert_eq!(
+            PROBE.judge(50, 20_000, 20_010, 500),
+            ClockVerdict::Fast { ahead_ms: 9_990 }
+        );
     }
 }

@@ -12,8 +12,9 @@ use std::process::Command;
 use std::sync::Mutex;
 
 /// Every program the suite runs, with the Debian package that has it (a
-/// `.jar` is a Java library the tests load, found in `/usr/share/java`).
-pub const PROGRAMS: [(&str, &str); 10] = [
+/// `.jar` is a Java library the tests load, found in `/usr/share/java`; a
+/// `.so.1` a library the tests preload, found in `/usr/lib/*/faketime`).
+pub const PROGRAMS: [(&str, &str); 11] = [
     ("curl", "curl"),
     ("openssl", "openssl"),
     ("kill", "procps"),
@@ -24,6 +25,7 @@ pub const PROGRAMS: [(&str, &str); 10] = [
     ("java", "default-jre-headless"),
     ("javac", "default-jdk-headless"),
     ("tomcat10-catalina.jar", "libtomcat10-java"),
+    ("libfaketimeMT.so.1", "faketime"),
 ];
 
 /// Where `name` is installed, if it is: on PATH or in the sbin directories
@@ -31,6 +33,14 @@ pub const PROGRAMS: [(&str, &str); 10] = [
 fn find(name: &str) -> Option<PathBuf> {
     if name.ends_with(".jar") {
         return Some(PathBuf::from("/usr/share/java").join(name)).filter(|p| p.is_file());
+    }
+    if name.ends_with(".so.1") {
+        // Debian's multiarch directory, whatever the machine's triple.
+        return std::fs::read_dir("/usr/lib")
+            .ok()?
+            .flatten()
+            .map(|dir| dir.path().join("faketime").join(name))
+            .find(|p| p.is_file());
     }
     let path = std::env::var("PATH").unwrap_or_default();
     std::env::split_paths(&path)
