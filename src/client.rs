@@ -147,6 +147,23 @@ impl Servers {
         self.list.is_empty()
     }
 
+    /// Every member, the one calls go to now first, then the others in
+    /// the order listed, comma-separated: what a client passes on, so the
+    /// next one follows the primary too.
+    pub fn all(&self) -> String {
+        let current = self.current();
+        std::iter::once(current.as_str())
+            .filter(|c| !c.is_empty())
+            .chain(
+                self.list
+                    .iter()
+                    .map(String::as_str)
+                    .filter(|b| *b != current),
+            )
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
     /// The member calls go to now.
     pub fn current(&self) -> String {
         self.current
@@ -347,6 +364,12 @@ impl LeaseClient {
     /// the one that answered last).
     pub fn server(&self) -> String {
         self.servers.current()
+    }
+
+    /// Every member this client knows, the one that answered last first,
+    /// comma-separated (see [`Servers::all`]).
+    pub fn servers(&self) -> String {
+        self.servers.all()
     }
 
     /// One call, moved to another member on an answer that proves it did

@@ -433,7 +433,7 @@ async fn the_client_commands_send_a_bearer_secret_and_never_show_it() {
     std::fs::write(&secret_file, "alice-secret\n").unwrap();
     let curl = support::tools::program("curl");
     let script = format!(
-        "{} -sf -o /dev/null -X PUT -d v \"$FENCEGATE_SERVER/kv/job2/k\" \
+        "{} -sf -o /dev/null -X PUT -d v \"$FENCEGATE_URL/kv/job2/k\" \
          -H \"Authorization: Bearer $(cat \"$FENCEGATE_TOKEN_FILE\")\" \
          -H \"Fencing-Token: $FENCING_TOKEN\" -H \"Fencing-Lease-Id: $FENCING_LEASE_ID\"",
         curl.display()
@@ -456,6 +456,56 @@ async fn the_client_commands_send_a_bearer_secret_and_never_show_it() {
     assert_eq!((r.status.as_u16(), r.text().as_str()), (200, "v"));
     // No log line holds the secret either.
     assert!(!p.log_text().contains("alice-secret"));
+}
+
+/// A client passes on every member it knows, so the next one follows the
+/// primary too (seen failing: `--export` and `run` passed on only the
+/// member that answered, and after it died `lease renew` failed for ever):
+/// with a member down listed first, the acquire moves on to the live one,
+/// and `--export` and `run` name both, the one that answered first;
+/// `run` gives its command that one alone as `FENCEGATE_URL`, for curl.
+#[tokio::test]
+async fn exports_and_run_pass_on_every_member() {
+    let dir = TempDir::new("members");
+    let p = serve_manual(&dir);
+    let down = format!("http://127.0.0.1:{}", support::servers::free_port());
+    let both = format!("{down},{}", p.url);
+    let out = fencegate(&both)
+        .args([
+            "lease", "acquire", "orders", "--holder", "a", "--ttl", "10s", "--export",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let exports = String::from_utf8(out.stdout).unwrap();
+    let listed = format!("export FENCEGATE_SERVER='{},{down}'", p.url);
+    assert!(exports.lines().any(|l| l == listed), "{exports}");
+
+    let seen = dir.path().join("seen");
+    let script = format!(
+        "echo \"$FENCEGATE_SERVER $FENCEGATE_URL\" > {}",
+        seen.display()
+    );
+    let out = fencegate(&both)
+        .args([
+            "run", "--lease", "job", "--holder", "a", "--ttl", "10s", "--", "sh", "-c", &script,
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read_to_string(&seen).unwrap().trim(),
+        format!("{},{down} {}", p.url, p.url)
+    );
 }
 
 /// `fencegate loadtest` against a target with authentication on: the writers

@@ -65,12 +65,15 @@ fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
 
-fn print_grant(g: &Grant, json: bool, export: bool, server: &str) {
+/// Prints a grant; with `export`, as shell assignments, `FENCEGATE_SERVER`
+/// being every member the client knows (`servers`), so a client started
+/// from them follows the primary too.
+fn print_grant(g: &Grant, json: bool, export: bool, servers: &str) {
     if export {
         println!("export FENCING_LEASE={}", shell_quote(&g.lease));
         println!("export FENCING_TOKEN={}", g.token);
         println!("export FENCING_LEASE_ID={}", shell_quote(&g.lease_id));
-        println!("export FENCEGATE_SERVER={}", shell_quote(server));
+        println!("export FENCEGATE_SERVER={}", shell_quote(servers));
     } else if json {
         println!("{}", serde_json::to_string(g).unwrap_or_default());
     } else {
@@ -100,7 +103,7 @@ pub async fn run(args: LeaseArgs) -> u8 {
         } => client
             .acquire(lease, holder, *ttl, *wait)
             .await
-            .map(|g| print_grant(&g, args.json, *export, &client.server())),
+            .map(|g| print_grant(&g, args.json, *export, &client.servers())),
         LeaseCommand::Renew {
             lease,
             token,
@@ -109,7 +112,7 @@ pub async fn run(args: LeaseArgs) -> u8 {
         } => client
             .renew(lease, *token, lease_id, *ttl)
             .await
-            .map(|g| print_grant(&g, args.json, false, &client.server())),
+            .map(|g| print_grant(&g, args.json, false, &client.servers())),
         LeaseCommand::Release {
             lease,
             token,

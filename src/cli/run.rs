@@ -2,7 +2,8 @@
 //! the lease can end.
 //!
 //! The command runs in its own process group with `FENCING_LEASE`,
-//! `FENCING_TOKEN`, `FENCING_LEASE_ID` and `FENCEGATE_SERVER` in its
+//! `FENCING_TOKEN`, `FENCING_LEASE_ID`, `FENCEGATE_SERVER` (every member)
+//! and `FENCEGATE_URL` (the member that granted the term) in its
 //! environment. The term is renewed every third of the TTL by a
 //! [`LeaseGuard`]; when the guard reports the lease lost (a refused renewal,
 //! or the local deadline, which is `--margin` before the proxy's, passing
@@ -63,7 +64,10 @@ fn command(args: &RunArgs, client: &LeaseClient, guard: &LeaseGuard) -> Command 
         .env("FENCING_LEASE", &args.lease)
         .env("FENCING_TOKEN", guard.token().to_string())
         .env("FENCING_LEASE_ID", guard.lease_id())
-        .env("FENCEGATE_SERVER", client.server())
+        // Every member, for the fencegate commands it may run; the one
+        // that granted the term alone, for a curl.
+        .env("FENCEGATE_SERVER", client.servers())
+        .env("FENCEGATE_URL", client.server())
         .process_group(0);
     // The command writes through fencegate as the same caller: it gets the
     // secret's file (never the secret on a command line).
