@@ -31,17 +31,20 @@ pub struct ServeArgs {
     /// TOML config file (see config/fencegate.toml).
     #[arg(long, env = "FENCEGATE_CONFIG")]
     pub config: Option<PathBuf>,
-    /// Listener address, e.g. 127.0.0.1:8080 (port 0 picks a free port).
+    /// Listener address (port 0 picks a free port) [default: the config's
+    /// `listen`, else 127.0.0.1:8080].
     #[arg(long)]
     pub listen: Option<String>,
     /// `embedded`, or the http:// or https:// base URL of the storage to
-    /// protect.
+    /// protect [default: the config's `upstream`, else embedded].
     #[arg(long)]
     pub upstream: Option<String>,
-    /// Directory of the lease store.
+    /// Directory of the lease store [default: the config's `data_dir`, else
+    /// ./data].
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
-    /// `system` (monotonic) or `manual` (moved by POST /_fence/clock).
+    /// `system` (monotonic) or `manual` (moved by POST /_fence/clock)
+    /// [default: the config's `clock`, else system].
     #[arg(long)]
     pub clock: Option<ClockKind>,
     /// Start even though the data directory's journal is missing or empty:

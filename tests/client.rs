@@ -111,6 +111,35 @@ async fn lease_commands_export_shell_assignments_and_exit_by_class() {
         Some(3),
         "held"
     );
+    // Usage errors are said before any request: a name the server would
+    // refuse (seen failing: "unexpected answer: invalid uri character" for
+    // a space, 404 for a slash), and no holder without authentication
+    // (seen failing: "400 the body needs a holder").
+    for (args, said) in [
+        (
+            &["orders x", "--holder", "b"][..],
+            "a lease name is 1-128 bytes",
+        ),
+        (&["a/b", "--holder", "b"][..], "a lease name is 1-128 bytes"),
+        (&["orders"][..], "--holder is required"),
+    ] {
+        let out = fencegate(&p.url)
+            .args(["lease", "acquire", "--ttl", "1s"])
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(said), "{args:?}: {stderr}");
+    }
+    // The refusal is in the audit log, with its reason (seen failing: a
+    // 409 lease-held was not logged).
+    let log = p.log_text();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("acquire refused") && l.contains("lease-held")),
+        "{log}"
+    );
     // renew reads the token and lease id from the environment.
     assert_eq!(
         code(

@@ -23,25 +23,33 @@ pub struct LeaseArgs {
 pub enum LeaseCommand {
     /// Acquire a lease (waiting up to --wait if it is held).
     Acquire {
+        /// The lease's name: 1-128 letters, digits, '.', '_' and '-'.
+        #[arg(value_parser = super::parse_lease_name)]
         lease: String,
-        /// Who holds it (with authentication on: the caller, if left out).
-        #[arg(long, default_value = "")]
+        /// Who holds it: required, unless authentication is on (then the
+        /// caller, if left out).
+        #[arg(long, default_value = "", hide_default_value = true)]
         holder: String,
-        /// e.g. 10s
+        /// How long the term lasts unless renewed, e.g. 10s.
         #[arg(long, value_parser = parse_duration_ms)]
         ttl: u64,
         /// Wait this long for a held lease, e.g. 5s.
         #[arg(long, default_value = "0ms", value_parser = parse_duration_ms)]
         wait: u64,
-        /// Print shell assignments: eval "$(fencegate lease acquire … --export)".
+        /// Print shell assignments: vars=$(fencegate lease acquire … --export) &&
+        /// eval "$vars" (the shell stops there if the acquire fails).
         #[arg(long)]
         export: bool,
     },
     /// Renew a held term.
     Renew {
+        /// The lease's name: 1-128 letters, digits, '.', '_' and '-'.
+        #[arg(value_parser = super::parse_lease_name)]
         lease: String,
+        /// The term's fencing token.
         #[arg(long, env = "FENCING_TOKEN")]
         token: u64,
+        /// The term's lease id.
         #[arg(long, env = "FENCING_LEASE_ID", hide_env_values = true)]
         lease_id: String,
         /// A new TTL, e.g. 30s.
@@ -50,14 +58,22 @@ pub enum LeaseCommand {
     },
     /// Release a held term.
     Release {
+        /// The lease's name: 1-128 letters, digits, '.', '_' and '-'.
+        #[arg(value_parser = super::parse_lease_name)]
         lease: String,
+        /// The term's fencing token.
         #[arg(long, env = "FENCING_TOKEN")]
         token: u64,
+        /// The term's lease id.
         #[arg(long, env = "FENCING_LEASE_ID", hide_env_values = true)]
         lease_id: String,
     },
     /// Show one lease, or all of them.
-    Show { lease: Option<String> },
+    Show {
+        /// One lease's name; all of them (every page) if left out.
+        #[arg(value_parser = super::parse_lease_name)]
+        lease: Option<String>,
+    },
 }
 
 /// Quotes `s` for a POSIX shell.
@@ -94,6 +110,11 @@ pub async fn run(args: LeaseArgs) -> u8 {
         Err(code) => return code,
     };
     let result = match &args.command {
+        LeaseCommand::Acquire { holder, .. }
+            if super::check_holder(holder, &args.connect).is_err() =>
+        {
+            return super::EXIT_USAGE;
+        }
         LeaseCommand::Acquire {
             lease,
             holder,

@@ -70,6 +70,29 @@ pub fn check_url(what: &str, url: &str) -> Result<(), String> {
     }
 }
 
+/// clap's parser of a lease name: the server's rule, said before any
+/// request is sent.
+pub fn parse_lease_name(s: &str) -> Result<String, String> {
+    crate::names::LeaseName::new(s)
+        .map(|name| name.as_str().to_owned())
+        .map_err(|e| e.to_string())
+}
+
+/// An empty `--holder` is the authenticated caller; without a bearer secret
+/// there is none, and the server would refuse the acquire: a usage error,
+/// said as one (printed).
+pub fn check_holder(holder: &str, args: &ServerArgs) -> Result<(), u8> {
+    let authenticated = matches!(bearer_secret(args.token_file.as_ref()), Ok(Some(_)));
+    if holder.is_empty() && !authenticated {
+        eprintln!(
+            "fencegate: --holder is required (with authentication on, the caller holds the \
+             term when it is left out)"
+        );
+        return Err(EXIT_USAGE);
+    }
+    Ok(())
+}
+
 /// A client for the server `args` name, with its CA file and bearer secret;
 /// a bad setting is a usage error (printed).
 pub fn client(args: &ServerArgs) -> Result<LeaseClient, u8> {

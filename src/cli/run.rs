@@ -28,12 +28,14 @@ use crate::client::{GuardOptions, LeaseClient, LeaseGuard};
 pub struct RunArgs {
     #[command(flatten)]
     pub connect: ServerArgs,
-    #[arg(long)]
+    /// The lease to hold: 1-128 letters, digits, '.', '_' and '-'.
+    #[arg(long, value_parser = super::parse_lease_name)]
     pub lease: String,
-    /// Who holds it (with authentication on: the caller, if left out).
-    #[arg(long, default_value = "")]
+    /// Who holds it: required, unless authentication is on (then the
+    /// caller, if left out).
+    #[arg(long, default_value = "", hide_default_value = true)]
     pub holder: String,
-    /// e.g. 10s
+    /// How long the term lasts unless renewed, e.g. 10s.
     #[arg(long, value_parser = parse_duration_ms)]
     pub ttl: u64,
     /// Wait this long for a held lease, e.g. 30s.
@@ -116,6 +118,9 @@ pub async fn run(args: RunArgs) -> u8 {
     }
     if grace_ms > margin_ms {
         eprintln!("fencegate: warning: --grace is longer than --margin; the command may outlive the lease");
+    }
+    if let Err(code) = super::check_holder(&args.holder, &args.connect) {
+        return code;
     }
     let client = match super::client(&args.connect) {
         Ok(client) => client,
