@@ -25,7 +25,7 @@ use sha2::{Digest, Sha256};
 use smallvec::SmallVec;
 
 use crate::auth::{Caller, Identity};
-use crate::backend::{ClientAddr, EmbeddedStore};
+use crate::backend::{ClientAddr, EmbeddedStore, Upstream};
 use crate::body::{self, Body};
 use crate::clock::ClockKind;
 use crate::error::{Problem, Reason};
@@ -59,6 +59,8 @@ pub struct Api {
     surface: Surface,
     /// Time a client has to send a request body the API reads.
     body_read_timeout: Duration,
+    /// The upstream, whose failures in a row readiness reflects.
+    upstream: Option<Upstream>,
 }
 
 /// Which endpoints a listener serves.
@@ -389,7 +391,16 @@ impl Api {
             metrics,
             surface: Surface::All,
             body_read_timeout: Duration::from_millis(10_000),
+            upstream: None,
         }
+    }
+
+    /// Makes readiness reflect `upstream`: 502 once it has failed
+    /// `proxy.unready_after_failures` times in a row and cannot be
+    /// connected to (see [`Upstream::readiness`]).
+    pub fn with_upstream(mut self, upstream: Upstream) -> Self {
+        self.upstream = Some(upstream);
+        self
     }
 
     /// Gives clients `timeout` to send a request body the API reads.
@@ -483,7 +494,7 @@ impl Api {
             (["livez"], Method::GET | Method::HEAD) => {
                 Ok(json_response(StatusCode::OK, &json!({"status": "live"})))
             }
-            (["readyz"], Method::GET | Method::HEAD) => Ok(self.readyz()),
+            (["readyz"], Method::GET | Method::HEAD) => Ok(self.readyz().await),
             (["ui"], Method::GET | Method::HEAD) => Ok(status_page()),
             (["metrics"], Method::GET) => Ok(self.metrics()),
             (["backend", "history"], Method::GET) => match &self.history {
@@ -763,14 +774,20 @@ impl Api {
         ))
     }
 
-    fn readyz(&self) -> Response<Body> {
+    async fn readyz(&self) -> Response<Body> {
         if self.draining.load(Ordering::Acquire) {
-            Problem::new(Reason::Draining, "fencegate is shutting down").into_response()
-        } else if !self.leases.is_ready() {
-            Problem::store_unavailable("the lease store cannot persist grants").into_response()
-        } else {
-            json_response(StatusCode::OK, &json!({"status": "ready"}))
+            return Problem::new(Reason::Draining, "fencegate is shutting down").into_response();
         }
+        if !self.leases.is_ready() {
+            return Problem::store_unavailable("the lease store cannot persist grants")
+                .into_response();
+        }
+        if let Some(upstream) = &self.upstream {
+            if let Err(why) = upstream.readiness().await {
+                return Problem::new(Reason::UpstreamError, why).into_response();
+            }
+        }
+        json_response(StatusCode::OK, &json!({"status": "ready"}))
     }
 
     fn metrics(&self) -> Response<Body> {

@@ -202,8 +202,10 @@ pub fn build(config: &Config, parts: Parts) -> Result<FencegateApp, String> {
     };
     let metrics = Metrics::new(&parts.leases);
     let mut backend = parts.backend;
-    if let Backend::Upstream(upstream) = &mut backend {
-        upstream.set_metrics(metrics.clone());
+    let mut upstream = None;
+    if let Backend::Upstream(u) = &mut backend {
+        u.set_metrics(metrics.clone());
+        upstream = Some(u.clone());
     }
     let mut app = compose(
         config,
@@ -217,6 +219,12 @@ pub fn build(config: &Config, parts: Parts) -> Result<FencegateApp, String> {
             .api
             .take()
             .map(|api| Arc::new(Arc::unwrap_or_clone(api).with_history(store)));
+    }
+    if let Some(upstream) = upstream {
+        app.api = app
+            .api
+            .take()
+            .map(|api| Arc::new(Arc::unwrap_or_clone(api).with_upstream(upstream)));
     }
     Ok(app)
 }

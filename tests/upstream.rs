@@ -280,6 +280,61 @@ async fn a_backend_that_resets_connections_is_502_and_the_proxy_keeps_serving() 
     proxy.stop().await;
 }
 
+/// An upstream that stopped answering: each 502 says what failed, and
+/// after `proxy.unready_after_failures` failures in a row readiness turns
+/// 502 too, so a load balancer moves on, until a connection succeeds again
+/// (seen failing: a bare "the backend failed to answer", readiness 200
+/// all along).
+#[tokio::test]
+async fn readiness_follows_an_upstream_that_fails_in_a_row() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = closed.local_addr().unwrap();
+    drop(closed);
+    let h = proxy_with(&format!("http://{addr}"), 5_000, |c| {
+        c.proxy.unready_after_failures = 2;
+    });
+    let a = h.acquire("orders", "A", 60_000).await;
+    let ready = || h.send(Req::new("GET", "/_fence/readyz"));
+    for n in 0..2 {
+        assert_eq!(ready().await.status, 200, "after {n} failures");
+        let r = h
+            .send(Req::new("PUT", "/kv/orders/1").held(&a).body("x"))
+            .await;
+        assert_eq!(
+            (r.status.as_u16(), r.json()["detail"].as_str()),
+            (
+                502,
+                Some("the backend failed to answer: connection refused")
+            )
+        );
+    }
+    let r = ready().await;
+    assert_eq!(
+        (r.status.as_u16(), r.reason().as_str()),
+        (502, "upstream-error"),
+        "{}",
+        r.text()
+    );
+    assert!(r
+        .text()
+        .contains("the last 2 requests to the backend failed (connection refused)"));
+    assert!(!r.text().contains(&addr.to_string()), "{}", r.text());
+    // The backend is back: the next readiness check connects, and is 200.
+    let back = App::new(
+        None,
+        EmbeddedStore::new(),
+        fencegate::app::RequestLimits::from_config(&Config::default()),
+    );
+    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+    let serving = support::spawn_on(listener, back);
+    assert_eq!(ready().await.status, 200);
+    let r = h
+        .send(Req::new("PUT", "/kv/orders/1").held(&a).body("x"))
+        .await;
+    assert_eq!(r.status, 201);
+    serving.stop().await;
+}
+
 #[tokio::test]
 async fn a_backend_that_is_down_is_502_and_a_silent_one_is_504() {
     // A port nothing listens on.

@@ -15,6 +15,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -36,7 +37,7 @@ use tower::Service;
 
 use crate::body::{self, Body, BoxError};
 use crate::clock::Stopwatch;
-use crate::error::Problem;
+use crate::error::{Problem, Reason};
 use crate::metrics::Metrics;
 use crate::route::RouteTimeout;
 use crate::wire::OutcomeUnknown;
@@ -73,6 +74,11 @@ pub struct UpstreamOptions {
     /// config's `limits.max_body_bytes`, not a `[proxy]` key).
     #[serde(skip)]
     pub max_body_bytes: u64,
+    /// After this many exchanges with the upstream failed in a row (no
+    /// answer: refused, broken, timed out), `/_fence/readyz` answers 502
+    /// until a connection to the upstream succeeds again (it tries one at
+    /// each readiness check meanwhile); 0: readiness ignores the upstream.
+    pub unready_after_failures: u32,
 }
 
 /// A request extension: a check the upstream client makes right before the
@@ -139,6 +145,7 @@ impl Default for UpstreamOptions {
             upstream_connections: ConnectionMode::default(),
             upstream_ca_file: std::path::PathBuf::new(),
             max_body_bytes: 1024 * 1024,
+            unready_after_failures: 5,
         }
     }
 }
@@ -174,6 +181,11 @@ struct Shared {
     dial: String,
     /// The upstream's `Host` header.
     host: HeaderValue,
+    /// Exchanges that failed in a row (none since the last answer), and
+    /// what the last failure was, for readiness.
+    failures: AtomicU32,
+    last_failure: Mutex<&'static str>,
+    unready_after_failures: u32,
 }
 
 /// How dedicated connections reach an `https://` upstream.
@@ -387,7 +399,40 @@ impl Upstream {
             forwarded: options.forwarded,
             max_body_bytes: options.max_body_bytes,
             metrics: OnceLock::new(),
+            failures: AtomicU32::new(0),
+            last_failure: Mutex::new(""),
+            unready_after_failures: options.unready_after_failures,
         })))
+    }
+
+    /// Whether the upstream counts as reachable for readiness: `Err` with
+    /// why once `unready_after_failures` exchanges failed in a row and a
+    /// connection tried now fails too (one that succeeds clears the count).
+    pub async fn readiness(&self) -> Result<(), String> {
+        let failed = self.0.failures.load(Ordering::Relaxed);
+        if self.0.unready_after_failures == 0 || failed < self.0.unready_after_failures {
+            return Ok(());
+        }
+        match self.0.connect().await {
+            Ok(probe) => {
+                probe.driver.abort();
+                self.0.failures.store(0, Ordering::Relaxed);
+                tracing::info!(upstream = %self.0.authority, "upstream reachable again");
+                Ok(())
+            }
+            Err(err) => {
+                let last = *self
+                    .0
+                    .last_failure
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                Err(format!(
+                    "the last {failed} requests to the backend failed ({last}), and so did \
+                     a connection just now ({})",
+                    failure_kind(&*err)
+                ))
+            }
+        }
     }
 
     /// Records upstream latency in `metrics` (the first call wins).
@@ -569,7 +614,12 @@ impl Shared {
             m.upstream_latency(watch.elapsed_us() as f64 / 1e6);
         }
         match result {
-            Ok(Ok(res)) => self.relay(res, client.as_ref()),
+            Ok(Ok(res)) => {
+                if self.failures.load(Ordering::Relaxed) != 0 {
+                    self.failures.store(0, Ordering::Relaxed);
+                }
+                self.relay(res, client.as_ref())
+            }
             Ok(Err(err)) => match err.downcast::<Withheld>() {
                 Ok(withheld) => withheld.0.into_response(),
                 Err(err) => self.failed(&*err),
@@ -578,6 +628,7 @@ impl Shared {
                 // Dropping the request future closes its connection, so it is
                 // never reused.
                 tracing::warn!(upstream = %self.authority, timeout_ms, "upstream timed out");
+                self.count_failure("timed out");
                 outcome_unknown(Problem::upstream_timeout(timeout_ms).into_response())
             }
         }
@@ -674,7 +725,55 @@ impl Shared {
             source = e.source();
         }
         tracing::warn!(upstream = %self.authority, error = %cause, "upstream request failed");
-        outcome_unknown(Problem::upstream_error().into_response())
+        let kind = failure_kind(err);
+        self.count_failure(kind);
+        outcome_unknown(
+            Problem::new(
+                Reason::UpstreamError,
+                format!("the backend failed to answer: {kind}"),
+            )
+            .into_response(),
+        )
+    }
+
+    /// One more exchange failed in a row, as `kind`.
+    fn count_failure(&self, kind: &'static str) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
+        *self.last_failure.lock().unwrap_or_else(|p| p.into_inner()) = kind;
+    }
+}
+
+/// What kind of failure `err` is, in words a client may be shown (no
+/// address, no certificate detail: those are in the log).
+fn failure_kind(err: &(dyn std::error::Error + 'static)) -> &'static str {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    let mut text = String::new();
+    while let Some(e) = source {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            match io.kind() {
+                std::io::ErrorKind::ConnectionRefused => return "connection refused",
+                std::io::ErrorKind::ConnectionReset => return "connection reset",
+                std::io::ErrorKind::TimedOut => return "connect timed out",
+                _ => {}
+            }
+        }
+        if e.downcast_ref::<tokio_rustls::rustls::Error>().is_some() {
+            return "TLS handshake failed";
+        }
+        text.push_str(&e.to_string());
+        text.push(' ');
+        source = e.source();
+    }
+    if text.contains("timed out") {
+        "connect timed out"
+    } else if text.contains("dns error") || text.contains("failed to lookup") {
+        "the backend's name did not resolve"
+    } else if text.contains("TLS") || text.contains("certificate") {
+        "TLS handshake failed"
+    } else if text.contains("connection closed") || text.contains("incomplete") {
+        "the backend closed the connection"
+    } else {
+        "the exchange broke off"
     }
 }
 

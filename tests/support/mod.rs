@@ -271,7 +271,18 @@ where
         + 'static,
     S::Future: Send + 'static,
 {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    spawn_on(TcpListener::bind("127.0.0.1:0").await.unwrap(), app)
+}
+
+/// Serves `app` on `listener`.
+pub fn spawn_on<S>(listener: TcpListener, app: S) -> Running
+where
+    S: Service<Request<hyper::body::Incoming>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = oneshot::channel();
     let options = ServerOptions {
