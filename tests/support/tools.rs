@@ -82,7 +82,15 @@ pub fn program(name: &str) -> PathBuf {
              and they install what is missing, or install it yourself:\n    sudo sh -c '{line}'"
         );
     }
-    eprintln!("installing what the tests need: {line}");
+    // Straight to the terminal: the test harness would hold an eprintln!
+    // until the test ends, and an install takes minutes.
+    {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "installing what the tests need (a few minutes): {line}"
+        );
+    }
     install(&packages);
     find(name).unwrap_or_else(|| panic!("{name} is still missing after: {line}"))
 }
@@ -105,6 +113,7 @@ fn install(packages: &[&str]) {
             .map(|s| s.success())
             .unwrap_or(false)
     };
+    let enabled_before = enabled_services();
     let updated = apt(&["update", "-q"]);
     let mut args = vec!["install", "-y", "-q", "--no-install-recommends"];
     args.extend_from_slice(packages);
@@ -112,12 +121,54 @@ fn install(packages: &[&str]) {
     if added_policy {
         let _ = std::fs::remove_file(policy);
     }
+    if installed {
+        disable_new_services(&enabled_before);
+    }
     assert!(
         installed,
         "apt-get install {} failed (apt-get update {})",
         packages.join(" "),
         if updated { "worked" } else { "failed" }
     );
+}
+
+/// The services enabled at boot: the units linked from the `.wants`
+/// directories under `/etc/systemd/system`.
+fn enabled_services() -> std::collections::BTreeSet<String> {
+    let mut units = std::collections::BTreeSet::new();
+    let Ok(dirs) = std::fs::read_dir("/etc/systemd/system") else {
+        return units;
+    };
+    for dir in dirs.flatten() {
+        if !dir.file_name().to_string_lossy().ends_with(".wants") {
+            continue;
+        }
+        for unit in std::fs::read_dir(dir.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = unit.file_name().to_string_lossy().into_owned();
+            if name.ends_with(".service") {
+                units.insert(name);
+            }
+        }
+    }
+    units
+}
+
+/// Leaves the services an install enabled (Debian enables nginx, etcd and
+/// prometheus at boot; the tests start their own servers) disabled, as they
+/// were before it.
+fn disable_new_services(before: &std::collections::BTreeSet<String>) {
+    let Some(systemctl) = find("systemctl") else {
+        return;
+    };
+    for unit in enabled_services().difference(before) {
+        let _ = Command::new(&systemctl)
+            .args(["disable", "--quiet", unit])
+            .status();
+    }
 }
 
 /// Whether the tests run as root (some need it: mounting a tmpfs).
