@@ -658,8 +658,8 @@ impl Journal for EtcdJournal {
         })
     }
 
-    fn record_renew(&self, lease: &str, token: u64, ttl_ms: u64, wall_ms: u64) {
-        let _ = self.queue(lease, None, |stored| match stored.term.as_mut() {
+    fn record_renew(&self, lease: &str, token: u64, ttl_ms: u64, wall_ms: u64) -> bool {
+        self.queue(lease, None, |stored| match stored.term.as_mut() {
             Some(t) if t.token == token && !t.released => {
                 t.ttl_ms = ttl_ms;
                 if wall_ms != 0 {
@@ -668,7 +668,8 @@ impl Journal for EtcdJournal {
                 true
             }
             _ => false,
-        });
+        })
+        .is_ok()
     }
 
     fn persist_release(&self, lease: &str, token: u64, quiet: bool) -> JournalFuture {

@@ -373,6 +373,8 @@ struct ClockCheck {
     ever_slow: bool,
     /// A fast clock was said once.
     said_fast: bool,
+    /// The last probe call failed (said once a streak).
+    failing: bool,
 }
 
 impl<S: Send + Sync + 'static> Elector<S> {
@@ -389,26 +391,37 @@ impl<S: Send + Sync + 'static> Elector<S> {
     async fn check_clock(&self, check: &mut ClockCheck) {
         let Some(probe) = check.probe else {
             let sent_ms = self.clock.now_ms();
-            if let Ok((id, ttl_s)) = self.client.grant(self.probe_ttl_s()).await {
-                check.probe = Some(ClockProbe {
-                    id,
-                    ttl_s,
-                    sent_ms,
-                    answered_ms: self.clock.now_ms(),
-                });
+            match self
+                .within_beat(self.client.grant(self.probe_ttl_s()))
+                .await
+            {
+                Ok((id, ttl_s)) => {
+                    check.probe = Some(ClockProbe {
+                        id,
+                        ttl_s,
+                        sent_ms,
+                        answered_ms: self.clock.now_ms(),
+                    });
+                    check.failing = false;
+                }
+                Err(e) => self.probe_failed(check, &e),
             }
             return;
         };
         let asked_ms = self.clock.now_ms();
-        let left_s = match self.client.time_to_live(probe.id).await {
+        let left_s = match self.within_beat(self.client.time_to_live(probe.id)).await {
             Ok(Some(left_s)) => left_s,
             // Gone before its time: a new probe next time.
             Ok(None) => {
                 check.probe = None;
                 return;
             }
-            Err(_) => return,
+            Err(e) => {
+                self.probe_failed(check, &e);
+                return;
+            }
         };
+        check.failing = false;
         let answered_ms = self.clock.now_ms();
         let tolerance_ms = self.options.clock_tolerance_ms;
         match probe.judge(left_s, asked_ms, answered_ms, tolerance_ms) {
@@ -424,6 +437,12 @@ impl<S: Send + Sync + 'static> Elector<S> {
                 check.slow = Some(why);
                 check.trusted = false;
                 check.ever_slow = true;
+                // Trusted again only by a probe granted after this, with no
+                // slow verdict over its whole span: etcd's whole seconds
+                // make a clock a little slow look right now and then.
+                let _ = self.within_beat(self.client.revoke(probe.id)).await;
+                check.probe = None;
+                return;
             }
             ClockVerdict::Fast { ahead_ms } => {
                 if !check.said_fast {
@@ -451,8 +470,29 @@ impl<S: Send + Sync + 'static> Elector<S> {
             }
         }
         if left_s < probe.ttl_s / 2 {
-            let _ = self.client.revoke(probe.id).await;
+            let _ = self.within_beat(self.client.revoke(probe.id)).await;
             check.probe = None;
+        }
+    }
+
+    /// `call`, bounded by a beat: the clock check must not hold up the
+    /// keepalive after it.
+    async fn within_beat<T>(
+        &self,
+        call: impl Future<Output = Result<T, EtcdError>>,
+    ) -> Result<T, String> {
+        match tokio::time::timeout(self.beat(), call).await {
+            Ok(result) => result.map_err(|e| e.to_string()),
+            Err(_) => Err(format!("no answer within {:?}", self.beat())),
+        }
+    }
+
+    /// Says (once a streak) that the clock could not be checked: a member
+    /// that never could would never campaign, silently.
+    fn probe_failed(&self, check: &mut ClockCheck, error: &str) {
+        if !check.failing {
+            tracing::warn!(name = %self.options.name, %error, "cannot check this member's clock against etcd's (lease grant or time-to-live failed); not campaigning until it can");
+            check.failing = true;
         }
     }
 
@@ -517,9 +557,15 @@ impl<S: Send + Sync + 'static> Elector<S> {
                 }
                 let primary_key = self.key("primary");
                 if !check.trusted {
-                    // Not before this member's clock agreed with etcd's.
+                    // Not before this member's clock agreed with etcd's; it
+                    // still tells clients who the primary is.
                     if check.probe.is_none() {
                         self.check_clock(check).await;
+                    }
+                    if let Ok(holder) = self.client.get(&primary_key).await {
+                        let primary =
+                            holder.and_then(|kv| serde_json::from_slice::<Peer>(&kv.value).ok());
+                        self.member.view_mut().primary = primary;
                     }
                     tokio::select! {
                         () = tokio::time::sleep(self.poll()) => {}
@@ -646,7 +692,8 @@ impl<S: Send + Sync + 'static> Elector<S> {
         if self.options.self_fencing && !primacy.is_live() {
             return Err("primacy could not be confirmed in time".to_owned());
         }
-        // After the keepalive, so a slow answer here never delays it.
+        // After the keepalive, each call bounded by a beat, so a slow answer
+        // here delays the next one by little.
         self.check_clock(check).await;
         if let Some(why) = &check.slow {
             return Err(why.clone());

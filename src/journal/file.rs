@@ -627,11 +627,17 @@ impl FileJournal {
         })
     }
 
-    fn send_lazy(&self, record: Record) {
-        // A full queue or a stopped writer: the record is not needed for
-        // safety (see the module docs), so it is dropped.
-        if let Err(TrySendError::Full(_)) = self.sender().try_send(Command { record, ack: None }) {
-            tracing::debug!("journal queue full; a renew or release record was dropped");
+    /// Queues a record nobody waits for; whether it was queued. A full
+    /// queue or a stopped writer drops it: such records are not needed for
+    /// safety (see the module docs).
+    fn send_lazy(&self, record: Record) -> bool {
+        match self.sender().try_send(Command { record, ack: None }) {
+            Ok(()) => true,
+            Err(TrySendError::Full(_)) => {
+                tracing::debug!("journal queue full; a renew or forget record was dropped");
+                false
+            }
+            Err(TrySendError::Disconnected(_)) => false,
         }
     }
 }
@@ -1007,7 +1013,13 @@ fn open_after_loss(
     for lease in leases.values_mut() {
         lease.last_token = lease.last_token.max(floor);
         if let Some(term) = lease.term.as_mut() {
+            // Ended, and not quiet: a later term may have been lost with
+            // the records, and its writes may still be at the storage, so
+            // the next start (even a quick one after this) must hold back
+            // the lease's new terms for its restart window.
             term.released = true;
+            term.granted_quiet = false;
+            term.released_quiet = false;
         }
     }
     // A copy of the damaged log is kept (never over an earlier one); the
@@ -1072,13 +1084,13 @@ impl Journal for FileJournal {
         })
     }
 
-    fn record_renew(&self, lease: &str, token: u64, ttl_ms: u64, wall_ms: u64) {
+    fn record_renew(&self, lease: &str, token: u64, ttl_ms: u64, wall_ms: u64) -> bool {
         self.send_lazy(Record::Renew {
             lease: lease.to_owned(),
             token,
             ttl_ms,
             wall_ms,
-        });
+        })
     }
 
     fn record_forget(&self, lease: &str, last_token: u64) {
@@ -2066,6 +2078,14 @@ mod tests {
         {
             let (j, _) = FileJournal::open(&dir, options.clone()).unwrap();
             j.persist_grant(grant("a", 4)).await.unwrap();
+            // A term granted and released with nothing in flight.
+            j.persist_grant(GrantRecord {
+                quiet: true,
+                ..grant("q", 2)
+            })
+            .await
+            .unwrap();
+            j.persist_release("q", 2, true).await.unwrap();
         }
         std::fs::create_dir_all(&backup).unwrap();
         for file in [JOURNAL_FILE, META_FILE] {
@@ -2092,10 +2112,17 @@ mod tests {
             .iter()
             .all(|l| l.last_token >= 1004 && l.term.as_ref().is_none_or(|t| t.released)));
         drop(j);
-        // The next start (without the flag) goes on from there.
+        // The next start (without the flag) goes on from there, and no term
+        // is taken for quiet: later terms the backup does not know of may
+        // have had writes in flight (seen failing: `q` was still quiet, so a
+        // quick second start let its next term write at once).
         let (_j, rec) = reopen(&dir, &options);
         assert!(rec.lost_records.is_none());
         assert!(rec.token_floor >= 1004);
+        for l in &rec.leases {
+            let t = l.term.as_ref().unwrap();
+            assert!(!t.granted_quiet && !t.released_quiet, "{l:?}");
+        }
         let _ = std::fs::remove_dir_all(&dir);
         let _ = std::fs::remove_dir_all(&backup);
     }

@@ -71,8 +71,9 @@ pub trait Journal: Send + Sync + 'static {
     fn persist_grant(&self, record: GrantRecord) -> JournalFuture;
 
     /// Records that term `token` of `lease` was renewed at `wall_ms` (the
-    /// wall clock, Unix ms) for `ttl_ms` (lazy).
-    fn record_renew(&self, lease: &str, token: u64, ttl_ms: u64, wall_ms: u64);
+    /// wall clock, Unix ms) for `ttl_ms` (lazy); whether the record was
+    /// queued (a full queue drops it).
+    fn record_renew(&self, lease: &str, token: u64, ttl_ms: u64, wall_ms: u64) -> bool;
 
     /// Records that term `token` of `lease` was released, `quiet` if no
     /// write of it or of an earlier term was unfinished; completes once that
@@ -122,7 +123,9 @@ impl Journal for MemoryJournal {
         self.answer()
     }
 
-    fn record_renew(&self, _lease: &str, _token: u64, _ttl_ms: u64, _wall_ms: u64) {}
+    fn record_renew(&self, _lease: &str, _token: u64, _ttl_ms: u64, _wall_ms: u64) -> bool {
+        true
+    }
 
     fn persist_release(&self, _lease: &str, _token: u64, _quiet: bool) -> JournalFuture {
         self.answer()

@@ -452,6 +452,16 @@ impl LeaseStore {
             let last_token = lease.last_token.max(rule.token_floor);
             let state = LeaseState::restored(now_ms, last_token, lease.transitions, term, held_ms);
             if held_ms == 0 {
+                // Recorded as ended (not quiet: its writes may be unfinished),
+                // so a later start whose wall clock went back keeps it ended.
+                if let Some(t) = state.term() {
+                    drop(
+                        store
+                            .shared
+                            .journal
+                            .persist_release(&lease.lease, t.token, false),
+                    );
+                }
                 ended_by_hint += 1;
             }
             store.shared.live_terms.track(None, live_deadline(&state));
@@ -819,13 +829,16 @@ impl LeaseStore {
         // under the guard, like every record of a lease, so records keep
         // the order of events.
         let wall_ms = self.shared.clock.wall_ms();
-        if previous_ttl_ms != Some(grant.ttl_ms)
-            || wall_hint_due(slot.wall_deadline_ms, wall_ms, grant.ttl_ms)
-        {
-            slot.wall_deadline_ms = wall_ms.saturating_add(grant.ttl_ms);
-            self.shared
+        if (previous_ttl_ms != Some(grant.ttl_ms)
+            || wall_hint_due(slot.wall_deadline_ms, wall_ms, grant.ttl_ms))
+            && self
+                .shared
                 .journal
-                .record_renew(name, token, renewed.ttl_ms, wall_ms);
+                .record_renew(name, token, renewed.ttl_ms, wall_ms)
+        {
+            // Only a hint the journal took: a dropped one is due again at
+            // the next renewal.
+            slot.wall_deadline_ms = wall_ms.saturating_add(grant.ttl_ms);
         }
         drop(slot);
         Ok(renewed)
@@ -1335,7 +1348,9 @@ mod tests {
             self.locked.lock().unwrap().push(locked);
             Box::pin(async { Ok(()) })
         }
-        fn record_renew(&self, _: &str, _: u64, _: u64, _: u64) {}
+        fn record_renew(&self, _: &str, _: u64, _: u64, _: u64) -> bool {
+            true
+        }
         fn persist_release(&self, _: &str, _: u64, _: bool) -> crate::journal::JournalFuture {
             Box::pin(async { Ok(()) })
         }
