@@ -129,6 +129,39 @@ fn the_readme_tls_example_runs_as_written() {
     run_and_check(&expected, &script, false);
 }
 
+/// The README's cluster example, with its directory replaced by a temporary
+/// one and its ports by free ones (a block below the ephemeral range that
+/// other tests' free ports come from). Real time: etcd, and a member
+/// campaigning once its clock agreed with etcd's (about 5 s).
+#[test]
+fn the_readme_cluster_example_runs_as_written() {
+    support::tools::program("curl");
+    support::tools::program("etcd");
+    let block = readme_block("<!-- cluster-example -->");
+    let dir = TempDir::new("cluster-example");
+    let free = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();
+    let digit = (1..=9u16)
+        .find(|d| {
+            [81, 82, 83]
+                .iter()
+                .map(|p| 20_000 + d * 1000 + p)
+                .chain([379, 380, 900].map(|p| 20_000 + d * 1000 + p))
+                .all(free)
+        })
+        .expect("a free block of ports");
+    let at = |p: u16| format!("127.0.0.1:{}", 20_000 + digit * 1000 + p);
+    let tmp = dir.path().join("fg-cluster").to_string_lossy().into_owned();
+    let script = block
+        .replace("/tmp/fg-cluster", &tmp)
+        .replace("127.0.0.1:2379", &at(379))
+        .replace("127.0.0.1:2380", &at(380))
+        .replace("127.0.0.1:9000", &at(900))
+        .replace("127.0.0.1:808", &format!("127.0.0.1:2{digit}08"));
+    // A failed run must not leave its servers behind.
+    let script = format!("trap 'kill $(jobs -p) 2>/dev/null' EXIT\n{script}");
+    run_and_check(&block, &script, false);
+}
+
 #[test]
 fn patterns_match_what_they_should() {
     assert!(matches("a … b", "a 123 b"));
