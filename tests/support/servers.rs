@@ -135,6 +135,43 @@ async fn nginx_with(tls: Option<(&std::path::Path, &std::path::Path)>) -> Server
     panic!("nginx found its port taken {START_ATTEMPTS} times");
 }
 
+/// An S3 server (moto's, from the test venv made from `tests/s3/
+/// requirements.txt`) that checks SigV4 signatures from its fourth request
+/// on: the first three are for making the user and key that sign the rest.
+/// Also the venv's directory, whose Python has boto3.
+pub async fn s3() -> (Server, PathBuf) {
+    let requirements =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/s3/requirements.txt");
+    let venv = super::tools::python_venv("s3", &requirements);
+    let dir = TempDir::new("s3");
+    let log = dir.path().join("moto.log");
+    for _ in 0..START_ATTEMPTS {
+        let port = free_port();
+        let mut child = Command::new(venv.join("bin/moto_server"))
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .env("INITIAL_NO_AUTH_ACTION_COUNT", "3")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        if wait_for_port(port, &mut child, "moto_server", &log)
+            .await
+            .is_err()
+        {
+            continue;
+        }
+        let server = Server {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            root: dir.path().to_owned(),
+            _dir: dir,
+        };
+        return (server, venv);
+    }
+    panic!("moto_server found its port taken {START_ATTEMPTS} times");
+}
+
 /// nginx's configuration: files under `d`, WebDAV under `root`, listening
 /// on `port` (TLS with this certificate and key when given).
 fn nginx_conf(

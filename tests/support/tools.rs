@@ -14,7 +14,7 @@ use std::sync::Mutex;
 /// Every program the suite runs, with the Debian package that has it (a
 /// `.jar` is a Java library the tests load, found in `/usr/share/java`; a
 /// `.so.1` a library the tests preload, found in `/usr/lib/*/faketime`).
-pub const PROGRAMS: [(&str, &str); 11] = [
+pub const PROGRAMS: [(&str, &str); 12] = [
     ("curl", "curl"),
     ("openssl", "openssl"),
     ("kill", "procps"),
@@ -26,6 +26,7 @@ pub const PROGRAMS: [(&str, &str); 11] = [
     ("javac", "default-jdk-headless"),
     ("tomcat10-catalina.jar", "libtomcat10-java"),
     ("libfaketimeMT.so.1", "faketime"),
+    ("ensurepip", "python3-venv"),
 ];
 
 /// Where `name` is installed, if it is: on PATH or in the sbin directories
@@ -33,6 +34,15 @@ pub const PROGRAMS: [(&str, &str); 11] = [
 fn find(name: &str) -> Option<PathBuf> {
     if name.ends_with(".jar") {
         return Some(PathBuf::from("/usr/share/java").join(name)).filter(|p| p.is_file());
+    }
+    if name == "ensurepip" {
+        // What `python3 -m venv` needs, and Debian ships apart.
+        return std::fs::read_dir("/usr/lib")
+            .ok()?
+            .flatten()
+            .filter(|dir| dir.file_name().to_string_lossy().starts_with("python3"))
+            .map(|dir| dir.path().join("ensurepip"))
+            .find(|p| p.join("__init__.py").is_file());
     }
     if name.ends_with(".so.1") {
         // Debian's multiarch directory, whatever the machine's triple.
@@ -169,6 +179,50 @@ fn disable_new_services(before: &std::collections::BTreeSet<String>) {
             .args(["disable", "--quiet", unit])
             .status();
     }
+}
+
+/// A Python virtual environment with `requirements` (a pip requirements
+/// file) installed, made once under the build's target directory and made
+/// again when the file changes (never a pip install into the system's
+/// Python, which Debian refuses). Its directory.
+pub fn python_venv(name: &str, requirements: &std::path::Path) -> PathBuf {
+    program("ensurepip");
+    let wanted = std::fs::read_to_string(requirements).expect("the requirements file");
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("venv-{name}"));
+    let stamp = dir.join("installed-requirements.txt");
+    static MAKING: Mutex<()> = Mutex::new(());
+    let _one = MAKING.lock().unwrap_or_else(|p| p.into_inner());
+    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(wanted.as_str()) {
+        return dir;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "making the test venv {} (pip install -r {})",
+            dir.display(),
+            requirements.display()
+        );
+    }
+    let made = Command::new("python3")
+        .args(["-m", "venv"])
+        .arg(&dir)
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(made, "python3 -m venv {} failed", dir.display());
+    let installed = Command::new(dir.join("bin/pip"))
+        .args(["install", "-q", "--disable-pip-version-check", "-r"])
+        .arg(requirements)
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        installed,
+        "pip install -r {} failed",
+        requirements.display()
+    );
+    std::fs::write(&stamp, wanted).unwrap();
+    dir
 }
 
 /// Whether the tests run as root (some need it: mounting a tmpfs).
