@@ -2,7 +2,7 @@
 //! Debian): the status page of a fencegate under a running load test, and
 //! the load test's HTML reports through the proxy and straight to the
 //! storage. With `FENCEGATE_SCREENSHOTS=DIR` set, the tests also save the
-//! screenshots the README shows.
+//! screenshots the docs show.
 
 mod support;
 

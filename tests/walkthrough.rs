@@ -29,14 +29,31 @@ fn matches(pattern: &str, line: &str) -> bool {
     rest.is_empty()
 }
 
-/// The README block after `marker`, unindented.
+/// The README's and the docs' text, one after the other.
+fn readme_and_docs() -> String {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut text = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let mut docs: Vec<_> = std::fs::read_dir(root.join("docs"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    docs.sort();
+    for doc in docs {
+        text.push('\n');
+        text.push_str(&std::fs::read_to_string(doc).unwrap());
+    }
+    text
+}
+
+/// The block after `marker` in the README or the docs, unindented.
 fn readme_block(marker: &str) -> String {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let readme = readme_and_docs();
     let after = readme
         .split(marker)
         .nth(1)
-        .unwrap_or_else(|| panic!("the README has no {marker}"));
+        .unwrap_or_else(|| panic!("neither the README nor docs/ has {marker}"));
     let (indent, rest) = after
         .trim_start_matches('\n')
         .split_once("```sh\n")
@@ -114,7 +131,7 @@ fn the_readme_walkthrough_runs_as_written() {
     run_and_check(&block, &script, true);
 }
 
-/// The README's TLS and authentication example, with its directory and
+/// The TLS and authentication example (docs/operations.md), with its directory and
 /// port replaced by a temporary one and a free one.
 #[test]
 fn the_readme_tls_example_runs_as_written() {
@@ -129,7 +146,7 @@ fn the_readme_tls_example_runs_as_written() {
     run_and_check(&expected, &script, false);
 }
 
-/// The README's cluster example, with its directory replaced by a temporary
+/// The cluster example (docs/cluster.md), with its directory replaced by a temporary
 /// one and its ports by free ones (a block below the ephemeral range that
 /// other tests' free ports come from). Real time: etcd, and a member
 /// campaigning once its clock agreed with etcd's (about 5 s).

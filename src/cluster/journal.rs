@@ -12,7 +12,7 @@
 //! A log rather than a key per lease because etcd's cost is mostly per key
 //! written: one transaction putting 100 small keys costs its process
 //! about three times the CPU of one putting their 100 values as one key
-//! (measured through the JSON gateway, see the README's cluster figures).
+//! (measured through the JSON gateway, see docs/cluster.md's figures).
 //!
 //! Every record is a lease's whole state, so replaying any complete suffix
 //! of the log over states taken at or after that suffix's start gives the
