@@ -267,16 +267,17 @@ async fn auth_example_as_shipped() {
 /// former holder's PUT, DELETE, CopyObject, UploadPart and
 /// CompleteMultipartUpload are refused and land nothing, and the new
 /// holder's all work (seen failing with `proxy.preserve_host` off: every
-/// request failed the server's signature check).
+/// request failed the server's signature check). Then the README's boto3
+/// block runs as printed under a new term.
 #[tokio::test]
 async fn s3_example_as_shipped() {
     let (server, venv) = s3().await;
     let dir = TempDir::new("s3-example");
     let p = serve_example(&dir, "s3.toml", Some(&server.url));
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/s3/fenced.py");
-    let (url, s3_url) = (p.url.clone(), server.url.clone());
+    let (url, s3_url, py) = (p.url.clone(), server.url.clone(), venv.join("bin/python"));
     let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(venv.join("bin/python"))
+        std::process::Command::new(py)
             .arg(&script)
             .args([&url, &s3_url])
             .output()
@@ -284,11 +285,57 @@ async fn s3_example_as_shipped() {
     })
     .await
     .unwrap();
-    let printed = String::from_utf8_lossy(&out.stdout);
+    let printed = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success() && printed.trim_end().ends_with("ok"),
         "{printed}\n{}\n{}",
         String::from_utf8_lossy(&out.stderr),
         p.log_text()
+    );
+
+    // The README's boto3 block, as printed, under a new term: with the
+    // test's address, and `token`, `lease_id` and the key given before it.
+    let (id, secret) = printed
+        .lines()
+        .find_map(|l| l.strip_prefix("key "))
+        .and_then(|l| l.split_once(' '))
+        .expect("the key line");
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    let block = readme
+        .split("<!-- s3-example -->")
+        .nth(1)
+        .and_then(|rest| rest.split_once("```python\n"))
+        .and_then(|(_, rest)| rest.split_once("\n```"))
+        .map(|(block, _)| block.to_owned())
+        .expect("the README's s3-example block");
+    let c = HttpClient::new(&p.url);
+    let held = acquire(&c, "orders", "README", None).await;
+    let script = format!(
+        "import boto3, botocore.config\ntoken = {}\nlease_id = {:?}\n{}\n\
+         assert s3.get_object(Bucket=\"orders-bucket\", Key=\"orders/42\")[\"Body\"].read() == b\"shipped\"\n\
+         print(\"ok\")\n",
+        held.token,
+        held.lease_id,
+        block.replace("http://127.0.0.1:8280", &p.url)
+    );
+    let (id, secret) = (id.to_owned(), secret.to_owned());
+    let python = venv.join("bin/python");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python)
+            .args(["-c", &script])
+            .env("AWS_ACCESS_KEY_ID", id)
+            .env("AWS_SECRET_ACCESS_KEY", secret)
+            .env("AWS_DEFAULT_REGION", "us-east-1")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
     );
 }

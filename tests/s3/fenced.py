@@ -193,4 +193,7 @@ assert len(body("orders/big")) == 5 * 1024 * 1024 + 1024
 # Unfenced reads go through with no term at all.
 fencing.clear()
 assert s3.get_object(Bucket=BUCKET, Key="orders/1")["Body"].read() == b"from B"
+release(b)
+# For the README's block, run next with this key.
+print("key", key["AccessKeyId"], key["SecretAccessKey"])
 print("ok")
