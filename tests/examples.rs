@@ -1,6 +1,6 @@
 //! Every shipped example configuration (`config/examples/`), run as shipped
 //! by the real binary in front of the storage it is written for (nginx
-//! WebDAV, etcd's v2 keys API, an S3 server, the embedded store); only the addresses and
+//! WebDAV, etcd's v2 keys API, Garage's S3 API, the embedded store); only the addresses and
 //! the data directory are given on the command line, as a user would. Each
 //! is attacked the ways the path model and the reach check guard against.
 
@@ -9,7 +9,7 @@ mod support;
 use std::path::{Path, PathBuf};
 
 use support::proc::{Proc, TempDir};
-use support::servers::{etcd, nginx, s3};
+use support::servers::{etcd, garage, nginx, s3_client_venv, GARAGE_KEY};
 use support::{held_from, Held, HttpClient, Req};
 
 fn example(name: &str) -> PathBuf {
@@ -260,26 +260,35 @@ async fn auth_example_as_shipped() {
     assert_eq!((r.status.as_u16(), r.reason().as_str()), (403, "forbidden"));
 }
 
-/// `config/examples/s3.toml` in front of an S3 server that checks SigV4
-/// signatures (moto, with its IAM checks on), driven by boto3
-/// (`tests/s3/fenced.py`): a signed request is verified by the server
-/// through fencegate and a wrongly signed one refused; after a handover the
-/// former holder's PUT, DELETE, CopyObject, UploadPart and
-/// CompleteMultipartUpload are refused and land nothing, and the new
+/// `config/examples/s3.toml` in front of Garage (which checks every SigV4
+/// signature), driven by boto3 (`tests/s3/fenced.py`): a signed request is
+/// verified by Garage through fencegate and a wrongly signed one refused;
+/// after a handover the former holder's PUT, DELETE, CopyObject, UploadPart
+/// and CompleteMultipartUpload are refused and land nothing, and the new
 /// holder's all work (seen failing with `proxy.preserve_host` off: every
-/// request failed the server's signature check). Then the README's boto3
-/// block runs as printed under a new term.
+/// request failed the signature check). Then the README's boto3 block runs
+/// as printed under a new term.
 #[tokio::test]
 async fn s3_example_as_shipped() {
-    let (server, venv) = s3().await;
+    let storage = garage().await;
+    let venv = s3_client_venv();
     let dir = TempDir::new("s3-example");
-    let p = serve_example(&dir, "s3.toml", Some(&server.url));
+    let p = serve_example(&dir, "s3.toml", Some(&storage.server.url));
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/s3/fenced.py");
-    let (url, s3_url, py) = (p.url.clone(), server.url.clone(), venv.join("bin/python"));
+    let (key_id, secret) = GARAGE_KEY;
+    let args = [
+        p.url.clone(),
+        storage.server.url.clone(),
+        key_id.to_owned(),
+        secret.to_owned(),
+        storage.region.to_owned(),
+    ];
+    let python = venv.join("bin/python");
+    let py = python.clone();
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new(py)
             .arg(&script)
-            .args([&url, &s3_url])
+            .args(&args)
             .output()
             .unwrap()
     })
@@ -295,11 +304,6 @@ async fn s3_example_as_shipped() {
 
     // The README's boto3 block, as printed, under a new term: with the
     // test's address, and `token`, `lease_id` and the key given before it.
-    let (id, secret) = printed
-        .lines()
-        .find_map(|l| l.strip_prefix("key "))
-        .and_then(|l| l.split_once(' '))
-        .expect("the key line");
     let readme =
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
     let block = readme
@@ -319,14 +323,13 @@ async fn s3_example_as_shipped() {
         held.lease_id,
         block.replace("http://127.0.0.1:8280", &p.url)
     );
-    let (id, secret) = (id.to_owned(), secret.to_owned());
-    let python = venv.join("bin/python");
+    let region = storage.region;
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new(python)
             .args(["-c", &script])
-            .env("AWS_ACCESS_KEY_ID", id)
+            .env("AWS_ACCESS_KEY_ID", key_id)
             .env("AWS_SECRET_ACCESS_KEY", secret)
-            .env("AWS_DEFAULT_REGION", "us-east-1")
+            .env("AWS_DEFAULT_REGION", region)
             .output()
             .unwrap()
     })

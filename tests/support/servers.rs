@@ -135,41 +135,106 @@ async fn nginx_with(tls: Option<(&std::path::Path, &std::path::Path)>) -> Server
     panic!("nginx found its port taken {START_ATTEMPTS} times");
 }
 
-/// An S3 server (moto's, from the test venv made from `tests/s3/
-/// requirements.txt`) that checks SigV4 signatures from its fourth request
-/// on: the first three are for making the user and key that sign the rest.
-/// Also the venv's directory, whose Python has boto3.
-pub async fn s3() -> (Server, PathBuf) {
-    let requirements =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/s3/requirements.txt");
-    let venv = super::tools::python_venv("s3", &requirements);
-    let dir = TempDir::new("s3");
-    let log = dir.path().join("moto.log");
+/// Garage, an S3-compatible object store (built by [`cargo_tool`]), as
+/// one node with one bucket, `orders-bucket`, that [`GARAGE_KEY`] may read
+/// and write; it checks every request's SigV4 signature.
+pub struct Garage {
+    pub server: Server,
+    /// The region requests must be signed for.
+    pub region: &'static str,
+}
+
+/// The access key id and secret the tests' Garage knows.
+pub const GARAGE_KEY: (&str, &str) = (
+    "GK0123456789abcdef01234567",
+    "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+);
+
+/// Starts [`Garage`] on free loopback ports.
+pub async fn garage() -> Garage {
+    let bin = super::tools::cargo_tool("garage", "2.5.0");
+    let dir = TempDir::new("garage");
+    let d = dir.path().to_owned();
+    let config = d.join("garage.toml");
+    let log = d.join("garage.log");
+    let garage = |args: &[&str]| {
+        let out = Command::new(&bin)
+            .arg("-c")
+            .arg(&config)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "garage {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
     for _ in 0..START_ATTEMPTS {
-        let port = free_port();
-        let mut child = Command::new(venv.join("bin/moto_server"))
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .env("INITIAL_NO_AUTH_ACTION_COUNT", "3")
+        let (s3, rpc, admin) = (free_port(), free_port(), free_port());
+        std::fs::write(
+            &config,
+            format!(
+                "metadata_dir = \"{d}/meta\"\ndata_dir = \"{d}/data\"\ndb_engine = \"sqlite\"\n\
+                 replication_factor = 1\nrpc_bind_addr = \"127.0.0.1:{rpc}\"\n\
+                 rpc_public_addr = \"127.0.0.1:{rpc}\"\nrpc_secret = \"{secret}\"\n\
+                 [s3_api]\ns3_region = \"garage\"\napi_bind_addr = \"127.0.0.1:{s3}\"\n\
+                 [admin]\napi_bind_addr = \"127.0.0.1:{admin}\"\n",
+                d = d.display(),
+                secret = "ab".repeat(32),
+            ),
+        )
+        .unwrap();
+        let mut child = Command::new(&bin)
+            .arg("-c")
+            .arg(&config)
+            .arg("server")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .unwrap();
-        if wait_for_port(port, &mut child, "moto_server", &log)
-            .await
-            .is_err()
-        {
+        if wait_for_port(s3, &mut child, "garage", &log).await.is_err() {
             continue;
         }
         let server = Server {
             child,
-            url: format!("http://127.0.0.1:{port}"),
-            root: dir.path().to_owned(),
+            url: format!("http://127.0.0.1:{s3}"),
+            root: d.clone(),
             _dir: dir,
         };
-        return (server, venv);
+        let id = garage(&["node", "id", "-q"]);
+        let id = id.trim().split('@').next().unwrap_or_default().to_owned();
+        garage(&["layout", "assign", "-z", "dc1", "-c", "1G", &id]);
+        garage(&["layout", "apply", "--version", "1"]);
+        garage(&["bucket", "create", "orders-bucket"]);
+        let (key_id, secret) = GARAGE_KEY;
+        garage(&["key", "import", "--yes", "-n", "tests", key_id, secret]);
+        garage(&[
+            "bucket",
+            "allow",
+            "--read",
+            "--write",
+            "--owner",
+            "orders-bucket",
+            "--key",
+            "tests",
+        ]);
+        return Garage {
+            server,
+            region: "garage",
+        };
     }
-    panic!("moto_server found its port taken {START_ATTEMPTS} times");
+    panic!("garage found its port taken {START_ATTEMPTS} times");
+}
+
+/// The test venv made from `tests/s3/requirements.txt` (boto3).
+pub fn s3_client_venv() -> PathBuf {
+    let requirements =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/s3/requirements.txt");
+    super::tools::python_venv("s3", &requirements)
 }
 
 /// nginx's configuration: files under `d`, WebDAV under `root`, listening

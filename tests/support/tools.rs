@@ -225,6 +225,47 @@ pub fn python_venv(name: &str, requirements: &std::path::Path) -> PathBuf {
     dir
 }
 
+/// The binary `name` of crate `name` at `version`, built once with `cargo
+/// install --locked` under the build's target directory (so a tool a test
+/// needs arrives through cargo, and a later run finds it built). Its path.
+pub fn cargo_tool(name: &str, version: &str) -> PathBuf {
+    let tools = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tools");
+    let root = tools.join(format!("{name}-{version}"));
+    let bin = root.join("bin").join(name);
+    static BUILDING: Mutex<()> = Mutex::new(());
+    let _one = BUILDING.lock().unwrap_or_else(|p| p.into_inner());
+    if bin.is_file() {
+        return bin;
+    }
+    {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "building {name} {version} for the tests (cargo install --locked; minutes, once)"
+        );
+    }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let built = Command::new(cargo)
+        .args([
+            "install",
+            "--locked",
+            "--quiet",
+            name,
+            "--version",
+            version,
+            "--root",
+        ])
+        .arg(&root)
+        .env("CARGO_TARGET_DIR", tools.join("build"))
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        built && bin.is_file(),
+        "cargo install {name} --version {version} failed"
+    );
+    bin
+}
+
 /// Whether the tests run as root (some need it: mounting a tmpfs).
 pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
