@@ -564,13 +564,16 @@ impl Api {
             .await
             .map_err(|e| {
                 let problem = Problem::acquire_failed(name, e);
-                tracing::info!(
-                    target: "audit",
-                    lease = name,
-                    holder = holder.as_str(),
-                    reason = problem.reason().slug(),
-                    "acquire refused"
-                );
+                // Not a rate-limited one: the limiter bounds the log too.
+                if problem.reason() != Reason::RateLimited {
+                    tracing::info!(
+                        target: "audit",
+                        lease = name,
+                        holder = holder.as_str(),
+                        reason = problem.reason().slug(),
+                        "acquire refused"
+                    );
+                }
                 visible_to(problem, &self.leases, name, caller.as_deref())
             })?;
         Ok(grant_response(name, &granted, true))

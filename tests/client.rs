@@ -513,6 +513,8 @@ async fn exports_and_run_pass_on_every_member() {
     let exports = String::from_utf8(out.stdout).unwrap();
     let listed = format!("export FENCEGATE_SERVER='{},{down}'", p.url);
     assert!(exports.lines().any(|l| l == listed), "{exports}");
+    let one = format!("export FENCEGATE_URL='{}'", p.url);
+    assert!(exports.lines().any(|l| l == one), "{exports}");
 
     let seen = dir.path().join("seen");
     let script = format!(

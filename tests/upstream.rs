@@ -282,7 +282,7 @@ async fn a_backend_that_resets_connections_is_502_and_the_proxy_keeps_serving() 
 
 /// An upstream that stopped answering: each 502 says what failed, and
 /// after `proxy.unready_after_failures` failures in a row readiness turns
-/// 502 too, so a load balancer moves on, until a connection succeeds again
+/// 502 too, so a load balancer moves on, until a probe request gets an answer again
 /// (seen failing: a bare "the backend failed to answer", readiness 200
 /// all along).
 #[tokio::test]
@@ -315,11 +315,32 @@ async fn readiness_follows_an_upstream_that_fails_in_a_row() {
         "{}",
         r.text()
     );
-    assert!(r
-        .text()
-        .contains("the last 2 requests to the backend failed (connection refused)"));
+    assert!(
+        r.text()
+            .contains("the last 2 requests to the backend got no answer (connection refused)"),
+        "{}",
+        r.text()
+    );
     assert!(!r.text().contains(&addr.to_string()), "{}", r.text());
-    // The backend is back: the next readiness check connects, and is 200.
+    // A process that takes connections and answers nothing is not ready
+    // either: the probe is a request, not a connect (seen failing when it
+    // was a connect).
+    let closer = tokio::net::TcpListener::bind(addr).await.unwrap();
+    let closing = tokio::spawn(async move {
+        while let Ok((sock, _)) = closer.accept().await {
+            drop(sock);
+        }
+    });
+    let r = ready().await;
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert!(
+        r.text().contains("neither did a HEAD request"),
+        "{}",
+        r.text()
+    );
+    closing.abort();
+    let _ = closing.await;
+    // The backend is back: the next readiness check gets an answer, and is 200.
     let back = App::new(
         None,
         EmbeddedStore::new(),

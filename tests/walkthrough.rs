@@ -170,8 +170,8 @@ fn the_readme_cluster_example_runs_as_written() {
     let tmp = dir.path().join("fg-cluster").to_string_lossy().into_owned();
     let script = block
         .replace("/tmp/fg-cluster", &tmp)
-        .replace("127.0.0.1:2379", &at(379))
-        .replace("127.0.0.1:2380", &at(380))
+        .replace("127.0.0.1:22379", &at(379))
+        .replace("127.0.0.1:22380", &at(380))
         .replace("127.0.0.1:9000", &at(900))
         .replace("127.0.0.1:808", &format!("127.0.0.1:2{digit}08"));
     // A failed run must not leave its servers behind.

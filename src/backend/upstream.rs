@@ -186,6 +186,8 @@ struct Shared {
     failures: AtomicU32,
     last_failure: Mutex<&'static str>,
     unready_after_failures: u32,
+    /// Held by the one readiness probe in flight.
+    probing: tokio::sync::Mutex<()>,
 }
 
 /// How dedicated connections reach an `https://` upstream.
@@ -402,34 +404,43 @@ impl Upstream {
             failures: AtomicU32::new(0),
             last_failure: Mutex::new(""),
             unready_after_failures: options.unready_after_failures,
+            probing: tokio::sync::Mutex::new(()),
         })))
     }
 
     /// Whether the upstream counts as reachable for readiness: `Err` with
     /// why once `unready_after_failures` exchanges failed in a row and a
-    /// connection tried now fails too (one that succeeds clears the count).
+    /// probe tried now fails too: a `HEAD` of the base path on a connection
+    /// of its own, any HTTP answer a success (it clears the count). One
+    /// probe at a time: concurrent checks wait for it and share its result.
     pub async fn readiness(&self) -> Result<(), String> {
-        let failed = self.0.failures.load(Ordering::Relaxed);
-        if self.0.unready_after_failures == 0 || failed < self.0.unready_after_failures {
+        let threshold = self.0.unready_after_failures;
+        let failing = || {
+            let failed = self.0.failures.load(Ordering::Relaxed);
+            (threshold != 0 && failed >= threshold).then_some(failed)
+        };
+        if failing().is_none() {
             return Ok(());
         }
-        match self.0.connect().await {
-            Ok(probe) => {
-                probe.driver.abort();
+        let _one = self.0.probing.lock().await;
+        let Some(failed) = failing() else {
+            return Ok(());
+        };
+        match self.0.probe().await {
+            Ok(()) => {
                 self.0.failures.store(0, Ordering::Relaxed);
-                tracing::info!(upstream = %self.0.authority, "upstream reachable again");
+                tracing::info!(upstream = %self.0.authority, "upstream answers again");
                 Ok(())
             }
-            Err(err) => {
+            Err(kind) => {
                 let last = *self
                     .0
                     .last_failure
                     .lock()
                     .unwrap_or_else(|p| p.into_inner());
                 Err(format!(
-                    "the last {failed} requests to the backend failed ({last}), and so did \
-                     a connection just now ({})",
-                    failure_kind(&*err)
+                    "the last {failed} requests to the backend got no answer ({last}), and \
+                     neither did a HEAD request just now ({kind})"
                 ))
             }
         }
@@ -543,6 +554,26 @@ impl Shared {
                     _ => return Err(err.into_error().into()),
                 },
             }
+        }
+    }
+
+    /// A `HEAD` of the base path on a connection of its own, within the
+    /// connect timeout (twice: connect, then answer): any answer is one.
+    async fn probe(&self) -> Result<(), &'static str> {
+        let mut conn = self.connect().await.map_err(|e| failure_kind(&*e))?;
+        let path = if self.prefix.is_empty() {
+            "/"
+        } else {
+            self.prefix.as_str()
+        };
+        let req = Request::head(path)
+            .header(HOST, self.host.clone())
+            .body(body::empty())
+            .map_err(|_| "the exchange broke off")?;
+        match tokio::time::timeout(self.connect_timeout, conn.sender.send_request(req)).await {
+            Ok(Ok(_answer)) => Ok(()),
+            Ok(Err(e)) => Err(failure_kind(&e)),
+            Err(_) => Err("no answer in time"),
         }
     }
 
@@ -750,6 +781,16 @@ fn failure_kind(err: &(dyn std::error::Error + 'static)) -> &'static str {
     let mut text = String::new();
     while let Some(e) = source {
         if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            // tokio-rustls wraps its error in an io::Error, whose source()
+            // skips it.
+            let tls = io.get_ref().is_some_and(|inner| {
+                inner
+                    .downcast_ref::<tokio_rustls::rustls::Error>()
+                    .is_some()
+            });
+            if tls {
+                return "TLS handshake failed";
+            }
             match io.kind() {
                 std::io::ErrorKind::ConnectionRefused => return "connection refused",
                 std::io::ErrorKind::ConnectionReset => return "connection reset",
@@ -764,7 +805,9 @@ fn failure_kind(err: &(dyn std::error::Error + 'static)) -> &'static str {
         text.push(' ');
         source = e.source();
     }
-    if text.contains("timed out") {
+    if text.contains("TLS handshake") {
+        "TLS handshake failed"
+    } else if text.contains("timed out") {
         "connect timed out"
     } else if text.contains("dns error") || text.contains("failed to lookup") {
         "the backend's name did not resolve"

@@ -90,6 +90,9 @@ fn print_grant(g: &Grant, json: bool, export: bool, servers: &str) {
         println!("export FENCING_TOKEN={}", g.token);
         println!("export FENCING_LEASE_ID={}", shell_quote(&g.lease_id));
         println!("export FENCEGATE_SERVER={}", shell_quote(servers));
+        // The member that granted the term, one URL, for curl.
+        let url = servers.split(',').next().unwrap_or_default();
+        println!("export FENCEGATE_URL={}", shell_quote(url));
     } else if json {
         println!("{}", serde_json::to_string(g).unwrap_or_default());
     } else {

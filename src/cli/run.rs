@@ -119,13 +119,13 @@ pub async fn run(args: RunArgs) -> u8 {
     if grace_ms > margin_ms {
         eprintln!("fencegate: warning: --grace is longer than --margin; the command may outlive the lease");
     }
-    if let Err(code) = super::check_holder(&args.holder, &args.connect) {
-        return code;
-    }
     let client = match super::client(&args.connect) {
         Ok(client) => client,
         Err(code) => return code,
     };
+    if let Err(code) = super::check_holder(&args.holder, &args.connect) {
+        return code;
+    }
     let options = GuardOptions {
         margin_ms: Some(margin_ms),
     };

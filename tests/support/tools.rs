@@ -131,9 +131,8 @@ fn install(packages: &[&str]) {
     if added_policy {
         let _ = std::fs::remove_file(policy);
     }
-    if installed {
-        disable_new_services(&enabled_before);
-    }
+    // Also after a failed install: whatever it enabled is disabled again.
+    disable_new_services(&enabled_before);
     assert!(
         installed,
         "apt-get install {} failed (apt-get update {})",
