@@ -661,10 +661,7 @@ async fn a_primary_wakes_after_a_takeover(self_fencing: bool) -> Woken {
     let mut quiet = 0;
     for _ in 0..80 {
         let metrics = old.send(Req::new("GET", "/_fence/metrics")).await.text();
-        let held = metrics
-            .lines()
-            .find_map(|l| l.strip_prefix("fencegate_leases_held "))
-            .map(str::trim);
+        let held = support::metric(&metrics, "fencegate_leases_held");
         quiet = if held == Some("1") { quiet + 1 } else { 0 };
         if quiet == 2 {
             break;

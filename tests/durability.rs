@@ -334,10 +334,7 @@ async fn the_restart_window_holds_only_what_may_be_unfinished() {
         Req::new("DELETE", &format!("/_fence/leases/{lease}")).held(held)
     };
     let waits = |metrics: &str| {
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix("fencegate_barrier_waits_total "))
-            .map(|v| v.trim().to_owned())
+        support::metric(metrics, "fencegate_barrier_waits_total").map(str::to_owned)
     };
 
     let p = Proc::start(&args, &log, &env);

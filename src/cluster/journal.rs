@@ -48,6 +48,7 @@ use tokio::sync::{mpsc, oneshot, Notify};
 
 use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
 use crate::hex;
+use crate::journal::record::{term_flags, wall_deadline, GRANTED_QUIET, RELEASED_QUIET};
 use crate::journal::{GrantRecord, Journal, JournalError, JournalFuture, LeaseRecord, TermRecord};
 
 /// One lease's whole state as the journal keeps it.
@@ -79,9 +80,9 @@ pub struct StoredTerm {
 }
 
 impl StoredTerm {
-    /// The flags' bits in a record: 1 granted quiet, 2 released quiet.
+    /// The flags' bits in a record, as the file journal's.
     fn flags(&self) -> u8 {
-        u8::from(self.granted_quiet) | (u8::from(self.released_quiet) << 1)
+        term_flags(self.granted_quiet, self.released_quiet)
     }
 }
 
@@ -262,8 +263,8 @@ fn stored_term(lease: &str, fields: TermFields) -> Result<StoredTerm, String> {
         lease_id_sha256: hex::decode32(&digest)
             .ok_or_else(|| format!("lease {lease:?} has a malformed lease id digest"))?,
         released,
-        granted_quiet: flags & 1 != 0,
-        released_quiet: flags & 2 != 0,
+        granted_quiet: flags & GRANTED_QUIET != 0,
+        released_quiet: flags & RELEASED_QUIET != 0,
         wall_deadline_ms,
     })
 }
@@ -605,16 +606,6 @@ impl EtcdJournal {
                 Err(JournalError("the etcd write queue is full".into()))
             }
         }
-    }
-}
-
-/// The wall-clock deadline of a term granted or renewed at `wall_ms` for
-/// `ttl_ms` (0, unknown, if the wall clock was).
-fn wall_deadline(wall_ms: u64, ttl_ms: u64) -> u64 {
-    if wall_ms == 0 {
-        0
-    } else {
-        wall_ms.saturating_add(ttl_ms)
     }
 }
 

@@ -556,66 +556,52 @@ impl<S: Send + Sync + 'static> Elector<S> {
                     return Ok(());
                 }
                 let primary_key = self.key("primary");
-                if !check.trusted {
-                    // Not before this member's clock agreed with etcd's; it
-                    // still tells clients who the primary is.
+                // The election key as this poll saw it (`None`: not seen).
+                let seen = if check.trusted {
+                    let campaign = self
+                        .client
+                        .txn(
+                            &[Compare::CreateRevision(primary_key.clone(), 0)],
+                            &[Op::Put {
+                                key: primary_key.clone(),
+                                value: me.clone(),
+                                lease: id,
+                            }],
+                            &[Op::Get {
+                                key: primary_key.clone(),
+                            }],
+                        )
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let holder = campaign.reads.first().and_then(|kvs| kvs.first());
+                    // The key on this member's own etcd lease: an earlier
+                    // campaign of this session won, its answer was lost.
+                    let won = match holder {
+                        _ if campaign.succeeded => Some(campaign.revision),
+                        Some(kv) if kv.lease == id => Some(kv.create_revision),
+                        _ => None,
+                    };
+                    if let Some(revision) = won {
+                        let election = Election {
+                            key: primary_key,
+                            revision,
+                        };
+                        return self.lead(session, election, check).await;
+                    }
+                    Some(holder.cloned())
+                } else {
+                    // No campaign before this member's clock agreed with
+                    // etcd's; it still tells clients who the primary is.
                     if check.probe.is_none() {
                         self.check_clock(check).await;
                     }
-                    if let Ok(holder) = self.client.get(&primary_key).await {
-                        let primary =
-                            holder.and_then(|kv| serde_json::from_slice::<Peer>(&kv.value).ok());
-                        self.member.view_mut().primary = primary;
-                    }
-                    tokio::select! {
-                        () = tokio::time::sleep(self.poll()) => {}
-                        () = self.member.stopped() => {}
-                    }
-                    if self.clock.now_ms().saturating_sub(session.sent_ms)
-                        >= self.beat().as_millis() as u64
-                    {
-                        self.check_clock(check).await;
-                        session = self
-                            .keep_alive(session)
-                            .await
-                            .map_err(|e| e.to_string())?
-                            .ok_or("this member's etcd lease expired")?;
-                        self.refresh_members().await;
-                    }
-                    continue;
-                }
-                let campaign = self
-                    .client
-                    .txn(
-                        &[Compare::CreateRevision(primary_key.clone(), 0)],
-                        &[Op::Put {
-                            key: primary_key.clone(),
-                            value: me.clone(),
-                            lease: id,
-                        }],
-                        &[Op::Get {
-                            key: primary_key.clone(),
-                        }],
-                    )
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let holder = campaign.reads.first().and_then(|kvs| kvs.first());
-                // The key on this member's own etcd lease: an earlier
-                // campaign of this session won, its answer was lost.
-                let won = match holder {
-                    _ if campaign.succeeded => Some(campaign.revision),
-                    Some(kv) if kv.lease == id => Some(kv.create_revision),
-                    _ => None,
+                    self.client.get(&primary_key).await.ok()
                 };
-                if let Some(revision) = won {
-                    let election = Election {
-                        key: primary_key,
-                        revision,
-                    };
-                    return self.lead(session, election, check).await;
+                if let Some(holder) = seen {
+                    let primary =
+                        holder.and_then(|kv| serde_json::from_slice::<Peer>(&kv.value).ok());
+                    self.member.view_mut().primary = primary;
                 }
-                let primary = holder.and_then(|kv| serde_json::from_slice::<Peer>(&kv.value).ok());
-                self.member.view_mut().primary = primary;
                 tokio::select! {
                     () = tokio::time::sleep(self.poll()) => {}
                     () = self.member.stopped() => {}

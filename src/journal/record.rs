@@ -107,9 +107,9 @@ const KIND_RELEASE_2: u8 = 10;
 const KIND_STATE_2: u8 = 11;
 
 /// Flag bits of a term in [`KIND_GRANT_2`], [`KIND_RELEASE_2`] and
-/// [`KIND_STATE_2`] records.
-const GRANTED_QUIET: u8 = 1;
-const RELEASED_QUIET: u8 = 2;
+/// [`KIND_STATE_2`] records (and in the etcd journal's records).
+pub const GRANTED_QUIET: u8 = 1;
+pub const RELEASED_QUIET: u8 = 2;
 
 /// The latest term of a lease, as the journal knows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -134,16 +134,22 @@ pub struct TermRecord {
 }
 
 impl TermRecord {
-    fn flags(&self) -> u8 {
-        let mut flags = 0;
-        if self.granted_quiet {
-            flags |= GRANTED_QUIET;
-        }
-        if self.released_quiet {
-            flags |= RELEASED_QUIET;
-        }
-        flags
+    /// The term's flag bits (see [`term_flags`]).
+    pub fn flags(&self) -> u8 {
+        term_flags(self.granted_quiet, self.released_quiet)
     }
+}
+
+/// A term's flag bits: [`GRANTED_QUIET`], [`RELEASED_QUIET`].
+pub fn term_flags(granted_quiet: bool, released_quiet: bool) -> u8 {
+    let mut flags = 0;
+    if granted_quiet {
+        flags |= GRANTED_QUIET;
+    }
+    if released_quiet {
+        flags |= RELEASED_QUIET;
+    }
+    flags
 }
 
 /// Everything the journal keeps of one lease.
@@ -499,7 +505,7 @@ pub fn read_frame(buf: &[u8]) -> Frame {
 
 /// The wall-clock deadline of a term granted or renewed at `wall_ms` for
 /// `ttl_ms` (0, unknown, if the wall clock was).
-fn wall_deadline(wall_ms: u64, ttl_ms: u64) -> u64 {
+pub fn wall_deadline(wall_ms: u64, ttl_ms: u64) -> u64 {
     if wall_ms == 0 {
         0
     } else {

@@ -262,6 +262,14 @@ impl Drop for Running {
     }
 }
 
+/// The value of the unlabelled sample `name` in Prometheus text `metrics`.
+pub fn metric<'a>(metrics: &'a str, name: &str) -> Option<&'a str> {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .map(str::trim)
+}
+
 /// Serves `app` on 127.0.0.1 at a free port.
 pub async fn spawn<S>(app: S) -> Running
 where
