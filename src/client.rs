@@ -279,6 +279,48 @@ fn trusted_roots(base: &str, extra: &[CertificateDer<'static>]) -> RootCertStore
     roots
 }
 
+/// An HTTP/1.1 client for `http://` and `https://` URLs.
+pub type HttpsClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// An HTTP/1.1 client for `http://` and `https://` URLs: for `https://` it
+/// trusts the system's roots (read only when one of `urls`, comma-separated,
+/// is `https://`) and the CA certificates (PEM) in `ca_file`.
+pub fn http_client(urls: &str, ca_file: Option<&Path>) -> Result<HttpsClient, String> {
+    let mut extra = Vec::new();
+    if let Some(ca_file) = ca_file {
+        extra = CertificateDer::pem_file_iter(ca_file)
+            .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| format!("{}: {e}", ca_file.display()))?;
+        if extra.is_empty() {
+            return Err(format!("{}: no CERTIFICATE in the file", ca_file.display()));
+        }
+        for cert in &extra {
+            RootCertStore::empty()
+                .add(cert.clone())
+                .map_err(|e| format!("{}: {e}", ca_file.display()))?;
+        }
+    }
+    Ok(build_http(trusted_roots(urls, &extra)))
+}
+
+fn build_http(roots: RootCertStore) -> HttpsClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(Duration::from_secs(2)));
+    connector.enforce_http(false);
+    let tls = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .expect("the ring provider supports the default protocol versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(connector);
+    Client::builder(TokioExecutor::new()).build(connector)
+}
+
 /// A lease API client for one fencegate, or for the members of a cluster
 /// (several URLs, comma-separated), over `http://` or `https://`.
 ///
@@ -293,7 +335,7 @@ fn trusted_roots(base: &str, extra: &[CertificateDer<'static>]) -> RootCertStore
 #[derive(Clone, Debug)]
 pub struct LeaseClient {
     servers: Arc<Servers>,
-    http: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    http: HttpsClient,
     /// Bound on each call (a wait_ms on acquire is added to it).
     timeout: Duration,
     /// `Authorization: Bearer …` for a fencegate with authentication on;
@@ -306,44 +348,20 @@ impl LeaseClient {
     /// or several members' URLs comma-separated); an `https://` server must
     /// have a certificate the system trusts.
     pub fn new(base: &str) -> Self {
-        Self::build(base, trusted_roots(base, &[]))
+        Self::build(base, build_http(trusted_roots(base, &[])))
     }
 
     /// A client that also trusts the CA certificates (PEM) in `ca_file`, for
     /// an `https://` fencegate with a private CA or a self-signed certificate.
     pub fn with_ca_file(base: &str, ca_file: &Path) -> Result<Self, String> {
-        let extra = CertificateDer::pem_file_iter(ca_file)
-            .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
-            .map_err(|e| format!("{}: {e}", ca_file.display()))?;
-        if extra.is_empty() {
-            return Err(format!("{}: no CERTIFICATE in the file", ca_file.display()));
-        }
-        for cert in &extra {
-            RootCertStore::empty()
-                .add(cert.clone())
-                .map_err(|e| format!("{}: {e}", ca_file.display()))?;
-        }
-        Ok(Self::build(base, trusted_roots(base, &extra)))
+        let http = http_client(base, Some(ca_file))?;
+        Ok(Self::build(base, http))
     }
 
-    fn build(base: &str, roots: RootCertStore) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(Duration::from_secs(2)));
-        connector.enforce_http(false);
-        let tls = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .expect("the ring provider supports the default protocol versions")
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        let connector = HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(connector);
+    fn build(base: &str, http: HttpsClient) -> Self {
         Self {
             servers: Arc::new(Servers::new(base)),
-            http: Client::builder(TokioExecutor::new()).build(connector),
+            http,
             timeout: Duration::from_secs(10),
             bearer: None,
         }

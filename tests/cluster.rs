@@ -324,7 +324,8 @@ impl Load {
         let out = std::fs::File::create(&output).unwrap();
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
             .args(["loadtest", "--target", targets, "--history", &m.backend.url])
-            .args(["--ttl", "1s"])
+            // --keep: members may still be down when the run ends.
+            .args(["--ttl", "1s", "--keep"])
             .args(args)
             .arg("--json")
             .arg(&report)

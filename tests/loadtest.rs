@@ -372,6 +372,8 @@ fn a_run_goes_on_through_many_crashes_and_sees_no_token_twice() {
             "--ttl",
             "500ms",
         ])
+        // --keep: the proxy is killed until the load test exits, so a
+        // cleanup through it would spend its time waiting out restarts.
         .args([
             "--pause-prob",
             "0.1",
@@ -379,6 +381,7 @@ fn a_run_goes_on_through_many_crashes_and_sees_no_token_twice() {
             "7",
             "--min-stale",
             "0",
+            "--keep",
             "--json",
         ])
         .arg(&json)

@@ -12,11 +12,19 @@
 //!
 //! With `--direct URL` the writes go straight to the storage at URL (leases
 //! still come from `--target`), to show what lands without the proxy.
+//!
+//! Afterwards a checker says what landed: the storage's apply log
+//! (`--verify history`, [`check::check`]) or reads of every key the run
+//! wrote (`--verify read-back`, [`check::read_back`], which any storage
+//! that serves back what was written can answer); then the run's keys are
+//! deleted unless `--keep`.
 
 pub mod check;
 pub mod html;
+pub mod layout;
+mod readback;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -25,17 +33,15 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use serde::Serialize;
 use serde_json::json;
 
 use crate::backend::embedded::{History, HISTORY_PATH, WRITER_HEADER, WRITE_ID_HEADER};
-use crate::client::{Answered, Follow, Servers};
+use crate::client::{http_client, Answered, Follow, HttpsClient, Servers};
 use crate::clock::Stopwatch;
 use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
 use check::{ClientWrite, Findings, Outcome};
+use layout::{BodyTemplate, PathTemplate};
 
 /// `fencegate loadtest` options.
 #[derive(clap::Args, Clone, Debug)]
@@ -48,9 +54,41 @@ pub struct LoadtestArgs {
     #[arg(long)]
     pub direct: Option<String>,
     /// Where to read the apply log (`GET /_fence/backend/history`); default:
-    /// `--direct` if given, else `--target`.
+    /// `--direct` if given, else `--target`. Giving it makes `--verify
+    /// history` the default.
     #[arg(long)]
     pub history: Option<String>,
+    /// How to find out what landed: `read-back` reads every key the run
+    /// wrote (any storage that serves back what was written), `history`
+    /// reads the storage's apply log (`fencegate backend --record`), `both`
+    /// runs both checkers. Default: `history` if `--history` is given, else
+    /// `read-back`.
+    #[arg(long, value_enum)]
+    pub verify: Option<Verify>,
+    /// Where the writes go: a path with `{lease}` and `{key}` in it, under a
+    /// route that guards `{lease}` (e.g. `/dav/{lease}/{key}`, or
+    /// `/bucket/{lease}/{key}` for S3).
+    #[arg(long, default_value = "/kv/{lease}/{key}")]
+    pub path: String,
+    /// The body of a write, with `{value}` where the write's value goes
+    /// (e.g. `value={value}` for etcd's v2 keys API).
+    #[arg(long, default_value = "{value}")]
+    pub body: String,
+    /// The writes' Content-Type (e.g. application/x-www-form-urlencoded);
+    /// none by default.
+    #[arg(long)]
+    pub content_type: Option<String>,
+    /// Where read-back reads the keys (the storage itself, say, for routes
+    /// that fence reads); default: `--direct` if given, else `--target`.
+    #[arg(long)]
+    pub read_from: Option<String>,
+    /// Reads in flight at once while reading back.
+    #[arg(long, default_value_t = 16)]
+    pub read_concurrency: u32,
+    /// Leave the run's keys in the storage (default: delete them after the
+    /// check, through fencegate under a lease of the run's own).
+    #[arg(long)]
+    pub keep: bool,
     /// Number of leases the writers compete for.
     #[arg(long, default_value_t = 4)]
     pub leases: u32,
@@ -99,7 +137,36 @@ pub struct LoadtestArgs {
     /// on (or put the secret itself in FENCEGATE_TOKEN). Never echoed.
     #[arg(long, env = "FENCEGATE_TOKEN_FILE")]
     pub token_file: Option<std::path::PathBuf>,
+    /// Also trust the CA certificates (PEM) in this file, for https:// URLs
+    /// with a private CA or a self-signed certificate.
+    #[arg(long, env = "FENCEGATE_CACERT")]
+    pub cacert: Option<std::path::PathBuf>,
 }
+
+/// `--verify`: which checker says what landed.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verify {
+    /// Reads of every key the run wrote.
+    ReadBack,
+    /// The storage's apply log.
+    History,
+    /// Both.
+    Both,
+}
+
+impl Verify {
+    /// The checkers, by the names the report uses.
+    fn names(self) -> Vec<&'static str> {
+        match self {
+            Verify::ReadBack => vec![READ_BACK],
+            Verify::History => vec![HISTORY],
+            Verify::Both => vec![HISTORY, READ_BACK],
+        }
+    }
+}
+
+const READ_BACK: &str = "read-back";
+const HISTORY: &str = "history";
 
 /// Parses `300ms`, `2s`, `1.5s`, `1m`, `1m30s`, `2h` into milliseconds.
 pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
@@ -153,17 +220,26 @@ pub struct Report {
     pub duration_ms: u64,
     pub throughput_per_s: f64,
     pub latency_us: BTreeMap<String, u64>,
+    /// Which checkers ran: `history`, `read-back`, or both.
+    pub verify: Vec<&'static str>,
+    /// The `--path` template the writes went to.
+    pub path: String,
     pub log_truncated: bool,
+    /// The checkers' findings as one (the worst of each safety figure).
     pub findings: Findings,
+    /// Each checker's own findings.
+    pub by_checker: BTreeMap<&'static str, Findings>,
+    /// What the cleanup did (absent with `--keep`).
+    pub cleanup: Option<readback::Cleanup>,
     pub safe: bool,
     pub verdict: String,
 }
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
-
 struct Shared {
-    client: HttpClient,
+    client: HttpsClient,
     args: LoadtestArgs,
+    path: PathTemplate,
+    body: BodyTemplate,
     /// The fencegate (or the cluster's members) under test.
     targets: Servers,
     /// `Authorization` for the target, when it has authentication on.
@@ -179,6 +255,9 @@ struct Shared {
     /// Every term a writer was granted, for the HTML report and the check
     /// that no token was issued twice.
     terms: Mutex<Vec<TermSpan>>,
+    /// Per lease, the highest token granted so far: a new term shares a key
+    /// with the term before it.
+    newest_token: Mutex<HashMap<String, u64>>,
     /// When the target last answered anything, in milliseconds since the
     /// run started.
     answered_ms: AtomicU64,
@@ -194,6 +273,9 @@ pub struct TermSpan {
     pub token: u64,
     pub from_ms: u64,
     pub until_ms: u64,
+    /// When the grant's answer arrived, in microseconds since the run
+    /// started.
+    pub granted_us: u64,
 }
 
 impl Shared {
@@ -243,7 +325,12 @@ impl Rng {
 struct Answer {
     status: StatusCode,
     json: serde_json::Value,
+    body: Bytes,
 }
+
+/// The most of an answer kept: the lease API's answers and the load test's
+/// values are tiny, and a key that holds more holds something else.
+const MAX_ANSWER_BYTES: usize = 1 << 20;
 
 /// Where a request goes.
 enum To {
@@ -329,14 +416,13 @@ async fn send(
         .await
         .map_err(|e| (e.to_string(), e.is_connect()))?;
     let status = res.status();
-    let bytes = res
-        .into_body()
+    let body = http_body_util::Limited::new(res.into_body(), MAX_ANSWER_BYTES)
         .collect()
         .await
         .map_err(|e| (e.to_string(), false))?
         .to_bytes();
-    let json = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
-    Ok(Answer { status, json })
+    let json = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+    Ok(Answer { status, json, body })
 }
 
 /// A term as the writer sees it.
@@ -344,12 +430,20 @@ struct Term {
     lease: String,
     /// When the grant's answer arrived.
     granted_ms: u64,
+    granted_us: u64,
     token: u64,
+    /// The token of the term before this one (as far as the run knows;
+    /// 0 for the first it saw): the two share a key.
+    previous: u64,
     lease_id: String,
     /// When the proxy will end the term (writer's clock).
     true_deadline_ms: u64,
     /// When the writer believes it ends (later, with skew).
     believed_deadline_ms: u64,
+    /// When it has ended for certain: the last grant's or renewal's answer
+    /// arrived plus its `expires_in_ms` (the proxy's deadline can only be
+    /// earlier). A write sent later is stale.
+    ended_ms: u64,
     next_renew_ms: u64,
 }
 
@@ -381,6 +475,7 @@ async fn writer(index: u32, shared: Arc<Shared>, seed: u64) -> Result<(), String
             token: term.token,
             from_ms: term.granted_ms,
             until_ms: until_ms.max(term.granted_ms),
+            granted_us: term.granted_us,
         };
         lock(&writer.shared.terms).push(span);
     }
@@ -452,16 +547,28 @@ impl Writer {
             }
         }
         let expires = answer.json["expires_in_ms"].as_u64().unwrap_or(0);
+        let granted_us = self.shared.started.elapsed_us();
+        let token = answer.json["token"].as_u64().unwrap_or(0);
+        let previous = {
+            let mut newest = lock(&self.shared.newest_token);
+            let newest = newest.entry(lease.clone()).or_default();
+            let previous = *newest;
+            *newest = previous.max(token);
+            previous
+        };
         Ok(Some(Term {
             lease,
-            granted_ms: self.shared.started.elapsed_ms(),
-            token: answer.json["token"].as_u64().unwrap_or(0),
+            granted_ms: granted_us / 1000,
+            granted_us,
+            token,
+            previous,
             lease_id: answer.json["lease_id"]
                 .as_str()
                 .unwrap_or_default()
                 .to_owned(),
             true_deadline_ms: sent_ms + expires,
             believed_deadline_ms: sent_ms + expires + self.skew_ms,
+            ended_ms: granted_us / 1000 + 1 + expires,
             next_renew_ms: sent_ms + args.ttl / 3,
         }))
     }
@@ -492,7 +599,7 @@ impl Writer {
                 break;
             }
             self.n += 1;
-            let stale = zombie_writes > 0 || shared.started.elapsed_ms() >= term.true_deadline_ms;
+            let stale = shared.started.elapsed_ms() >= term.ended_ms;
             let id = format!("{}-{}", self.name, self.n);
             write(&shared, &self.name, &id, term, stale, &mut self.rng).await;
             if zombie_writes > 0 {
@@ -536,6 +643,7 @@ async fn renew(shared: &Shared, term: &mut Term, skew_ms: u64) -> bool {
             let expires = a.json["expires_in_ms"].as_u64().unwrap_or(0);
             term.true_deadline_ms = sent_ms + expires;
             term.believed_deadline_ms = sent_ms + expires + skew_ms;
+            term.ended_ms = shared.started.elapsed_ms() + 1 + expires;
             term.next_renew_ms = sent_ms + shared.args.ttl / 3;
             true
         }
@@ -551,8 +659,15 @@ async fn write(
     stale: bool,
     rng: &mut Rng,
 ) {
-    let path = format!("/kv/{}/{}/k{}", term.lease, shared.run_id, rng.below(4));
-    let key = match &shared.args.direct {
+    // Half the writes to a key of their own, the others to the key this
+    // term shares with the one before it or the one after it.
+    let key = match rng.below(4) {
+        0 | 1 => write_id.to_owned(),
+        2 => layout::handoff_key(&shared.run_id, &term.lease, term.previous),
+        _ => layout::handoff_key(&shared.run_id, &term.lease, term.token),
+    };
+    let path = shared.path.render(&term.lease, &key);
+    let to = match &shared.args.direct {
         Some(direct) => To::Url(format!("{direct}{path}")),
         None => To::Target(path),
     };
@@ -562,20 +677,17 @@ async fn write(
         (WRITER_HEADER, writer),
         (WRITE_ID_HEADER, write_id),
     ];
+    if let Some(content_type) = &shared.args.content_type {
+        headers.push(("content-type", content_type));
+    }
     // The lease id is a credential for fencegate: never sent to the storage.
-    if matches!(key, To::Target(_)) {
+    if matches!(to, To::Target(_)) {
         headers.push((FENCING_LEASE_ID, &term.lease_id));
     }
+    let body = shared.body.render(&layout::value(write_id, term.token));
     let at_us = shared.started.elapsed_us();
     let watch = Stopwatch::start();
-    let answer = call(
-        shared,
-        Method::PUT,
-        key,
-        &headers,
-        Bytes::from(write_id.to_owned()),
-    )
-    .await;
+    let answer = call(shared, Method::PUT, to, &headers, Bytes::from(body)).await;
     let latency_us = watch.elapsed_us();
     let outcome = match answer {
         Ok(a) if a.status.is_success() => Outcome::Acknowledged,
@@ -593,8 +705,10 @@ async fn write(
         writer: writer.to_owned(),
         write_id: write_id.to_owned(),
         lease: term.lease.clone(),
+        key,
         token: term.token,
         stale,
+        superseded: false,
         outcome,
         latency_us,
         at_us,
@@ -635,7 +749,7 @@ async fn progress(shared: Arc<Shared>, total: Option<u64>) {
 
 /// Runs the load test; returns the report and the process exit status.
 pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
-    check_args(&mut args)?;
+    let verify = check_args(&mut args)?;
     let total = match (args.writes, args.duration) {
         (Some(n), _) => Some(n),
         (None, Some(_)) => None,
@@ -647,28 +761,54 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
         u64::from_le_bytes(b)
     });
     let history_url = args.history.clone().or_else(|| args.direct.clone());
+    let history_url = history_url.as_deref();
     let shared = prepare(&args, total)?;
     // Both ends must answer before the run starts, not only at its end.
     let live = To::Target("/_fence/livez".to_owned());
     call(&shared, Method::GET, live, &[], Bytes::new())
         .await
         .map_err(|e| format!("cannot reach {}: {e}", args.target))?;
-    let history_url = history_url.as_deref();
-    read_history(&shared, history_url).await?;
+    if verify.contains(&HISTORY) {
+        read_history(&shared, history_url).await?;
+    }
     drive(&shared, total, seed).await?;
     let duration_ms = shared.started.elapsed_ms().max(1);
 
-    let history = read_history(&shared, history_url).await?;
-    let prefix = format!("{}-", shared.run_id);
-    let log: Vec<_> = history
-        .entries
-        .into_iter()
-        .filter(|e| e.writer.as_deref().is_some_and(|w| w.starts_with(&prefix)))
-        .collect();
-    let writes = std::mem::take(&mut *lock(&shared.log));
-    let mut findings = check::check(&log, &writes);
-    check::issued_twice(&mut findings, &lock(&shared.terms));
-    let (safe, verdict, status) = verdict(&findings, history.truncated, args.min_stale);
+    let mut writes = std::mem::take(&mut *lock(&shared.log));
+    let terms = std::mem::take(&mut *lock(&shared.terms));
+    check::mark_superseded(&mut writes, &terms);
+    let mut by_checker = BTreeMap::new();
+    let mut truncated = false;
+    if verify.contains(&HISTORY) {
+        let history = read_history(&shared, history_url).await?;
+        truncated = history.truncated;
+        let prefix = format!("{}-", shared.run_id);
+        let log: Vec<_> = history
+            .entries
+            .into_iter()
+            .filter(|e| e.writer.as_deref().is_some_and(|w| w.starts_with(&prefix)))
+            .collect();
+        by_checker.insert(HISTORY, check::check(&log, &writes));
+    }
+    let reads = if verify.contains(&READ_BACK) {
+        Some(readback::read_keys(&shared, &writes).await)
+    } else {
+        None
+    };
+    if let Some(reads) = &reads {
+        by_checker.insert(READ_BACK, check::read_back(reads, &writes));
+    }
+    for f in by_checker.values_mut() {
+        check::issued_twice(f, &terms);
+    }
+    let all: Vec<Findings> = by_checker.values().cloned().collect();
+    let findings = Findings::merge(&all);
+    let (safe, verdict, status) = verdict(&findings, truncated, args.min_stale);
+    let cleanup = if args.keep {
+        None
+    } else {
+        Some(readback::clean_up(&shared, &writes, reads.as_ref()).await)
+    };
     let report = Report {
         target: args.target.clone(),
         direct: args.direct.clone(),
@@ -683,8 +823,12 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
         duration_ms,
         throughput_per_s: writes.len() as f64 * 1000.0 / duration_ms as f64,
         latency_us: latency_quantiles(&writes)?,
-        log_truncated: history.truncated,
+        verify,
+        path: args.path.clone(),
+        log_truncated: truncated,
         findings,
+        by_checker,
+        cleanup,
         safe,
         verdict,
     };
@@ -693,7 +837,6 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
         std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     }
     if let Some(path) = &args.html {
-        let terms = std::mem::take(&mut *lock(&shared.terms));
         let page = html::render(&report, &writes, &terms);
         std::fs::write(path, page).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     }
@@ -705,16 +848,37 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Refuses arguments no run can use; trims the URLs' trailing slashes.
-fn check_args(args: &mut LoadtestArgs) -> Result<(), String> {
-    if args.leases == 0 || args.writers == 0 || args.ttl == 0 {
-        return Err("--leases, --writers and --ttl must be greater than 0".into());
+/// Returns the checkers to run.
+fn check_args(args: &mut LoadtestArgs) -> Result<Vec<&'static str>, String> {
+    if args.leases == 0 || args.writers == 0 || args.ttl == 0 || args.read_concurrency == 0 {
+        return Err(
+            "--leases, --writers, --ttl and --read-concurrency must be greater than 0".into(),
+        );
     }
+    PathTemplate::parse(&args.path)?;
+    BodyTemplate::parse(&args.body)?;
+    let verify = match (args.verify, &args.history) {
+        (Some(Verify::ReadBack), Some(_)) => {
+            return Err(
+                "--history names an apply log, which --verify read-back does not read \
+                 (--verify both runs both checkers)"
+                    .into(),
+            )
+        }
+        (Some(verify), _) => verify,
+        (None, Some(_)) => Verify::History,
+        (None, None) => Verify::ReadBack,
+    };
     if !(0.0..=1.0).contains(&args.pause_prob) {
         return Err("--pause-prob must be between 0 and 1".into());
     }
-    for url in [args.direct.as_mut(), args.history.as_mut()]
-        .into_iter()
-        .flatten()
+    for url in [
+        args.direct.as_mut(),
+        args.history.as_mut(),
+        args.read_from.as_mut(),
+    ]
+    .into_iter()
+    .flatten()
     {
         super::check_url("a URL", url)?;
         *url = url.trim_end_matches('/').to_owned();
@@ -728,7 +892,7 @@ fn check_args(args: &mut LoadtestArgs) -> Result<(), String> {
         super::check_url("--target", target)?;
     }
     args.target = targets.join(",");
-    Ok(())
+    Ok(verify.names())
 }
 
 /// What the writers share: the HTTP client, the credentials, the run's id
@@ -739,10 +903,18 @@ fn prepare(args: &LoadtestArgs, total: Option<u64>) -> Result<Arc<Shared>, Strin
         let _ = getrandom::fill(&mut b);
         format!("r{:08x}", u32::from_le_bytes(b))
     };
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(Duration::from_secs(2)));
-    let client = Client::builder(TokioExecutor::new()).build(connector);
+    let urls = [
+        Some(&args.target),
+        args.direct.as_ref(),
+        args.history.as_ref(),
+    ]
+    .into_iter()
+    .chain([args.read_from.as_ref()])
+    .flatten()
+    .map(String::as_str)
+    .collect::<Vec<_>>()
+    .join(",");
+    let client = http_client(&urls, args.cacert.as_deref())?;
     let bearer = match super::bearer_secret(args.token_file.as_ref())? {
         Some(secret) => {
             let mut value = http::HeaderValue::from_str(&format!("Bearer {secret}"))
@@ -756,6 +928,9 @@ fn prepare(args: &LoadtestArgs, total: Option<u64>) -> Result<Arc<Shared>, Strin
         client,
         bearer,
         args: args.clone(),
+        path: PathTemplate::parse(&args.path)?,
+        body: BodyTemplate::parse(&args.body)?,
+        newest_token: Mutex::new(HashMap::new()),
         targets: Servers::new(&args.target),
         run_id,
         pause_ms: args.pause.unwrap_or(args.ttl * 3 / 2),
@@ -825,6 +1000,15 @@ fn verdict(findings: &Findings, truncated: bool, min_stale: u64) -> (bool, Strin
             "INCONCLUSIVE: the apply log was truncated".to_owned(),
             1,
         )
+    } else if findings.reads_failed > 0 {
+        (
+            false,
+            format!(
+                "INCONCLUSIVE: {} keys could not be read back",
+                findings.reads_failed
+            ),
+            1,
+        )
     } else if findings.stale_attempts < min_stale {
         (
             true,
@@ -876,6 +1060,19 @@ async fn read_history(shared: &Shared, history_url: Option<&str>) -> Result<Hist
     serde_json::from_value(answer.json).map_err(|e| format!("the apply log is not readable: {e}"))
 }
 
+/// Which checkers ran, for people.
+pub fn checkers(r: &Report) -> String {
+    let names: Vec<&str> = r
+        .verify
+        .iter()
+        .map(|name| match *name {
+            HISTORY => "the storage's apply log",
+            _ => "reading back every key",
+        })
+        .collect();
+    names.join(" and ")
+}
+
 /// The summary table people read.
 pub fn summary(r: &Report) -> String {
     let f = &r.findings;
@@ -896,9 +1093,32 @@ pub fn summary(r: &Report) -> String {
     let ms = |us: u64| us as f64 / 1000.0;
     let mut out = format!(
         "fencegate loadtest {}: {} writers, {} leases, ttl {} ms, pause p={} ({} ms), skew {} ms, seed {}\n\
-         writes {via}\n",
-        r.run_id, r.writers, r.leases, r.ttl_ms, r.pause_prob, r.pause_ms, r.skew_ms, r.seed
+         writes {via} to {}, checked by {}\n",
+        r.run_id,
+        r.writers,
+        r.leases,
+        r.ttl_ms,
+        r.pause_prob,
+        r.pause_ms,
+        r.skew_ms,
+        r.seed,
+        r.path,
+        checkers(r)
     );
+    // A safety figure, with each checker's own when they differ.
+    let safety = |figure: fn(&Findings) -> u64| {
+        let each: Vec<String> = r
+            .by_checker
+            .iter()
+            .map(|(name, f)| format!("{name} {}", figure(f)))
+            .collect();
+        let values: Vec<u64> = r.by_checker.values().map(figure).collect();
+        if values.windows(2).all(|w| w[0] == w[1]) {
+            figure(f).to_string()
+        } else {
+            format!("{} ({})", figure(f), each.join(", "))
+        }
+    };
     let rows = [
         ("writes attempted", f.writes_attempted.to_string()),
         ("acknowledged", f.acknowledged.to_string()),
@@ -926,9 +1146,9 @@ pub fn summary(r: &Report) -> String {
                 f.stale_attempts, f.stale_attempts_rejected
             ),
         ),
-        ("stale writes applied", f.stale_writes_applied.to_string()),
-        ("acked writes missing", f.acknowledged_missing.to_string()),
-        ("rejected but applied", f.rejected_present.to_string()),
+        ("stale writes applied", safety(|f| f.stale_writes_applied)),
+        ("acked writes missing", safety(|f| f.acknowledged_missing)),
+        ("rejected but applied", safety(|f| f.rejected_present)),
         ("tokens issued twice", f.tokens_issued_twice.to_string()),
         (
             "latency p50/p99/p99.9",
@@ -948,8 +1168,39 @@ pub fn summary(r: &Report) -> String {
             ),
         ),
     ];
+    let mut rows = rows.to_vec();
+    if r.by_checker.contains_key(READ_BACK) {
+        let at = rows.len() - 2;
+        rows.insert(
+            at,
+            (
+                "shared keys out of order",
+                format!("{} of {}", f.shared_key_regressions, f.shared_keys_checked),
+            ),
+        );
+        rows.insert(
+            at + 1,
+            (
+                "keys read back",
+                format!("{} ({} failed)", f.keys_read, f.reads_failed),
+            ),
+        );
+    }
+    rows.push((
+        "keys cleaned up",
+        match &r.cleanup {
+            None => "none (--keep)".to_owned(),
+            Some(c) if c.failed == 0 => c.deleted.to_string(),
+            Some(c) => format!(
+                "{} ({} failed: {})",
+                c.deleted,
+                c.failed,
+                c.error.as_deref().unwrap_or("")
+            ),
+        },
+    ));
     for (k, v) in rows {
-        out.push_str(&format!("  {k:<24}{v}\n"));
+        out.push_str(&format!("  {k:<26}{v}\n"));
     }
     for e in &f.examples {
         out.push_str(&format!("  ! {e}\n"));
