@@ -48,38 +48,66 @@ fn loadtest_writes(
     )
 }
 
+/// The same workload through the proxy and straight to the recording
+/// backend, each checked by both checkers: the apply log and reading back
+/// every key (the backend serves reads). They agree: nothing stale lands
+/// through the proxy; straight to the backend, both see stale writes.
 #[test]
 fn through_the_proxy_nothing_stale_lands_and_straight_to_the_backend_it_does() {
     let dir = TempDir::new("loadtest");
     let backend = recording_backend(&dir);
     let proxy = proxy_to(&dir, &backend.url, &[]);
 
+    let both = ["--verify", "both"];
     let (code, r, stdout) = loadtest(
-        &["--target", &proxy.url, "--history", &backend.url],
+        &[
+            &["--target", &proxy.url, "--history", &backend.url],
+            &both[..],
+        ]
+        .concat(),
         &dir.path().join("proxy.json"),
     );
-    let f = &r["findings"];
     assert_eq!(code, 0, "{stdout}");
-    assert_eq!(f["stale_writes_applied"], 0, "{stdout}");
-    assert_eq!(f["acknowledged_missing"], 0, "{stdout}");
-    assert_eq!(f["rejected_present"], 0, "{stdout}");
+    assert_eq!(r["verify"], serde_json::json!(["history", "read-back"]));
+    for checker in ["history", "read-back"] {
+        let f = &r["by_checker"][checker];
+        assert_eq!(f["stale_writes_applied"], 0, "{checker}: {stdout}");
+        assert_eq!(f["acknowledged_missing"], 0, "{checker}: {stdout}");
+        assert_eq!(f["rejected_present"], 0, "{checker}: {stdout}");
+    }
+    let f = &r["findings"];
     assert!(
         f["stale_attempts_rejected"].as_u64().unwrap() >= 200,
         "{stdout}"
     );
+    assert_eq!(
+        f["stale_attempts_rejected"], f["stale_attempts"],
+        "{stdout}"
+    );
     assert_eq!(f["writes_attempted"], 2000);
+    assert_eq!(f["shared_key_regressions"], 0, "{stdout}");
+    assert!(f["shared_keys_checked"].as_u64().unwrap() > 50, "{stdout}");
+    assert_eq!(f["reads_failed"], 0, "{stdout}");
     assert!(stdout.contains("SAFE: no stale write reached the storage"));
+    // Every key the run wrote is gone again.
+    assert_eq!(r["cleanup"]["failed"], 0, "{stdout}");
+    assert!(r["cleanup"]["deleted"].as_u64().unwrap() > 500, "{stdout}");
 
-    // The same workload without fencing: stale writes land, and the run fails.
+    // The same workload without fencing: stale writes land, both checkers
+    // see them, and the run fails.
     let (code, r, stdout) = loadtest(
-        &["--target", &proxy.url, "--direct", &backend.url],
+        &[
+            &["--target", &proxy.url, "--direct", &backend.url],
+            &both[..],
+        ]
+        .concat(),
         &dir.path().join("direct.json"),
     );
     assert_eq!(code, 1, "{stdout}");
-    assert!(
-        r["findings"]["stale_writes_applied"].as_u64().unwrap() > 0,
-        "{stdout}"
-    );
+    for checker in ["history", "read-back"] {
+        let applied = r["by_checker"][checker]["stale_writes_applied"].as_u64();
+        assert!(applied.unwrap() > 0, "{checker}: {stdout}");
+    }
     assert_eq!(r["safe"], false);
     assert!(stdout.contains("UNSAFE"));
 }
@@ -169,12 +197,24 @@ fn an_unreachable_target_fails_the_run_instead_of_hanging() {
     assert!(out.stdout.is_empty(), "the run started");
 }
 
+/// What the relay does to one request.
+#[derive(Clone, Copy, PartialEq)]
+enum Fault {
+    /// Pass it on, and the answer back.
+    None,
+    /// Pass it on, then drop the connection instead of answering (a service
+    /// error makes hyper close it unanswered).
+    DropAnswer,
+    /// Hold it this many milliseconds before passing it on (a slow storage
+    /// that applies it late).
+    Delay(u64),
+}
+
 /// A relay in front of `backend_url` on a loopback port: every request is
-/// passed on; `drop_answer(request)` saying yes drops the connection after
-/// the backend answered (a service error makes hyper close it unanswered).
+/// passed on, with the fault `fault(request)` says.
 async fn relay(
     backend_url: String,
-    drop_answer: impl Fn(&http::request::Parts) -> bool + Clone + Send + Sync + 'static,
+    fault: impl Fn(&http::request::Parts) -> Fault + Clone + Send + Sync + 'static,
 ) -> String {
     use http_body_util::BodyExt;
     use hyper_util::client::legacy::Client;
@@ -185,11 +225,13 @@ async fn relay(
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let relay = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-        let (client, backend_url, drop_answer) =
-            (client.clone(), backend_url.clone(), drop_answer.clone());
+        let (client, backend_url, fault) = (client.clone(), backend_url.clone(), fault.clone());
         async move {
             let (mut parts, body) = req.into_parts();
-            let drop_it = drop_answer(&parts);
+            let fault = fault(&parts);
+            if let Fault::Delay(ms) = fault {
+                tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+            }
             let pq = parts
                 .uri
                 .path_and_query()
@@ -209,7 +251,7 @@ async fn relay(
                 .await
                 .map_err(std::io::Error::other)?
                 .to_bytes();
-            if drop_it {
+            if fault == Fault::DropAnswer {
                 return Err(std::io::Error::other(
                     "connection dropped after the backend applied the write",
                 ));
@@ -236,8 +278,9 @@ async fn relay(
 
 /// A backend fault: a relay between fencegate and the recording backend
 /// drops the connection after the backend applied every 25th write, so
-/// fencegate answers `502 upstream-error` for writes that did land. The
-/// report counts them as outcome unknown, and the run passes.
+/// fencegate answers `502 upstream-error` for writes that did land. Both
+/// checkers (the apply log, and reading every key back) count them as
+/// outcome unknown, and the run passes.
 ///
 /// Seen failing when every answer with a reason counted as rejected: the
 /// same run said "rejected but applied" and UNSAFE, with no stale write.
@@ -250,12 +293,24 @@ async fn backend_faults_are_outcome_unknown_not_violations() {
     let backend = recording_backend(&dir);
     let puts = Arc::new(AtomicU64::new(0));
     let relay_url = relay(backend.url.clone(), move |req| {
-        req.method == http::Method::PUT && puts.fetch_add(1, Ordering::Relaxed) % 25 == 24
+        if req.method == http::Method::PUT && puts.fetch_add(1, Ordering::Relaxed) % 25 == 24 {
+            Fault::DropAnswer
+        } else {
+            Fault::None
+        }
     })
     .await;
     let proxy = proxy_to(&dir, &relay_url, &[]);
     let json = dir.path().join("faults.json");
-    let args = ["--target", &proxy.url, "--history", &backend.url].map(str::to_owned);
+    let args = [
+        "--target",
+        &proxy.url,
+        "--history",
+        &backend.url,
+        "--verify",
+        "both",
+    ]
+    .map(str::to_owned);
     let (code, r, stdout) = tokio::task::spawn_blocking(move || {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         loadtest_writes(&args, "600", &json)
@@ -263,8 +318,13 @@ async fn backend_faults_are_outcome_unknown_not_violations() {
     .await
     .unwrap();
     let f = &r["findings"];
-    assert_eq!(f["rejected_present"], 0, "{stdout}");
-    assert_eq!(f["stale_writes_applied"], 0, "{stdout}");
+    for checker in ["history", "read-back"] {
+        let f = &r["by_checker"][checker];
+        assert_eq!(f["rejected_present"], 0, "{checker}: {stdout}");
+        assert_eq!(f["acknowledged_missing"], 0, "{checker}: {stdout}");
+        assert_eq!(f["stale_writes_applied"], 0, "{checker}: {stdout}");
+    }
+    assert_eq!(f["shared_key_regressions"], 0, "{stdout}");
     assert_eq!(code, 0, "{stdout}");
     assert!(f["outcome_unknown"].as_u64().unwrap() >= 10, "{stdout}");
     assert!(stdout.contains("SAFE"), "{stdout}");
@@ -291,7 +351,7 @@ async fn a_direct_run_never_sends_the_lease_id_to_the_storage() {
                 counts.1.fetch_add(1, Ordering::Relaxed);
             }
         }
-        false
+        Fault::None
     })
     .await;
     let json = dir.path().join("direct.json");
@@ -399,4 +459,224 @@ fn a_run_goes_on_through_many_crashes_and_sees_no_token_twice() {
     assert_eq!(f["tokens_issued_twice"], 0, "{stdout}");
     assert_eq!(f["stale_writes_applied"], 0, "{stdout}");
     assert!(f["acknowledged"].as_u64().unwrap() > 0, "{stdout}");
+}
+
+/// The run over `upstream` (a recording backend behind a relay that holds
+/// every sixth write 800 ms before the backend applies it, past the 300 ms
+/// TTL), checked by both checkers, with the takeover barrier on or off.
+async fn slow_writes_across_handovers(barrier: bool) -> (i32, serde_json::Value, String) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    let dir = TempDir::new("loadtest-barrier");
+    let backend = recording_backend(&dir);
+    let puts = Arc::new(AtomicU64::new(0));
+    let relay_url = relay(backend.url.clone(), move |req| {
+        if req.method == http::Method::PUT && puts.fetch_add(1, Ordering::Relaxed) % 6 == 5 {
+            Fault::Delay(800)
+        } else {
+            Fault::None
+        }
+    })
+    .await;
+    let barrier = if barrier { "true" } else { "false" };
+    let env = [
+        ("FENCEGATE_FENCE__DRAIN_BARRIER", barrier),
+        ("FENCEGATE_ALLOW_UNSAFE_SETTINGS", "true"),
+    ];
+    let proxy = proxy_to(&dir, &relay_url, &env);
+    let json = dir.path().join("barrier.json");
+    let args = [
+        "--target",
+        &proxy.url,
+        "--history",
+        &backend.url,
+        "--verify",
+        "both",
+    ]
+    .map(str::to_owned);
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        loadtest_writes(&args, "800", &json)
+    })
+    .await
+    .unwrap()
+}
+
+/// With the barrier, a new term's writes wait for the old term's slow
+/// write: both checkers find nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_writes_across_handovers_land_in_term_order() {
+    let (code, r, stdout) = slow_writes_across_handovers(true).await;
+    assert_eq!(code, 0, "{stdout}");
+    for checker in ["history", "read-back"] {
+        let f = &r["by_checker"][checker];
+        assert_eq!(f["stale_writes_applied"], 0, "{checker}: {stdout}");
+        assert_eq!(f["shared_key_regressions"], 0, "{checker}: {stdout}");
+    }
+}
+
+/// A planted bug: the barrier switched off (`fence.drain_barrier = false`).
+/// A new term's writes overtake the old term's slow ones at the storage;
+/// the apply log shows it, and so does reading back the keys consecutive
+/// terms share, whose final values come from the older term.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_barrier_both_checkers_see_an_older_term_land_last() {
+    let (code, r, stdout) = slow_writes_across_handovers(false).await;
+    assert_eq!(code, 1, "{stdout}");
+    let history = &r["by_checker"]["history"];
+    assert!(
+        history["stale_writes_applied"].as_u64().unwrap() > 0,
+        "{stdout}"
+    );
+    let read_back = &r["by_checker"]["read-back"];
+    assert!(
+        read_back["shared_key_regressions"].as_u64().unwrap() > 0,
+        "{stdout}"
+    );
+    assert!(stdout.contains("UNSAFE"), "{stdout}");
+}
+
+/// `fencegate serve` in front of `upstream` with these route patterns
+/// (and `extra` config lines), on a free loopback port.
+fn serve_routes(dir: &TempDir, upstream: &str, routes: &[&str], extra: &str) -> Proc {
+    let config = dir.path().join("fencegate.toml");
+    let mut text = extra.to_owned();
+    for pattern in routes {
+        text.push_str(&format!("\n[[fence.routes]]\npattern = \"{pattern}\"\n"));
+    }
+    std::fs::write(&config, text).unwrap();
+    let data = dir.path().join("data");
+    Proc::start(
+        &[
+            "serve",
+            "--config",
+            config.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            upstream,
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        &dir.path().join("servers.log"),
+        &[],
+    )
+}
+
+/// The same workload (pauses and skew) through fencegate at `target` and
+/// straight to `storage`, with `layout` (`--path` and friends), checked
+/// by reading back every key: the fenced run is SAFE with every stale
+/// attempt refused, the direct one UNSAFE with stale writes applied.
+async fn fenced_and_direct(dir: &TempDir, target: &str, storage: &str, layout: &[&str]) {
+    let run = |args: Vec<String>, name: &str| {
+        let json = dir.path().join(name);
+        async move {
+            tokio::task::spawn_blocking(move || {
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                loadtest_writes(&args, "600", &json)
+            })
+            .await
+            .unwrap()
+        }
+    };
+    let mut fenced: Vec<String> = ["--target", target, "--skew", "100ms"]
+        .into_iter()
+        .chain(layout.iter().copied())
+        .map(str::to_owned)
+        .collect();
+    let mut direct = fenced.clone();
+    direct.extend(["--direct".to_owned(), storage.to_owned()]);
+    fenced.push("--html".to_owned());
+    fenced.push(dir.path().join("fenced.html").display().to_string());
+
+    let (code, r, stdout) = run(fenced, "fenced.json").await;
+    assert_eq!(code, 0, "{stdout}");
+    assert_eq!(r["verify"], serde_json::json!(["read-back"]), "{stdout}");
+    let f = &r["findings"];
+    assert_eq!(f["writes_attempted"], 600, "{stdout}");
+    assert!(f["stale_attempts"].as_u64().unwrap() > 0, "{stdout}");
+    assert_eq!(
+        f["stale_attempts_rejected"], f["stale_attempts"],
+        "{stdout}"
+    );
+    assert_eq!(f["reads_failed"], 0, "{stdout}");
+    assert!(f["shared_keys_checked"].as_u64().unwrap() > 10, "{stdout}");
+    assert_eq!(r["cleanup"]["failed"], 0, "{stdout}");
+    assert!(
+        stdout.contains("checked by reading back every key"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("SAFE: no stale write reached the storage"));
+    let page = std::fs::read_to_string(dir.path().join("fenced.html")).unwrap();
+    assert!(page.contains("checked by reading back every key"));
+
+    let (code, r, stdout) = run(direct, "direct.json").await;
+    assert_eq!(code, 1, "{stdout}");
+    let f = &r["findings"];
+    assert!(f["stale_writes_applied"].as_u64().unwrap() > 0, "{stdout}");
+    assert_eq!(f["acknowledged_missing"], 0, "{stdout}");
+    assert!(stdout.contains("UNSAFE"), "{stdout}");
+}
+
+/// Every regular file under `dir`.
+fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            found.extend(files_under(&path));
+        } else {
+            found.push(path);
+        }
+    }
+    found
+}
+
+/// In front of nginx's WebDAV, over HTTPS end to end (a private CA):
+/// fenced SAFE, direct UNSAFE, and the run's files deleted afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_back_in_front_of_nginx_webdav_over_https() {
+    let dir = TempDir::new("loadtest-nginx");
+    let support::servers::TestCa { ca, cert, key } = support::servers::TestCa::new(dir.path());
+    let nginx = support::servers::nginx_tls(&cert, &key).await;
+    let tls = format!(
+        "[tls]\ncert_file = {cert:?}\nkey_file = {key:?}\n[proxy]\nupstream_ca_file = {ca:?}\n"
+    );
+    let proxy = serve_routes(&dir, &nginx.url, &["/dav/{lease}"], &tls);
+    assert!(proxy.url.starts_with("https://"), "{}", proxy.url);
+    let ca = ca.display().to_string();
+    let layout = ["--path", "/dav/{lease}/{key}", "--cacert", &ca];
+    fenced_and_direct(&dir, &proxy.url, &nginx.url, &layout).await;
+    // The fenced run cleaned up after itself; the direct one too.
+    assert_eq!(
+        files_under(&nginx.root.join("dav")),
+        Vec::<std::path::PathBuf>::new()
+    );
+}
+
+/// In front of etcd's v2 keys API: a form body, etcd's JSON answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_back_in_front_of_etcd_v2() {
+    let dir = TempDir::new("loadtest-etcd");
+    let etcd = support::servers::etcd().await;
+    let proxy = serve_routes(&dir, &etcd.url, &["/v2/keys/{lease}"], "");
+    let layout = [
+        "--path",
+        "/v2/keys/{lease}/{key}",
+        "--body",
+        "value={value}",
+        "--content-type",
+        "application/x-www-form-urlencoded",
+    ];
+    fenced_and_direct(&dir, &proxy.url, &etcd.url, &layout).await;
+    // Nothing of the runs is left under the leases' directories.
+    let c = support::HttpClient::new(&etcd.url);
+    for lease in 0..4 {
+        let r = c
+            .send(support::Req::new("GET", &format!("/v2/keys/lt-{lease}")))
+            .await;
+        let nodes = r.json()["node"]["nodes"].as_array().map_or(0, Vec::len);
+        assert_eq!(nodes, 0, "{}", r.text());
+    }
 }

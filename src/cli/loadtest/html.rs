@@ -53,12 +53,14 @@ pub fn render(report: &Report, writes: &[ClientWrite], terms: &[TermSpan]) -> St
 <style>{STYLE}</style></head>
 <body>
 <header class="verdict {class}"><div class="big" id="verdict">{verdict}</div>
-<div>run {run} · writes {via} · {writers} writers, {leases} leases, TTL {ttl} ms, pauses p={pp} of {pause} ms, skew {skew} ms, seed {seed}</div></header>
+<div>run {run} · writes {via} to {path} · checked by {checkers} · {writers} writers, {leases} leases, TTL {ttl} ms, pauses p={pp} of {pause} ms, skew {skew} ms, seed {seed}</div></header>
 <main>
 "#,
         run = esc(&report.run_id),
         verdict = esc(&report.verdict),
         via = esc(&via),
+        path = esc(&report.path),
+        checkers = esc(&super::checkers(report)),
         writers = report.writers,
         leases = report.leases,
         ttl = report.ttl_ms,
