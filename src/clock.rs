@@ -198,9 +198,7 @@ impl Clock {
     /// wall clock is its own time above [`MANUAL_WALL_EPOCH_MS`].
     pub fn wall_ms(&self) -> u64 {
         match &*self.inner {
-            Inner::System { .. } => std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            Inner::System { .. } => unix_now_ms(),
             Inner::Manual { now_ms, .. } => {
                 MANUAL_WALL_EPOCH_MS.saturating_add(now_ms.load(Ordering::Acquire))
             }
@@ -251,6 +249,14 @@ impl Clock {
             },
         }
     }
+}
+
+/// The system's wall clock, in ms since the Unix epoch (0 if it reads
+/// before the epoch): for hints and signatures (S3's), never a deadline.
+pub fn unix_now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Now on tokio's monotonic clock, for client-side deadlines handed to

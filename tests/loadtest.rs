@@ -17,7 +17,17 @@ fn loadtest_writes(
     writes: &str,
     json: &std::path::Path,
 ) -> (i32, serde_json::Value, String) {
+    loadtest_env(args, writes, json, &[])
+}
+
+fn loadtest_env(
+    args: &[&str],
+    writes: &str,
+    json: &std::path::Path,
+    env: &[(&str, &str)],
+) -> (i32, serde_json::Value, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .envs(env.iter().copied())
         .arg("loadtest")
         .args(args)
         .args([
@@ -568,13 +578,20 @@ fn serve_routes(dir: &TempDir, upstream: &str, routes: &[&str], extra: &str) -> 
 /// straight to `storage`, with `layout` (`--path` and friends), checked
 /// by reading back every key: the fenced run is SAFE with every stale
 /// attempt refused, the direct one UNSAFE with stale writes applied.
-async fn fenced_and_direct(dir: &TempDir, target: &str, storage: &str, layout: &[&str]) {
+async fn fenced_and_direct(
+    dir: &TempDir,
+    target: &str,
+    storage: &str,
+    layout: &[&str],
+    env: &[(&'static str, &'static str)],
+) {
     let run = |args: Vec<String>, name: &str| {
         let json = dir.path().join(name);
+        let env = env.to_vec();
         async move {
             tokio::task::spawn_blocking(move || {
                 let args: Vec<&str> = args.iter().map(String::as_str).collect();
-                loadtest_writes(&args, "600", &json)
+                loadtest_env(&args, "600", &json, &env)
             })
             .await
             .unwrap()
@@ -647,7 +664,7 @@ async fn read_back_in_front_of_nginx_webdav_over_https() {
     assert!(proxy.url.starts_with("https://"), "{}", proxy.url);
     let ca = ca.display().to_string();
     let layout = ["--path", "/dav/{lease}/{key}", "--cacert", &ca];
-    fenced_and_direct(&dir, &proxy.url, &nginx.url, &layout).await;
+    fenced_and_direct(&dir, &proxy.url, &nginx.url, &layout, &[]).await;
     // The fenced run cleaned up after itself; the direct one too.
     assert_eq!(
         files_under(&nginx.root.join("dav")),
@@ -669,7 +686,7 @@ async fn read_back_in_front_of_etcd_v2() {
         "--content-type",
         "application/x-www-form-urlencoded",
     ];
-    fenced_and_direct(&dir, &proxy.url, &etcd.url, &layout).await;
+    fenced_and_direct(&dir, &proxy.url, &etcd.url, &layout, &[]).await;
     // Nothing of the runs is left under the leases' directories.
     let c = support::HttpClient::new(&etcd.url);
     for lease in 0..4 {
@@ -679,4 +696,43 @@ async fn read_back_in_front_of_etcd_v2() {
         let nodes = r.json()["node"]["nodes"].as_array().map_or(0, Vec::len);
         assert_eq!(nodes, 0, "{}", r.text());
     }
+}
+
+/// In front of S3 (Garage, one node), with the repo's S3 example
+/// configuration (`config/examples/s3.toml`: Host passed on unchanged, so
+/// the signature holds): every storage request signed with AWS Signature
+/// V4 (`--s3-region`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_back_in_front_of_s3() {
+    let dir = TempDir::new("loadtest-s3");
+    let garage = support::servers::garage().await;
+    let config = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/examples/s3.toml");
+    let data = dir.path().join("data");
+    let proxy = Proc::start(
+        &[
+            "serve",
+            "--config",
+            config.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            &garage.server.url,
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        &dir.path().join("servers.log"),
+        &[],
+    );
+    let (key_id, secret) = support::servers::GARAGE_KEY;
+    let env = [
+        ("AWS_ACCESS_KEY_ID", key_id),
+        ("AWS_SECRET_ACCESS_KEY", secret),
+    ];
+    let layout = [
+        "--path",
+        "/orders-bucket/{lease}/{key}",
+        "--s3-region",
+        garage.region,
+    ];
+    fenced_and_direct(&dir, &proxy.url, &garage.server.url, &layout, &env).await;
 }

@@ -23,6 +23,7 @@ pub mod check;
 pub mod html;
 pub mod layout;
 mod readback;
+pub mod sigv4;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{IsTerminal, Write};
@@ -141,6 +142,12 @@ pub struct LoadtestArgs {
     /// with a private CA or a self-signed certificate.
     #[arg(long, env = "FENCEGATE_CACERT")]
     pub cacert: Option<std::path::PathBuf>,
+    /// Sign the storage requests (writes, reads, deletes) for S3 in this
+    /// region (AWS Signature V4), with AWS_ACCESS_KEY_ID and
+    /// AWS_SECRET_ACCESS_KEY from the environment; fencegate must pass
+    /// `Host` on unchanged (`proxy.preserve_host = true`).
+    #[arg(long, env = "AWS_REGION")]
+    pub s3_region: Option<String>,
 }
 
 /// `--verify`: which checker says what landed.
@@ -237,6 +244,8 @@ pub struct Report {
 
 struct Shared {
     client: HttpsClient,
+    /// Signs storage requests for S3 (`--s3-region`).
+    s3: Option<sigv4::S3Signer>,
     args: LoadtestArgs,
     path: PathTemplate,
     body: BodyTemplate,
@@ -407,6 +416,9 @@ async fn send(
     if let Some(bearer) = bearer {
         req = req.header(http::header::AUTHORIZATION, bearer.clone());
     }
+    if let Some(s3) = &shared.s3 {
+        req = sign_s3(s3, req, &body).map_err(|e| (e, false))?;
+    }
     let client = &shared.client;
     let req = req
         .body(Full::new(body))
@@ -423,6 +435,34 @@ async fn send(
         .to_bytes();
     let json = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
     Ok(Answer { status, json, body })
+}
+
+/// Adds an S3 signature to a storage request (not to fencegate's own API
+/// under `/_fence/`). With a bearer secret for fencegate as well, S3's
+/// `Authorization` would take its place: the two cannot be combined.
+fn sign_s3(
+    s3: &sigv4::S3Signer,
+    req: http::request::Builder,
+    body: &Bytes,
+) -> Result<http::request::Builder, String> {
+    let uri = req.uri_ref().cloned().unwrap_or_default();
+    let path_and_query = uri.path_and_query().map_or("/", |pq| pq.as_str());
+    if path_and_query.starts_with("/_fence/") {
+        return Ok(req);
+    }
+    let host = uri.authority().map(|a| a.as_str()).unwrap_or_default();
+    let method = req.method_ref().cloned().unwrap_or_default();
+    let signed = s3.sign(
+        method.as_str(),
+        host,
+        path_and_query,
+        body,
+        crate::clock::unix_now_ms() / 1000,
+    );
+    Ok(req
+        .header(http::header::AUTHORIZATION, signed.authorization)
+        .header("x-amz-date", signed.amz_date)
+        .header("x-amz-content-sha256", signed.content_sha256))
 }
 
 /// A term as the writer sees it.
@@ -924,8 +964,20 @@ fn prepare(args: &LoadtestArgs, total: Option<u64>) -> Result<Arc<Shared>, Strin
         }
         None => None,
     };
+    let s3 = match &args.s3_region {
+        Some(_) if bearer.is_some() => {
+            return Err(
+                "--s3-region: S3's signature takes the Authorization header, so a \
+                        bearer secret for fencegate cannot go with it"
+                    .into(),
+            )
+        }
+        Some(region) => Some(sigv4::S3Signer::from_env(region)?),
+        None => None,
+    };
     Ok(Arc::new(Shared {
         client,
+        s3,
         bearer,
         args: args.clone(),
         path: PathTemplate::parse(&args.path)?,
