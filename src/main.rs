@@ -33,7 +33,7 @@ enum Command {
     /// Run a command while holding a lease; stop it if the lease is lost.
     Run(RunArgs),
     /// Load-test stale-writer rejection and check that nothing stale landed.
-    Loadtest(LoadtestArgs),
+    Loadtest(Box<LoadtestArgs>),
 }
 
 /// Logs go to stderr: human-readable by default, JSON lines with
@@ -70,7 +70,7 @@ fn main() -> ExitCode {
         Command::Lease(args) => block_on(0, async { Ok(cli::lease::run(args).await) }),
         Command::Run(args) => block_on(0, async { Ok(cli::run::run(args).await) }),
         Command::Loadtest(args) => block_on(0, async {
-            let (report, status) = cli::loadtest::run(args).await?;
+            let (report, status) = cli::loadtest::run(*args).await?;
             print!("{}", cli::loadtest::summary(&report));
             Ok(status)
         }),
