@@ -145,8 +145,10 @@ pub struct LoadtestArgs {
     /// Sign the storage requests (writes, reads, deletes) for S3 in this
     /// region (AWS Signature V4), with AWS_ACCESS_KEY_ID and
     /// AWS_SECRET_ACCESS_KEY from the environment; fencegate must pass
-    /// `Host` on unchanged (`proxy.preserve_host = true`).
-    #[arg(long, env = "AWS_REGION")]
+    /// `Host` on unchanged (`proxy.preserve_host = true`). A flag only (not
+    /// read from AWS_REGION), so a shell set up for AWS does not sign a
+    /// run against other storage.
+    #[arg(long)]
     pub s3_region: Option<String>,
 }
 
