@@ -21,12 +21,15 @@
 //! - [`app`]: composes everything into one service: request ids and limits,
 //!   then the lease API or the fenced data path.
 //! - [`auth`]: bearer-token callers (off by default).
-//! - [`names`]: lease and holder names, checked once where they enter.
+//! - [`names`]: lease and holder names, checked once where they enter (from
+//!   the I/O-free core, the `fencegate-core` crate, like [`hex`], the lease
+//!   state machine in [`lease::machine`] and the journal's format in
+//!   [`journal::record`]).
 //! - [`api`]: the lease API under `/_fence/` (acquire, renew, release, inspect).
 //! - [`fence`]: the tower layer that admits or rejects a write; [`route`] maps
 //!   paths to the leases that guard them.
 //! - [`backend`]: the embedded key-value store and the HTTP(S) upstream client.
-//! - [`lease`]: the pure lease state machine and the concurrent store around
+//! - [`lease`]: the core's lease state machine and the concurrent store around
 //!   it (the handover barrier and the acquire rate limit in files of their
 //!   own); [`journal`] makes grants durable (an fsync'd, checksummed log with
 //!   group commit and a token floor) behind the `Journal` trait, the seam a
@@ -48,9 +51,12 @@
 //!   several layers share; [`hex`]: lowercase hex for ids and digests;
 //!   [`config`]: typed settings, read by start-up only.
 //!
-//! Dependencies point one way (`tests/layering.rs` checks the crate's own
-//! imports for cycles): the leaves `clock`, `journal`, `body`, `wire`,
-//! `names`, `hex`, `framing` and `tls` import nothing from the crate; `auth`
+//! Dependencies point one way. The core crate cannot name this one, and it
+//! does no I/O and reads no clock (its `clippy.toml` denies the std APIs;
+//! `tests/layering.rs` holds its dependency tree to pure-computation crates).
+//! Inside this crate `tests/layering.rs` checks the imports for cycles: the
+//! leaves `clock`, `journal`, `body`, `wire`, `framing` and `tls` import
+//! nothing from the crate (`names` and `hex` come from the core); `auth`
 //! imports only `names` and `hex`, `route` only `names`, `etcd` only `tls`; `lease` ← `error`, `metrics` ← `fence` ←
 //! `api`; `backend` ← `server`; `app` composes `api`, `fence` and `backend`;
 //! `cluster` builds on `etcd`, `journal` and `lease` and gets the app it
@@ -73,11 +79,11 @@ pub mod error;
 pub mod etcd;
 pub mod fence;
 pub mod framing;
-pub mod hex;
+pub use fencegate_core::hex;
 pub mod journal;
 pub mod lease;
 pub mod metrics;
-pub mod names;
+pub use fencegate_core::names;
 pub mod route;
 pub mod serve;
 pub mod server;

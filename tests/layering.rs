@@ -1,6 +1,14 @@
-//! "Dependencies point one way", checked: the crate's own `use` lines (and
-//! `crate::` paths) between top-level modules of `src/` form no cycle, and
-//! the leaves named in `lib.rs` import nothing from the crate.
+//! "Dependencies point one way", checked.
+//!
+//! Between crates the compiler enforces it: `fencegate-core` cannot name the
+//! proxy. What this file checks is what the compiler does not:
+//! - the core brings in no runtime and no I/O crate: its dependency tree is
+//!   exactly the allowed list below (the standard library's file, network,
+//!   process, thread and clock APIs are denied in it by clippy, through
+//!   `crates/fencegate-core/clippy.toml`);
+//! - inside the `fencegate` package, the `use` lines and `crate::` or
+//!   `super::` paths between top-level modules of `src/` form no cycle, and
+//!   the leaves named in `lib.rs` import nothing from the crate.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -34,6 +42,27 @@ fn imports() -> BTreeMap<String, BTreeSet<String>> {
             let text = std::fs::read_to_string(&path).unwrap();
             let code = text.split("#[cfg(test)]").next().unwrap_or_default();
             let names = graph.entry(module.clone()).or_default();
+            // `super::` from `src/a.rs` or `src/a/mod.rs` is the crate root,
+            // from `src/a/b.rs` it is `a`, and so on down.
+            let depth = rel.split('/').count() - usize::from(rel.ends_with("mod.rs"));
+            let to_root = "super::".repeat(depth);
+            for (at, _) in code.match_indices(&to_root) {
+                let rest = &code[at + to_root.len()..];
+                if rest.starts_with("super::") {
+                    continue;
+                }
+                assert!(
+                    !rest.starts_with('{'),
+                    "{rel}: name each module in its own `use super::…` line, so this check sees it"
+                );
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                    .collect();
+                if !name.is_empty() && name != module && rest[name.len()..].starts_with("::") {
+                    names.insert(name);
+                }
+            }
             for (at, _) in code.match_indices("crate::") {
                 let name: String = code[at + 7..]
                     .chars()
@@ -94,9 +123,7 @@ fn modules_import_each_other_in_one_direction_only() {
             found.join(" -> ")
         );
     }
-    for leaf in [
-        "body", "clock", "framing", "hex", "journal", "names", "tls", "wire",
-    ] {
+    for leaf in ["body", "clock", "framing", "journal", "tls", "wire"] {
         assert_eq!(
             graph[leaf],
             BTreeSet::new(),
@@ -130,4 +157,68 @@ fn the_check_finds_a_cycle() {
     .map(|(k, v)| (k.to_owned(), v.into_iter().map(str::to_owned).collect()))
     .collect();
     assert_eq!(cycle(&graph).unwrap().len(), 4);
+}
+
+/// The crates `fencegate-core` may depend on, on any target: pure
+/// computation (hashing, checksums, byte buffers, inline strings) and the
+/// macros they are built with. `libc` comes only through `cpufeatures`
+/// (sha2's CPU feature probe, which reads the auxiliary vector on ARM).
+const CORE_MAY_USE: &[&str] = &[
+    "block-buffer",
+    "bytes",
+    "castaway",
+    "cfg-if",
+    "compact_str",
+    "cpufeatures",
+    "crc32fast",
+    "crypto-common",
+    "digest",
+    "fencegate-core",
+    "generic-array",
+    "itoa",
+    "libc",
+    "rustversion",
+    "sha2",
+    "static_assertions",
+    "subtle",
+    "typenum",
+    "version_check",
+    "zmij",
+];
+
+/// The core's dependency tree (normal and build dependencies, every
+/// target): no runtime, no I/O crate, nothing but the allowed list.
+#[test]
+fn the_core_depends_on_no_runtime_and_no_io_crate() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let out = std::process::Command::new(cargo)
+        .args(["tree", "--offline", "--locked", "-p", "fencegate-core"])
+        .args(["-e", "normal,build", "--target", "all", "--prefix", "none"])
+        .args(["--format", "{p}"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tree = String::from_utf8(out.stdout).unwrap();
+    let crates: BTreeSet<&str> = tree
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert!(crates.contains("sha2"), "{tree}");
+    let extra: Vec<&&str> = crates
+        .iter()
+        .filter(|c| !CORE_MAY_USE.contains(c))
+        .collect();
+    assert!(
+        extra.is_empty(),
+        "fencegate-core depends on {extra:?}: the core must stay free of I/O and runtimes \
+         (if the crate is pure computation, add it to CORE_MAY_USE with the reason)"
+    );
+    for banned in ["tokio", "mio", "socket2", "hyper", "getrandom"] {
+        assert!(!crates.contains(banned), "{banned}");
+    }
 }

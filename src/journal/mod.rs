@@ -14,7 +14,7 @@
 //! mode's journal lives with the cluster (`cluster::journal`).
 
 pub mod file;
-pub mod record;
+pub use fencegate_core::journal::record;
 
 use std::future::Future;
 use std::pin::Pin;

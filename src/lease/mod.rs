@@ -3,9 +3,9 @@
 //! proxy shares ([`store`]) and, in cluster mode, the member's right to
 //! admit ([`primacy`]).
 
-pub mod id;
 pub mod inflight;
-pub mod machine;
+
+pub use fencegate_core::lease::{id, machine};
 pub mod primacy;
 pub mod store;
 

@@ -539,8 +539,7 @@ impl LeaseStore {
         let clock = &self.shared.clock;
         let wait_until_ms = clock.now_ms().saturating_add(wait_ms);
         loop {
-            let lease_id = LeaseId::generate()
-                .map_err(|e| AcquireError::Unavailable(format!("OS RNG failed: {e}")))?;
+            let lease_id = new_lease_id()?;
             let mut slot = self
                 .shared
                 .leases
@@ -1142,6 +1141,14 @@ impl LeaseStore {
 
 /// The deadline of `state`'s term if it has one that was not released (it
 /// may be past).
+/// A fresh lease id from the OS random number generator.
+fn new_lease_id() -> Result<LeaseId, AcquireError> {
+    let mut raw = [0u8; super::id::ID_BYTES];
+    getrandom::fill(&mut raw)
+        .map_err(|e| AcquireError::Unavailable(format!("OS RNG failed: {e}")))?;
+    Ok(LeaseId::from_bytes(raw))
+}
+
 fn live_deadline(state: &LeaseState) -> Option<u64> {
     state.term().filter(|t| !t.released).map(|t| t.deadline_ms)
 }
@@ -1162,6 +1169,14 @@ mod tests {
         Holder::new(name).unwrap()
     }
     use crate::journal::MemoryJournal;
+
+    #[test]
+    fn fresh_lease_ids_differ() {
+        let a = new_lease_id().unwrap();
+        let b = new_lease_id().unwrap();
+        assert_ne!(a, b);
+        assert_eq!(a.expose().len(), crate::lease::id::LEASE_ID_LEN);
+    }
 
     fn store(clock: &Clock) -> (LeaseStore, Arc<MemoryJournal>) {
         let journal = Arc::new(MemoryJournal::default());

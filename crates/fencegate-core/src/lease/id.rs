@@ -8,7 +8,7 @@ use crate::hex;
 use subtle::ConstantTimeEq;
 
 /// Number of random bytes in a lease id (128 bits).
-const ID_BYTES: usize = 16;
+pub const ID_BYTES: usize = 16;
 /// Length of the text form: lowercase hex.
 pub const LEASE_ID_LEN: usize = ID_BYTES * 2;
 
@@ -29,14 +29,8 @@ enum Form {
 }
 
 impl LeaseId {
-    /// A fresh id from the OS random number generator.
-    pub fn generate() -> Result<Self, getrandom::Error> {
-        let mut raw = [0u8; ID_BYTES];
-        getrandom::fill(&mut raw)?;
-        Ok(Self::from_bytes(raw))
-    }
-
-    /// The id with these random bytes (tests and journal replay).
+    /// The id with these random bytes: the lease store draws them from the
+    /// OS random number generator (the core reads no randomness itself).
     pub fn from_bytes(raw: [u8; ID_BYTES]) -> Self {
         let mut text = [0u8; LEASE_ID_LEN];
         hex::encode_into(&raw, &mut text);
@@ -141,13 +135,5 @@ mod tests {
     fn debug_never_shows_the_id() {
         let id = LeaseId::from_bytes([0x11; 16]);
         assert!(!format!("{id:?}").contains("11"));
-    }
-
-    #[test]
-    fn generated_ids_differ() {
-        let a = LeaseId::generate().unwrap();
-        let b = LeaseId::generate().unwrap();
-        assert_ne!(a, b);
-        assert_eq!(a.expose().len(), LEASE_ID_LEN);
     }
 }

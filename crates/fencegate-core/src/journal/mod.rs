@@ -1,0 +1,3 @@
+//! The journal's on-disk format ([`record`]).
+
+pub mod record;

@@ -1,0 +1,26 @@
+//! fencegate's core: the decisions that make fencing safe, with no I/O.
+//!
+//! Everything here takes time, bytes and events as arguments and returns
+//! decisions: no file, socket, process, thread, environment or clock is
+//! reached from this crate (`clippy.toml` beside its manifest denies them,
+//! and CI runs clippy with `-D warnings`), and none of its dependencies is a
+//! runtime or an I/O crate (`tests/layering.rs` in the fencegate package
+//! reads the dependency tree). The proxy, its file journal, its etcd journal
+//! and its HTTP layers are shells around it.
+//!
+//! - [`lease`]: the lease state machine ([`lease::machine`]: acquire, renew,
+//!   release, the admission check, all on the caller's `now_ms`) and lease
+//!   ids ([`lease::id`]).
+//! - [`journal`]: the journal's on-disk format ([`journal::record`]: header
+//!   slots, checksummed frames, the records and how they fold into a lease's
+//!   state).
+//! - [`names`]: lease and holder names, checked once where they enter.
+//! - [`hex`]: lowercase hex for ids and digests.
+//!
+//! Dependencies point one way: `hex` and `names` import nothing from the
+//! crate, `lease` imports `hex`, `journal` imports nothing.
+
+pub mod hex;
+pub mod journal;
+pub mod lease;
+pub mod names;
