@@ -9,16 +9,18 @@
 //! and its HTTP layers are shells around it.
 //!
 //! - [`lease`]: the lease state machine ([`lease::machine`]: acquire, renew,
-//!   release, the admission check, all on the caller's `now_ms`) and lease
-//!   ids ([`lease::id`]).
+//!   release, the write check, all on the caller's `now_ms`), lease ids
+//!   ([`lease::id`]), writes in flight by term ([`lease::inflight`]), the
+//!   admission decision with the handover barrier ([`lease::admission`])
+//!   and the restart rule and window ([`lease::restart`]).
 //! - [`journal`]: the journal's on-disk format ([`journal::record`]: header
 //!   slots, checksummed frames, the records and how they fold into a lease's
 //!   state).
 //! - [`names`]: lease and holder names, checked once where they enter.
 //! - [`hex`]: lowercase hex for ids and digests.
 //!
-//! Dependencies point one way: `hex` and `names` import nothing from the
-//! crate, `lease` imports `hex`, `journal` imports nothing.
+//! Dependencies point one way: `hex`, `names` and `journal` import nothing
+//! from the crate; `lease` imports all three.
 
 pub mod hex;
 pub mod journal;

@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::{LeaseCell, LeaseStore};
-use crate::lease::machine::{Admit, Reject};
+use crate::lease::admission::{self, Decision, WriteCheck};
+use crate::lease::machine::Reject;
 
 /// Counters of the handover barrier, for metrics.
 #[derive(Debug, Default)]
@@ -208,46 +209,47 @@ impl LeaseStore {
         let Some(slot) = self.shared.leases.get(name) else {
             return Admission::Refused(Reject::UnknownToken { current: 0 });
         };
-        let admit: Admit =
-            match slot
-                .state
-                .check_write(now_ms, options.margin_ms, token, lease_id, holder)
-            {
-                Ok(admit) => admit,
-                Err(reject) => {
-                    // A refused write names the lease too (retention); an
-                    // admitted one has a live term, which keeps it anyway.
-                    slot.touch(now_ms);
-                    return Admission::Refused(reject);
-                }
-            };
+        let write = WriteCheck {
+            token,
+            lease_id,
+            holder,
+            margin_ms: options.margin_ms,
+            barrier: options.barrier,
+        };
+        let admit = match admission::check(&slot.state, now_ms, &write) {
+            Ok(admit) => admit,
+            Err(reject) => {
+                // A refused write names the lease too (retention); an
+                // admitted one has a live term, which keeps it anyway.
+                slot.touch(now_ms);
+                return Admission::Refused(reject);
+            }
+        };
+        // The term cannot change meanwhile: that takes the map shard's
+        // write lock, and `slot` holds it for reading.
         let cell = slot.cell();
         let mut inflight = cell.inflight();
-        if options.barrier {
-            if let Some(blocked) = inflight.older_than(token, now_ms) {
-                inflight.note_waiter();
-                return Admission::MustWait(MustWait {
-                    older_token: blocked.older_token,
-                    deadline_ms: admit.deadline_ms,
-                    until_ms: blocked.until_ms,
-                    now_ms,
-                    cell: cell.clone(),
-                });
-            }
-            // Writes of earlier terms sent before a restart may still be at
-            // the backend: they left no trace but the time of the restart,
-            // and the grant or release that said none could be (see
-            // `Slot::unsettled_from`).
-            let unsettled_until_ms = self.shared.unsettled_until_ms;
-            if slot.unsettled_from < token && now_ms < unsettled_until_ms {
-                return Admission::MustWait(MustWait {
-                    older_token: token - 1,
-                    deadline_ms: admit.deadline_ms,
-                    until_ms: Some(unsettled_until_ms),
-                    now_ms,
-                    cell: cell.clone(),
-                });
-            }
+        let unsettled_until_ms = self.shared.unsettled_until_ms;
+        if let Decision::Wait {
+            older_token,
+            until_ms,
+            deadline_ms,
+        } = admission::barrier(
+            &mut inflight,
+            slot.unsettled_from,
+            unsettled_until_ms,
+            now_ms,
+            &write,
+            admit,
+        ) {
+            inflight.note_waiter();
+            return Admission::MustWait(MustWait {
+                older_token,
+                deadline_ms,
+                until_ms,
+                now_ms,
+                cell: cell.clone(),
+            });
         }
         inflight.add(token);
         drop(inflight);

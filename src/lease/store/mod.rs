@@ -33,6 +33,7 @@ use gauges::{InflightCount, LiveTerms};
 use super::id::LeaseId;
 use super::inflight::Inflight;
 use super::machine::{AcquireRefused, Grant, Held, LeaseState, Reject, Term, View};
+use super::restart::{self, wall_hint_due, RestartRule, SETTLED};
 use crate::clock::Clock;
 use crate::journal::{GrantRecord, Journal, JournalFuture, LeaseRecord};
 use crate::names::{Holder, LeaseName};
@@ -130,33 +131,6 @@ pub enum RenewError {
     InvalidTtl { min_ttl_ms: u64, max_ttl_ms: u64 },
 }
 
-/// [`Slot::unsettled_from`] of a lease no write forwarded before the
-/// restart can be unfinished for.
-const SETTLED: u64 = u64::MAX;
-
-/// Whether a renewal at `wall_ms` (the wall clock) for `ttl_ms` must tell
-/// the journal, whose last hint of the term's end was `recorded_ms`: once
-/// the term's end would be more than half a TTL past it. So the true end
-/// is never more than half a TTL past the hint (a lost lazy record aside),
-/// at most two records a TTL for a term renewed however often.
-fn wall_hint_due(recorded_ms: u64, wall_ms: u64, ttl_ms: u64) -> bool {
-    wall_ms.saturating_add(ttl_ms) > recorded_ms.saturating_add(ttl_ms / 2)
-}
-
-/// How long, at most, a recovered term whose journal hint of its end on
-/// the wall clock is `wall_deadline_ms` can still have left at `wall_ms`,
-/// allowing `tolerance_ms` of clock error (`u64::MAX`: no hint). See
-/// [`wall_hint_due`] for the half TTL.
-fn wall_hint_left_ms(wall_deadline_ms: u64, ttl_ms: u64, wall_ms: u64, tolerance_ms: u64) -> u64 {
-    if wall_deadline_ms == 0 || wall_ms == 0 {
-        return u64::MAX;
-    }
-    wall_deadline_ms
-        .saturating_add(ttl_ms / 2)
-        .saturating_add(tolerance_ms)
-        .saturating_sub(wall_ms)
-}
-
 /// One lease's entry in the map.
 struct Slot {
     state: LeaseState,
@@ -219,8 +193,7 @@ impl Slot {
     /// at the storage at `now_ms`: none forwarded before the restart (or the
     /// restart window is over) and none in flight or settling now.
     fn quiet_below(&self, token: u64, now_ms: u64, unsettled_until_ms: u64) -> bool {
-        let restart_settled = self.unsettled_from >= token || now_ms >= unsettled_until_ms;
-        restart_settled
+        !restart::restart_holds_back(self.unsettled_from, unsettled_until_ms, token, now_ms)
             && self
                 .cell
                 .get()
@@ -309,26 +282,6 @@ struct Shared {
     sweep_cursor: Mutex<Option<CompactString>>,
 }
 
-/// What a restart must respect besides the recovered leases.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct RestartRule {
-    /// How long after the start a write forwarded before it may still reach
-    /// the backend: the longest upstream deadline plus the settle time. Until
-    /// then, no write of a term that may follow such a write is forwarded.
-    pub unsettled_ms: u64,
-    /// Every lease's tokens, recovered or new, continue above this.
-    pub token_floor: u64,
-    /// The journal may have lost records: every lease, recovered or not,
-    /// may have had writes in flight, whatever the records kept say.
-    pub lost_records: bool,
-    /// The recovered terms carry the SHA-256 digest of each lease id, not
-    /// its text (the lease state cluster members share in etcd).
-    pub hashed_ids: bool,
-    /// Leases not recovered (forgotten before the restart, or never
-    /// granted) continue above this.
-    pub forgotten_above: u64,
-}
-
 /// The lease store: cheap to clone, shared by the lease API and the fence.
 #[derive(Clone)]
 pub struct LeaseStore {
@@ -402,56 +355,20 @@ impl LeaseStore {
             shared.live_terms = LiveTerms::new(longest_ttl_ms);
         }
         for lease in recovered {
-            if let Err(e) = LeaseName::new(lease.lease.as_str()) {
-                return Err(format!(
-                    "the journal holds an invalid lease name {:?}: {e}",
-                    lease.lease
-                ));
-            }
-            // Which writes forwarded before the restart may be unfinished:
-            // none after a quiet release, only the term's own after a quiet
-            // grant, else any (every lease's, if records may be lost).
-            let unsettled_from = match &lease.term {
-                _ if rule.lost_records => 1,
-                Some(t) if t.released && t.released_quiet => SETTLED,
-                Some(t) if t.granted_quiet => t.token,
-                _ => 1,
-            };
-            let (held_ms, wall_deadline_ms) = match &lease.term {
-                Some(t) if !t.released => (
-                    wall_hint_left_ms(
-                        t.wall_deadline_ms,
-                        t.ttl_ms,
-                        wall_ms,
-                        limits.wall_clock_tolerance_ms,
-                    ),
-                    t.wall_deadline_ms,
-                ),
-                _ => (u64::MAX, 0),
-            };
-            let term = match lease.term {
-                None => None,
-                Some(t) => Some(Term {
-                    token: t.token,
-                    holder: t.holder.into(),
-                    lease_id: if rule.hashed_ids {
-                        LeaseId::from_sha256(t.lease_id)
-                    } else {
-                        LeaseId::from_text(t.lease_id).ok_or_else(|| {
-                            format!(
-                                "the journal holds a malformed lease id for {:?}",
-                                lease.lease
-                            )
-                        })?
-                    },
-                    ttl_ms: t.ttl_ms,
-                    deadline_ms: 0,
-                    released: t.released,
-                }),
-            };
-            let last_token = lease.last_token.max(rule.token_floor);
-            let state = LeaseState::restored(now_ms, last_token, lease.transitions, term, held_ms);
-            if held_ms == 0 {
+            let restart::Restored {
+                name,
+                state,
+                unsettled_from,
+                wall_deadline_ms,
+                ended_by_hint: ended,
+            } = restart::restore(
+                lease,
+                &rule,
+                now_ms,
+                wall_ms,
+                limits.wall_clock_tolerance_ms,
+            )?;
+            if ended {
                 // Recorded as ended (not quiet: its writes may be unfinished),
                 // so a later start whose wall clock went back keeps it ended.
                 if let Some(t) = state.term() {
@@ -459,15 +376,15 @@ impl LeaseStore {
                         store
                             .shared
                             .journal
-                            .persist_release(&lease.lease, t.token, false),
+                            .persist_release(name.as_str(), t.token, false),
                     );
                 }
                 ended_by_hint += 1;
             }
             store.shared.live_terms.track(None, live_deadline(&state));
-            lock(&store.shared.names).insert(lease.lease.as_str().into());
+            lock(&store.shared.names).insert(name.as_str().into());
             store.shared.leases.insert(
-                lease.lease.into(),
+                name.as_str().into(),
                 Box::new(Slot {
                     state,
                     unsettled_from,

@@ -1,4 +1,9 @@
-//! Leases: the pure state machine ([`machine`]) and lease ids ([`id`]).
+//! Leases: the pure state machine ([`machine`]), lease ids ([`id`]), writes
+//! in flight by term ([`inflight`]), the admission decision with the
+//! handover barrier ([`admission`]) and the restart rule ([`restart`]).
 
+pub mod admission;
 pub mod id;
+pub mod inflight;
 pub mod machine;
+pub mod restart;

@@ -1,0 +1,111 @@
+//! The admission decision for one write: the lease's checks, then the
+//! handover barrier. The shell calls it under the lease's lock with its
+//! clock's `now_ms`, and counts the write in flight when it is admitted.
+
+use crate::lease::inflight::Inflight;
+use crate::lease::machine::{Admit, LeaseState, Reject};
+use crate::lease::restart::restart_holds_back;
+
+/// A write and how it is to be admitted.
+#[derive(Clone, Copy, Debug)]
+pub struct WriteCheck<'a> {
+    pub token: u64,
+    pub lease_id: Option<&'a [u8]>,
+    /// The authenticated caller (with authentication on).
+    pub holder: Option<&'a str>,
+    /// A write needs more than this much of its term left.
+    pub margin_ms: u64,
+    /// Whether a newer term's writes wait for an older term's to finish
+    /// (off only where tests show what the barrier prevents).
+    pub barrier: bool,
+}
+
+/// Where a write stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// It may reach the backend now.
+    Admit(Admit),
+    /// It must wait for older writes: those of `older_token` (or, after a
+    /// restart, any before this term) may still reach the backend, until
+    /// `until_ms` at the latest (`None`: until a write in flight is
+    /// answered). It still has to be admitted before `deadline_ms`.
+    Wait {
+        older_token: u64,
+        until_ms: Option<u64>,
+        deadline_ms: u64,
+    },
+    /// It is refused.
+    Refuse(Reject),
+}
+
+/// Decides a write at `now_ms`: the lease's checks (token, lease id, holder,
+/// state, the admission margin, see [`check`]), then, with the barrier on,
+/// whether an older term's write may still be unfinished (see [`barrier`]).
+pub fn decide(
+    state: &LeaseState,
+    inflight: &mut Inflight,
+    unsettled_from: u64,
+    unsettled_until_ms: u64,
+    now_ms: u64,
+    write: WriteCheck<'_>,
+) -> Decision {
+    match check(state, now_ms, &write) {
+        Ok(admit) => barrier(
+            inflight,
+            unsettled_from,
+            unsettled_until_ms,
+            now_ms,
+            &write,
+            admit,
+        ),
+        Err(reject) => Decision::Refuse(reject),
+    }
+}
+
+/// The lease's checks for a write at `now_ms`: token, lease id, holder,
+/// the term's state and the admission margin. The shell runs them before it
+/// touches the lease's writes in flight, so a refused write costs nothing.
+pub fn check(state: &LeaseState, now_ms: u64, write: &WriteCheck<'_>) -> Result<Admit, Reject> {
+    state.check_write(
+        now_ms,
+        write.margin_ms,
+        write.token,
+        write.lease_id,
+        write.holder,
+    )
+}
+
+/// The handover barrier for a write the lease's checks admitted: with the
+/// barrier on, it waits while an older term's write may still be
+/// unfinished: one in flight or settling (`inflight`), or one sent before
+/// the restart (`unsettled_from` and `unsettled_until_ms`, see
+/// [`crate::lease::restart`]).
+pub fn barrier(
+    inflight: &mut Inflight,
+    unsettled_from: u64,
+    unsettled_until_ms: u64,
+    now_ms: u64,
+    write: &WriteCheck<'_>,
+    admit: Admit,
+) -> Decision {
+    if write.barrier {
+        if let Some(blocked) = inflight.older_than(write.token, now_ms) {
+            return Decision::Wait {
+                older_token: blocked.older_token,
+                until_ms: blocked.until_ms,
+                deadline_ms: admit.deadline_ms,
+            };
+        }
+        // Writes of earlier terms sent before a restart may still be at the
+        // backend: they left no trace but the time of the restart, and the
+        // grant or release that said none could be.
+        if restart_holds_back(unsettled_from, unsettled_until_ms, write.token, now_ms) {
+            return Decision::Wait {
+                older_token: write.token - 1,
+                until_ms: Some(unsettled_until_ms),
+                deadline_ms: admit.deadline_ms,
+            };
+        }
+    }
+    Decision::Admit(admit)
+}

@@ -1,0 +1,257 @@
+//! The restart rule: what a start (or a takeover, on another member's clock)
+//! does with each lease its journal recovered, and how long writes of a
+//! later term wait for writes that were sent before it.
+//!
+//! A process that stops leaves no trace of the writes it had forwarded but
+//! the time of the start: for [`RestartRule::unsettled_ms`] after it (the
+//! longest upstream deadline plus the settle time), such a write may still
+//! reach the backend, so no write of a term that may follow one is admitted
+//! until then. A recovered term that was not released is held for a full
+//! TTL from the start (or less, if its wall-clock hint says it had less
+//! left): no new holder starts until the old one could have finished.
+
+use crate::journal::record::LeaseRecord;
+use crate::lease::id::LeaseId;
+use crate::lease::machine::{LeaseState, Term};
+use crate::names::LeaseName;
+
+/// [`Restored::unsettled_from`] of a lease no write forwarded before the
+/// restart can be unfinished for.
+pub const SETTLED: u64 = u64::MAX;
+
+/// What a restart must respect besides the recovered leases.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RestartRule {
+    /// How long after the start a write forwarded before it may still reach
+    /// the backend: the longest upstream deadline plus the settle time. Until
+    /// then, no write of a term that may follow such a write is forwarded.
+    pub unsettled_ms: u64,
+    /// Every lease's tokens, recovered or new, continue above this.
+    pub token_floor: u64,
+    /// The journal may have lost records: every lease, recovered or not,
+    /// may have had writes in flight, whatever the records kept say.
+    pub lost_records: bool,
+    /// The recovered terms carry the SHA-256 digest of each lease id, not
+    /// its text (the lease state cluster members share in etcd).
+    pub hashed_ids: bool,
+    /// Leases not recovered (forgotten before the restart, or never
+    /// granted) continue above this.
+    pub forgotten_above: u64,
+}
+
+/// Whether a renewal at `wall_ms` (the wall clock) for `ttl_ms` must tell
+/// the journal, whose last hint of the term's end was `recorded_ms`: once
+/// the term's end would be more than half a TTL past it. So the true end
+/// is never more than half a TTL past the hint (a lost lazy record aside),
+/// at most two records a TTL for a term renewed however often.
+pub fn wall_hint_due(recorded_ms: u64, wall_ms: u64, ttl_ms: u64) -> bool {
+    wall_ms.saturating_add(ttl_ms) > recorded_ms.saturating_add(ttl_ms / 2)
+}
+
+/// How long, at most, a recovered term whose journal hint of its end on
+/// the wall clock is `wall_deadline_ms` can still have left at `wall_ms`,
+/// allowing `tolerance_ms` of clock error (`u64::MAX`: no hint). See
+/// [`wall_hint_due`] for the half TTL.
+pub fn wall_hint_left_ms(
+    wall_deadline_ms: u64,
+    ttl_ms: u64,
+    wall_ms: u64,
+    tolerance_ms: u64,
+) -> u64 {
+    if wall_deadline_ms == 0 || wall_ms == 0 {
+        return u64::MAX;
+    }
+    wall_deadline_ms
+        .saturating_add(ttl_ms / 2)
+        .saturating_add(tolerance_ms)
+        .saturating_sub(wall_ms)
+}
+
+/// One lease as a start restores it.
+#[derive(Debug)]
+pub struct Restored {
+    pub name: LeaseName,
+    pub state: LeaseState,
+    /// Writes forwarded before the restart with this token or a later one
+    /// may still be on their way to the backend ([`SETTLED`]: none may).
+    pub unsettled_from: u64,
+    /// The current term's end on the wall clock as the journal last heard
+    /// it (Unix ms; 0: unknown).
+    pub wall_deadline_ms: u64,
+    /// The recovered term had ended by its wall-clock hint: the shell
+    /// records it as ended (not quiet), so a later start whose wall clock
+    /// went back keeps it ended.
+    pub ended_by_hint: bool,
+}
+
+/// What a start at `now_ms` (the proxy's clock) and `wall_ms` (the wall
+/// clock) makes of one recovered lease: tokens continue above the floor,
+/// an unreleased term is held for a full TTL or what its hint allows, and
+/// the lease's later terms wait for the restart window unless the journal
+/// says no write can be unfinished (a quiet grant or release).
+pub fn restore(
+    lease: LeaseRecord,
+    rule: &RestartRule,
+    now_ms: u64,
+    wall_ms: u64,
+    tolerance_ms: u64,
+) -> Result<Restored, String> {
+    let name = LeaseName::new(lease.lease.as_str()).map_err(|e| {
+        format!(
+            "the journal holds an invalid lease name {:?}: {e}",
+            lease.lease
+        )
+    })?;
+    // Which writes forwarded before the restart may be unfinished: none
+    // after a quiet release, only the term's own after a quiet grant, else
+    // any (every lease's, if records may be lost).
+    let unsettled_from = match &lease.term {
+        _ if rule.lost_records => 1,
+        Some(t) if t.released && t.released_quiet => SETTLED,
+        Some(t) if t.granted_quiet => t.token,
+        _ => 1,
+    };
+    let (held_ms, wall_deadline_ms) = match &lease.term {
+        Some(t) if !t.released => (
+            wall_hint_left_ms(t.wall_deadline_ms, t.ttl_ms, wall_ms, tolerance_ms),
+            t.wall_deadline_ms,
+        ),
+        _ => (u64::MAX, 0),
+    };
+    let term = match lease.term {
+        None => None,
+        Some(t) => Some(Term {
+            token: t.token,
+            holder: t.holder.into(),
+            lease_id: if rule.hashed_ids {
+                LeaseId::from_sha256(t.lease_id)
+            } else {
+                LeaseId::from_text(t.lease_id).ok_or_else(|| {
+                    format!(
+                        "the journal holds a malformed lease id for {:?}",
+                        lease.lease
+                    )
+                })?
+            },
+            ttl_ms: t.ttl_ms,
+            deadline_ms: 0,
+            released: t.released,
+        }),
+    };
+    let last_token = lease.last_token.max(rule.token_floor);
+    let state = LeaseState::restored(now_ms, last_token, lease.transitions, term, held_ms);
+    let ended_by_hint = held_ms == 0 && state.term().is_some();
+    Ok(Restored {
+        name,
+        state,
+        unsettled_from,
+        wall_deadline_ms,
+        ended_by_hint,
+    })
+}
+
+/// Whether the restart window still holds back a write of `token` at
+/// `now_ms`: writes sent before the restart with a token of
+/// `unsettled_from` or later may be unfinished until `unsettled_until_ms`.
+pub fn restart_holds_back(
+    unsettled_from: u64,
+    unsettled_until_ms: u64,
+    token: u64,
+    now_ms: u64,
+) -> bool {
+    unsettled_from < token && now_ms < unsettled_until_ms
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::journal::record::TermRecord;
+
+    fn record(term: TermRecord) -> LeaseRecord {
+        LeaseRecord {
+            lease: "orders".into(),
+            last_token: term.token,
+            transitions: 1,
+            term: Some(term),
+        }
+    }
+
+    fn term(token: u64) -> TermRecord {
+        TermRecord {
+            token,
+            holder: "a".into(),
+            lease_id: [b'a'; 32],
+            ttl_ms: 1000,
+            released: false,
+            granted_quiet: false,
+            released_quiet: false,
+            wall_deadline_ms: 0,
+        }
+    }
+
+    #[test]
+    fn an_unreleased_term_is_held_a_full_ttl_from_the_start() {
+        let r = restore(record(term(3)), &RestartRule::default(), 500, 0, 0).unwrap();
+        assert!(r.state.is_held(1499));
+        assert!(!r.state.is_held(1500));
+        assert_eq!(r.unsettled_from, 1);
+        assert!(!r.ended_by_hint);
+    }
+
+    #[test]
+    fn quiet_records_narrow_what_may_be_unfinished() {
+        let quiet_grant = TermRecord {
+            granted_quiet: true,
+            ..term(3)
+        };
+        let r = restore(record(quiet_grant), &RestartRule::default(), 0, 0, 0).unwrap();
+        assert_eq!(r.unsettled_from, 3);
+        assert!(!restart_holds_back(r.unsettled_from, 100, 3, 0));
+        assert!(restart_holds_back(r.unsettled_from, 100, 4, 99));
+        assert!(!restart_holds_back(r.unsettled_from, 100, 4, 100));
+        let quiet_release = TermRecord {
+            released: true,
+            released_quiet: true,
+            ..term(3)
+        };
+        let r = restore(record(quiet_release), &RestartRule::default(), 0, 0, 0).unwrap();
+        assert_eq!(r.unsettled_from, SETTLED);
+        let lost = RestartRule {
+            lost_records: true,
+            ..RestartRule::default()
+        };
+        let r = restore(record(quiet_release_again()), &lost, 0, 0, 0).unwrap();
+        assert_eq!(r.unsettled_from, 1, "records may be lost: anything may be");
+    }
+
+    fn quiet_release_again() -> TermRecord {
+        TermRecord {
+            released: true,
+            released_quiet: true,
+            ..term(3)
+        }
+    }
+
+    #[test]
+    fn a_wall_clock_hint_shortens_or_ends_the_recovered_term() {
+        let hinted = TermRecord {
+            wall_deadline_ms: 10_000,
+            ..term(3)
+        };
+        // 200 ms left by the hint, plus half a TTL of slack: 700 ms.
+        let r = restore(record(hinted.clone()), &RestartRule::default(), 0, 9_800, 0).unwrap();
+        assert!(r.state.is_held(699) && !r.state.is_held(700));
+        let r = restore(record(hinted), &RestartRule::default(), 0, 20_000, 0).unwrap();
+        assert!(r.ended_by_hint && !r.state.is_held(0));
+    }
+
+    #[test]
+    fn tokens_continue_above_the_floor() {
+        let rule = RestartRule {
+            token_floor: 100,
+            ..RestartRule::default()
+        };
+        let r = restore(record(term(3)), &rule, 0, 0, 0).unwrap();
+        assert_eq!(r.state.last_token(), 100);
+    }
+}
