@@ -53,9 +53,25 @@ fn init_tracing() {
     }
 }
 
+/// A test build (the `test-util` feature) plants the bug named by
+/// `FENCEGATE_TEST_MUTANT` (see `fencegate_core::mutant`), so tests of the
+/// real binary can show they catch it.
+#[cfg(feature = "test-util")]
+fn plant_test_mutant() {
+    use fencegate_core::mutant::{plant, Mutant};
+    if let Ok(name) = std::env::var("FENCEGATE_TEST_MUTANT") {
+        let mutant = Mutant::from_name(&name);
+        assert!(mutant.is_some(), "FENCEGATE_TEST_MUTANT: no mutant {name:?}");
+        tracing::warn!(mutant = name, "a planted bug is on (a test build)");
+        plant(mutant);
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing();
+    #[cfg(feature = "test-util")]
+    plant_test_mutant();
     match cli.command {
         Command::Serve(args) => match args.load(std::env::vars()) {
             // The config picks the runtime.

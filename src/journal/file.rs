@@ -71,7 +71,6 @@
 //! across restarts. The writer keeps no copy of the lease state between
 //! compactions: the lease store holds the only one in memory.
 
-use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -82,24 +81,18 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-use super::record::{
-    read_frame, Frame, Header, LeaseRecord, Record, FILE_MAGIC, FILE_MAGIC_V1, HEADER_LEN,
-};
+use fencegate_core::journal::append::{self, Step};
+use fencegate_core::journal::recovery::{self, Meta, MetaFile, Refusal, Replayed, Start};
+pub use fencegate_core::journal::recovery::{JOURNAL_FILE, META_FILE};
+
+use super::record::{Header, LeaseRecord, Record, HEADER_LEN};
 use super::{GrantRecord, Journal, JournalError, JournalFuture};
 
-/// The log's file name in the data directory.
-pub const JOURNAL_FILE: &str = "journal.log";
-/// The store's meta file: it exists once the directory was initialised and
-/// holds the token floor.
-pub const META_FILE: &str = "store.meta";
 /// Where a log that lost acknowledged records is kept.
 pub const DAMAGED_FILE: &str = "journal.log.damaged";
 const COMPACT_TMP: &str = "journal.log.compact";
 const META_TMP: &str = "store.meta.tmp";
 const LOCK_FILE: &str = "LOCK";
-const META_MAGIC: &[u8; 8] = b"FGMETA02";
-/// A meta file without the log's identity (before it was kept).
-const META_MAGIC_V1: &[u8; 8] = b"FGMETA01";
 /// The log grows this much between two changes of its identity (besides
 /// the change at each start and compaction).
 pub const IDENTITY_BYTES: u64 = 1024 * 1024;
@@ -275,67 +268,6 @@ fn err(context: &str, path: &Path, e: impl std::fmt::Display) -> JournalError {
     JournalError(format!("{context} {}: {e}", path.display()))
 }
 
-/// The store's meta file: its token floors, and which log it goes with.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Meta {
-    /// No token above this was ever returned (raised before grants pass it).
-    reserved: u64,
-    /// Every lease's tokens continue above this (set when records were lost).
-    floor: u64,
-    /// The identity of the log ([`Record::Identity`]) this file was last
-    /// written with (0: a log that carries none).
-    identity: u64,
-    /// The identity the log had before, also accepted: a change of identity
-    /// names the new one here first, then gives it to the log, then drops
-    /// the old one from here, so a crash at any point leaves the log with
-    /// one of the two.
-    previous: u64,
-}
-
-impl Meta {
-    fn encode(&self) -> Vec<u8> {
-        let mut out = META_MAGIC.to_vec();
-        for field in [self.reserved, self.floor, self.identity, self.previous] {
-            out.extend_from_slice(&field.to_le_bytes());
-        }
-        let crc = crc32fast::hash(&out);
-        out.extend_from_slice(&crc.to_le_bytes());
-        out
-    }
-
-    /// Reads a meta file of either version (a version 1 file names no log).
-    fn decode(b: &[u8]) -> Option<Self> {
-        let fields = match b.get(..8)? {
-            m if m == META_MAGIC => 4,
-            m if m == META_MAGIC_V1 => 2,
-            _ => return None,
-        };
-        let end = 8 + 8 * fields;
-        if b.len() != end + 4 {
-            return None;
-        }
-        let crc = u32::from_le_bytes(b[end..].try_into().ok()?);
-        if crc32fast::hash(&b[..end]) != crc {
-            return None;
-        }
-        let field = |i: usize| -> u64 {
-            u64::from_le_bytes(b[8 + 8 * i..16 + 8 * i].try_into().expect("8 bytes"))
-        };
-        Some(Self {
-            reserved: field(0),
-            floor: field(1),
-            identity: if fields == 4 { field(2) } else { 0 },
-            previous: if fields == 4 { field(3) } else { 0 },
-        })
-    }
-
-    /// Whether a log of identity `log` (0: none) is the one this file was
-    /// last written with.
-    fn names(&self, log: u64) -> bool {
-        log == self.identity || log == self.previous
-    }
-}
-
 /// A new log identity after `last`: random, never 0 nor `last`.
 fn new_identity(last: u64) -> u64 {
     let mut raw = [0u8; 8];
@@ -352,18 +284,11 @@ fn new_identity(last: u64) -> u64 {
     }
 }
 
-/// What the data directory's meta file says.
-enum MetaFile {
-    Missing,
-    Corrupt,
-    Found(Meta),
-}
-
 fn read_meta(dir: &Path) -> Result<MetaFile, JournalError> {
     let path = dir.join(META_FILE);
     match std::fs::read(&path) {
-        Ok(b) => Ok(Meta::decode(&b).map_or(MetaFile::Corrupt, MetaFile::Found)),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(MetaFile::Missing),
+        Ok(b) => Ok(MetaFile::read(Some(&b))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(MetaFile::read(None)),
         Err(e) => Err(err("cannot read", &path, e)),
     }
 }
@@ -446,33 +371,8 @@ fn write_log<'a>(
     forgotten_above: u64,
     identity: u64,
 ) -> io::Result<Written> {
-    let mut frames = Vec::new();
-    if identity != 0 {
-        Record::Identity { id: identity }.encode_frame(&mut frames);
-    }
-    if forgotten_above > 0 {
-        Record::Forget {
-            lease: String::new(),
-            last_token: forgotten_above,
-        }
-        .encode_frame(&mut frames);
-    }
-    for lease in leases {
-        Record::State(lease.clone()).encode_frame(&mut frames);
-    }
-    let len = (HEADER_LEN + frames.len()) as u64;
-    let header = Header {
-        seq: 1,
-        durable_len: len,
-        compacted_len: len,
-        token_floor,
-    };
-    let mut buf = Vec::with_capacity(len as usize);
-    buf.extend_from_slice(FILE_MAGIC);
-    buf.resize(HEADER_LEN, 0);
-    let at = header.offset() as usize;
-    buf[at..at + super::record::SLOT_LEN].copy_from_slice(&header.encode());
-    buf.extend_from_slice(&frames);
+    let buf = super::record::log_image(leases, token_floor, forgotten_above, identity);
+    let len = buf.len() as u64;
     let tmp_path = dir.join(COMPACT_TMP);
     let mut file = open_log(&tmp_path).map_err(|e| io::Error::other(e.0))?;
     file.set_len(0)?;
@@ -738,32 +638,6 @@ fn open_empty(
     })
 }
 
-/// What the start of a log says about it.
-#[derive(Clone, Copy)]
-enum Start {
-    /// A version 1 log: no header.
-    V1,
-    /// A version 2 log with a readable header.
-    V2(Header),
-    /// A version 2 log whose header is damaged or cut off.
-    V2Damaged,
-}
-
-/// The records of a log, replayed.
-struct Replayed {
-    leases: HashMap<String, LeaseRecord>,
-    /// Where the valid records end.
-    good_len: u64,
-    /// Bytes past them.
-    torn_bytes: u64,
-    /// The highest token of any lease, forgotten ones too.
-    max_token: u64,
-    /// Leases not in the log continue above this (forgotten ones).
-    forgotten_above: u64,
-    /// The log's identity (its last [`Record::Identity`]; 0: none).
-    identity: u64,
-}
-
 /// A log with bytes: replay it, check it against its header, and repair
 /// what can be repaired without reissuing a token.
 fn open_existing(
@@ -773,101 +647,18 @@ fn open_existing(
     meta: MetaFile,
     options: &FileJournalOptions,
 ) -> Result<Opened, JournalError> {
-    let (offset, start) = read_start(bytes, path)?;
-    // Past the durable length nothing was acknowledged: a bad frame there is
-    // a torn write (a power loss may leave zeros before later, valid bytes),
-    // never corruption. Before it, a bad frame followed by a valid one is.
-    let torn_from = match start {
-        Start::V2(h) => h.durable_len,
-        Start::V1 | Start::V2Damaged => u64::MAX,
-    };
-    let folded = replay(bytes, offset, torn_from, path)?;
-    let replayed = Replayed {
-        max_token: folded
-            .leases
-            .values()
-            .map(|l| l.last_token)
-            .fold(folded.forgotten_above, u64::max),
-        forgotten_above: folded.forgotten_above,
-        identity: folded.identity,
-        leases: folded.leases,
-        good_len: folded.good_len,
-        torn_bytes: bytes.len() as u64 - folded.good_len,
-    };
+    let refused = |Refusal(why)| JournalError(format!("{} {why}", path.display()));
+    let (start, replayed) = recovery::read_log(bytes).map_err(refused)?;
     if let Some(bump) = options.restored_from_backup {
         let why = format!(
             "the data directory was restored from a backup (--restored-from-backup {bump})"
         );
         return open_after_loss(dir, path, replayed, start, meta, why, bump);
     }
-    match intact(start, &meta, &replayed, options) {
+    match recovery::intact(start, &meta, &replayed, options.floor_block) {
         Ok(header) => open_intact(dir, path, replayed, header, meta, options),
         Err(why) => open_after_loss(dir, path, replayed, start, meta, why, 0),
     }
-}
-
-/// The log's format, and where its records begin.
-fn read_start(bytes: &[u8], path: &Path) -> Result<(usize, Start), JournalError> {
-    if bytes.starts_with(FILE_MAGIC_V1) {
-        return Ok((FILE_MAGIC_V1.len(), Start::V1));
-    }
-    let magic = bytes.len().min(FILE_MAGIC.len());
-    if bytes[..magic] != FILE_MAGIC[..magic] {
-        return Err(JournalError(format!(
-            "{} is not a fencegate journal (bad header); refusing to start",
-            path.display()
-        )));
-    }
-    if bytes.len() < HEADER_LEN {
-        // Cut inside its header: whatever it held is gone.
-        return Ok((bytes.len(), Start::V2Damaged));
-    }
-    match Header::read(bytes) {
-        Some(header) => Ok((HEADER_LEN, Start::V2(header))),
-        None => Ok((HEADER_LEN, Start::V2Damaged)),
-    }
-}
-
-/// Whether the log holds every acknowledged record: then its header (`None`
-/// for a version 1 log, which has none); else why records may be missing.
-fn intact(
-    start: Start,
-    meta: &MetaFile,
-    replayed: &Replayed,
-    options: &FileJournalOptions,
-) -> Result<Option<Header>, String> {
-    // Whatever the log's version: a log other than the one the meta file
-    // was last written with is an older copy put back (or another store's);
-    // and the floor is raised only a block ahead of the highest token, so a
-    // log whose tokens end far below it is an older copy too.
-    if let MetaFile::Found(m) = meta {
-        if !m.names(replayed.identity) {
-            return Err(format!(
-                "it is not the log {META_FILE} was last written with (its identity is {:016x}, \
-                 {META_FILE} names {:016x}): it is an older copy, or another store's",
-                replayed.identity, m.identity
-            ));
-        }
-        if m.reserved > replayed.max_token.saturating_add(2 * options.floor_block) {
-            return Err(format!(
-                "its highest token is {}, far below the floor of {} in {META_FILE}: \
-                 it is an older copy",
-                replayed.max_token, m.reserved
-            ));
-        }
-    }
-    let header = match start {
-        Start::V1 => return Ok(None),
-        Start::V2Damaged => return Err("its header is damaged or cut off".to_owned()),
-        Start::V2(header) => header,
-    };
-    if replayed.good_len < header.durable_len {
-        return Err(format!(
-            "the valid records end at byte {}, but {} bytes were synced",
-            replayed.good_len, header.durable_len
-        ));
-    }
-    Ok(Some(header))
 }
 
 /// Opens a log that lost nothing acknowledged: whatever follows the valid
@@ -889,14 +680,10 @@ fn open_intact(
         forgotten_above,
         identity,
     } = replayed;
-    let header_floor = header.map_or(0, |h| h.token_floor);
-    let floor = match meta {
-        MetaFile::Found(m) => m.floor.max(header_floor),
-        _ => header_floor,
-    };
-    let reserved = match meta {
-        MetaFile::Found(m) if m.reserved >= max_token && m.floor >= header_floor => m.reserved,
-        _ => {
+    let (floor, reserved) = recovery::intact_floors(header, &meta, max_token);
+    let reserved = match reserved {
+        Some(reserved) => reserved,
+        None => {
             // Rebuilt from the log (a missing meta file, a version 1 log).
             let meta = Meta {
                 reserved: max_token.max(floor).saturating_add(options.floor_block),
@@ -993,16 +780,7 @@ fn open_after_loss(
             dir.join(META_FILE).display()
         )));
     };
-    let header_floor = match start {
-        Start::V2(h) => h.token_floor,
-        Start::V1 | Start::V2Damaged => 0,
-    };
-    let floor = meta
-        .reserved
-        .max(meta.floor)
-        .max(max_token)
-        .max(header_floor)
-        .saturating_add(bump);
+    let floor = recovery::after_loss(&mut leases, max_token, start, meta, bump);
     // The fresh log carries no identity until the start gives it one.
     let meta = Meta {
         reserved: floor,
@@ -1010,18 +788,6 @@ fn open_after_loss(
         ..Meta::default()
     };
     write_meta(dir, meta).map_err(|e| err("cannot write", &dir.join(META_FILE), e))?;
-    for lease in leases.values_mut() {
-        lease.last_token = lease.last_token.max(floor);
-        if let Some(term) = lease.term.as_mut() {
-            // Ended, and not quiet: a later term may have been lost with
-            // the records, and its writes may still be at the storage, so
-            // the next start (even a quick one after this) must hold back
-            // the lease's new terms for its restart window.
-            term.released = true;
-            term.granted_quiet = false;
-            term.released_quiet = false;
-        }
-    }
     // A copy of the damaged log is kept (never over an earlier one); the
     // fresh log then replaces it in one rename, so a crash in between finds
     // the damaged log again and repeats this.
@@ -1144,75 +910,6 @@ fn create_dir_durably(dir: &Path) -> io::Result<()> {
         }
     }
     Ok(())
-}
-
-/// The valid records of a log, folded.
-#[derive(Debug)]
-struct Folded {
-    leases: HashMap<String, LeaseRecord>,
-    /// The length of the valid prefix.
-    good_len: u64,
-    /// Leases not in the log continue above this (forgotten ones).
-    forgotten_above: u64,
-    /// The last identity the log was given (0: none).
-    identity: u64,
-}
-
-/// Folds every valid frame of `bytes` from `start`. A bad frame before
-/// `torn_from` with any valid frame after it is corruption.
-fn replay(bytes: &[u8], start: usize, torn_from: u64, path: &Path) -> Result<Folded, JournalError> {
-    let mut state: HashMap<String, LeaseRecord> = HashMap::new();
-    let mut forgotten_above = 0;
-    let mut identity = 0;
-    let mut at = start;
-    while at < bytes.len() {
-        match read_frame(&bytes[at..]) {
-            Frame::Record(record, len) => {
-                if let Record::Identity { id } = record {
-                    identity = id;
-                } else if let Some((lease, last_token)) = record.forgets() {
-                    state.remove(lease);
-                    forgotten_above = u64::max(forgotten_above, last_token);
-                } else if let Some(lease) = record.lease() {
-                    let entry = state
-                        .entry(lease.to_owned())
-                        .or_insert_with(|| LeaseRecord {
-                            lease: lease.to_owned(),
-                            ..LeaseRecord::default()
-                        });
-                    record.apply(entry);
-                }
-                at += len;
-            }
-            Frame::Invalid(why) => {
-                if (at as u64) < torn_from {
-                    if let Some(next) = find_valid_frame(&bytes[at + 1..]) {
-                        return Err(JournalError(format!(
-                        "{} is corrupt: bad record at byte {at} ({why}) followed by a valid record at byte {}; \
-                         refusing to start rather than lose fencing tokens (restore the file or move it away)",
-                        path.display(),
-                        at + 1 + next
-                    )));
-                    }
-                }
-                break;
-            }
-        }
-    }
-    Ok(Folded {
-        leases: state,
-        good_len: at as u64,
-        forgotten_above,
-        identity,
-    })
-}
-
-/// The offset of the first position in `bytes` where a valid frame starts.
-fn find_valid_frame(bytes: &[u8]) -> Option<usize> {
-    (0..bytes.len()).find(|&i| {
-        bytes[i] == super::record::FRAME_MAGIC
-            && matches!(read_frame(&bytes[i..]), Frame::Record(..))
-    })
 }
 
 /// Marks the journal unhealthy when the writer thread ends, by a panic too.
@@ -1358,40 +1055,39 @@ impl Writer {
             self.needs_dir_sync = false;
         }
         self.faults.check()?;
-        if max_token > self.meta.reserved {
-            self.set_meta(Meta {
-                reserved: max_token.saturating_add(self.options.floor_block),
-                ..self.meta
-            })?;
+        let log = append::Log {
+            header: self.header,
+            len: self.len,
+            reserved: self.meta.reserved,
+            floor_block: self.options.floor_block,
+        };
+        // The order that makes a power cut safe is the core's (see
+        // `fencegate_core::journal::append`): the floor, the batch, its
+        // sync, then the header that claims it. The header is in the page
+        // cache before any grant of the batch is acknowledged, so it
+        // survives a kill of the process.
+        for step in append::plan(&log, buf.len() as u64, sync, max_token) {
+            match step {
+                Step::RaiseReserved(reserved) => self.set_meta(Meta {
+                    reserved,
+                    ..self.meta
+                })?,
+                Step::WriteBatch if self.faults.has(FAULT_PARTIAL) => {
+                    self.file.write_all(&buf[..buf.len() / 2])?;
+                    return Err(io::Error::from_raw_os_error(28));
+                }
+                Step::WriteBatch => self.file.write_all(buf)?,
+                Step::Sync => {
+                    self.faults.check()?;
+                    self.file.sync_data()?;
+                }
+                Step::WriteHeader(header) => {
+                    write_at(&self.file, &header.encode(), header.offset())?;
+                    self.header = header;
+                }
+            }
         }
-        if self.faults.has(FAULT_PARTIAL) {
-            self.file.write_all(&buf[..buf.len() / 2])?;
-            return Err(io::Error::from_raw_os_error(28));
-        }
-        self.file.write_all(buf)?;
-        let len = self.len + buf.len() as u64;
-        if sync {
-            self.faults.check()?;
-            self.file.sync_data()?;
-            // The header claims the bytes only once they are durable. Written
-            // before the sync, it could reach the disk first (nothing orders
-            // the writes of one sync; Linux often writes page 0 first) and
-            // claim a batch a power cut then took, which the next start would
-            // read as acknowledged records lost; and after a failed sync it
-            // would claim the batch that failed. It is not synced itself: it
-            // goes to the disk with the next sync (or the writer's last), and
-            // until then the older claim on the disk is smaller, which is
-            // safe. In the page cache before any grant is acknowledged, it
-            // survives a kill of the process.
-            let header = Header {
-                seq: self.header.seq + 1,
-                durable_len: len,
-                ..self.header
-            };
-            write_at(&self.file, &header.encode(), header.offset())?;
-            self.header = header;
-        }
-        self.len = len;
+        self.len += buf.len() as u64;
         Ok(())
     }
 
@@ -1489,8 +1185,8 @@ impl Writer {
         // Everything up to `len` was written by this writer.
         let mut bytes = std::fs::read(&self.path)?;
         bytes.truncate(usize::try_from(self.len).unwrap_or(usize::MAX));
-        let state =
-            replay(&bytes, HEADER_LEN, u64::MAX, &self.path).map_err(|e| io::Error::other(e.0))?;
+        let state = recovery::replay(&bytes, HEADER_LEN, u64::MAX)
+            .map_err(|Refusal(why)| io::Error::other(format!("{} {why}", self.path.display())))?;
         if state.good_len != self.len {
             return Err(io::Error::other(format!(
                 "the log reads back {} good bytes of {}",
@@ -1558,6 +1254,8 @@ fn write_at(file: &File, buf: &[u8], offset: u64) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::journal::record::{read_frame, Frame, FILE_MAGIC_V1};
+    use fencegate_core::journal::recovery::{replay, META_MAGIC_V1};
 
     fn temp_dir(tag: &str) -> PathBuf {
         let dir =
@@ -2208,7 +1906,6 @@ mod tests {
 
     #[test]
     fn replay_cuts_torn_tails_and_refuses_corruption() {
-        let path = Path::new("test.log");
         let mut bytes = FILE_MAGIC_V1.to_vec();
         for token in 1..=3 {
             Record::Release {
@@ -2221,13 +1918,13 @@ mod tests {
         let good = bytes.len() as u64;
         let mut torn = bytes.clone();
         torn.extend_from_slice(&bytes[8..20]);
-        assert_eq!(replay(&torn, 8, u64::MAX, path).unwrap().good_len, good);
+        assert_eq!(replay(&torn, 8, u64::MAX).unwrap().good_len, good);
         let mut zeros = bytes.clone();
         zeros.extend_from_slice(&[0; 100]);
-        assert_eq!(replay(&zeros, 8, u64::MAX, path).unwrap().good_len, good);
+        assert_eq!(replay(&zeros, 8, u64::MAX).unwrap().good_len, good);
         let mut corrupt = bytes.clone();
         corrupt[12] ^= 1;
-        assert!(replay(&corrupt, 8, u64::MAX, path)
+        assert!(replay(&corrupt, 8, u64::MAX)
             .unwrap_err()
             .0
             .contains("corrupt"));

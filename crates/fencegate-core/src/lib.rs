@@ -15,14 +15,20 @@
 //!   and the restart rule and window ([`lease::restart`]).
 //! - [`journal`]: the journal's on-disk format ([`journal::record`]: header
 //!   slots, checksummed frames, the records and how they fold into a lease's
-//!   state).
+//!   state), the order of a batch's writes and syncs ([`journal::append`]),
+//!   and what a start decides about the log and meta file it finds
+//!   ([`journal::recovery`]: torn tails, lost records, older copies).
+//! - [`mutant`]: planted bugs, switchable only with the `mutants` feature,
+//!   so the simulator and the power-cut tests can prove they catch them.
 //! - [`names`]: lease and holder names, checked once where they enter.
 //! - [`hex`]: lowercase hex for ids and digests.
 //!
-//! Dependencies point one way: `hex`, `names` and `journal` import nothing
-//! from the crate; `lease` imports all three.
+//! Dependencies point one way: `mutant` imports nothing; `hex`, `names` and
+//! `journal` import nothing from the crate but `mutant`; `lease` imports
+//! them all.
 
 pub mod hex;
 pub mod journal;
 pub mod lease;
+pub mod mutant;
 pub mod names;

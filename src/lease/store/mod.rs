@@ -620,10 +620,15 @@ impl LeaseStore {
 
     /// The entry of a lease not in the store yet.
     fn new_slot(&self) -> Slot {
-        let forgotten_above = self.shared.forgotten_above.load(Ordering::Acquire);
+        let (state, unsettled_from) = restart::new_lease(&RestartRule {
+            token_floor: self.shared.token_floor,
+            forgotten_above: self.shared.forgotten_above.load(Ordering::Acquire),
+            lost_records: self.shared.lost_records,
+            ..RestartRule::default()
+        });
         Slot {
-            state: LeaseState::above(self.shared.token_floor.max(forgotten_above)),
-            unsettled_from: if self.shared.lost_records { 1 } else { SETTLED },
+            state,
+            unsettled_from,
             ..Slot::default()
         }
     }

@@ -16,6 +16,7 @@
 //! little-endian u64, strings a length (u8 for lease names, u16 for holders)
 //! and UTF-8 bytes, lease ids their 32-byte text form.
 
+use crate::mutant::{planted, Mutant};
 use bytes::{Buf, BufMut};
 
 /// The first bytes of every journal file (format version 2).
@@ -257,6 +258,7 @@ impl Record {
                     }
                 }
             }
+            Record::Release { .. } if planted(Mutant::ReplayDropsReleases) => {}
             Record::Release { token, quiet, .. } => {
                 if let Some(term) = state.term.as_mut().filter(|t| t.token == *token) {
                     term.released = true;
@@ -511,6 +513,43 @@ pub fn wall_deadline(wall_ms: u64, ttl_ms: u64) -> u64 {
     } else {
         wall_ms.saturating_add(ttl_ms)
     }
+}
+
+/// A whole version 2 log holding one state record per lease (a new log, a
+/// compacted one, the log a start writes after lost records): its header
+/// claims every byte, with `token_floor`; leases not in it continue above
+/// `forgotten_above`; `identity` 0 gives it none.
+pub fn log_image<'a>(
+    leases: impl Iterator<Item = &'a LeaseRecord>,
+    token_floor: u64,
+    forgotten_above: u64,
+    identity: u64,
+) -> Vec<u8> {
+    let mut out = FILE_MAGIC.to_vec();
+    out.resize(HEADER_LEN, 0);
+    if identity != 0 {
+        Record::Identity { id: identity }.encode_frame(&mut out);
+    }
+    if forgotten_above > 0 {
+        Record::Forget {
+            lease: String::new(),
+            last_token: forgotten_above,
+        }
+        .encode_frame(&mut out);
+    }
+    for lease in leases {
+        Record::State(lease.clone()).encode_frame(&mut out);
+    }
+    let len = out.len() as u64;
+    let header = Header {
+        seq: 1,
+        durable_len: len,
+        compacted_len: len,
+        token_floor,
+    };
+    let at = header.offset() as usize;
+    out[at..at + SLOT_LEN].copy_from_slice(&header.encode());
+    out
 }
 
 fn put_name(out: &mut Vec<u8>, s: &str) {

@@ -5,6 +5,7 @@
 use crate::lease::inflight::Inflight;
 use crate::lease::machine::{Admit, LeaseState, Reject};
 use crate::lease::restart::restart_holds_back;
+use crate::mutant::{planted, Mutant};
 
 /// A write and how it is to be admitted.
 #[derive(Clone, Copy, Debug)]
@@ -88,7 +89,7 @@ pub fn barrier(
     write: &WriteCheck<'_>,
     admit: Admit,
 ) -> Decision {
-    if write.barrier {
+    if write.barrier && !planted(Mutant::BarrierOff) {
         if let Some(blocked) = inflight.older_than(write.token, now_ms) {
             return Decision::Wait {
                 older_token: blocked.older_token,

@@ -18,6 +18,7 @@
 use compact_str::CompactString;
 
 use super::id::LeaseId;
+use crate::mutant::{planted, Mutant};
 
 /// One grant of a lease.
 #[derive(Clone, Debug)]
@@ -296,7 +297,9 @@ impl LeaseState {
         if term.released {
             return Err(Reject::Released { current });
         }
-        if now_ms >= term.deadline_ms {
+        if now_ms >= term.deadline_ms
+            && !(planted(Mutant::ExpiryInclusive) && now_ms == term.deadline_ms)
+        {
             return Err(Reject::Expired { current });
         }
         Ok(Admit {

@@ -13,6 +13,7 @@
 use crate::journal::record::LeaseRecord;
 use crate::lease::id::LeaseId;
 use crate::lease::machine::{LeaseState, Term};
+use crate::mutant::{planted, Mutant};
 use crate::names::LeaseName;
 
 /// [`Restored::unsettled_from`] of a lease no write forwarded before the
@@ -112,6 +113,7 @@ pub fn restore(
         _ => 1,
     };
     let (held_ms, wall_deadline_ms) = match &lease.term {
+        Some(t) if !t.released && planted(Mutant::RestartRuleOff) => (0, t.wall_deadline_ms),
         Some(t) if !t.released => (
             wall_hint_left_ms(t.wall_deadline_ms, t.ttl_ms, wall_ms, tolerance_ms),
             t.wall_deadline_ms,
@@ -138,7 +140,11 @@ pub fn restore(
             released: t.released,
         }),
     };
-    let last_token = lease.last_token.max(rule.token_floor);
+    let last_token = if planted(Mutant::TokenFloorIgnored) {
+        lease.last_token
+    } else {
+        lease.last_token.max(rule.token_floor)
+    };
     let state = LeaseState::restored(now_ms, last_token, lease.transitions, term, held_ms);
     let ended_by_hint = held_ms == 0 && state.term().is_some();
     Ok(Restored {
@@ -159,7 +165,21 @@ pub fn restart_holds_back(
     token: u64,
     now_ms: u64,
 ) -> bool {
-    unsettled_from < token && now_ms < unsettled_until_ms
+    unsettled_from < token && now_ms < unsettled_until_ms && !planted(Mutant::RestartWindowSkipped)
+}
+
+/// A lease a start did not recover (never granted, forgotten, or lost
+/// with the records): its tokens continue above the floors, and if records
+/// may have been lost, its later terms wait for the restart window too
+/// (writes of a term the journal lost may still be at the backend).
+pub fn new_lease(rule: &RestartRule) -> (LeaseState, u64) {
+    let floor = if planted(Mutant::TokenFloorIgnored) {
+        0
+    } else {
+        rule.token_floor.max(rule.forgotten_above)
+    };
+    let unsettled_from = if rule.lost_records { 1 } else { SETTLED };
+    (LeaseState::above(floor), unsettled_from)
 }
 
 #[cfg(test)]

@@ -1,0 +1,403 @@
+//! What a start decides about a journal it finds: its bytes and its meta
+//! file in, the leases to restore and the floors to keep out. The file
+//! journal reads the files, calls these, and writes what they decide.
+//!
+//! The rules, in the order a start applies them:
+//! - a log that starts with neither magic is not a journal: refuse;
+//! - replay every valid frame; past the header's durable length a bad
+//!   frame is a torn write (never acknowledged), before it a bad frame
+//!   followed by any valid frame is corruption: refuse rather than guess;
+//! - the log is intact when the meta file names it (its identity), its
+//!   tokens reach the meta file's reserved floor, its header is readable and
+//!   the valid records reach the durable length; then whatever follows is
+//!   cut off and the leases continue as recorded;
+//! - otherwise acknowledged records may be lost ([`after_loss`]): every
+//!   lease continues above the highest floor known and every recovered term
+//!   is ended, so no token is issued again and no ended term is revived.
+
+use std::collections::HashMap;
+
+use crate::mutant::{planted, Mutant};
+
+use super::record::{
+    read_frame, Frame, Header, LeaseRecord, Record, FILE_MAGIC, FILE_MAGIC_V1, FRAME_MAGIC,
+    HEADER_LEN,
+};
+
+/// The log's file name in the data directory.
+pub const JOURNAL_FILE: &str = "journal.log";
+/// The store's meta file: it exists once the directory was initialised and
+/// holds the token floor.
+pub const META_FILE: &str = "store.meta";
+/// The first bytes of a meta file (format version 2).
+pub const META_MAGIC: &[u8; 8] = b"FGMETA02";
+/// A meta file without the log's identity (before it was kept).
+pub const META_MAGIC_V1: &[u8; 8] = b"FGMETA01";
+
+/// Why a start refuses a log. The text follows the log's path in the
+/// message the shell shows ("journal.log is corrupt: …").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal(pub String);
+
+/// The store's meta file: its token floors, and which log it goes with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Meta {
+    /// No token above this was ever returned (raised before grants pass it).
+    pub reserved: u64,
+    /// Every lease's tokens continue above this (set when records were lost).
+    pub floor: u64,
+    /// The identity of the log ([`Record::Identity`]) this file was last
+    /// written with (0: a log that carries none).
+    pub identity: u64,
+    /// The identity the log had before, also accepted: a change of identity
+    /// names the new one here first, then gives it to the log, then drops
+    /// the old one from here, so a crash at any point leaves the log with
+    /// one of the two.
+    pub previous: u64,
+}
+
+impl Meta {
+    /// The file's bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = META_MAGIC.to_vec();
+        for field in [self.reserved, self.floor, self.identity, self.previous] {
+            out.extend_from_slice(&field.to_le_bytes());
+        }
+        let crc = crc32fast::hash(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// Reads a meta file of either version (a version 1 file names no log).
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        let fields = match b.get(..8)? {
+            m if m == META_MAGIC => 4,
+            m if m == META_MAGIC_V1 => 2,
+            _ => return None,
+        };
+        let end = 8 + 8 * fields;
+        if b.len() != end + 4 {
+            return None;
+        }
+        let crc = u32::from_le_bytes(b[end..].try_into().ok()?);
+        if crc32fast::hash(&b[..end]) != crc {
+            return None;
+        }
+        let field = |i: usize| -> u64 {
+            u64::from_le_bytes(b[8 + 8 * i..16 + 8 * i].try_into().expect("8 bytes"))
+        };
+        Some(Self {
+            reserved: field(0),
+            floor: field(1),
+            identity: if fields == 4 { field(2) } else { 0 },
+            previous: if fields == 4 { field(3) } else { 0 },
+        })
+    }
+
+    /// Whether a log of identity `log` (0: none) is the one this file was
+    /// last written with.
+    pub fn names(&self, log: u64) -> bool {
+        log == self.identity || log == self.previous
+    }
+}
+
+/// What the data directory's meta file says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MetaFile {
+    Missing,
+    Corrupt,
+    Found(Meta),
+}
+
+impl MetaFile {
+    /// The meta file's bytes read (`None`: there is no such file).
+    pub fn read(bytes: Option<&[u8]>) -> Self {
+        match bytes {
+            None => MetaFile::Missing,
+            Some(b) => Meta::decode(b).map_or(MetaFile::Corrupt, MetaFile::Found),
+        }
+    }
+}
+
+/// What the start of a log says about it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Start {
+    /// A version 1 log: no header.
+    V1,
+    /// A version 2 log with a readable header.
+    V2(Header),
+    /// A version 2 log whose header is damaged or cut off.
+    V2Damaged,
+}
+
+/// The log's format, and where its records begin.
+pub fn read_start(bytes: &[u8]) -> Result<(usize, Start), Refusal> {
+    if bytes.starts_with(FILE_MAGIC_V1) {
+        return Ok((FILE_MAGIC_V1.len(), Start::V1));
+    }
+    let magic = bytes.len().min(FILE_MAGIC.len());
+    if bytes[..magic] != FILE_MAGIC[..magic] {
+        return Err(Refusal(
+            "is not a fencegate journal (bad header); refusing to start".to_owned(),
+        ));
+    }
+    if bytes.len() < HEADER_LEN {
+        // Cut inside its header: whatever it held is gone.
+        return Ok((bytes.len(), Start::V2Damaged));
+    }
+    match Header::read(bytes) {
+        Some(header) => Ok((HEADER_LEN, Start::V2(header))),
+        None => Ok((HEADER_LEN, Start::V2Damaged)),
+    }
+}
+
+/// The valid records of a log, folded.
+#[derive(Debug)]
+pub struct Folded {
+    pub leases: HashMap<String, LeaseRecord>,
+    /// The length of the valid prefix.
+    pub good_len: u64,
+    /// Leases not in the log continue above this (forgotten ones).
+    pub forgotten_above: u64,
+    /// The last identity the log was given (0: none).
+    pub identity: u64,
+}
+
+/// Folds every valid frame of `bytes` from `start`, in the order they were
+/// written. A bad frame before `torn_from` with any valid frame after it is
+/// corruption.
+pub fn replay(bytes: &[u8], start: usize, torn_from: u64) -> Result<Folded, Refusal> {
+    let mut state: HashMap<String, LeaseRecord> = HashMap::new();
+    let mut forgotten_above = 0;
+    let mut identity = 0;
+    let mut at = start;
+    while at < bytes.len() {
+        match read_frame(&bytes[at..]) {
+            Frame::Record(record, len) => {
+                if let Record::Identity { id } = record {
+                    identity = id;
+                } else if let Some((lease, last_token)) = record.forgets() {
+                    state.remove(lease);
+                    forgotten_above = u64::max(forgotten_above, last_token);
+                } else if let Some(lease) = record.lease() {
+                    let entry = state
+                        .entry(lease.to_owned())
+                        .or_insert_with(|| LeaseRecord {
+                            lease: lease.to_owned(),
+                            ..LeaseRecord::default()
+                        });
+                    record.apply(entry);
+                }
+                at += len;
+            }
+            Frame::Invalid(why) => {
+                if (at as u64) < torn_from {
+                    if let Some(next) = find_valid_frame(&bytes[at + 1..]) {
+                        return Err(Refusal(format!(
+                            "is corrupt: bad record at byte {at} ({why}) followed by a valid \
+                             record at byte {}; refusing to start rather than lose fencing \
+                             tokens (restore the file or move it away)",
+                            at + 1 + next
+                        )));
+                    }
+                }
+                break;
+            }
+        }
+    }
+    Ok(Folded {
+        leases: state,
+        good_len: at as u64,
+        forgotten_above,
+        identity,
+    })
+}
+
+/// The offset of the first position in `bytes` where a valid frame starts.
+fn find_valid_frame(bytes: &[u8]) -> Option<usize> {
+    (0..bytes.len())
+        .find(|&i| bytes[i] == FRAME_MAGIC && matches!(read_frame(&bytes[i..]), Frame::Record(..)))
+}
+
+/// The records of a log, replayed.
+#[derive(Debug)]
+pub struct Replayed {
+    pub leases: HashMap<String, LeaseRecord>,
+    /// Where the valid records end.
+    pub good_len: u64,
+    /// Bytes past them.
+    pub torn_bytes: u64,
+    /// The highest token of any lease, forgotten ones too.
+    pub max_token: u64,
+    /// Leases not in the log continue above this (forgotten ones).
+    pub forgotten_above: u64,
+    /// The log's identity (its last [`Record::Identity`]; 0: none).
+    pub identity: u64,
+}
+
+/// Reads a log with bytes: its start, and its records replayed. Past the
+/// durable length nothing was acknowledged: a bad frame there is a torn
+/// write (a power loss may leave zeros before later, valid bytes), never
+/// corruption.
+pub fn read_log(bytes: &[u8]) -> Result<(Start, Replayed), Refusal> {
+    let (offset, start) = read_start(bytes)?;
+    let torn_from = match start {
+        Start::V2(h) => h.durable_len,
+        Start::V1 | Start::V2Damaged => u64::MAX,
+    };
+    let folded = replay(bytes, offset, torn_from)?;
+    let replayed = Replayed {
+        max_token: folded
+            .leases
+            .values()
+            .map(|l| l.last_token)
+            .fold(folded.forgotten_above, u64::max),
+        forgotten_above: folded.forgotten_above,
+        identity: folded.identity,
+        leases: folded.leases,
+        good_len: folded.good_len,
+        torn_bytes: bytes.len() as u64 - folded.good_len,
+    };
+    Ok((start, replayed))
+}
+
+/// Whether the log holds every acknowledged record: then its header (`None`
+/// for a version 1 log, which has none); else why records may be missing.
+/// `floor_block` is how far ahead of the highest token the meta file's
+/// floor is raised.
+pub fn intact(
+    start: Start,
+    meta: &MetaFile,
+    replayed: &Replayed,
+    floor_block: u64,
+) -> Result<Option<Header>, String> {
+    // Whatever the log's version: a log other than the one the meta file
+    // was last written with is an older copy put back (or another store's);
+    // and the floor is raised only a block ahead of the highest token, so a
+    // log whose tokens end far below it is an older copy too.
+    if let MetaFile::Found(m) = meta {
+        if !m.names(replayed.identity) {
+            return Err(format!(
+                "it is not the log {META_FILE} was last written with (its identity is {:016x}, \
+                 {META_FILE} names {:016x}): it is an older copy, or another store's",
+                replayed.identity, m.identity
+            ));
+        }
+        if m.reserved > replayed.max_token.saturating_add(2 * floor_block) {
+            return Err(format!(
+                "its highest token is {}, far below the floor of {} in {META_FILE}: \
+                 it is an older copy",
+                replayed.max_token, m.reserved
+            ));
+        }
+    }
+    let header = match start {
+        Start::V1 => return Ok(None),
+        Start::V2Damaged => return Err("its header is damaged or cut off".to_owned()),
+        Start::V2(header) => header,
+    };
+    if replayed.good_len < header.durable_len && !planted(Mutant::TornTailTrusted) {
+        return Err(format!(
+            "the valid records end at byte {}, but {} bytes were synced",
+            replayed.good_len, header.durable_len
+        ));
+    }
+    Ok(Some(header))
+}
+
+/// The floors of an intact log: every lease continues above `floor`, and
+/// the meta file's reserved floor stays (`Some`) or is rebuilt from the log
+/// (`None`: a missing meta file, a version 1 log, a header floor above the
+/// meta file's).
+pub fn intact_floors(
+    header: Option<Header>,
+    meta: &MetaFile,
+    max_token: u64,
+) -> (u64, Option<u64>) {
+    let header_floor = header.map_or(0, |h| h.token_floor);
+    let floor = match meta {
+        MetaFile::Found(m) => m.floor.max(header_floor),
+        _ => header_floor,
+    };
+    let reserved = match meta {
+        MetaFile::Found(m) if m.reserved >= max_token && m.floor >= header_floor => {
+            Some(m.reserved)
+        }
+        _ => None,
+    };
+    (floor, reserved)
+}
+
+/// A log that may have lost acknowledged records: no token may be issued
+/// again, and no recovered term may come back to life (a later one may
+/// have been lost). Every lease continues above the highest token known,
+/// plus `bump` (tokens a restored backup may not know of); every recovered
+/// term is ended, and not quiet (its writes may still be at the storage).
+/// Returns the new floor.
+pub fn after_loss(
+    leases: &mut HashMap<String, LeaseRecord>,
+    max_token: u64,
+    start: Start,
+    meta: Meta,
+    bump: u64,
+) -> u64 {
+    let header_floor = match start {
+        Start::V2(h) => h.token_floor,
+        Start::V1 | Start::V2Damaged => 0,
+    };
+    let floor = meta
+        .reserved
+        .max(meta.floor)
+        .max(max_token)
+        .max(header_floor)
+        .saturating_add(bump);
+    for lease in leases.values_mut() {
+        if !planted(Mutant::TokenFloorIgnored) {
+            lease.last_token = lease.last_token.max(floor);
+        }
+        if planted(Mutant::LostRecordsKeepTerms) {
+            continue;
+        }
+        if let Some(term) = lease.term.as_mut() {
+            // Ended, and not quiet: a later term may have been lost with
+            // the records, and its writes may still be at the storage, so
+            // the next start (even a quick one after this) must hold back
+            // the lease's new terms for its restart window.
+            term.released = true;
+            term.granted_quiet = false;
+            term.released_quiet = false;
+        }
+    }
+    floor
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_meta_file_round_trips_and_refuses_damage() {
+        let m = Meta {
+            reserved: 4096,
+            floor: 7,
+            identity: 0xabc,
+            previous: 0xdef,
+        };
+        let bytes = m.encode();
+        assert_eq!(Meta::decode(&bytes), Some(m));
+        assert!(m.names(0xabc) && m.names(0xdef) && !m.names(1));
+        for i in 0..bytes.len() {
+            let mut bad = bytes.clone();
+            bad[i] ^= 1;
+            assert_eq!(Meta::decode(&bad), None, "a flip at byte {i}");
+        }
+        assert_eq!(MetaFile::read(None), MetaFile::Missing);
+        assert_eq!(MetaFile::read(Some(b"x")), MetaFile::Corrupt);
+    }
+
+    #[test]
+    fn a_log_of_another_format_is_refused() {
+        assert!(read_start(b"NOTAJOURNAL").is_err());
+        assert_eq!(read_start(b"FGJR").unwrap().1, Start::V2Damaged);
+    }
+}

@@ -1,0 +1,110 @@
+//! Planted bugs: each one a known way to break fencing, kept switchable so
+//! the tests can prove they catch it (the simulator in `fencegate-sim`, the
+//! power-cut tests of the real binary).
+//!
+//! Without the `mutants` feature [`planted`] is a constant `false` and the
+//! compiler removes every check. With it, one mutant at a time is planted
+//! for the whole process ([`plant`]): a test binary that plants one runs
+//! its tests one after another.
+
+/// A planted bug and where it sits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mutant {
+    /// The handover barrier admits a newer term's write while an older
+    /// term's is still unfinished ([`crate::lease::admission::barrier`]).
+    BarrierOff,
+    /// A later term's writes are admitted during the restart window
+    /// ([`crate::lease::restart::restart_holds_back`]).
+    RestartWindowSkipped,
+    /// The journal's header (its durable length) goes to the disk with the
+    /// batch it describes, in one sync ([`crate::journal::append`]): a
+    /// power cut can keep the header and lose the batch.
+    HeaderBeforeSync,
+    /// A start trusts a log whose valid records end before its durable
+    /// length ([`crate::journal::recovery::intact`]).
+    TornTailTrusted,
+    /// A start after lost records keeps the recovered terms alive
+    /// ([`crate::journal::recovery::after_loss`]).
+    LostRecordsKeepTerms,
+    /// Recovered leases ignore the token floor
+    /// ([`crate::lease::restart::restore`]).
+    TokenFloorIgnored,
+    /// Replay skips release records ([`crate::journal::record::Record::apply`]).
+    ReplayDropsReleases,
+    /// A term is still live at its deadline
+    /// ([`crate::lease::machine::LeaseState::check`]).
+    ExpiryInclusive,
+    /// A recovered term is held for no time at all after a restart
+    /// ([`crate::lease::restart::restore`]): the restart rule off.
+    RestartRuleOff,
+}
+
+impl Mutant {
+    /// Every mutant, in the order the tests try them.
+    pub const ALL: [Mutant; 9] = [
+        Mutant::BarrierOff,
+        Mutant::RestartWindowSkipped,
+        Mutant::HeaderBeforeSync,
+        Mutant::TornTailTrusted,
+        Mutant::LostRecordsKeepTerms,
+        Mutant::TokenFloorIgnored,
+        Mutant::ReplayDropsReleases,
+        Mutant::ExpiryInclusive,
+        Mutant::RestartRuleOff,
+    ];
+
+    /// The mutant's name on command lines and in `FENCEGATE_TEST_MUTANT`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mutant::BarrierOff => "barrier-off",
+            Mutant::RestartWindowSkipped => "restart-window-skipped",
+            Mutant::HeaderBeforeSync => "header-before-sync",
+            Mutant::TornTailTrusted => "torn-tail-trusted",
+            Mutant::LostRecordsKeepTerms => "lost-records-keep-terms",
+            Mutant::TokenFloorIgnored => "token-floor-ignored",
+            Mutant::ReplayDropsReleases => "replay-drops-releases",
+            Mutant::ExpiryInclusive => "expiry-inclusive",
+            Mutant::RestartRuleOff => "restart-rule-off",
+        }
+    }
+
+    /// The mutant of that name.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| m.name() == name)
+    }
+
+    #[cfg(feature = "mutants")]
+    fn code(self) -> u8 {
+        Self::ALL
+            .iter()
+            .position(|m| *m == self)
+            .map_or(0, |i| i as u8 + 1)
+    }
+}
+
+#[cfg(feature = "mutants")]
+static PLANTED: core::sync::atomic::AtomicU8 = core::sync::atomic::AtomicU8::new(0);
+
+/// Plants `mutant` for the whole process (`None`: the code as written).
+#[cfg(feature = "mutants")]
+pub fn plant(mutant: Option<Mutant>) {
+    PLANTED.store(
+        mutant.map_or(0, Mutant::code),
+        core::sync::atomic::Ordering::SeqCst,
+    );
+}
+
+/// Whether `mutant` is planted: always `false` without the `mutants`
+/// feature.
+#[inline(always)]
+pub fn planted(mutant: Mutant) -> bool {
+    #[cfg(feature = "mutants")]
+    {
+        PLANTED.load(core::sync::atomic::Ordering::Relaxed) == mutant.code()
+    }
+    #[cfg(not(feature = "mutants"))]
+    {
+        let _ = mutant;
+        false
+    }
+}
