@@ -61,7 +61,10 @@ fn plant_test_mutant() {
     use fencegate_core::mutant::{plant, Mutant};
     if let Ok(name) = std::env::var("FENCEGATE_TEST_MUTANT") {
         let mutant = Mutant::from_name(&name);
-        assert!(mutant.is_some(), "FENCEGATE_TEST_MUTANT: no mutant {name:?}");
+        assert!(
+            mutant.is_some(),
+            "FENCEGATE_TEST_MUTANT: no mutant {name:?}"
+        );
         tracing::warn!(mutant = name, "a planted bug is on (a test build)");
         plant(mutant);
     }

@@ -30,6 +30,7 @@ use bucket::ClientBuckets;
 pub use bucket::Requester;
 use gauges::{InflightCount, LiveTerms};
 
+use super::admission;
 use super::id::LeaseId;
 use super::inflight::Inflight;
 use super::machine::{AcquireRefused, Grant, Held, LeaseState, Reject, Term, View};
@@ -193,11 +194,19 @@ impl Slot {
     /// at the storage at `now_ms`: none forwarded before the restart (or the
     /// restart window is over) and none in flight or settling now.
     fn quiet_below(&self, token: u64, now_ms: u64, unsettled_until_ms: u64) -> bool {
-        !restart::restart_holds_back(self.unsettled_from, unsettled_until_ms, token, now_ms)
-            && self
-                .cell
-                .get()
-                .is_none_or(|cell| cell.inflight().older_than(token, now_ms).is_none())
+        let quiet = |inflight| {
+            admission::quiet_below(
+                inflight,
+                self.unsettled_from,
+                unsettled_until_ms,
+                token,
+                now_ms,
+            )
+        };
+        match self.cell.get() {
+            None => quiet(None),
+            Some(cell) => quiet(Some(&mut cell.inflight())),
+        }
     }
 
     /// The lease's cell, made now if it has none yet.

@@ -110,3 +110,19 @@ pub fn barrier(
     }
     Decision::Admit(admit)
 }
+
+/// Whether no write with a token below `token` may still be unfinished at
+/// the storage at `now_ms`: none sent before the restart (or its window is
+/// over) and none in flight or settling now (`inflight`: `None` if the
+/// lease never had a write). A grant or release records it ("quiet"), so
+/// the next start need not hold the lease's later terms back.
+pub fn quiet_below(
+    inflight: Option<&mut Inflight>,
+    unsettled_from: u64,
+    unsettled_until_ms: u64,
+    token: u64,
+    now_ms: u64,
+) -> bool {
+    !restart_holds_back(unsettled_from, unsettled_until_ms, token, now_ms)
+        && inflight.is_none_or(|i| i.older_than(token, now_ms).is_none())
+}

@@ -1,0 +1,46 @@
+//! A deterministic simulator that drives fencegate's real core
+//! (`fencegate-core`: the lease state machine, the admission decision with
+//! the handover barrier, the restart rule, the journal's format, the order
+//! of its writes and what a start decides about the log it finds) through a
+//! world that goes wrong at every step, and checks the guarantees after
+//! each one.
+//!
+//! The world ([`world`]), all in one thread on one simulated clock, seeded:
+//! - writers that acquire, write, renew and release, each on a clock of its
+//!   own (some fast, some slow), that pause for up to two TTLs and go on as
+//!   if they still held their lease, that stop for good, that keep writing
+//!   under a term they released or lost (zombies), and that aim writes at
+//!   the very millisecond their term ends;
+//! - the proxy, its clock restarting at every start, its wall clock off by
+//!   up to the tolerance, and a journal writer that appends, syncs and
+//!   writes headers in the order `fencegate_core::journal::append` gives,
+//!   on a disk ([`disk`]) that keeps only what was synced: a power cut keeps
+//!   any subset of the writes since (and may tear one), a kill keeps them
+//!   all, a sync may fail, and the disk may lose or flip its last bytes;
+//! - a backend that answers late, times out, and applies a write before or
+//!   after it answers, up to the settle time after the connection is gone:
+//!   the documented bound. Writes applied later than that ("rogue" writes)
+//!   are made on purpose, counted, and left out of the order check;
+//! - crashes and power cuts at any step, and restarts.
+//!
+//! What it checks (see [`Violation`]):
+//! - the backend never applies a write of a term after one of a later term
+//!   of the same lease (within the bound);
+//! - tokens granted to clients strictly increase per lease (so none is
+//!   issued twice), across every restart and loss;
+//! - no term that ended (released with an answer, superseded by a granted
+//!   later term, or past its deadline, where a restart may hold a term for
+//!   up to one TTL unless it ended more than half a TTL plus the tolerance
+//!   before) is honoured again: no write admitted, no renewal;
+//! - a lease is held (409) only while its term may be: liveness;
+//! - every start after a crash or power cut without disk damage finds every
+//!   acknowledged record; every granted token survives it; an answered
+//!   release stays a release; a recovered term that may still be live is
+//!   held, for at most a TTL; after lost records every term has ended.
+//!
+//! [`run`] plays one seed; the same seed plays the same run, step for step.
+
+pub mod disk;
+pub mod world;
+
+pub use world::{run, Config, Report, Stats, Violation};
