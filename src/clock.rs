@@ -1,9 +1,11 @@
 //! The proxy's clock: the only source of the time that lease deadlines, the
 //! settle window, the handover barrier and the restart window are measured
 //! on. (I/O deadlines, such as the header read timeout or the upstream
-//! deadline, are tokio timers; the client side measures its own deadlines on
-//! tokio's monotonic clock, read through [`instant_now`] and [`Stopwatch`].)
-//! `.clippy.toml` bans reading std's and tokio's clocks anywhere else.
+//! deadline, are tokio timers; the client commands measure latency with
+//! [`Stopwatch`].) `.clippy.toml` bans reading std's and tokio's clocks
+//! anywhere else in the workspace, but for one reading in the
+//! `fencegate-client` crate (its guard's deadlines, on tokio's monotonic
+//! clock) and the time budget of the simulator's test and example.
 //!
 //! Lease deadlines live on a monotonic millisecond timeline that starts when the
 //! process starts. Wall time is never used for deadlines, so a clock step (NTP,
@@ -257,13 +259,6 @@ pub fn unix_now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
-/// Now on tokio's monotonic clock, for client-side deadlines handed to
-/// tokio's timers (`sleep_until`, `timeout_at`); it stands still while a
-/// test pauses tokio's time. The proxy's decisions read [`Clock`] instead.
-pub fn instant_now() -> Instant {
-    Instant::now()
 }
 
 /// A monotonic stopwatch with microsecond resolution, for clients measuring

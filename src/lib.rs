@@ -37,8 +37,9 @@
 //!   source of the time leases, settle windows and the handover barrier are
 //!   measured on (I/O deadlines are tokio timers).
 //! - [`client`]: a lease API client whose guard renews in the background and
-//!   fails closed; [`cli`]: the client commands built on it (`lease`, `run`,
-//!   `loadtest`).
+//!   fails closed (the `fencegate-client` crate, which a program can depend
+//!   on without the proxy; re-exported here); [`cli`]: the client commands
+//!   built on it (`lease`, `run`, `loadtest`).
 //! - [`metrics`]: Prometheus counters and the scrape-time collector.
 //! - [`cluster`]: cluster mode: the election through etcd, the member
 //!   service (the primary's app, or standby answers), and the lease state
@@ -51,7 +52,8 @@
 //!   several layers share; [`hex`]: lowercase hex for ids and digests;
 //!   [`config`]: typed settings, read by start-up only.
 //!
-//! Dependencies point one way. The core crate cannot name this one, and it
+//! Dependencies point one way. The core and client crates cannot name this
+//! one (the client depends on the core alone, for the header names); the core
 //! does no I/O and reads no clock (its `clippy.toml` denies the std APIs;
 //! `tests/layering.rs` holds its dependency tree to pure-computation crates).
 //! Inside this crate `tests/layering.rs` checks the imports for cycles: the
@@ -63,7 +65,7 @@
 //! serves from `serve` (it never reads the config);
 //! `config` knows the options of `lease`, `route`, `backend`, `server` and
 //! `auth`, and only `app` and `serve` read it; `serve` is the top, imported
-//! by nothing; `client` ← `cli`.
+//! by nothing; `client` (the crate) ← `cli`.
 
 pub mod api;
 pub mod app;
@@ -71,7 +73,7 @@ pub mod auth;
 pub mod backend;
 pub mod body;
 pub mod cli;
-pub mod client;
+pub use fencegate_client as client;
 pub mod clock;
 pub mod cluster;
 pub mod config;

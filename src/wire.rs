@@ -4,20 +4,9 @@
 //! side, the backends and the fence can all use it without depending on each
 //! other.
 
-/// The header that carries the fencing token; passed on to the backend.
-pub const FENCING_TOKEN: &str = "fencing-token";
-
-/// The header that carries the lease id; never forwarded.
-pub const FENCING_LEASE_ID: &str = "fencing-lease-id";
-
-/// The request-id header: the client's, or a new one; echoed and forwarded.
-pub const X_REQUEST_ID: &str = "x-request-id";
-
-/// On a cluster member's `not-primary` answer: the primary's advertised URL.
-pub const FENCEGATE_PRIMARY: &str = "fencegate-primary";
-
-/// The path prefix fencegate keeps for itself.
-pub const PREFIX: &str = "/_fence/";
+pub use fencegate_core::wire::{
+    FENCEGATE_PRIMARY, FENCING_LEASE_ID, FENCING_TOKEN, PREFIX, X_REQUEST_ID,
+};
 
 /// Set by a backend on a response it made up because the request's outcome
 /// at the storage is unknown (connection lost, upstream timeout): the write

@@ -186,15 +186,14 @@ const CORE_MAY_USE: &[&str] = &[
     "zmij",
 ];
 
-/// The core's dependency tree (normal and build dependencies, every
-/// target): no runtime, no I/O crate, nothing but the allowed list.
-#[test]
-fn the_core_depends_on_no_runtime_and_no_io_crate() {
+/// The names of the crates in `package`'s dependency tree (normal and
+/// build dependencies) for `target` ("all", or the host's with `None`).
+fn dependency_tree(package: &str, target: Option<&str>) -> String {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let out = std::process::Command::new(cargo)
-        .args(["tree", "--offline", "--locked", "-p", "fencegate-core"])
-        .args(["-e", "normal,build", "--target", "all", "--prefix", "none"])
-        .args(["--format", "{p}"])
+        .args(["tree", "--offline", "--locked", "-p", package])
+        .args(["-e", "normal,build", "--prefix", "none", "--format", "{p}"])
+        .args(target.map(|t| ["--target", t]).into_iter().flatten())
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .unwrap();
@@ -203,7 +202,14 @@ fn the_core_depends_on_no_runtime_and_no_io_crate() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let tree = String::from_utf8(out.stdout).unwrap();
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The core's dependency tree: no runtime, no I/O crate, nothing but the
+/// allowed list.
+#[test]
+fn the_core_depends_on_no_runtime_and_no_io_crate() {
+    let tree = dependency_tree("fencegate-core", Some("all"));
     let crates: BTreeSet<&str> = tree
         .lines()
         .filter_map(|l| l.split_whitespace().next())
@@ -220,5 +226,31 @@ fn the_core_depends_on_no_runtime_and_no_io_crate() {
     );
     for banned in ["tokio", "mio", "socket2", "hyper", "getrandom"] {
         assert!(!crates.contains(banned), "{banned}");
+    }
+}
+
+/// The client crate brings what a program that takes leases needs, not the
+/// proxy: no server side of hyper, no metrics, no command line, no
+/// concurrent map, and not the proxy crate itself.
+#[test]
+fn the_client_depends_on_nothing_of_the_proxy() {
+    // The host's tree: other platforms' TLS roots (macOS, Windows) are not
+    // fetched by an offline build here.
+    let tree = dependency_tree("fencegate-client", None);
+    let crates: BTreeSet<&str> = tree
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert!(crates.contains("hyper-util"), "{tree}");
+    for banned in [
+        "fencegate",
+        "dashmap",
+        "prometheus-client",
+        "clap",
+        "tracing-subscriber",
+        "hdrhistogram",
+        "toml",
+    ] {
+        assert!(!crates.contains(banned), "the client depends on {banned}");
     }
 }

@@ -22,8 +22,10 @@
 //!   so the simulator and the power-cut tests can prove they catch them.
 //! - [`names`]: lease and holder names, checked once where they enter.
 //! - [`hex`]: lowercase hex for ids and digests.
+//! - [`wire`]: the header names and path prefix the proxy and its clients
+//!   share.
 //!
-//! Dependencies point one way: `mutant` imports nothing; `hex`, `names` and
+//! Dependencies point one way: `mutant` and `wire` import nothing; `hex`, `names` and
 //! `journal` import nothing from the crate but `mutant`; `lease` imports
 //! them all.
 
@@ -32,3 +34,4 @@ pub mod journal;
 pub mod lease;
 pub mod mutant;
 pub mod names;
+pub mod wire;

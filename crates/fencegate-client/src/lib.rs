@@ -10,8 +10,8 @@
 //! that dies counts as loss too: the guard never fails open.
 //!
 //! ```no_run
-//! # async fn demo() -> Result<(), fencegate::client::ClientError> {
-//! use fencegate::client::{LeaseClient, GuardOptions};
+//! # async fn demo() -> Result<(), fencegate_client::ClientError> {
+//! use fencegate_client::{LeaseClient, GuardOptions};
 //! let client = LeaseClient::new("http://127.0.0.1:8080");
 //! let guard = client.hold("orders", "worker-1", 10_000, 5_000, GuardOptions::default()).await?;
 //! let token = guard.token(); // send with Fencing-Token / Fencing-Lease-Id
@@ -45,8 +45,15 @@ use tokio::time::Instant;
 use tokio_rustls::rustls::crypto::ring;
 use tokio_rustls::rustls::{ClientConfig, RootCertStore};
 
-use crate::clock::instant_now;
-use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
+use fencegate_core::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
+
+/// Now on tokio's monotonic clock, for deadlines handed to tokio's timers;
+/// it stands still while a test pauses tokio's time. The client's only
+/// reading of a clock.
+fn instant_now() -> Instant {
+    #[allow(clippy::disallowed_methods)] // the one place, as the proxy's clock.rs
+    Instant::now()
+}
 
 /// A granted or renewed term.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

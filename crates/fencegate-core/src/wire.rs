@@ -1,0 +1,18 @@
+//! Names on the wire that the proxy and its clients share: the fencing
+//! headers, the request id, the primary's header and the path prefix
+//! fencegate keeps.
+
+/// The header that carries the fencing token; passed on to the backend.
+pub const FENCING_TOKEN: &str = "fencing-token";
+
+/// The header that carries the lease id; never forwarded.
+pub const FENCING_LEASE_ID: &str = "fencing-lease-id";
+
+/// The request-id header: the client's, or a new one; echoed and forwarded.
+pub const X_REQUEST_ID: &str = "x-request-id";
+
+/// On a cluster member's `not-primary` answer: the primary's advertised URL.
+pub const FENCEGATE_PRIMARY: &str = "fencegate-primary";
+
+/// The path prefix fencegate keeps for itself.
+pub const PREFIX: &str = "/_fence/";
