@@ -35,10 +35,14 @@ impl Primacy {
 
     /// Whether this member may admit now.
     pub fn is_live(&self) -> bool {
-        if self.revoked.load(Ordering::Acquire) {
-            return false;
-        }
-        !self.enforce || self.clock.now_ms() < self.until_ms.load(Ordering::Acquire)
+        let revoked = self.revoked.load(Ordering::Acquire);
+        let until_ms = self.until_ms.load(Ordering::Acquire);
+        fencegate_core::cluster::primacy_admits(
+            self.clock.now_ms(),
+            until_ms,
+            revoked,
+            self.enforce,
+        )
     }
 
     /// Primacy was confirmed again, until `until_ms` (never moves back).

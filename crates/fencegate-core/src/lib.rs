@@ -20,6 +20,8 @@
 //!   ([`journal::recovery`]: torn tails, lost records, older copies).
 //! - [`mutant`]: planted bugs, switchable only with the `mutants` feature,
 //!   so the simulator and the power-cut tests can prove they catch them.
+//! - [`cluster`]: cluster mode's rules on the member's clock: the
+//!   self-fencing deadline and the clock check's verdict.
 //! - [`names`]: lease and holder names, checked once where they enter.
 //! - [`hex`]: lowercase hex for ids and digests.
 //! - [`wire`]: the header names and path prefix the proxy and its clients
@@ -29,6 +31,7 @@
 //! `journal` import nothing from the crate but `mutant`; `lease` imports
 //! them all.
 
+pub mod cluster;
 pub mod hex;
 pub mod journal;
 pub mod lease;

@@ -37,11 +37,15 @@ pub enum Mutant {
     /// A recovered term is held for no time at all after a restart
     /// ([`crate::lease::restart::restore`]): the restart rule off.
     RestartRuleOff,
+    /// A primary admits until its etcd lease's TTL has passed on its own
+    /// clock, with no margin for that clock running slow
+    /// ([`crate::cluster::primacy_deadline`]).
+    SelfFencingMarginZero,
 }
 
 impl Mutant {
     /// Every mutant, in the order the tests try them.
-    pub const ALL: [Mutant; 9] = [
+    pub const ALL: [Mutant; 10] = [
         Mutant::BarrierOff,
         Mutant::RestartWindowSkipped,
         Mutant::HeaderBeforeSync,
@@ -51,6 +55,7 @@ impl Mutant {
         Mutant::ReplayDropsReleases,
         Mutant::ExpiryInclusive,
         Mutant::RestartRuleOff,
+        Mutant::SelfFencingMarginZero,
     ];
 
     /// The mutant's name on command lines and in `FENCEGATE_TEST_MUTANT`.
@@ -65,6 +70,7 @@ impl Mutant {
             Mutant::ReplayDropsReleases => "replay-drops-releases",
             Mutant::ExpiryInclusive => "expiry-inclusive",
             Mutant::RestartRuleOff => "restart-rule-off",
+            Mutant::SelfFencingMarginZero => "self-fencing-margin-zero",
         }
     }
 

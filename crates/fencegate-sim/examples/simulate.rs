@@ -24,6 +24,7 @@ fn main() -> ExitCode {
     let mut steps = 20_000u64;
     let mut seconds: Option<u64> = None;
     let mut mutant = None;
+    let mut trace = false;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let mut value = || {
@@ -49,6 +50,7 @@ fn main() -> ExitCode {
                     usage(&format!("no mutant {name:?}; one of: {}", names.join(", ")))
                 }));
             }
+            "--trace" => trace = true,
             "-h" | "--help" => usage(""),
             other => usage(&format!("unknown argument {other:?}")),
         }
@@ -65,7 +67,10 @@ fn main() -> ExitCode {
         if budget.is_some_and(|b| started.elapsed() >= b) {
             break;
         }
-        let report = run(&Config::new(s, steps));
+        let report = run(&Config {
+            trace,
+            ..Config::new(s, steps)
+        });
         played += 1;
         total_steps += report.steps;
         if seeds == 1 {

@@ -21,7 +21,21 @@
 //!   after it answers, up to the settle time after the connection is gone:
 //!   the documented bound. Writes applied later than that ("rogue" writes)
 //!   are made on purpose, counted, and left out of the order check;
-//! - crashes and power cuts at any step, and restarts.
+//! - crashes and power cuts at any step, and restarts;
+//! - in cluster mode (even seeds), three members sharing the lease state
+//!   through a simulated etcd (sessions that expire on etcd's clock, one
+//!   election key, transactions that commit only for the session holding
+//!   it), each member on a clock a little fast or slow, paused (SIGSTOP)
+//!   or cut off from etcd for up to two TTLs while clients still reach it,
+//!   and killed; a member that wins loads the lease state and serves under
+//!   the core's restart rule, and admits only while the core's self-fencing
+//!   deadline (`fencegate_core::cluster`) has not passed on its own clock.
+//!
+//! Admission and forwarding are one step here: a proxy paused between its
+//! last check and its write's first byte (the bound docs/cluster.md gives)
+//! is not modelled, nor a clock slower than the self-fencing margin per
+//! TTL (the clock check's business), nor the settle time shortened by a
+//! proxy clock that runs fast (it is measured on the proxy's clock).
 //!
 //! What it checks (see [`Violation`]):
 //! - the backend never applies a write of a term after one of a later term
@@ -36,7 +50,10 @@
 //! - every start after a crash or power cut without disk damage finds every
 //!   acknowledged record; every granted token survives it; an answered
 //!   release stays a release; a recovered term that may still be live is
-//!   held, for at most a TTL; after lost records every term has ended.
+//!   held, for at most a TTL; after lost records every term has ended (the
+//!   same at every takeover in cluster mode);
+//! - self-fencing: a primary admits nothing (write, grant, renewal,
+//!   release) once etcd could have let its election lease go.
 //!
 //! [`run`] plays one seed; the same seed plays the same run, step for step.
 

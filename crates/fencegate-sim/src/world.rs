@@ -50,10 +50,46 @@ pub struct Config {
     /// Of the writes, how many in a thousand the backend applies after the
     /// documented bound (left out of the order check).
     pub rogue_per_mille: u32,
+    /// Members: 1 is standalone (the file journal on the simulated disk);
+    /// more is cluster mode (the lease state in a simulated etcd, one
+    /// primary elected at a time, self-fencing on each member's clock).
+    pub members: usize,
+    /// Cluster mode: the TTL of a member's etcd lease, in whole seconds.
+    pub member_ttl_s: u64,
+    /// Cluster mode: the self-fencing margin (`cluster.margin_ms`).
+    pub margin_ms: u64,
+    /// Cluster mode: a member's clock runs up to this many parts per
+    /// million slow or fast: within what the clock check lets serve, the
+    /// margin per TTL.
+    pub member_skew_ppm: i64,
+    /// Cluster mode: mean time between pauses (SIGSTOP) of a member, each
+    /// up to two TTLs of its etcd lease.
+    pub pause_every_ms: u64,
+    /// Print every event to stderr (the `simulate` example's `--trace`).
+    pub trace: bool,
 }
 
 impl Config {
+    /// The settings of seed `seed`: odd seeds run standalone, even seeds a
+    /// cluster of three members, so one seed names one run either way.
     pub fn new(seed: u64, steps: u64) -> Self {
+        if seed.is_multiple_of(2) {
+            Self::cluster(seed, steps)
+        } else {
+            Self::standalone(seed, steps)
+        }
+    }
+
+    /// Three members sharing their lease state through etcd.
+    pub fn cluster(seed: u64, steps: u64) -> Self {
+        Self {
+            members: 3,
+            ..Self::standalone(seed, steps)
+        }
+    }
+
+    /// One proxy with its file journal.
+    pub fn standalone(seed: u64, steps: u64) -> Self {
         Self {
             seed,
             steps,
@@ -69,6 +105,12 @@ impl Config {
             damage_per_mille: 150,
             sync_failures_per_mille: 10,
             rogue_per_mille: 5,
+            members: 1,
+            member_ttl_s: 2,
+            margin_ms: 100,
+            member_skew_ppm: 5_000,
+            pause_every_ms: 3_000,
+            trace: false,
         }
     }
 }
@@ -101,6 +143,15 @@ pub struct Stats {
     pub failed_syncs: u64,
     pub starts_after_loss: u64,
     pub held_refusals: u64,
+    /// Cluster mode: members that won the election and took over.
+    pub takeovers: u64,
+    /// Cluster mode: members paused (SIGSTOP).
+    pub pauses: u64,
+    /// Cluster mode: members cut off from etcd for a while.
+    pub partitions: u64,
+    /// Cluster mode: primaries that stepped down (their etcd lease gone, a
+    /// write of lease state refused).
+    pub step_downs: u64,
 }
 
 /// A run's outcome.
@@ -141,6 +192,8 @@ enum Op {
 struct Req {
     id: u64,
     client: usize,
+    /// The member it is sent to.
+    member: usize,
     lease: usize,
     token: u64,
     lease_id: [u8; 32],
@@ -191,8 +244,79 @@ enum Ev {
     Answered(usize),
     BodyDone(usize),
     Timeout(usize),
-    Crash,
-    Restart,
+    Crash(usize),
+    Restart(usize),
+    /// Cluster mode: a member's process starts.
+    MemberStart(usize),
+    /// Cluster mode: a member's keepalive is due.
+    Beat {
+        member: usize,
+        session: u64,
+    },
+    /// Cluster mode: a member looks for a primary, and campaigns if none.
+    Poll {
+        member: usize,
+        session: u64,
+    },
+    /// Cluster mode: a member is paused.
+    Pause(usize),
+    /// Cluster mode: a member asks etcd for a session again (the last ask
+    /// was lost).
+    Regrant {
+        member: usize,
+        generation: u64,
+    },
+    /// Cluster mode: a member's request reaches etcd.
+    AtEtcd {
+        member: usize,
+        generation: u64,
+        sent_ms: u64,
+        op: EtcdOp,
+    },
+    /// Cluster mode: etcd's answer reaches the member.
+    FromEtcd {
+        member: usize,
+        generation: u64,
+        sent_ms: u64,
+        reply: EtcdReply,
+    },
+}
+
+#[derive(Debug)]
+enum EtcdOp {
+    Grant,
+    KeepAlive(u64),
+    Campaign(u64),
+    /// A transaction that appends lease records if `session` holds the
+    /// election.
+    Commit {
+        session: u64,
+        inc: u64,
+        bytes: Vec<u8>,
+        batch: Vec<Queued>,
+    },
+}
+
+#[derive(Debug)]
+enum EtcdReply {
+    Granted {
+        session: u64,
+    },
+    KeptAlive {
+        session: u64,
+    },
+    Gone {
+        session: u64,
+    },
+    Won {
+        session: u64,
+    },
+    Lost,
+    Committed {
+        inc: u64,
+        batch: Vec<Queued>,
+        ok: bool,
+    },
 }
 
 // ---------------------------------------------------------------------------
@@ -226,6 +350,8 @@ struct Client {
     hold: Hold,
     outstanding: u32,
     zombie: bool,
+    /// The member it sends to (cluster mode: another one after a failure).
+    target: usize,
 }
 
 impl Client {
@@ -257,6 +383,8 @@ enum Ack {
     Grant {
         req: Req,
         token: u64,
+        deadline_ms: u64,
+        lease_id: [u8; 32],
         previous: Option<Term>,
     },
     Release {
@@ -274,8 +402,12 @@ struct Queued {
 #[derive(Debug)]
 struct Proxy {
     inc: u64,
-    /// The proxy's monotonic clock reads `now + clock_offset_ms`.
+    /// The proxy's monotonic clock reads `clock_offset_ms` plus the
+    /// simulated time, running `skew_ppm` fast (its member's clock).
     clock_offset_ms: u64,
+    skew_ppm: i64,
+    /// Cluster mode: the term of primacy it serves, its journal etcd.
+    primacy: Option<Primacy>,
     /// Its wall clock's error.
     wall_error_ms: i64,
     slots: BTreeMap<usize, Slot>,
@@ -286,6 +418,63 @@ struct Proxy {
     meta: Meta,
     queue: Vec<Queued>,
     writing: bool,
+}
+
+/// A primary's right to admit (cluster mode).
+#[derive(Debug, Clone, Copy)]
+struct Primacy {
+    session: u64,
+    until_ms: u64,
+    revoked: bool,
+}
+
+/// A cluster member: a process that may serve as primary.
+#[derive(Debug, Default)]
+struct Member {
+    skew_ppm: i64,
+    clock_offset_ms: u64,
+    paused_until: u64,
+    /// Cut off from etcd (its messages and etcd's answers are lost) until
+    /// then, while clients still reach it.
+    cut_off_until: u64,
+    alive: bool,
+    /// Counts the member's process starts: answers for an earlier process
+    /// are dropped.
+    generation: u64,
+    proxy: Option<Proxy>,
+    session: Option<Session>,
+}
+
+/// A member's etcd lease as it last confirmed it.
+#[derive(Debug, Clone, Copy)]
+struct Session {
+    id: u64,
+    /// When the last confirmed grant or keepalive was sent (its clock).
+    sent_ms: u64,
+}
+
+/// The simulated etcd: linearizable, on the simulated clock.
+#[derive(Debug, Default)]
+struct Etcd {
+    next_id: u64,
+    /// Every session ever granted: its member, when it expires (or
+    /// expired), whether etcd has let it go.
+    sessions: BTreeMap<u64, (usize, u64, bool)>,
+    /// The session holding the election key.
+    leader: Option<u64>,
+    /// The committed lease records, as frames.
+    log: Vec<u8>,
+}
+
+/// How long `ms` on a clock `skew_ppm` fast lasts on the simulated clock
+/// (rounded up).
+fn global_ms(ms: u64, skew_ppm: i64) -> u64 {
+    let rate = 1_000_000 + skew_ppm as i128;
+    ((ms as i128 * 1_000_000 + rate - 1) / rate) as u64
+}
+
+fn local_ms(offset_ms: u64, skew_ppm: i64, now: u64) -> u64 {
+    offset_ms + (now as i128 * (1_000_000 + skew_ppm as i128) / 1_000_000) as u64
 }
 
 /// A write the proxy forwarded.
@@ -302,6 +491,9 @@ struct Write {
     /// When the proxy stopped waiting for it (answer, timeout, crash).
     gone_ms: Option<u64>,
     rogue: bool,
+    /// The forwarding proxy's clock rate: the settle time is measured on
+    /// that clock.
+    skew_ppm: i64,
 }
 
 // ---------------------------------------------------------------------------
@@ -310,6 +502,10 @@ struct Write {
 #[derive(Debug)]
 struct TermTruth {
     ttl_ms: u64,
+    /// The highest token granted (answered) when this one was issued: it
+    /// must be above it. (Its own answer may come after a later term's: a
+    /// primary paused between its commit and its answer.)
+    granted_before: u64,
     /// No later than this (simulated time) may the term still be live.
     live_until_ms: u64,
     acked: bool,
@@ -366,6 +562,12 @@ struct World {
     damaged: bool,
     stats: Stats,
     violation: Option<Violation>,
+    /// The processes (one standalone): the proxy of the member whose event
+    /// is being handled is moved into `proxy` meanwhile.
+    members: Vec<Member>,
+    /// The member of each incarnation (index: incarnation).
+    inc_member: Vec<usize>,
+    etcd: Etcd,
 }
 
 impl World {
@@ -384,6 +586,7 @@ impl World {
                 hold: Hold::Idle,
                 outstanding: 0,
                 zombie: rng.u32(0..3) == 0,
+                target: 0,
             })
             .collect();
         let mut world = Self {
@@ -405,14 +608,41 @@ impl World {
             damaged: false,
             stats: Stats::default(),
             violation: None,
+            members: Vec::new(),
+            inc_member: vec![0],
+            etcd: Etcd::default(),
         };
-        world.start();
+        let skew = world.cfg.member_skew_ppm;
+        for _ in 0..world.cfg.members.max(1) {
+            let skew_ppm = if world.cfg.members > 1 && world.rng.bool() {
+                world.rng.i64(-skew..=skew)
+            } else {
+                0
+            };
+            world.members.push(Member {
+                skew_ppm,
+                ..Member::default()
+            });
+        }
         for c in 0..world.clients.len() {
             let at = world.rng.u64(0..50);
             world.at(at, Ev::Wake(c));
+            world.clients[c].target = world.rng.usize(0..world.members.len());
         }
-        world.schedule_crash();
+        if world.cluster() {
+            for m in 0..world.members.len() {
+                world.after(0, Ev::MemberStart(m));
+                world.schedule_pause(m);
+            }
+        } else {
+            world.handle(Ev::Restart(0));
+            world.schedule_crash();
+        }
         world
+    }
+
+    fn cluster(&self) -> bool {
+        self.cfg.members > 1
     }
 
     fn play(&mut self) {
@@ -422,6 +652,9 @@ impl World {
             };
             self.now = at;
             self.step += 1;
+            if self.cfg.trace {
+                eprintln!("{} {at}: {ev:?}", self.step);
+            }
             self.handle(ev);
         }
     }
@@ -460,7 +693,44 @@ impl World {
         }
     }
 
+    /// The member an event happens on, if any.
+    fn target(&self, ev: &Ev) -> Option<usize> {
+        match ev {
+            Ev::Arrive(req) => Some(req.member),
+            Ev::Retry { inc, .. } | Ev::Flush(inc) | Ev::Synced { inc, .. } => {
+                Some(self.inc_member[*inc as usize])
+            }
+            Ev::Answered(w) | Ev::BodyDone(w) | Ev::Timeout(w) => {
+                Some(self.inc_member[self.writes[*w].inc as usize])
+            }
+            Ev::Crash(m) | Ev::Restart(m) => Some(*m),
+            Ev::Beat { member, .. }
+            | Ev::Poll { member, .. }
+            | Ev::FromEtcd { member, .. }
+            | Ev::Regrant { member, .. } => Some(*member),
+            _ => None,
+        }
+    }
+
+    /// Handles an event; one on a paused member waits until it wakes, and
+    /// one on a member sees that member's proxy in `self.proxy`.
     fn handle(&mut self, ev: Ev) {
+        let target = self.target(&ev);
+        if let Some(m) = target {
+            if self.members[m].paused_until > self.now {
+                let at = self.members[m].paused_until;
+                self.at(at, ev);
+                return;
+            }
+            self.proxy = self.members[m].proxy.take();
+        }
+        self.handle_here(ev);
+        if let Some(m) = target {
+            self.members[m].proxy = self.proxy.take();
+        }
+    }
+
+    fn handle_here(&mut self, ev: Ev) {
         match ev {
             Ev::Wake(c) => self.wake(c),
             Ev::Arrive(req) => self.arrive(req),
@@ -485,8 +755,31 @@ impl World {
             Ev::Answered(w) => self.answered(w),
             Ev::BodyDone(w) => self.body_done(w),
             Ev::Timeout(w) => self.timeout(w),
-            Ev::Crash => self.crash(),
-            Ev::Restart => self.start(),
+            Ev::Crash(m) if self.cluster() => self.member_crash(m),
+            Ev::Crash(_) => self.crash(),
+            Ev::Restart(_) => self.start(),
+            Ev::MemberStart(m) => self.member_start(m),
+            Ev::Beat { member, session } => self.beat(member, session),
+            Ev::Poll { member, session } => self.poll(member, session),
+            Ev::Pause(m) => self.pause(m),
+            Ev::Regrant { member, generation } => {
+                let m = &self.members[member];
+                if m.alive && m.generation == generation && m.session.is_none() {
+                    self.send_etcd(member, EtcdOp::Grant);
+                }
+            }
+            Ev::AtEtcd {
+                member,
+                generation,
+                sent_ms,
+                op,
+            } => self.at_etcd(member, generation, sent_ms, op),
+            Ev::FromEtcd {
+                member,
+                generation,
+                sent_ms,
+                reply,
+            } => self.etcd_answered(member, generation, sent_ms, reply),
         }
     }
 
@@ -601,6 +894,7 @@ impl World {
         let req = Req {
             id: self.next_req,
             client,
+            member: self.clients[client].target,
             lease,
             token,
             lease_id,
@@ -628,6 +922,10 @@ impl World {
     }
 
     fn deliver(&mut self, c: usize, _req: u64, answer: Answer) {
+        if matches!(answer, Answer::Failed) {
+            // Another member may be the primary (or up).
+            self.clients[c].target = self.rng.usize(0..self.members.len());
+        }
         let client = &mut self.clients[c];
         client.outstanding = client.outstanding.saturating_sub(1);
         let local = client.local_ms(self.now);
@@ -687,7 +985,21 @@ impl World {
     fn proxy_now(&self) -> u64 {
         self.proxy
             .as_ref()
-            .map_or(0, |p| self.now + p.clock_offset_ms)
+            .map_or(0, |p| local_ms(p.clock_offset_ms, p.skew_ppm, self.now))
+    }
+
+    /// Whether the proxy may send anything now: standalone always; in
+    /// cluster mode while its primacy is live on its own clock.
+    fn primary_now(&self) -> bool {
+        let now_ms = self.proxy_now();
+        self.proxy.as_ref().and_then(|p| p.primacy).is_none_or(|p| {
+            fencegate_core::cluster::primacy_admits(now_ms, p.until_ms, p.revoked, true)
+        })
+    }
+
+    /// How long `ms` on the proxy's clock lasts on the simulated clock.
+    fn to_global_ms(&self, ms: u64) -> u64 {
+        global_ms(ms, self.proxy.as_ref().map_or(0, |p| p.skew_ppm))
     }
 
     fn wall_ms(&self) -> u64 {
@@ -697,10 +1009,14 @@ impl World {
 
     fn arrive(&mut self, req: Req) {
         let Some(inc) = self.proxy.as_ref().map(|p| p.inc) else {
-            // Connection refused.
+            // Connection refused, or a standby's not-primary.
             self.reply(&req, Answer::Failed);
             return;
         };
+        if !self.primary_now() {
+            self.reply(&req, Answer::Failed);
+            return;
+        }
         self.open.insert(req.id, (req.client, inc));
         match req.op {
             Op::Acquire { ttl_ms } => self.acquire(req, ttl_ms),
@@ -739,21 +1055,31 @@ impl World {
                     p,
                 );
                 slot.wall_deadline_ms = wall + ttl_ms;
+                // etcd keeps a digest of each id, never the id.
+                let stored_id = if proxy.primacy.is_some() {
+                    lease_id.sha256()
+                } else {
+                    lease_id.to_text()
+                };
                 let record = Record::Grant {
                     lease: lease_name(req.lease),
                     token: grant.token,
                     holder,
                     ttl_ms,
-                    lease_id: lease_id.to_text(),
+                    lease_id: stored_id,
                     quiet,
                     wall_ms: wall,
                 };
                 let token = grant.token;
+                self.check_primacy("a grant");
+                let live_until_ms = self.now + self.to_global_ms(ttl_ms);
+                let granted_before = self.truth[req.lease].max_acked;
                 self.truth[req.lease].terms.insert(
                     token,
                     TermTruth {
                         ttl_ms,
-                        live_until_ms: self.now + ttl_ms,
+                        live_until_ms,
+                        granted_before,
                         acked: false,
                         release_acked: false,
                         release_issued: false,
@@ -762,6 +1088,8 @@ impl World {
                 let ack = Ack::Grant {
                     req,
                     token,
+                    deadline_ms: grant.deadline_ms,
+                    lease_id: lease_id.to_text(),
                     previous,
                 };
                 self.queue(record, ack);
@@ -802,6 +1130,8 @@ impl World {
                 }
                 let expires_in_ms = grant.deadline_ms - p;
                 self.stats.renewals += 1;
+                self.check_primacy("a renewal");
+                let expires_in = self.to_global_ms(expires_in_ms);
                 if let Some(why) = self.truth[req.lease].ended(req.token, self.now) {
                     self.fail(format!(
                         "lease l{} term {} renewed, but it {why}",
@@ -809,7 +1139,7 @@ impl World {
                     ));
                 }
                 if let Some(t) = self.truth[req.lease].terms.get_mut(&req.token) {
-                    t.live_until_ms = t.live_until_ms.max(self.now + expires_in_ms);
+                    t.live_until_ms = t.live_until_ms.max(self.now + expires_in);
                 }
                 if due {
                     let record = Record::Renew {
@@ -845,6 +1175,7 @@ impl World {
                 if let Some(t) = self.truth[req.lease].terms.get_mut(&req.token) {
                     t.release_issued = true;
                 }
+                self.check_primacy("a release");
                 let record = Record::Release {
                     lease: lease_name(req.lease),
                     token: req.token,
@@ -861,6 +1192,12 @@ impl World {
             Op::Write { first_try_ms } => first_try_ms,
             _ => None,
         };
+        // Checked again right before a write leaves (after a wait at the
+        // barrier too), as the fence's before-send check does.
+        if !self.primary_now() {
+            self.reply(&req, Answer::Failed);
+            return;
+        }
         let p = self.proxy_now();
         let max_wait_ms = self.cfg.upstream_timeout_ms;
         let proxy = self.proxy.as_mut().expect("arrive checked");
@@ -889,6 +1226,7 @@ impl World {
             Decision::Admit(_) => {
                 slot.inflight.add(req.token);
                 self.stats.writes_admitted += 1;
+                self.check_primacy("a write");
                 if let Some(why) = self.truth[req.lease].ended(req.token, self.now) {
                     self.fail(format!(
                         "lease l{} term {} had a write admitted, but it {why}",
@@ -952,6 +1290,13 @@ impl World {
             self.rng.u64(0..=timeout + settle)
         };
         let w = self.writes.len();
+        if self.cfg.trace {
+            eprintln!(
+                "  write {w}: lease l{} term {} forwarded by incarnation {inc}, applied in \
+                 {apply_in} ms (rogue: {rogue}), answered in {latency} ms",
+                req.lease, req.token
+            );
+        }
         let apply_key = self.after(apply_in, Ev::Apply(w));
         self.writes.push(Write {
             lease: req.lease,
@@ -964,6 +1309,7 @@ impl World {
             answered: false,
             gone_ms: None,
             rogue,
+            skew_ppm: self.proxy.as_ref().map_or(0, |p| p.skew_ppm),
         });
         if latency < timeout {
             self.after(latency, Ev::Answered(w));
@@ -975,11 +1321,14 @@ impl World {
     /// The proxy stopped waiting for write `w`: unless it is rogue, the
     /// backend applies it within the settle time from now.
     fn connection_gone(&mut self, w: usize) {
-        let settle = self.cfg.settle_ms;
         let write = &mut self.writes[w];
         if write.gone_ms.is_some() {
             return;
         }
+        // The settle time as the proxy measures it: a proxy whose clock runs
+        // fast waits a little less in real time (the bound is its clock's).
+        let rate = 1_000_000 + write.skew_ppm as i128;
+        let settle = (self.cfg.settle_ms as i128 * 1_000_000 / rate) as u64;
         write.gone_ms = Some(self.now);
         let bound = self.now + settle;
         if write.applied || write.rogue || write.apply_key.0 <= bound {
@@ -1111,6 +1460,19 @@ impl World {
         }
         // As the file journal: grants and releases are durable before
         // their answer, and renewals carry wall-clock hints, synced too.
+        if let Some(primacy) = proxy.primacy {
+            // One etcd transaction, which holds only while this member's
+            // session holds the election.
+            let member = self.inc_member[inc as usize];
+            let op = EtcdOp::Commit {
+                session: primacy.session,
+                inc,
+                bytes: buf,
+                batch,
+            };
+            self.send_etcd(member, op);
+            return;
+        }
         let sync = batch.iter().any(|q| {
             !matches!(q.ack, Ack::None)
                 || matches!(q.record, Record::Renew { .. } | Record::Release { .. })
@@ -1190,8 +1552,10 @@ impl World {
                 Ack::Grant {
                     req,
                     token,
+                    deadline_ms,
+                    lease_id,
                     previous,
-                } => self.grant_done(req, token, previous, ok),
+                } => self.grant_done(req, (token, deadline_ms, lease_id), previous, ok),
                 Ack::Release { req } => {
                     if ok {
                         self.stats.releases += 1;
@@ -1218,7 +1582,16 @@ impl World {
         }
     }
 
-    fn grant_done(&mut self, req: Req, token: u64, previous: Option<Term>, ok: bool) {
+    /// A grant's record is durable (`ok`) or not. As the lease store does,
+    /// the answer counts the time spent persisting against the term (it
+    /// may have expired meanwhile, on a member that was paused).
+    fn grant_done(
+        &mut self,
+        req: Req,
+        (token, deadline_ms, lease_id): (u64, u64, [u8; 32]),
+        previous: Option<Term>,
+        ok: bool,
+    ) {
         let p = self.proxy_now();
         let proxy = self.proxy.as_mut().expect("checked");
         let slot = proxy.slots.get_mut(&req.lease).expect("granted here");
@@ -1227,28 +1600,24 @@ impl World {
             self.reply(&req, Answer::Failed);
             return;
         }
-        let Some(term) = slot.state.term().filter(|t| t.token == token) else {
-            self.fail(format!(
-                "lease l{} term {token} vanished before its answer",
-                req.lease
-            ));
-            return;
-        };
-        let lease_id = term.lease_id.to_text();
-        let expires_in_ms = term.deadline_ms.saturating_sub(p);
+        let expires_in_ms = deadline_ms.saturating_sub(p);
         self.stats.grants += 1;
-        let max = self.truth[req.lease].max_acked;
-        if token <= max {
+        let before = self.truth[req.lease]
+            .terms
+            .get(&token)
+            .map_or(u64::MAX, |t| t.granted_before);
+        if token <= before {
             self.fail(format!(
-                "lease l{} granted token {token} after token {max} was granted",
+                "lease l{} granted token {token}, issued after token {before} was granted",
                 req.lease
             ));
         }
+        let expires_in = self.to_global_ms(expires_in_ms);
         let truth = &mut self.truth[req.lease];
         truth.max_acked = truth.max_acked.max(token);
         if let Some(t) = truth.terms.get_mut(&token) {
             t.acked = true;
-            t.live_until_ms = t.live_until_ms.max(self.now + expires_in_ms);
+            t.live_until_ms = t.live_until_ms.max(self.now + expires_in);
         }
         self.reply(
             &req,
@@ -1266,7 +1635,7 @@ impl World {
     fn schedule_crash(&mut self) {
         let mean = self.cfg.crash_every_ms.max(2);
         let at = self.rng.u64(1..2 * mean);
-        self.after(at, Ev::Crash);
+        self.after(at, Ev::Crash(0));
     }
 
     fn crash(&mut self) {
@@ -1274,29 +1643,7 @@ impl World {
             return;
         };
         self.stats.crashes += 1;
-        // Every request the proxy held is lost with it.
-        let lost: Vec<(u64, usize)> = self
-            .open
-            .iter()
-            .filter(|(_, (_, inc))| *inc == proxy.inc)
-            .map(|(id, (client, _))| (*id, *client))
-            .collect();
-        for (id, client) in lost {
-            self.open.remove(&id);
-            self.after(
-                0,
-                Ev::Deliver {
-                    client,
-                    req: id,
-                    answer: Answer::Failed,
-                },
-            );
-        }
-        for w in 0..self.writes.len() {
-            if self.writes[w].inc == proxy.inc && self.writes[w].gone_ms.is_none() {
-                self.connection_gone(w);
-            }
-        }
+        self.abandon(proxy.inc);
         if self.chance(self.cfg.power_cuts_per_mille) {
             self.stats.power_cuts += 1;
             let rng = &mut self.rng;
@@ -1313,7 +1660,35 @@ impl World {
             self.damage();
         }
         let down = self.rng.u64(1..=300);
-        self.after(down, Ev::Restart);
+        self.after(down, Ev::Restart(0));
+    }
+
+    /// A proxy is gone (its process died, or a new term of primacy replaced
+    /// it): every request it held fails, every write it forwarded has lost
+    /// its connection.
+    fn abandon(&mut self, inc: u64) {
+        let lost: Vec<(u64, usize)> = self
+            .open
+            .iter()
+            .filter(|(_, (_, i))| *i == inc)
+            .map(|(id, (client, _))| (*id, *client))
+            .collect();
+        for (id, client) in lost {
+            self.open.remove(&id);
+            self.after(
+                0,
+                Ev::Deliver {
+                    client,
+                    req: id,
+                    answer: Answer::Failed,
+                },
+            );
+        }
+        for w in 0..self.writes.len() {
+            if self.writes[w].inc == inc && self.writes[w].gone_ms.is_none() {
+                self.connection_gone(w);
+            }
+        }
     }
 
     /// The disk loses the last sectors of what the log's header claims as
@@ -1450,9 +1825,12 @@ impl World {
         };
         let now_ms = self.now + clock_offset_ms;
         let wall_ms = (WALL_BASE_MS + self.now).saturating_add_signed(wall_error_ms);
+        self.inc_member.push(0);
         let mut proxy = Proxy {
             inc,
             clock_offset_ms,
+            skew_ppm: 0,
+            primacy: None,
             wall_error_ms,
             slots: BTreeMap::new(),
             unsettled_until_ms: now_ms + rule.unsettled_ms,
@@ -1463,43 +1841,9 @@ impl World {
             queue: Vec::new(),
             writing: false,
         };
-        let mut ended_by_hint = Vec::new();
-        for record in &leases {
-            let Some(lease) = lease_index(&record.lease) else {
-                self.fail(format!(
-                    "a lease the simulation never named: {}",
-                    record.lease
-                ));
-                return;
-            };
-            let restored = match restart::restore(
-                record.clone(),
-                &rule,
-                now_ms,
-                wall_ms,
-                self.cfg.tolerance_ms,
-            ) {
-                Ok(r) => r,
-                Err(why) => {
-                    self.fail(format!("the start refused lease l{lease}: {why}"));
-                    return;
-                }
-            };
-            if restored.ended_by_hint {
-                if let Some(t) = restored.state.term() {
-                    ended_by_hint.push((lease, t.token));
-                }
-            }
-            proxy.slots.insert(
-                lease,
-                Slot {
-                    state: restored.state,
-                    inflight: Inflight::default(),
-                    unsettled_from: restored.unsettled_from,
-                    wall_deadline_ms: restored.wall_deadline_ms,
-                },
-            );
-        }
+        let Some(ended_by_hint) = self.restore_into(&mut proxy, &leases, now_ms, wall_ms) else {
+            return;
+        };
         if inc > 1 {
             self.check_start(&leases, &proxy, now_ms, wall_ms, lost.as_deref());
         }
@@ -1507,16 +1851,7 @@ impl World {
             self.stats.starts_after_loss += 1;
         }
         self.damaged = false;
-        self.proxy = Some(proxy);
-        // A term its hint ended is recorded as ended.
-        for (lease, token) in ended_by_hint {
-            let record = Record::Release {
-                lease: lease_name(lease),
-                token,
-                quiet: false,
-            };
-            self.queue(record, Ack::None);
-        }
+        self.serve(proxy, ended_by_hint);
         if inc > 1 {
             self.schedule_crash();
         }
@@ -1611,14 +1946,464 @@ impl World {
             }
         }
         // From here on, a term that may have been live shortly before the
-        // start may be held again for up to a TTL.
+        // start may be held again for up to a TTL (on the new clock).
+        let skew_ppm = proxy.skew_ppm;
         for truth in &mut self.truth {
             for t in truth.terms.values_mut() {
                 if !t.release_acked && t.live_until_ms + t.ttl_ms / 2 + 2 * tol > self.now {
-                    t.live_until_ms = t.live_until_ms.max(self.now + t.ttl_ms);
+                    let held = global_ms(t.ttl_ms, skew_ppm);
+                    t.live_until_ms = t.live_until_ms.max(self.now + held);
                 }
             }
         }
+    }
+}
+
+impl World {
+    /// Restores `records` into `proxy` with the core's restart rule: the
+    /// terms a hint ended are returned (recorded as ended once serving).
+    fn restore_into(
+        &mut self,
+        proxy: &mut Proxy,
+        records: &[LeaseRecord],
+        now_ms: u64,
+        wall_ms: u64,
+    ) -> Option<Vec<(usize, u64)>> {
+        let mut ended_by_hint = Vec::new();
+        for record in records {
+            let Some(lease) = lease_index(&record.lease) else {
+                self.fail(format!(
+                    "a lease the simulation never named: {}",
+                    record.lease
+                ));
+                return None;
+            };
+            let tolerance_ms = self.cfg.tolerance_ms;
+            let restored = match restart::restore(
+                record.clone(),
+                &proxy.rule,
+                now_ms,
+                wall_ms,
+                tolerance_ms,
+            ) {
+                Ok(r) => r,
+                Err(why) => {
+                    self.fail(format!("the start refused lease l{lease}: {why}"));
+                    return None;
+                }
+            };
+            if restored.ended_by_hint {
+                if let Some(t) = restored.state.term() {
+                    ended_by_hint.push((lease, t.token));
+                }
+            }
+            proxy.slots.insert(
+                lease,
+                Slot {
+                    state: restored.state,
+                    inflight: Inflight::default(),
+                    unsettled_from: restored.unsettled_from,
+                    wall_deadline_ms: restored.wall_deadline_ms,
+                },
+            );
+        }
+        Some(ended_by_hint)
+    }
+
+    /// `proxy` serves from now on; a term its hint ended is recorded as
+    /// ended.
+    fn serve(&mut self, proxy: Proxy, ended_by_hint: Vec<(usize, u64)>) {
+        self.proxy = Some(proxy);
+        for (lease, token) in ended_by_hint {
+            let record = Record::Release {
+                lease: lease_name(lease),
+                token,
+                quiet: false,
+            };
+            self.queue(record, Ack::None);
+        }
+    }
+
+    // -- cluster mode: members, their etcd sessions, the election ----------
+
+    /// Self-fencing: a primary admits nothing once etcd could have let its
+    /// election lease go (and another member win).
+    fn check_primacy(&mut self, what: &str) {
+        let Some(primacy) = self.proxy.as_ref().and_then(|p| p.primacy) else {
+            return;
+        };
+        let (member, expires, _) = self.etcd.sessions[&primacy.session];
+        if self.now >= expires {
+            self.fail(format!(
+                "member {member} admitted {what} at {} ms, but etcd could let its election \
+                 lease go at {expires} ms",
+                self.now
+            ));
+        }
+    }
+
+    fn member_ms(&self, m: usize) -> u64 {
+        let member = &self.members[m];
+        local_ms(member.clock_offset_ms, member.skew_ppm, self.now)
+    }
+
+    fn member_ttl_ms(&self) -> u64 {
+        self.cfg.member_ttl_s * 1000
+    }
+
+    fn send_etcd(&mut self, member: usize, op: EtcdOp) {
+        if self.members[member].cut_off_until > self.now {
+            // Lost on the way. A commit's waiters learn it as a failure
+            // (the member's etcd client times out); a session is asked
+            // for again.
+            let generation = self.members[member].generation;
+            if matches!(op, EtcdOp::Grant) {
+                let again = (self.member_ttl_ms() / 3).clamp(100, 1000);
+                self.after(again, Ev::Regrant { member, generation });
+            }
+            if let EtcdOp::Commit { inc, batch, .. } = op {
+                let timeout = self.cfg.upstream_timeout_ms;
+                let reply = EtcdReply::Committed {
+                    inc,
+                    batch,
+                    ok: false,
+                };
+                self.after(
+                    timeout,
+                    Ev::FromEtcd {
+                        member,
+                        generation,
+                        sent_ms: 0,
+                        reply,
+                    },
+                );
+            }
+            return;
+        }
+        let generation = self.members[member].generation;
+        let sent_ms = self.member_ms(member);
+        let delay = self.net();
+        self.after(
+            delay,
+            Ev::AtEtcd {
+                member,
+                generation,
+                sent_ms,
+                op,
+            },
+        );
+    }
+
+    /// A member's process starts: a new session, then it polls and beats.
+    fn member_start(&mut self, m: usize) {
+        let clock_offset_ms = self.rng.u64(0..1_000_000);
+        let member = &mut self.members[m];
+        member.alive = true;
+        member.generation += 1;
+        member.clock_offset_ms = clock_offset_ms;
+        member.session = None;
+        self.send_etcd(m, EtcdOp::Grant);
+        let mean = self.cfg.crash_every_ms.max(2) * self.members.len() as u64;
+        let at = self.rng.u64(1..2 * mean);
+        self.after(at, Ev::Crash(m));
+    }
+
+    /// A member's process dies: whatever it served is gone; etcd lets its
+    /// session go a TTL after the last keepalive.
+    fn member_crash(&mut self, m: usize) {
+        if !self.members[m].alive {
+            return;
+        }
+        self.stats.crashes += 1;
+        if let Some(proxy) = self.proxy.take() {
+            self.abandon(proxy.inc);
+        }
+        let member = &mut self.members[m];
+        member.alive = false;
+        member.generation += 1;
+        member.session = None;
+        let down = self.rng.u64(1..=3_000);
+        self.after(down, Ev::MemberStart(m));
+    }
+
+    fn schedule_pause(&mut self, m: usize) {
+        let at = self.rng.u64(1..2 * self.cfg.pause_every_ms.max(2));
+        self.after(at, Ev::Pause(m));
+    }
+
+    /// SIGSTOP: the member does nothing until it wakes; its clock runs on.
+    /// Or it is cut off from etcd while clients still reach it.
+    fn pause(&mut self, m: usize) {
+        if self.members[m].alive {
+            let span = self.rng.u64(0..=2 * self.member_ttl_ms());
+            let until = self.now + span;
+            let member = &mut self.members[m];
+            if self.rng.bool() {
+                self.stats.pauses += 1;
+                member.paused_until = member.paused_until.max(until);
+            } else {
+                self.stats.partitions += 1;
+                member.cut_off_until = member.cut_off_until.max(until);
+            }
+        }
+        self.schedule_pause(m);
+    }
+
+    /// Whether `session` is the member's current one (each session has
+    /// one chain of beats and one of polls; they end with it).
+    fn current_session(&self, m: usize, session: u64) -> bool {
+        self.members[m].alive && self.members[m].session.is_some_and(|s| s.id == session)
+    }
+
+    /// Whether the member serves as primary in `session`.
+    fn serving(&self, session: u64) -> bool {
+        self.proxy
+            .as_ref()
+            .and_then(|p| p.primacy)
+            .is_some_and(|p| p.session == session && !p.revoked)
+    }
+
+    fn beat(&mut self, m: usize, session: u64) {
+        if !self.current_session(m, session) {
+            return;
+        }
+        self.send_etcd(m, EtcdOp::KeepAlive(session));
+        let beat = (self.member_ttl_ms() / 3).clamp(100, 1000);
+        self.after(beat, Ev::Beat { member: m, session });
+    }
+
+    fn poll(&mut self, m: usize, session: u64) {
+        if !self.current_session(m, session) {
+            return;
+        }
+        if !self.serving(session) {
+            self.send_etcd(m, EtcdOp::Campaign(session));
+        }
+        let poll = (self.member_ttl_ms() / 10).clamp(100, 500);
+        self.after(poll, Ev::Poll { member: m, session });
+    }
+
+    /// etcd lets sessions go at their expiry (and the election with them).
+    fn etcd_expire(&mut self) {
+        let now = self.now;
+        for (id, (_, expires, gone)) in self.etcd.sessions.iter_mut() {
+            if !*gone && *expires <= now {
+                *gone = true;
+                if self.etcd.leader == Some(*id) {
+                    self.etcd.leader = None;
+                }
+            }
+        }
+    }
+
+    fn at_etcd(&mut self, member: usize, generation: u64, sent_ms: u64, op: EtcdOp) {
+        self.etcd_expire();
+        let ttl_ms = self.member_ttl_ms();
+        let live = |etcd: &Etcd, id: u64| etcd.sessions.get(&id).is_some_and(|s| !s.2);
+        let reply = match op {
+            EtcdOp::Grant => {
+                self.etcd.next_id += 1;
+                let id = self.etcd.next_id;
+                self.etcd
+                    .sessions
+                    .insert(id, (member, self.now + ttl_ms, false));
+                EtcdReply::Granted { session: id }
+            }
+            EtcdOp::KeepAlive(id) if live(&self.etcd, id) => {
+                let now = self.now;
+                if let Some(s) = self.etcd.sessions.get_mut(&id) {
+                    s.1 = now + ttl_ms;
+                }
+                EtcdReply::KeptAlive { session: id }
+            }
+            EtcdOp::KeepAlive(id) => EtcdReply::Gone { session: id },
+            EtcdOp::Campaign(id) if !live(&self.etcd, id) => EtcdReply::Gone { session: id },
+            EtcdOp::Campaign(id) => {
+                if self.etcd.leader.is_none() {
+                    self.etcd.leader = Some(id);
+                }
+                if self.etcd.leader == Some(id) {
+                    EtcdReply::Won { session: id }
+                } else {
+                    EtcdReply::Lost
+                }
+            }
+            EtcdOp::Commit {
+                session,
+                inc,
+                bytes,
+                batch,
+            } => {
+                let ok = self.etcd.leader == Some(session) && live(&self.etcd, session);
+                if ok {
+                    self.etcd.log.extend_from_slice(&bytes);
+                }
+                EtcdReply::Committed { inc, batch, ok }
+            }
+        };
+        if self.members[member].cut_off_until > self.now {
+            // The answer is lost; a commit's waiters time out; a session is
+            // asked for again.
+            if let EtcdReply::Granted { .. } = reply {
+                let again = (self.member_ttl_ms() / 3).clamp(100, 1000);
+                self.after(again, Ev::Regrant { member, generation });
+            }
+            if let EtcdReply::Committed { inc, batch, ok: _ } = reply {
+                let reply = EtcdReply::Committed {
+                    inc,
+                    batch,
+                    ok: false,
+                };
+                let timeout = self.cfg.upstream_timeout_ms;
+                self.after(
+                    timeout,
+                    Ev::FromEtcd {
+                        member,
+                        generation,
+                        sent_ms,
+                        reply,
+                    },
+                );
+            }
+            return;
+        }
+        let delay = self.net();
+        self.after(
+            delay,
+            Ev::FromEtcd {
+                member,
+                generation,
+                sent_ms,
+                reply,
+            },
+        );
+    }
+
+    fn etcd_answered(&mut self, m: usize, generation: u64, sent_ms: u64, reply: EtcdReply) {
+        if self.members[m].generation != generation || !self.members[m].alive {
+            return;
+        }
+        let margin_ms = self.cfg.margin_ms;
+        let ttl_s = self.cfg.member_ttl_s as i64;
+        let current = self.members[m].session.map(|s| s.id);
+        match reply {
+            EtcdReply::Granted { session } => {
+                self.members[m].session = Some(Session {
+                    id: session,
+                    sent_ms,
+                });
+                self.after(0, Ev::Poll { member: m, session });
+                let beat = (self.member_ttl_ms() / 3).clamp(100, 1000);
+                self.after(beat, Ev::Beat { member: m, session });
+            }
+            EtcdReply::KeptAlive { session } if current == Some(session) => {
+                if let Some(s) = self.members[m].session.as_mut() {
+                    s.sent_ms = s.sent_ms.max(sent_ms);
+                }
+                let until = fencegate_core::cluster::primacy_deadline(sent_ms, ttl_s, margin_ms);
+                if let Some(p) = self.proxy.as_mut().and_then(|p| p.primacy.as_mut()) {
+                    if p.session == session {
+                        p.until_ms = p.until_ms.max(until);
+                    }
+                }
+            }
+            EtcdReply::Gone { session } if current == Some(session) => self.step_down(m),
+            EtcdReply::Won { session } if current == Some(session) && !self.serving(session) => {
+                let confirmed = self.members[m].session.map_or(0, |s| s.sent_ms);
+                self.take_over(m, session, confirmed);
+            }
+            EtcdReply::Committed { inc, batch, ok }
+                if self.proxy.as_ref().is_some_and(|p| p.inc == inc) =>
+            {
+                self.batch_done(batch, ok);
+                if !ok {
+                    self.step_down(m);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Primacy is lost (or the session is): nothing more is admitted
+    /// (writes in flight finish), and, as the member does, a new session
+    /// starts from what etcd holds; the old one expires in etcd.
+    fn step_down(&mut self, m: usize) {
+        if let Some(p) = self.proxy.as_mut().and_then(|p| p.primacy.as_mut()) {
+            if !p.revoked {
+                p.revoked = true;
+                self.stats.step_downs += 1;
+            }
+        }
+        self.members[m].session = None;
+        self.send_etcd(m, EtcdOp::Grant);
+    }
+
+    /// Member `m` won the election with `session`, last confirmed by a
+    /// message it sent at `confirmed_ms`: it loads the lease state from
+    /// etcd and serves it under the restart rule (ids as digests, terms
+    /// held, the takeover window for the writes of the previous primary).
+    fn take_over(&mut self, m: usize, session: u64, confirmed_ms: u64) {
+        if let Some(old) = self.proxy.take() {
+            self.abandon(old.inc);
+        }
+        self.stats.takeovers += 1;
+        let folded = match recovery::replay(&self.etcd.log, 0, u64::MAX) {
+            Ok(f) => f,
+            Err(recovery::Refusal(why)) => {
+                self.fail(format!("etcd's lease state did not read back: {why}"));
+                return;
+            }
+        };
+        self.incarnation += 1;
+        let inc = self.incarnation;
+        self.inc_member.push(m);
+        let half = (self.cfg.tolerance_ms / 2) as i64;
+        let wall_error_ms = self.rng.i64(-half..=half);
+        let member = &self.members[m];
+        let (clock_offset_ms, skew_ppm) = (member.clock_offset_ms, member.skew_ppm);
+        let now_ms = self.member_ms(m);
+        let wall_ms = (WALL_BASE_MS + self.now).saturating_add_signed(wall_error_ms);
+        let rule = RestartRule {
+            unsettled_ms: self.cfg.upstream_timeout_ms + self.cfg.settle_ms,
+            hashed_ids: true,
+            forgotten_above: folded.forgotten_above,
+            ..RestartRule::default()
+        };
+        let until_ms = fencegate_core::cluster::primacy_deadline(
+            confirmed_ms,
+            self.cfg.member_ttl_s as i64,
+            self.cfg.margin_ms,
+        );
+        let mut proxy = Proxy {
+            inc,
+            clock_offset_ms,
+            skew_ppm,
+            primacy: Some(Primacy {
+                session,
+                until_ms,
+                revoked: false,
+            }),
+            wall_error_ms,
+            slots: BTreeMap::new(),
+            unsettled_until_ms: now_ms + rule.unsettled_ms,
+            rule,
+            header: Header {
+                seq: 0,
+                durable_len: 0,
+                compacted_len: 0,
+                token_floor: 0,
+            },
+            len: 0,
+            meta: Meta::default(),
+            queue: Vec::new(),
+            writing: false,
+        };
+        let records = sorted(folded.leases);
+        let Some(ended_by_hint) = self.restore_into(&mut proxy, &records, now_ms, wall_ms) else {
+            return;
+        };
+        self.check_start(&records, &proxy, now_ms, wall_ms, None);
+        self.serve(proxy, ended_by_hint);
     }
 }
 

@@ -1,7 +1,8 @@
 //! The simulator in `cargo test`: as many seeds as fit in the time budget
-//! (`FENCEGATE_SIM_SECONDS`, default 120), from seed 1 on, so a run is the
-//! same on every machine but for how far it gets; any failure prints the
-//! command that replays it exactly. Longer searches: the `simulate`
+//! (`FENCEGATE_SIM_SECONDS`, default 120), from seed 1 on (odd seeds
+//! standalone, even seeds a cluster of three), so a run is the same on
+//! every machine but for how far it gets; any failure prints the command
+//! that replays it exactly. Longer searches: the `simulate`
 //! example (`--seconds`).
 
 use std::time::{Duration, Instant};
@@ -42,7 +43,8 @@ fn seeds_hold_every_guarantee() {
         "simulator: {seeds} seeds, {steps} steps in {secs:.0} s ({:.0} steps/s); {} crashes, \
          {} of them power cuts ({} torn writes), {} damaged logs, {} failed syncs, {} grants, \
          {} writes applied, {} stale or late writes refused, {} barrier waits, {} rogue \
-         writes left out",
+         writes left out; cluster mode: {} takeovers, {} pauses, {} members cut off from \
+         etcd, {} step-downs",
         steps as f64 / secs,
         totals.crashes,
         totals.power_cuts,
@@ -54,10 +56,15 @@ fn seeds_hold_every_guarantee() {
         totals.writes_refused,
         totals.barrier_waits,
         totals.rogue_writes,
+        totals.takeovers,
+        totals.pauses,
+        totals.partitions,
+        totals.step_downs,
     );
     // The world did go wrong: a run that never crashed would prove little.
     assert!(totals.power_cuts > 0 && totals.damaged_logs > 0 && totals.failed_syncs > 0);
     assert!(totals.barrier_waits > 0 && totals.rogue_writes > 0);
+    assert!(totals.takeovers > 0 && totals.pauses > 0 && totals.partitions > 0);
 }
 
 fn add(totals: &mut fencegate_sim::Stats, s: &fencegate_sim::Stats) {
@@ -71,4 +78,8 @@ fn add(totals: &mut fencegate_sim::Stats, s: &fencegate_sim::Stats) {
     totals.torn_writes += s.torn_writes;
     totals.damaged_logs += s.damaged_logs;
     totals.failed_syncs += s.failed_syncs;
+    totals.takeovers += s.takeovers;
+    totals.pauses += s.pauses;
+    totals.partitions += s.partitions;
+    totals.step_downs += s.step_downs;
 }

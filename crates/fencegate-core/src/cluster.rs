@@ -1,0 +1,166 @@
+//! Cluster mode's rules, on the member's clock: how long a primary may
+//! admit after etcd last confirmed its primacy (self-fencing), and what a
+//! member's check of its clock against etcd's concludes. The member's shell
+//! (`fencegate::cluster`) talks to etcd and calls these.
+
+use crate::mutant::{planted, Mutant};
+
+/// Until when a primary may admit, after etcd confirmed its election lease
+/// by a grant or keepalive sent at `sent_ms` (the member's clock) with a
+/// TTL of `ttl_s` seconds: the TTL from the send (etcd counts from when it
+/// received it, later), less `margin_ms` for the member's clock running
+/// slower than etcd's within the clock check's tolerance. So the deadline
+/// passes before etcd can let the election key go and another member win.
+pub fn primacy_deadline(sent_ms: u64, ttl_s: i64, margin_ms: u64) -> u64 {
+    let ttl_ms = u64::try_from(ttl_s).unwrap_or(0).saturating_mul(1000);
+    let margin_ms = if planted(Mutant::SelfFencingMarginZero) {
+        0
+    } else {
+        margin_ms
+    };
+    sent_ms.saturating_add(ttl_ms).saturating_sub(margin_ms)
+}
+
+/// Whether a primary confirmed until `until_ms` may admit at `now_ms`:
+/// never once its primacy was revoked, and (with self-fencing, `enforce`)
+/// only before the deadline.
+pub fn primacy_admits(now_ms: u64, until_ms: u64, revoked: bool, enforce: bool) -> bool {
+    !revoked && (!enforce || now_ms < until_ms)
+}
+
+/// A second etcd lease, never renewed, against whose countdown the member
+/// checks its own clock: self-fencing trusts that clock, and etcd's is the
+/// one that expires the election key (a primary whose clock runs slow
+/// would go on admitting after another member won).
+#[derive(Clone, Copy, Debug)]
+pub struct ClockProbe {
+    /// The etcd lease id.
+    pub id: i64,
+    /// The TTL etcd granted, in seconds.
+    pub ttl_s: i64,
+    /// When its grant was sent and answered (the member's clock).
+    pub sent_ms: u64,
+    pub answered_ms: u64,
+}
+
+/// What one look at a [`ClockProbe`] says of this member's clock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClockVerdict {
+    /// Within the tolerance, over a span of at least `span_ms`.
+    Agrees { span_ms: u64 },
+    /// etcd counted at least `behind_ms` more than this clock did.
+    Slow { behind_ms: u64 },
+    /// This clock counted at least `ahead_ms` more than etcd did (safe: the
+    /// member only stops early; said, not acted on).
+    Fast { ahead_ms: u64 },
+}
+
+impl ClockProbe {
+    /// Judges the clock from etcd's answer that the probe has `left_s`
+    /// whole seconds left, asked at `asked_ms` and answered at
+    /// `answered_ms`. etcd counted between its grant and its answer
+    /// somewhere in `(ttl - left - 1 s, ttl - left]`; a right clock counted
+    /// between `asked - grant answered` and `answered - grant sent`. Only a
+    /// gap beyond both bounds and `tolerance_ms` is a verdict, so slow
+    /// networks never make one.
+    pub fn judge(
+        &self,
+        left_s: i64,
+        asked_ms: u64,
+        answered_ms: u64,
+        tolerance_ms: u64,
+    ) -> ClockVerdict {
+        let counted_s = u64::try_from(self.ttl_s.saturating_sub(left_s)).unwrap_or(0);
+        let etcd_max_ms = counted_s.saturating_mul(1000);
+        let etcd_min_ms = etcd_max_ms.saturating_sub(1000);
+        let local_min_ms = asked_ms.saturating_sub(self.answered_ms);
+        let local_max_ms = answered_ms.saturating_sub(self.sent_ms);
+        if etcd_min_ms > local_max_ms.saturating_add(tolerance_ms) {
+            ClockVerdict::Slow {
+                behind_ms: etcd_min_ms - local_max_ms,
+            }
+        } else if local_min_ms > etcd_max_ms.saturating_add(tolerance_ms) {
+            ClockVerdict::Fast {
+                ahead_ms: local_min_ms - etcd_max_ms,
+            }
+        } else {
+            ClockVerdict::Agrees {
+                span_ms: local_min_ms,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_deadline_is_the_ttl_from_the_send_less_the_margin() {
+        assert_eq!(primacy_deadline(1_000, 3, 500), 3_500);
+        assert_eq!(primacy_deadline(0, 0, 500), 0);
+        assert!(primacy_admits(3_499, 3_500, false, true));
+        assert!(!primacy_admits(3_500, 3_500, false, true));
+        assert!(primacy_admits(9_999, 3_500, false, false));
+        assert!(!primacy_admits(0, 3_500, true, false));
+    }
+
+    /// A probe of 60 s granted between 0 and 10 ms on this member's clock.
+    const PROBE: ClockProbe = ClockProbe {
+        id: 1,
+        ttl_s: 60,
+        sent_ms: 0,
+        answered_ms: 10,
+    };
+
+    #[test]
+    fn a_clock_that_keeps_etcds_time_agrees() {
+        // 10 s later by both clocks: etcd has 50 s left (rounded down).
+        assert_eq!(
+            PROBE.judge(50, 10_000, 10_010, 500),
+            ClockVerdict::Agrees { span_ms: 9_990 }
+        );
+        // Slow answers widen the bounds, never make a verdict.
+        assert!(matches!(
+            PROBE.judge(45, 10_000, 15_000, 500),
+            ClockVerdict::Agrees { .. }
+        ));
+        // etcd's whole seconds: 49 s left (10 to 11 s counted) after 10 s
+        // here is within them; 48 s left is a second behind.
+        assert!(matches!(
+            PROBE.judge(49, 10_000, 10_010, 500),
+            ClockVerdict::Agrees { .. }
+        ));
+        assert_eq!(
+            PROBE.judge(48, 10_000, 10_010, 500),
+            ClockVerdict::Slow { behind_ms: 990 }
+        );
+    }
+
+    /// The trial's clock at 0.4 of etcd's rate: 2.5 s of etcd's time
+    /// while 1 s passed here is seen; 10 s of etcd's against 4 s here is
+    /// 5 s behind at least.
+    #[test]
+    fn a_slow_clock_is_caught() {
+        assert_eq!(
+            PROBE.judge(50, 4_000, 4_010, 500),
+            ClockVerdict::Slow { behind_ms: 4_990 }
+        );
+        assert_eq!(
+            PROBE.judge(57, 1_000, 1_010, 500),
+            ClockVerdict::Slow { behind_ms: 990 }
+        );
+        assert!(matches!(
+            PROBE.judge(57, 1_000, 1_010, 1_000),
+            ClockVerdict::Agrees { .. }
+        ));
+    }
+
+    #[test]
+    fn a_fast_clock_is_told_apart() {
+        assert_eq!(
+            PROBE.judge(50, 20_000, 20_010, 500),
+            ClockVerdict::Fast { ahead_ms: 9_990 }
+        );
+    }
+}
