@@ -31,29 +31,10 @@ use fuser::{
     WriteFlags,
 };
 
+// One change to a file since its last sync, as the simulator's disk keeps it.
+use fencegate_sim::disk::Change;
+
 use super::proc::TempDir;
-
-/// One change to a file since its last sync.
-#[derive(Clone, Debug)]
-enum Change {
-    Write { offset: u64, bytes: Vec<u8> },
-    Truncate(u64),
-}
-
-impl Change {
-    fn apply(&self, data: &mut Vec<u8>) {
-        match self {
-            Change::Write { offset, bytes } => {
-                let at = *offset as usize;
-                if data.len() < at + bytes.len() {
-                    data.resize(at + bytes.len(), 0);
-                }
-                data[at..at + bytes.len()].copy_from_slice(bytes);
-            }
-            Change::Truncate(len) => data.resize(*len as usize, 0),
-        }
-    }
-}
 
 #[derive(Clone, Debug)]
 enum Kind {

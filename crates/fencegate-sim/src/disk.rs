@@ -4,15 +4,17 @@
 //! them (the page cache survives it); a power cut keeps any subset of them
 //! (nothing orders the writes of one sync), and may tear one that it keeps.
 
-/// A change to a file since its last sync.
+/// A change to a file since its last sync (also what the power-cut tests'
+/// FUSE file system keeps, `tests/support/lazyfs.rs`).
 #[derive(Clone, Debug)]
-enum Change {
+pub enum Change {
     Write { offset: u64, bytes: Vec<u8> },
-    SetLen(u64),
+    Truncate(u64),
 }
 
 impl Change {
-    fn apply(&self, data: &mut Vec<u8>) {
+    /// The change made to `data`.
+    pub fn apply(&self, data: &mut Vec<u8>) {
         match self {
             Change::Write { offset, bytes } => {
                 let at = *offset as usize;
@@ -21,7 +23,7 @@ impl Change {
                 }
                 data[at..at + bytes.len()].copy_from_slice(bytes);
             }
-            Change::SetLen(len) => data.resize(*len as usize, 0),
+            Change::Truncate(len) => data.resize(*len as usize, 0),
         }
     }
 }
@@ -74,7 +76,7 @@ impl File {
     }
 
     pub fn set_len(&mut self, len: u64) {
-        self.change(Change::SetLen(len));
+        self.change(Change::Truncate(len));
     }
 
     /// `fsync`: everything written so far is durable.
