@@ -41,11 +41,15 @@ pub enum Mutant {
     /// clock, with no margin for that clock running slow
     /// ([`crate::cluster::primacy_deadline`]).
     SelfFencingMarginZero,
+    /// Renewals never refresh the journal's wall-clock hint
+    /// ([`crate::lease::restart::wall_hint_due`]): a start ends a renewed,
+    /// live term by its grant's hint.
+    HintsNeverDue,
 }
 
 impl Mutant {
     /// Every mutant, in the order the tests try them.
-    pub const ALL: [Mutant; 10] = [
+    pub const ALL: [Mutant; 11] = [
         Mutant::BarrierOff,
         Mutant::RestartWindowSkipped,
         Mutant::HeaderBeforeSync,
@@ -56,6 +60,7 @@ impl Mutant {
         Mutant::ExpiryInclusive,
         Mutant::RestartRuleOff,
         Mutant::SelfFencingMarginZero,
+        Mutant::HintsNeverDue,
     ];
 
     /// The mutant's name on command lines and in `FENCEGATE_TEST_MUTANT`.
@@ -71,6 +76,7 @@ impl Mutant {
             Mutant::ExpiryInclusive => "expiry-inclusive",
             Mutant::RestartRuleOff => "restart-rule-off",
             Mutant::SelfFencingMarginZero => "self-fencing-margin-zero",
+            Mutant::HintsNeverDue => "hints-never-due",
         }
     }
 

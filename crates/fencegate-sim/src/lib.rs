@@ -31,7 +31,11 @@
 //!   the core's restart rule, and admits only while the core's self-fencing
 //!   deadline (`fencegate_core::cluster`) has not passed on its own clock.
 //!
-//! Admission and forwarding are one step here: a proxy paused between its
+//! What it leaves out: the winner of an election folds etcd's records with
+//! the journal's record rules (`Record::apply`), not the etcd journal's
+//! own state updates and snapshots (`src/cluster/journal.rs`); the file
+//! journal's compaction, forgotten leases and older copies put back are not
+//! played. Admission and forwarding are one step here: a proxy paused between its
 //! last check and its write's first byte (the bound docs/cluster.md gives)
 //! is not modelled, nor a clock slower than the self-fencing margin per
 //! TTL (the clock check's business), nor the settle time shortened by a
@@ -47,11 +51,17 @@
 //!   up to one TTL unless it ended more than half a TTL plus the tolerance
 //!   before) is honoured again: no write admitted, no renewal;
 //! - a lease is held (409) only while its term may be: liveness;
+//! - a holder keeps its term for as long as its last answer told it,
+//!   through restarts and takeovers: the term is held after a start, nobody
+//!   else is granted the lease, none of its writes, renewals or releases is
+//!   refused; only lost records, a release that may have reached the
+//!   journal, or a renewal's hint lost with a failed sync or a crash (a
+//!   documented, safe loss) may end it early;
 //! - every start after a crash or power cut without disk damage finds every
 //!   acknowledged record; every granted token survives it; an answered
-//!   release stays a release; a recovered term that may still be live is
-//!   held, for at most a TTL; after lost records every term has ended (the
-//!   same at every takeover in cluster mode);
+//!   release stays a release; a recovered term is held for at most a TTL;
+//!   after lost records every term has ended (the same at every takeover in
+//!   cluster mode);
 //! - self-fencing: a primary admits nothing (write, grant, renewal,
 //!   release) once etcd could have let its election lease go.
 //!

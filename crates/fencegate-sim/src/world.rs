@@ -397,6 +397,8 @@ enum Ack {
 struct Queued {
     record: Record,
     ack: Ack,
+    /// The step it was queued at.
+    step: u64,
 }
 
 #[derive(Debug)]
@@ -508,6 +510,21 @@ struct TermTruth {
     granted_before: u64,
     /// No later than this (simulated time) may the term still be live.
     live_until_ms: u64,
+    /// What the holder was promised: the latest deadline an answer gave it
+    /// (simulated time). Until then the term is held, its writes and
+    /// renewals are admitted and nobody else is granted the lease, unless
+    /// it may have ended early (`may_end_early`).
+    promised_until_ms: u64,
+    /// The step at which the last renewal record (its wall-clock hint) was
+    /// queued for the journal, and the step the last durable one was
+    /// queued at: a start may end the term by an older hint while they
+    /// differ (a record lost with a failed sync or a crash).
+    hint_queued_step: u64,
+    hint_durable_step: u64,
+    /// A start may have ended the term before its promise: records were
+    /// lost, its release may have reached the journal, or the hint of its
+    /// last renewal may not have (a documented, safe loss).
+    may_end_early: bool,
     acked: bool,
     release_acked: bool,
     release_issued: bool,
@@ -909,6 +926,15 @@ impl World {
     }
 
     fn reply(&mut self, req: &Req, answer: Answer) {
+        if matches!(answer, Answer::Refused) {
+            let what = match req.op {
+                Op::Write { .. } => "write",
+                Op::Renew => "renewal",
+                Op::Release => "release",
+                Op::Acquire { .. } => "acquire",
+            };
+            self.check_refusal(req, what);
+        }
         self.open.remove(&req.id);
         let delay = self.net();
         self.after(
@@ -997,6 +1023,47 @@ impl World {
         })
     }
 
+    /// How long `ms` on the proxy's clock surely lasts on the simulated
+    /// clock (rounded down).
+    fn promised_ms(&self, ms: u64) -> u64 {
+        let rate = 1_000_000 + self.proxy.as_ref().map_or(0, |p| p.skew_ppm) as i128;
+        (ms as i128 * 1_000_000 / rate) as u64
+    }
+
+    /// Clock-rate slack for a span of `ttl_ms` between two members' clocks.
+    fn skew_slack_ms(&self, ttl_ms: u64) -> u64 {
+        let skew = if self.cluster() {
+            self.cfg.member_skew_ppm as u64
+        } else {
+            0
+        };
+        1 + ttl_ms * 2 * skew / 1_000_000
+    }
+
+    /// Whether the holder of term `token` of `lease` was promised it is
+    /// live now (see [`TermTruth::promised_until_ms`]).
+    fn promised(&self, lease: usize, token: u64) -> bool {
+        let truth = &self.truth[lease];
+        truth.terms.get(&token).is_some_and(|t| {
+            token == truth.max_acked
+                && t.acked
+                && !t.release_issued
+                && !t.may_end_early
+                && self.now + self.skew_slack_ms(t.ttl_ms) < t.promised_until_ms
+        })
+    }
+
+    /// A promised term's request was refused: a violation.
+    fn check_refusal(&mut self, req: &Req, what: &str) {
+        if self.promised(req.lease, req.token) {
+            let until = self.truth[req.lease].terms[&req.token].promised_until_ms;
+            self.fail(format!(
+                "lease l{} term {}, promised until {until} ms, had its {what} refused",
+                req.lease, req.token
+            ));
+        }
+    }
+
     /// How long `ms` on the proxy's clock lasts on the simulated clock.
     fn to_global_ms(&self, ms: u64) -> u64 {
         global_ms(ms, self.proxy.as_ref().map_or(0, |p| p.skew_ppm))
@@ -1072,6 +1139,15 @@ impl World {
                 };
                 let token = grant.token;
                 self.check_primacy("a grant");
+                let before = self.truth[req.lease].max_acked;
+                if self.promised(req.lease, before) {
+                    let until = self.truth[req.lease].terms[&before].promised_until_ms;
+                    self.fail(format!(
+                        "lease l{} granted token {token} while term {before} was promised \
+                         until {until} ms",
+                        req.lease
+                    ));
+                }
                 let live_until_ms = self.now + self.to_global_ms(ttl_ms);
                 let granted_before = self.truth[req.lease].max_acked;
                 self.truth[req.lease].terms.insert(
@@ -1080,6 +1156,10 @@ impl World {
                         ttl_ms,
                         live_until_ms,
                         granted_before,
+                        promised_until_ms: 0,
+                        hint_queued_step: 0,
+                        hint_durable_step: 0,
+                        may_end_early: false,
                         acked: false,
                         release_acked: false,
                         release_issued: false,
@@ -1138,8 +1218,10 @@ impl World {
                         req.lease, req.token
                     ));
                 }
+                let promised_in = self.promised_ms(expires_in_ms);
                 if let Some(t) = self.truth[req.lease].terms.get_mut(&req.token) {
                     t.live_until_ms = t.live_until_ms.max(self.now + expires_in);
+                    t.promised_until_ms = t.promised_until_ms.max(self.now + promised_in);
                 }
                 if due {
                     let record = Record::Renew {
@@ -1429,8 +1511,19 @@ impl World {
     // -- the journal ----------------------------------------------------------
 
     fn queue(&mut self, record: Record, ack: Ack) {
+        if let Record::Renew { token, .. } = record {
+            if let Some(lease) = record.lease().and_then(lease_index) {
+                if let Some(t) = self.truth[lease].terms.get_mut(&token) {
+                    t.hint_queued_step = self.step;
+                }
+            }
+        }
         let proxy = self.proxy.as_mut().expect("only a running proxy queues");
-        proxy.queue.push(Queued { record, ack });
+        proxy.queue.push(Queued {
+            record,
+            ack,
+            step: self.step,
+        });
         if !proxy.writing {
             proxy.writing = true;
             let inc = proxy.inc;
@@ -1535,6 +1628,7 @@ impl World {
             return;
         }
         self.log.sync();
+        self.hints_durable(&batch);
         let proxy = self.proxy.as_mut().expect("checked");
         for step in rest {
             if let Step::WriteHeader(header) = step {
@@ -1543,6 +1637,19 @@ impl World {
             }
         }
         self.batch_done(batch, true);
+    }
+
+    /// The renewal records of `batch` are durable: their hints count.
+    fn hints_durable(&mut self, batch: &[Queued]) {
+        for q in batch {
+            if let Record::Renew { token, .. } = q.record {
+                if let Some(lease) = q.record.lease().and_then(lease_index) {
+                    if let Some(t) = self.truth[lease].terms.get_mut(&token) {
+                        t.hint_durable_step = t.hint_durable_step.max(q.step);
+                    }
+                }
+            }
+        }
     }
 
     /// Answers what waited for a batch; the writer takes the next one.
@@ -1612,11 +1719,13 @@ impl World {
                 req.lease
             ));
         }
+        let promised_in = self.promised_ms(expires_in_ms);
         let expires_in = self.to_global_ms(expires_in_ms);
         let truth = &mut self.truth[req.lease];
         truth.max_acked = truth.max_acked.max(token);
         if let Some(t) = truth.terms.get_mut(&token) {
             t.acked = true;
+            t.promised_until_ms = t.promised_until_ms.max(self.now + promised_in);
             t.live_until_ms = t.live_until_ms.max(self.now + expires_in);
         }
         self.reply(
@@ -1661,6 +1770,53 @@ impl World {
         }
         let down = self.rng.u64(1..=300);
         self.after(down, Ev::Restart(0));
+    }
+
+    /// The file journal's change of identity at a start (see `start`).
+    fn change_identity(
+        &mut self,
+        mut header: Header,
+        mut len: u64,
+        meta: Meta,
+    ) -> (Header, u64, Meta) {
+        let mut next = self.rng.u64(1..);
+        if next == meta.identity {
+            next = next.wrapping_add(1).max(1);
+        }
+        let named = Meta {
+            identity: next,
+            previous: meta.identity,
+            ..meta
+        };
+        self.meta_file = Some(named.encode());
+        let mut frame = Vec::new();
+        Record::Identity { id: next }.encode_frame(&mut frame);
+        let log = append::Log {
+            header,
+            len,
+            reserved: meta.reserved,
+            floor_block: FLOOR_BLOCK,
+        };
+        for step in append::plan(&log, frame.len() as u64, true, 0) {
+            match step {
+                Step::RaiseReserved(_) => {}
+                Step::WriteBatch => {
+                    self.log.write(len, &frame);
+                    len += frame.len() as u64;
+                }
+                Step::Sync => self.log.sync(),
+                Step::WriteHeader(h) => {
+                    self.log.write(h.offset(), &h.encode());
+                    header = h;
+                }
+            }
+        }
+        let meta = Meta {
+            previous: next,
+            ..named
+        };
+        self.meta_file = Some(meta.encode());
+        (header, len, meta)
     }
 
     /// A proxy is gone (its process died, or a new term of primacy replaced
@@ -1760,15 +1916,20 @@ impl World {
                     };
                     let (floor, reserved) =
                         recovery::intact_floors(Some(header), &meta, replayed.max_token);
-                    let reserved = reserved.unwrap_or_else(|| {
-                        replayed.max_token.max(floor).saturating_add(FLOOR_BLOCK)
-                    });
+                    // As the file journal: the meta file stays, or is
+                    // rebuilt from the log.
+                    let identity = replayed.identity;
                     let meta = Meta {
-                        reserved,
+                        reserved: reserved.unwrap_or_else(|| {
+                            replayed.max_token.max(floor).saturating_add(FLOOR_BLOCK)
+                        }),
                         floor,
-                        ..Meta::default()
+                        identity,
+                        previous: identity,
                     };
-                    self.meta_file = Some(meta.encode());
+                    if reserved.is_none() {
+                        self.meta_file = Some(meta.encode());
+                    }
                     if replayed.torn_bytes > 0 {
                         self.log.set_len(replayed.good_len);
                         self.log.sync();
@@ -1823,6 +1984,10 @@ impl World {
                 }
             }
         };
+        // Each start gives the log a new identity, as the file journal
+        // does: named in the meta file first, then carried by the log
+        // (durably), then the old one dropped from the meta file.
+        let (header, len, meta) = self.change_identity(header, len, meta);
         let now_ms = self.now + clock_offset_ms;
         let wall_ms = (WALL_BASE_MS + self.now).saturating_add_signed(wall_error_ms);
         self.inc_member.push(0);
@@ -1868,6 +2033,21 @@ impl World {
         lost: Option<&str>,
     ) {
         let tol = self.cfg.tolerance_ms;
+        if self.cfg.trace {
+            for (lease, slot) in &proxy.slots {
+                if let Some(t) = slot.state.term() {
+                    eprintln!(
+                        "  start: l{lease} term {} live for {} ms more, released {}",
+                        t.token,
+                        t.deadline_ms.saturating_sub(now_ms),
+                        t.released
+                    );
+                }
+            }
+            for r in records {
+                eprintln!("  record: {r:?}");
+            }
+        }
         if let Some(why) = lost {
             if !self.damaged {
                 self.fail(format!(
@@ -1876,6 +2056,42 @@ impl World {
                 ));
                 return;
             }
+        }
+        // What the holders were promised survives the start, but where
+        // the start may end a term early: lost records, a release that may
+        // have reached the journal, a renewal whose hint may not have.
+        let now = self.now;
+        let mut ended_early = Vec::new();
+        for (lease, truth) in self.truth.iter_mut().enumerate() {
+            let newest = truth.max_acked;
+            for (token, t) in truth.terms.iter_mut() {
+                let hint_lost = t.hint_queued_step > t.hint_durable_step;
+                if lost.is_some() || t.release_issued || hint_lost {
+                    t.may_end_early = true;
+                }
+                let slack = 1 + t.ttl_ms * 2 * self.cfg.member_skew_ppm.unsigned_abs() / 1_000_000;
+                if *token == newest
+                    && t.acked
+                    && !t.may_end_early
+                    && now + slack < t.promised_until_ms
+                {
+                    let held = proxy
+                        .slots
+                        .get(&lease)
+                        .and_then(|s| s.state.term())
+                        .is_some_and(|term| term.token == *token && term.is_live(now_ms));
+                    if !held {
+                        ended_early.push((lease, *token, t.promised_until_ms));
+                    }
+                }
+            }
+        }
+        if let Some((lease, token, until)) = ended_early.first() {
+            self.fail(format!(
+                "lease l{lease} term {token}, promised until {until} ms, was not held after a \
+                 start at {now} ms"
+            ));
+            return;
         }
         for (lease, truth) in self.truth.iter().enumerate() {
             let slot = proxy.slots.get(&lease);
@@ -2237,6 +2453,7 @@ impl World {
                 let ok = self.etcd.leader == Some(session) && live(&self.etcd, session);
                 if ok {
                     self.etcd.log.extend_from_slice(&bytes);
+                    self.hints_durable(&batch);
                 }
                 EtcdReply::Committed { inc, batch, ok }
             }

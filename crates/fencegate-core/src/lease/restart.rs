@@ -47,6 +47,7 @@ pub struct RestartRule {
 /// at most two records a TTL for a term renewed however often.
 pub fn wall_hint_due(recorded_ms: u64, wall_ms: u64, ttl_ms: u64) -> bool {
     wall_ms.saturating_add(ttl_ms) > recorded_ms.saturating_add(ttl_ms / 2)
+        && !planted(Mutant::HintsNeverDue)
 }
 
 /// How long, at most, a recovered term whose journal hint of its end on
