@@ -48,65 +48,10 @@ use tokio::sync::{mpsc, oneshot, Notify};
 
 use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
 use crate::hex;
-use crate::journal::record::{term_flags, wall_deadline, GRANTED_QUIET, RELEASED_QUIET};
-use crate::journal::{GrantRecord, Journal, JournalError, JournalFuture, LeaseRecord, TermRecord};
+use crate::journal::record::{GRANTED_QUIET, RELEASED_QUIET};
+use crate::journal::{GrantRecord, Journal, JournalError, JournalFuture, LeaseRecord};
 
-/// One lease's whole state as the journal keeps it.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct StoredLease {
-    pub last_token: u64,
-    pub transitions: u64,
-    pub term: Option<StoredTerm>,
-    /// The lease was forgotten (retention): a replay drops it, and every
-    /// lease not in the log continues above `last_token`. The cache keeps
-    /// that mark for all forgotten leases under the empty name, which
-    /// snapshots write first.
-    pub forgotten: bool,
-}
-
-/// A lease's latest term, with the SHA-256 digest of its lease id (never
-/// the id itself).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct StoredTerm {
-    pub token: u64,
-    pub holder: String,
-    pub ttl_ms: u64,
-    pub lease_id_sha256: [u8; 32],
-    pub released: bool,
-    /// See [`TermRecord`]'s fields of the same names.
-    pub granted_quiet: bool,
-    pub released_quiet: bool,
-    pub wall_deadline_ms: u64,
-}
-
-impl StoredTerm {
-    /// The flags' bits in a record, as the file journal's.
-    fn flags(&self) -> u8 {
-        term_flags(self.granted_quiet, self.released_quiet)
-    }
-}
-
-impl StoredLease {
-    /// The record the lease store restores from (the term's id as its
-    /// digest: see `RestartRule::hashed_ids`).
-    pub fn to_record(&self, lease: String) -> LeaseRecord {
-        LeaseRecord {
-            lease,
-            last_token: self.last_token,
-            transitions: self.transitions,
-            term: self.term.as_ref().map(|t| TermRecord {
-                token: t.token,
-                holder: t.holder.clone(),
-                ttl_ms: t.ttl_ms,
-                lease_id: t.lease_id_sha256,
-                released: t.released,
-                granted_quiet: t.granted_quiet,
-                released_quiet: t.released_quiet,
-                wall_deadline_ms: t.wall_deadline_ms,
-            }),
-        }
-    }
-}
+pub use fencegate_core::journal::stored::{StoredGrant, StoredLease, StoredTerm};
 
 /// One queued write: a lease's whole stored state, and who waits for it.
 /// The writer task makes its log record, so no JSON is written while the
@@ -533,7 +478,10 @@ impl EtcdJournal {
     ) -> Self {
         let mut leases = loaded.leases;
         if loaded.forgotten_above > 0 {
-            leases.insert(String::new(), forgotten_mark(loaded.forgotten_above));
+            leases.insert(
+                String::new(),
+                StoredLease::forgotten_mark(loaded.forgotten_above),
+            );
         }
         let cache = Arc::new(Mutex::new(leases));
         let spilled = Arc::new(Mutex::new(BTreeSet::new()));
@@ -609,16 +557,6 @@ impl EtcdJournal {
     }
 }
 
-/// The cached state under the empty name: every lease forgotten so far
-/// had tokens up to `last_token`.
-fn forgotten_mark(last_token: u64) -> StoredLease {
-    StoredLease {
-        last_token,
-        forgotten: true,
-        ..StoredLease::default()
-    }
-}
-
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -628,17 +566,13 @@ impl Journal for EtcdJournal {
         let (ack, done) = oneshot::channel();
         let digest: [u8; 32] = Sha256::digest(record.lease_id).into();
         let queued = self.queue(&record.lease, Some(ack), |stored| {
-            stored.last_token = stored.last_token.max(record.token);
-            stored.transitions += 1;
-            stored.term = Some(StoredTerm {
+            stored.grant(StoredGrant {
                 token: record.token,
-                holder: record.holder.clone(),
+                holder: &record.holder,
                 ttl_ms: record.ttl_ms,
                 lease_id_sha256: digest,
-                released: false,
-                granted_quiet: record.quiet,
-                released_quiet: false,
-                wall_deadline_ms: wall_deadline(record.wall_ms, record.ttl_ms),
+                quiet: record.quiet,
+                wall_ms: record.wall_ms,
             });
             true
         });
@@ -650,30 +584,16 @@ impl Journal for EtcdJournal {
     }
 
     fn record_renew(&self, lease: &str, token: u64, ttl_ms: u64, wall_ms: u64) -> bool {
-        self.queue(lease, None, |stored| match stored.term.as_mut() {
-            Some(t) if t.token == token && !t.released => {
-                t.ttl_ms = ttl_ms;
-                if wall_ms != 0 {
-                    t.wall_deadline_ms = wall_deadline(wall_ms, ttl_ms);
-                }
-                true
-            }
-            _ => false,
-        })
-        .is_ok()
+        self.queue(lease, None, |stored| stored.renew(token, ttl_ms, wall_ms))
+            .is_ok()
     }
 
     fn persist_release(&self, lease: &str, token: u64, quiet: bool) -> JournalFuture {
         let (ack, done) = oneshot::channel();
         let mut changed = false;
-        let queued = self.queue(lease, Some(ack), |stored| match stored.term.as_mut() {
-            Some(t) if t.token == token && !t.released => {
-                t.released = true;
-                t.released_quiet = quiet;
-                changed = true;
-                true
-            }
-            _ => false,
+        let queued = self.queue(lease, Some(ack), |stored| {
+            changed = stored.release(token, quiet);
+            changed
         });
         Box::pin(async move {
             queued?;
@@ -695,8 +615,7 @@ impl Journal for EtcdJournal {
         // sees either the lease or the mark above it, never neither.
         let mut cache = lock(&self.cache);
         let mut gone = cache.get(lease).cloned().unwrap_or_default();
-        gone.last_token = gone.last_token.max(last_token);
-        gone.forgotten = true;
+        gone.forget(last_token);
         let mark_above = gone.last_token;
         let write = Write::new(lease, gone, None);
         // A full queue: the lease stays in the cache and so in etcd, which
@@ -706,7 +625,7 @@ impl Journal for EtcdJournal {
             cache.remove(lease);
             let mark = cache
                 .entry(String::new())
-                .or_insert_with(|| forgotten_mark(0));
+                .or_insert_with(|| StoredLease::forgotten_mark(0));
             mark.last_token = mark.last_token.max(mark_above);
         }
     }

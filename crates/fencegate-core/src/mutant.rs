@@ -29,7 +29,9 @@ pub enum Mutant {
     /// Recovered leases ignore the token floor
     /// ([`crate::lease::restart::restore`]).
     TokenFloorIgnored,
-    /// Replay skips release records ([`crate::journal::record::Record::apply`]).
+    /// Replay skips release records ([`crate::journal::record::Record::apply`]),
+    /// and the etcd journal's state ignores releases
+    /// ([`crate::journal::stored::StoredLease::release`]).
     ReplayDropsReleases,
     /// A term is still live at its deadline
     /// ([`crate::lease::machine::LeaseState::check`]).

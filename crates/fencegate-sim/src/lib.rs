@@ -31,11 +31,10 @@
 //!   the core's restart rule, and admits only while the core's self-fencing
 //!   deadline (`fencegate_core::cluster`) has not passed on its own clock.
 //!
-//! What it leaves out: the winner of an election folds etcd's records with
-//! the journal's record rules (`Record::apply`), not the etcd journal's
-//! own state updates and snapshots (`src/cluster/journal.rs`); the file
-//! journal's compaction, forgotten leases and older copies put back are not
-//! played. Admission and forwarding are one step here: a proxy paused between its
+//! What it leaves out: etcd keeps each lease's state with the etcd
+//! journal's rules (`fencegate_core::journal::stored`), but not its JSON,
+//! snapshots or write queue (`src/cluster/journal.rs`); the file journal's
+//! compaction, forgotten leases and older copies put back are not played. Admission and forwarding are one step here: a proxy paused between its
 //! last check and its write's first byte (the bound docs/cluster.md gives)
 //! is not modelled, nor a clock slower than the self-fencing margin per
 //! TTL (the clock check's business), nor the settle time shortened by a

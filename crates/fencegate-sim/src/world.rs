@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use fencegate_core::journal::append::{self, Step};
 use fencegate_core::journal::record::{Header, LeaseRecord, Record};
 use fencegate_core::journal::recovery::{self, Meta, MetaFile};
+use fencegate_core::journal::stored::{StoredGrant, StoredLease};
 use fencegate_core::lease::admission::{self, Decision, WriteCheck};
 use fencegate_core::lease::id::LeaseId;
 use fencegate_core::lease::inflight::Inflight;
@@ -292,7 +293,6 @@ enum EtcdOp {
     Commit {
         session: u64,
         inc: u64,
-        bytes: Vec<u8>,
         batch: Vec<Queued>,
     },
 }
@@ -464,8 +464,9 @@ struct Etcd {
     sessions: BTreeMap<u64, (usize, u64, bool)>,
     /// The session holding the election key.
     leader: Option<u64>,
-    /// The committed lease records, as frames.
-    log: Vec<u8>,
+    /// Every lease's state as the etcd journal keeps it, changed by each
+    /// committed record with the core's rules (`journal::stored`).
+    leases: BTreeMap<String, StoredLease>,
 }
 
 /// How long `ms` on a clock `skew_ppm` fast lasts on the simulated clock
@@ -1560,7 +1561,6 @@ impl World {
             let op = EtcdOp::Commit {
                 session: primacy.session,
                 inc,
-                bytes: buf,
                 batch,
             };
             self.send_etcd(member, op);
@@ -2447,12 +2447,11 @@ impl World {
             EtcdOp::Commit {
                 session,
                 inc,
-                bytes,
                 batch,
             } => {
                 let ok = self.etcd.leader == Some(session) && live(&self.etcd, session);
                 if ok {
-                    self.etcd.log.extend_from_slice(&bytes);
+                    self.etcd_apply(&batch);
                     self.hints_durable(&batch);
                 }
                 EtcdReply::Committed { inc, batch, ok }
@@ -2541,6 +2540,47 @@ impl World {
         }
     }
 
+    /// A committed batch changes etcd's lease state with the etcd journal's
+    /// rules.
+    fn etcd_apply(&mut self, batch: &[Queued]) {
+        for q in batch {
+            let Some(lease) = q.record.lease() else {
+                continue;
+            };
+            let state = self.etcd.leases.entry(lease.to_owned()).or_default();
+            match &q.record {
+                Record::Grant {
+                    token,
+                    holder,
+                    ttl_ms,
+                    lease_id,
+                    quiet,
+                    wall_ms,
+                    ..
+                } => state.grant(StoredGrant {
+                    token: *token,
+                    holder,
+                    ttl_ms: *ttl_ms,
+                    lease_id_sha256: *lease_id,
+                    quiet: *quiet,
+                    wall_ms: *wall_ms,
+                }),
+                Record::Renew {
+                    token,
+                    ttl_ms,
+                    wall_ms,
+                    ..
+                } => {
+                    state.renew(*token, *ttl_ms, *wall_ms);
+                }
+                Record::Release { token, quiet, .. } => {
+                    state.release(*token, *quiet);
+                }
+                _ => {}
+            }
+        }
+    }
+
     /// Primacy is lost (or the session is): nothing more is admitted
     /// (writes in flight finish), and, as the member does, a new session
     /// starts from what etcd holds; the old one expires in etcd.
@@ -2564,13 +2604,15 @@ impl World {
             self.abandon(old.inc);
         }
         self.stats.takeovers += 1;
-        let folded = match recovery::replay(&self.etcd.log, 0, u64::MAX) {
-            Ok(f) => f,
-            Err(recovery::Refusal(why)) => {
-                self.fail(format!("etcd's lease state did not read back: {why}"));
-                return;
-            }
-        };
+        // What the member loads: every lease etcd holds, as the etcd
+        // journal's records (ids as digests).
+        let records: Vec<LeaseRecord> = self
+            .etcd
+            .leases
+            .iter()
+            .filter(|(_, s)| !s.forgotten)
+            .map(|(name, s)| s.to_record(name.clone()))
+            .collect();
         self.incarnation += 1;
         let inc = self.incarnation;
         self.inc_member.push(m);
@@ -2583,7 +2625,6 @@ impl World {
         let rule = RestartRule {
             unsettled_ms: self.cfg.upstream_timeout_ms + self.cfg.settle_ms,
             hashed_ids: true,
-            forgotten_above: folded.forgotten_above,
             ..RestartRule::default()
         };
         let until_ms = fencegate_core::cluster::primacy_deadline(
@@ -2615,7 +2656,6 @@ impl World {
             queue: Vec::new(),
             writing: false,
         };
-        let records = sorted(folded.leases);
         let Some(ended_by_hint) = self.restore_into(&mut proxy, &records, now_ms, wall_ms) else {
             return;
         };

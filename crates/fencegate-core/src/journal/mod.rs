@@ -1,7 +1,9 @@
 //! The journal's on-disk format ([`record`]), the order of a batch's writes
 //! ([`append`]) and what a start decides about a log it finds
-//! ([`recovery`]).
+//! ([`recovery`]); a lease's state as the etcd journal keeps it, and how
+//! each change updates it ([`stored`]).
 
 pub mod append;
 pub mod record;
 pub mod recovery;
+pub mod stored;
