@@ -22,14 +22,16 @@
 //!   so the simulator and the power-cut tests can prove they catch them.
 //! - [`cluster`]: cluster mode's rules on the member's clock: the
 //!   self-fencing deadline and the clock check's verdict.
+//! - [`shard`]: which shard a lease belongs to, and which member should
+//!   lead each shard (cluster mode with shards; SPEC section 9).
 //! - [`names`]: lease and holder names, checked once where they enter.
 //! - [`hex`]: lowercase hex for ids and digests.
 //! - [`wire`]: the header names and path prefix the proxy and its clients
 //!   share.
 //!
-//! Dependencies point one way: `mutant` and `wire` import nothing; `hex`, `names` and
-//! `journal` import nothing from the crate but `mutant`; `lease` imports
-//! them all.
+//! Dependencies point one way: `mutant`, `wire`, `hex`, `names` and
+//! `shard` import nothing from the crate; `cluster` and `journal` import
+//! only `mutant`; `lease` imports `journal`, `names`, `hex` and `mutant`.
 
 pub mod cluster;
 pub mod hex;
@@ -37,4 +39,5 @@ pub mod journal;
 pub mod lease;
 pub mod mutant;
 pub mod names;
+pub mod shard;
 pub mod wire;
