@@ -3,9 +3,10 @@
 //! on. (I/O deadlines, such as the header read timeout or the upstream
 //! deadline, are tokio timers; the client commands measure latency with
 //! [`Stopwatch`].) `.clippy.toml` bans reading std's and tokio's clocks
-//! anywhere else in the workspace, but for one reading in the
-//! `fencegate-client` crate (its guard's deadlines, on tokio's monotonic
-//! clock) and the time budget of the simulator's test and example.
+//! anywhere else in the workspace, but for the benchmarks (they measure
+//! wall time), one function in the `fencegate-client` crate (its guard's
+//! deadlines, on tokio's monotonic clock) and the time budget of the
+//! simulator's test and example.
 //!
 //! Lease deadlines live on a monotonic millisecond timeline that starts when the
 //! process starts. Wall time is never used for deadlines, so a clock step (NTP,

@@ -643,7 +643,7 @@ impl LeaseClient {
         // instant known to be before the server's answer. After a wait that
         // instant says nothing useful (the term began when the wait ended),
         // so a renewal right away gives the deadline a fresh start.
-        if sent.elapsed() < Duration::from_millis(grant.ttl_ms / 10) {
+        if instant_now() - sent < Duration::from_millis(grant.ttl_ms / 10) {
             return Ok(LeaseGuard::start(self.clone(), grant, sent, options));
         }
         let sent = instant_now();

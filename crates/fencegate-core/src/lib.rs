@@ -23,7 +23,8 @@
 //! - [`cluster`]: cluster mode's rules on the member's clock: the
 //!   self-fencing deadline and the clock check's verdict.
 //! - [`shard`]: which shard a lease belongs to, and which member should
-//!   lead each shard (cluster mode with shards; SPEC section 9).
+//!   lead each shard, for sharding leases over cluster members (not used
+//!   yet).
 //! - [`names`]: lease and holder names, checked once where they enter.
 //! - [`hex`]: lowercase hex for ids and digests.
 //! - [`wire`]: the header names and path prefix the proxy and its clients

@@ -1,5 +1,6 @@
-//! Shards (cluster mode with `cluster.shards = N`): which shard a lease
-//! belongs to, and which live member should lead each shard.
+//! Shards, for spreading leases over cluster members (nothing uses them
+//! yet): which of `N` shards a lease belongs to, and which live member
+//! should lead each shard.
 //!
 //! A lease's shard is `h(name) mod N`, where `h(name)` is the first eight
 //! bytes of the SHA-256 digest of the name's bytes, read as a big-endian

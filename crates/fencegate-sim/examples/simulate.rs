@@ -6,7 +6,8 @@
 //!     cargo run --release -p fencegate-sim --example simulate -- --mutant barrier-off --seeds 200
 //!
 //! `--seed S` starts at seed S (default 1); `--seeds K` plays K seeds
-//! (default 1 with `--seed`, else as many as `--seconds` allows);
+//! (default: as many as `--seconds` allows, else 1); `--trace` prints every
+//! step of each seed to stderr;
 //! `--steps N` is the length of each (default 20,000 events); `--mutant
 //! NAME` plants one of the bugs of `fencegate_core::mutant`. It stops at
 //! the first violation and prints the command that replays it. The exit
@@ -101,6 +102,9 @@ fn usage(why: &str) -> ! {
     if !why.is_empty() {
         eprintln!("simulate: {why}");
     }
-    eprintln!("usage: simulate [--seed S] [--seeds K] [--steps N] [--seconds T] [--mutant NAME]");
+    eprintln!(
+        "usage: simulate [--seed S] [--seeds K] [--steps N] [--seconds T] [--mutant NAME] \
+         [--trace]"
+    );
     std::process::exit(2)
 }
