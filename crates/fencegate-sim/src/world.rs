@@ -356,8 +356,7 @@ struct Client {
 
 impl Client {
     fn local_ms(&self, now: u64) -> u64 {
-        let skewed = now as i128 * (1_000_000 + self.skew_ppm as i128) / 1_000_000;
-        self.offset_ms + skewed as u64
+        local_ms(self.offset_ms, self.skew_ppm, now)
     }
 
     /// When, on the simulated clock, this client's clock reads `local`.
@@ -474,6 +473,18 @@ struct Etcd {
 fn global_ms(ms: u64, skew_ppm: i64) -> u64 {
     let rate = 1_000_000 + skew_ppm as i128;
     ((ms as i128 * 1_000_000 + rate - 1) / rate) as u64
+}
+
+/// How long `ms` on a clock `skew_ppm` fast surely lasts on the simulated
+/// clock (rounded down).
+fn global_ms_floor(ms: u64, skew_ppm: i64) -> u64 {
+    (ms as i128 * 1_000_000 / (1_000_000 + skew_ppm as i128)) as u64
+}
+
+/// Clock-rate slack for a span of `ttl_ms` between two clocks each up to
+/// `skew_ppm` off.
+fn skew_slack_ms(ttl_ms: u64, skew_ppm: u64) -> u64 {
+    1 + ttl_ms * 2 * skew_ppm / 1_000_000
 }
 
 fn local_ms(offset_ms: u64, skew_ppm: i64, now: u64) -> u64 {
@@ -975,23 +986,10 @@ impl World {
                     ttl_ms,
                 };
             }
-            (
-                Answer::Renewed { expires_in_ms },
-                Hold::Holding {
-                    lease,
-                    token,
-                    lease_id,
-                    ttl_ms,
-                    ..
-                },
-            ) => {
-                self.clients[c].hold = Hold::Holding {
-                    lease,
-                    token,
-                    lease_id,
-                    end_local_ms: local + expires_in_ms,
-                    ttl_ms,
-                };
+            (Answer::Renewed { expires_in_ms }, Hold::Holding { .. }) => {
+                if let Hold::Holding { end_local_ms, .. } = &mut self.clients[c].hold {
+                    *end_local_ms = local + expires_in_ms;
+                }
             }
             (
                 Answer::Released | Answer::Refused,
@@ -1027,18 +1025,16 @@ impl World {
     /// How long `ms` on the proxy's clock surely lasts on the simulated
     /// clock (rounded down).
     fn promised_ms(&self, ms: u64) -> u64 {
-        let rate = 1_000_000 + self.proxy.as_ref().map_or(0, |p| p.skew_ppm) as i128;
-        (ms as i128 * 1_000_000 / rate) as u64
+        global_ms_floor(ms, self.proxy.as_ref().map_or(0, |p| p.skew_ppm))
     }
 
-    /// Clock-rate slack for a span of `ttl_ms` between two members' clocks.
-    fn skew_slack_ms(&self, ttl_ms: u64) -> u64 {
-        let skew = if self.cluster() {
-            self.cfg.member_skew_ppm as u64
+    /// How far the clocks of two proxies may run apart (ppm).
+    fn slack_skew_ppm(&self) -> u64 {
+        if self.cluster() {
+            self.cfg.member_skew_ppm.unsigned_abs()
         } else {
             0
-        };
-        1 + ttl_ms * 2 * skew / 1_000_000
+        }
     }
 
     /// Whether the holder of term `token` of `lease` was promised it is
@@ -1050,7 +1046,7 @@ impl World {
                 && t.acked
                 && !t.release_issued
                 && !t.may_end_early
-                && self.now + self.skew_slack_ms(t.ttl_ms) < t.promised_until_ms
+                && self.now + skew_slack_ms(t.ttl_ms, self.slack_skew_ppm()) < t.promised_until_ms
         })
     }
 
@@ -1410,8 +1406,7 @@ impl World {
         }
         // The settle time as the proxy measures it: a proxy whose clock runs
         // fast waits a little less in real time (the bound is its clock's).
-        let rate = 1_000_000 + write.skew_ppm as i128;
-        let settle = (self.cfg.settle_ms as i128 * 1_000_000 / rate) as u64;
+        let settle = global_ms_floor(self.cfg.settle_ms, write.skew_ppm);
         write.gone_ms = Some(self.now);
         let bound = self.now + settle;
         if write.applied || write.rogue || write.apply_key.0 <= bound {
@@ -2061,6 +2056,7 @@ impl World {
         // the start may end a term early: lost records, a release that may
         // have reached the journal, a renewal whose hint may not have.
         let now = self.now;
+        let skew = self.slack_skew_ppm();
         let mut ended_early = Vec::new();
         for (lease, truth) in self.truth.iter_mut().enumerate() {
             let newest = truth.max_acked;
@@ -2069,7 +2065,7 @@ impl World {
                 if lost.is_some() || t.release_issued || hint_lost {
                     t.may_end_early = true;
                 }
-                let slack = 1 + t.ttl_ms * 2 * self.cfg.member_skew_ppm.unsigned_abs() / 1_000_000;
+                let slack = skew_slack_ms(t.ttl_ms, skew);
                 if *token == newest
                     && t.acked
                     && !t.may_end_early
