@@ -80,6 +80,7 @@ async fn run(mode: &Mode, n: u32) -> f64 {
             backend: Backend::Embedded(EmbeddedStore::new()),
             draining: Arc::new(AtomicBool::new(false)),
             primacy: None,
+            metrics: None,
         },
     )
     .expect("app");

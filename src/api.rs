@@ -42,7 +42,7 @@ use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
 const MAX_API_BODY_BYTES: usize = 64 * 1024;
 
 /// The largest body of a batch renewal (about 10,000 leases).
-const MAX_BATCH_BODY_BYTES: usize = 1024 * 1024;
+pub(crate) const MAX_BATCH_BODY_BYTES: usize = 1024 * 1024;
 
 /// The most leases one batch renewal names.
 pub const MAX_BATCH_LEASES: usize = 10_000;
@@ -242,15 +242,15 @@ pub const PAGE_MAX: usize = 10_000;
 
 /// The query of a listing.
 #[derive(Debug, PartialEq, Eq)]
-struct Page {
-    limit: usize,
+pub(crate) struct Page {
+    pub(crate) limit: usize,
     after: Option<String>,
     /// Only names that start with this.
     prefix: String,
 }
 
 impl Page {
-    fn parse(query: Option<&str>) -> Result<Self, Problem> {
+    pub(crate) fn parse(query: Option<&str>) -> Result<Self, Problem> {
         let mut page = Page {
             limit: PAGE_DEFAULT,
             after: None,

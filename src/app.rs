@@ -192,6 +192,9 @@ pub struct Parts {
     /// In cluster mode, this member's term of primacy (see
     /// [`FencePolicy::primacy`]); `None` standalone.
     pub primacy: Option<Arc<Primacy>>,
+    /// Metrics shared with other apps (a cluster member's shards); `None`:
+    /// the app's own, over `leases`.
+    pub metrics: Option<Metrics>,
 }
 
 /// Composes `fencegate serve`: limits → (lease API | fence → backend).
@@ -200,7 +203,7 @@ pub fn build(config: &Config, parts: Parts) -> Result<FencegateApp, String> {
         Backend::Embedded(store) if store.is_recording() => Some(store.clone()),
         _ => None,
     };
-    let metrics = Metrics::new(&parts.leases);
+    let metrics = parts.metrics.unwrap_or_else(|| Metrics::new(&parts.leases));
     let mut backend = parts.backend;
     let mut upstream = None;
     if let Backend::Upstream(u) = &mut backend {

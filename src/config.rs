@@ -61,6 +61,10 @@ pub struct Config {
     pub cluster: ClusterConfig,
 }
 
+/// The most shards a cluster may have: every member keeps an etcd session
+/// and a lease store per shard it leads.
+pub const MAX_SHARDS: u32 = 256;
+
 /// Cluster mode (off while `etcd` is empty): several members, one primary,
 /// the lease state in etcd.
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -91,6 +95,12 @@ pub struct ClusterConfig {
     /// How far behind etcd's the member's clock may fall (beyond etcd's
     /// whole seconds) before it steps down and stops campaigning.
     pub clock_tolerance_ms: u64,
+    /// How many shards the leases are spread over, each with its own
+    /// primary; fixed for a cluster prefix (kept in etcd). 1: one primary.
+    pub shards: u32,
+    /// With several shards: a request for a lease another member leads is
+    /// forwarded there (one hop); false: answered `not-primary` naming it.
+    pub forward: bool,
 }
 
 impl Default for ClusterConfig {
@@ -107,6 +117,8 @@ impl Default for ClusterConfig {
             password: String::new(),
             self_fencing: true,
             clock_tolerance_ms: 500,
+            shards: 1,
+            forward: true,
         }
     }
 }
@@ -156,6 +168,12 @@ impl ClusterConfig {
         }
         if self.user.is_empty() != self.password.is_empty() {
             return Err("cluster: set both user and password, or neither".into());
+        }
+        if !(1..=MAX_SHARDS).contains(&self.shards) {
+            return Err(format!(
+                "cluster.shards: {} must be 1 to {MAX_SHARDS}",
+                self.shards
+            ));
         }
         Ok(())
     }

@@ -7,7 +7,9 @@
 //! lease store already keeps (leases held, writes in flight, barrier waits)
 //! are read at scrape time by a collector instead of being counted twice.
 
-use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
@@ -18,7 +20,8 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::TypedMetric;
 use prometheus_client::registry::Registry;
 
-use crate::lease::LeaseStore;
+use crate::clock::Clock;
+use crate::lease::{LeaseStore, Primacy};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabel {
@@ -44,12 +47,51 @@ struct Inner {
     forwarded: Counter,
     lease_ops: Family<LeaseOpLabels, Counter>,
     upstream_seconds: Histogram,
+    stores: Stores,
 }
 
-/// Reads the lease store's own counts at scrape time.
+/// Reads the lease stores' own counts at scrape time: one store, or (on a
+/// cluster member with several shards) the stores of the shards it leads
+/// now, plus what the stores of shards it led before had counted.
 #[derive(Debug)]
 struct StoreCollector {
-    leases: LeaseStore,
+    stores: Stores,
+}
+
+#[derive(Clone, Debug)]
+enum Stores {
+    One(LeaseStore),
+    Shards(Arc<Mutex<ShardStores>>),
+}
+
+#[derive(Debug, Default)]
+struct ShardStores {
+    /// The stores of the shards led now, each with its term of primacy.
+    led: Vec<(LeaseStore, Arc<Primacy>)>,
+    /// Barrier waits, their milliseconds and timeouts of the stores of
+    /// terms that ended: counters do not go back when a shard moves.
+    ended: [u64; 3],
+}
+
+/// Cluster counters of a member with several shards.
+#[derive(Debug, Default)]
+pub struct ClusterStats {
+    /// Requests sent on to the member leading their lease's shard.
+    pub forwarded: AtomicU64,
+    /// Shards this member handed over to another member (rebalancing).
+    pub handovers_out: AtomicU64,
+    /// Shards this member took over (won their election).
+    pub takeovers: AtomicU64,
+    /// Shards this member leads now.
+    pub led: AtomicU64,
+}
+
+/// The counts a collector reports, summed over its stores.
+#[derive(Default)]
+struct Counts {
+    held: usize,
+    inflight: u64,
+    barrier: [u64; 3],
 }
 
 fn encode_const<M: EncodeMetric + TypedMetric>(
@@ -62,18 +104,68 @@ fn encode_const<M: EncodeMetric + TypedMetric>(
     metric.encode(e)
 }
 
+fn barrier_counts(leases: &LeaseStore) -> [u64; 3] {
+    let h = leases.handover_stats();
+    [
+        h.barrier_waits.load(Relaxed),
+        h.barrier_wait_ms.load(Relaxed),
+        h.barrier_timeouts.load(Relaxed),
+    ]
+}
+
+impl Stores {
+    fn counts(&self) -> (Counts, Option<Clock>) {
+        match self {
+            Stores::One(leases) => (
+                Counts {
+                    held: leases.held_count(),
+                    inflight: leases.inflight_count(),
+                    barrier: barrier_counts(leases),
+                },
+                Some(leases.clock().clone()),
+            ),
+            Stores::Shards(shards) => {
+                let mut shards = shards.lock().unwrap_or_else(|p| p.into_inner());
+                // Stores of terms that ended leave their counters behind.
+                let ShardStores { led, ended } = &mut *shards;
+                led.retain(|(leases, primacy)| {
+                    let live = !primacy.is_revoked();
+                    if !live {
+                        for (sum, n) in ended.iter_mut().zip(barrier_counts(leases)) {
+                            *sum += n;
+                        }
+                    }
+                    live
+                });
+                let mut counts = Counts {
+                    barrier: *ended,
+                    ..Counts::default()
+                };
+                for (leases, _) in led.iter() {
+                    counts.held += leases.held_count();
+                    counts.inflight += leases.inflight_count();
+                    for (sum, n) in counts.barrier.iter_mut().zip(barrier_counts(leases)) {
+                        *sum += n;
+                    }
+                }
+                let clock = led.first().map(|(leases, _)| leases.clock().clone());
+                (counts, clock)
+            }
+        }
+    }
+}
+
 impl Collector for StoreCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        use std::sync::atomic::Ordering::Relaxed;
-        let h = self.leases.handover_stats();
-        let held = i64::try_from(self.leases.held_count()).unwrap_or(i64::MAX);
+        let (counts, clock) = self.stores.counts();
+        let held = i64::try_from(counts.held).unwrap_or(i64::MAX);
         encode_const(
             &mut encoder,
             "fencegate_leases_held",
             "Leases with a live term.",
             ConstGauge::new(held),
         )?;
-        let inflight = i64::try_from(self.leases.inflight_count()).unwrap_or(i64::MAX);
+        let inflight = i64::try_from(counts.inflight).unwrap_or(i64::MAX);
         encode_const(
             &mut encoder,
             "fencegate_writes_in_flight",
@@ -84,25 +176,62 @@ impl Collector for StoreCollector {
             &mut encoder,
             "fencegate_barrier_waits",
             "Writes that waited for an earlier term's writes to finish.",
-            ConstCounter::new(h.barrier_waits.load(Relaxed)),
+            ConstCounter::new(counts.barrier[0]),
         )?;
         encode_const(
             &mut encoder,
             "fencegate_barrier_wait_seconds",
             "Time writes spent waiting at the handover barrier.",
-            ConstCounter::new(h.barrier_wait_ms.load(Relaxed) as f64 / 1000.0),
+            ConstCounter::new(counts.barrier[1] as f64 / 1000.0),
         )?;
         encode_const(
             &mut encoder,
             "fencegate_barrier_timeouts",
             "Writes refused because an earlier term's writes did not finish in time.",
-            ConstCounter::new(h.barrier_timeouts.load(Relaxed)),
+            ConstCounter::new(counts.barrier[2]),
         )?;
+        let suspended_ms = clock.map_or(0, |c| c.suspended_ms());
         encode_const(
             &mut encoder,
             "fencegate_clock_suspended_seconds",
             "Time the machine spent suspended since fencegate started, which the proxy's clock counts (CLOCK_BOOTTIME past CLOCK_MONOTONIC).",
-            ConstCounter::new(self.leases.clock().suspended_ms() as f64 / 1000.0),
+            ConstCounter::new(suspended_ms as f64 / 1000.0),
+        )
+    }
+}
+
+/// Reads a sharded member's cluster counters at scrape time.
+#[derive(Debug)]
+struct ClusterCollector {
+    stats: Arc<ClusterStats>,
+}
+
+impl Collector for ClusterCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = &self.stats;
+        encode_const(
+            &mut encoder,
+            "fencegate_requests_forwarded_to_member",
+            "Requests for a lease of a shard another member leads, forwarded to that member.",
+            ConstCounter::new(s.forwarded.load(Relaxed)),
+        )?;
+        encode_const(
+            &mut encoder,
+            "fencegate_shard_handovers",
+            "Shards this member handed over to another member to keep the shards balanced.",
+            ConstCounter::new(s.handovers_out.load(Relaxed)),
+        )?;
+        encode_const(
+            &mut encoder,
+            "fencegate_shard_takeovers",
+            "Shards this member took over (won their election).",
+            ConstCounter::new(s.takeovers.load(Relaxed)),
+        )?;
+        encode_const(
+            &mut encoder,
+            "fencegate_shards_led",
+            "Shards this member leads now.",
+            ConstGauge::new(i64::try_from(s.led.load(Relaxed)).unwrap_or(i64::MAX)),
         )
     }
 }
@@ -110,6 +239,28 @@ impl Collector for StoreCollector {
 impl Metrics {
     /// Metrics for a proxy whose lease store is `leases`.
     pub fn new(leases: &LeaseStore) -> Self {
+        Self::with_stores(Stores::One(leases.clone()), None)
+    }
+
+    /// Metrics of a cluster member with several shards, shared by the apps
+    /// of every shard it leads: the stores come and go with
+    /// [`Metrics::add_shard`], and `stats` are the member's counters.
+    pub fn for_shards(stats: Arc<ClusterStats>) -> Self {
+        Self::with_stores(
+            Stores::Shards(Arc::new(Mutex::new(ShardStores::default()))),
+            Some(stats),
+        )
+    }
+
+    /// Counts `leases` in while `primacy` (its shard's term) is not revoked.
+    pub fn add_shard(&self, leases: &LeaseStore, primacy: &Arc<Primacy>) {
+        if let Stores::Shards(shards) = &self.inner.stores {
+            let mut shards = shards.lock().unwrap_or_else(|p| p.into_inner());
+            shards.led.push((leases.clone(), primacy.clone()));
+        }
+    }
+
+    fn with_stores(stores: Stores, cluster: Option<Arc<ClusterStats>>) -> Self {
         let mut registry = Registry::default();
         let forwarded = Counter::default();
         registry.register(
@@ -136,8 +287,11 @@ impl Metrics {
             upstream_seconds.clone(),
         );
         registry.register_collector(Box::new(StoreCollector {
-            leases: leases.clone(),
+            stores: stores.clone(),
         }));
+        if let Some(stats) = cluster {
+            registry.register_collector(Box::new(ClusterCollector { stats }));
+        }
         Self {
             inner: Arc::new(Inner {
                 registry,
@@ -145,6 +299,7 @@ impl Metrics {
                 forwarded,
                 lease_ops,
                 upstream_seconds,
+                stores,
             }),
         }
     }

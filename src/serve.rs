@@ -12,16 +12,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::Method;
 use tokio::net::TcpListener;
 
 use crate::app::{self, App, Parts};
 use crate::backend::{Backend, EmbeddedStore, Upstream};
 use crate::clock::{Clock, ClockKind};
-use crate::cluster::{self, ClusterOptions, MakeApp, Member, Takeover};
+use crate::cluster::{self, Classify, ClusterOptions, MakeApp, Member, Sharding, Takeover};
 use crate::config::{Config, Overrides, UpstreamTarget};
 use crate::etcd::{EtcdClient, EtcdOptions};
-use crate::journal::{FileJournal, FileJournalOptions, JournalError};
-use crate::lease::{LeaseStore, RestartRule};
+use crate::fence::is_write;
+use crate::journal::{FileJournal, FileJournalOptions, JournalError, MemoryJournal};
+use crate::lease::{LeaseStore, Primacy, RestartRule};
+use crate::metrics::{ClusterStats, Metrics};
 use crate::server::{self, ServerOptions};
 use crate::tls::Certificates;
 
@@ -211,7 +214,7 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
         .map_err(|e| StartError::Listen("listen", listen.to_string(), e))?;
     let (app, admin) = match leases {
         None => {
-            let member = join(&config, draining.clone(), &listener, tls.is_some())?;
+            let member = join(&config, draining.clone(), &listener, tls.is_some()).await?;
             (Served::Cluster(member), None)
         }
         Some(leases) => {
@@ -221,6 +224,7 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
                 backend: build_backend(&config).map_err(StartError::Config)?,
                 draining: draining.clone(),
                 primacy: None,
+                metrics: None,
             };
             let mut app = app::build(&config, parts).map_err(StartError::Config)?;
             let admin = match config.admin_addr().map_err(StartError::Config)? {
@@ -272,8 +276,10 @@ fn build_backend(config: &Config) -> Result<Backend, String> {
 }
 
 /// Joins the cluster `config.cluster` names: the member's service, whose
-/// app is built anew from etcd's lease state at each term of primacy.
-fn join(
+/// apps are built anew from etcd's lease state at each term of primacy of
+/// each shard it leads. A member whose number of shards etcd refuses does
+/// not start.
+async fn join(
     config: &Config,
     draining: Arc<AtomicBool>,
     listener: &TcpListener,
@@ -297,40 +303,114 @@ fn join(
     };
     let etcd = EtcdClient::new(&c.etcd, &etcd_options).map_err(StartError::Config)?;
     let clock = Clock::new(config.clock);
+    let unsettled_ms = config.restart_rule().unsettled_ms;
     let options = ClusterOptions {
         name: c.name.clone(),
         advertise,
         prefix: c.prefix.clone(),
         ttl_ms: c.ttl_ms,
         margin_ms: c.margin_ms,
-        unsettled_ms: config.restart_rule().unsettled_ms,
+        unsettled_ms,
         self_fencing: c.self_fencing,
         clock_tolerance_ms: c.clock_tolerance_ms,
+        shards: c.shards,
+        forward: c.forward,
+        // The member that leads the shard may hold a write at its barrier
+        // for as long as the write itself may take upstream.
+        forward_timeout_ms: unsettled_ms.saturating_mul(2).saturating_add(1_000),
     };
-    tracing::info!(name = %options.name, advertise = %options.advertise, etcd = ?c.etcd, "joining the cluster");
-    let config = config.clone();
-    let store_clock = clock.clone();
-    let make_app: MakeApp<app::FencegateApp> = Arc::new(move |takeover: Takeover| {
-        let leases = LeaseStore::restore(
-            store_clock.clone(),
-            config.lease_limits(),
-            takeover.journal,
-            takeover.leases,
-            takeover.rule,
-        )?;
-        // It ends with this term of primacy's store.
-        leases.start_sweeper();
-        // A backend per term: its upstream metrics belong to this term's
-        // app, and nothing of an earlier term stays pinned.
-        let parts = Parts {
-            leases,
-            backend: build_backend(&config)?,
-            draining: draining.clone(),
-            primacy: Some(takeover.primacy),
-        };
-        app::build(&config, parts)
-    });
-    Ok(cluster::start(etcd, options, clock, make_app))
+    tracing::info!(name = %options.name, advertise = %options.advertise, etcd = ?c.etcd, shards = c.shards, "joining the cluster");
+    let stats = Arc::new(ClusterStats::default());
+    // With several shards, the member's apps share one backend and one set
+    // of metrics; with one, each term of primacy has its own (as before).
+    let shared = if c.shards > 1 {
+        let backend = build_backend(config).map_err(StartError::Config)?;
+        Some((backend, Metrics::for_shards(stats.clone())))
+    } else {
+        None
+    };
+    let config = Arc::new(config.clone());
+    let make_app: MakeApp<app::FencegateApp> = {
+        let (config, clock, draining, shared) = (
+            config.clone(),
+            clock.clone(),
+            draining.clone(),
+            shared.clone(),
+        );
+        Arc::new(move |takeover: Takeover| {
+            let leases = LeaseStore::restore(
+                clock.clone(),
+                config.lease_limits(),
+                takeover.journal,
+                takeover.leases,
+                takeover.rule,
+            )?;
+            // It ends with this term of primacy's store.
+            leases.start_sweeper();
+            // With one shard, a backend per term: its upstream metrics
+            // belong to this term's app, and nothing of an earlier term
+            // stays pinned.
+            let (backend, metrics) = match &shared {
+                Some((backend, metrics)) => {
+                    metrics.add_shard(&leases, &takeover.primacy);
+                    (backend.clone(), Some(metrics.clone()))
+                }
+                None => (build_backend(&config)?, None),
+            };
+            let parts = Parts {
+                leases: leases.clone(),
+                backend,
+                draining: draining.clone(),
+                primacy: Some(takeover.primacy),
+                metrics,
+            };
+            Ok((app::build(&config, parts)?, leases))
+        })
+    };
+    let sharding = match shared {
+        Some((backend, metrics)) => {
+            // Serves unfenced reads and fencegate's own endpoints: its store
+            // stays empty (lease requests go to their shard), and its
+            // primacy never ends, as the storage is anyone's to read.
+            let parts = Parts {
+                leases: LeaseStore::new(
+                    clock.clone(),
+                    config.lease_limits(),
+                    Arc::new(MemoryJournal::default()),
+                ),
+                backend,
+                draining,
+                primacy: Some(Arc::new(Primacy::new(clock.clone(), u64::MAX, true))),
+                metrics: Some(metrics),
+            };
+            let reader = app::build(&config, parts).map_err(StartError::Config)?;
+            let routes = config.fence.compile_routes().map_err(StartError::Config)?;
+            let classify: Classify = Arc::new(move |method: &Method, path: &str| {
+                let write = is_write(method);
+                let matched = routes.resolve(path, write).ok()??;
+                if !write && !matched.fence_reads {
+                    return None;
+                }
+                matched.lease.ok().map(|lease| lease.as_str().to_owned())
+            });
+            Some(Sharding {
+                classify,
+                reader,
+                body_read_timeout: Duration::from_millis(config.limits.body_read_timeout_ms),
+            })
+        }
+        None => None,
+    };
+    let member = cluster::start(etcd, options, clock, make_app, sharding, stats)
+        .map_err(StartError::Config)?;
+    // A member etcd refuses (another number of shards) does not start. An
+    // etcd out of reach leaves the check to the background: the member
+    // campaigns for nothing until it is done.
+    if let Ok(Err(why)) = tokio::time::timeout(Duration::from_secs(3), member.checked()).await {
+        member.stop();
+        return Err(StartError::Config(why));
+    }
+    Ok(member)
 }
 
 /// Settings that exist for tests and demos say so at every start.
@@ -441,8 +521,19 @@ impl Bound {
             Served::Standalone(_) => None,
         };
         let leaving = member.clone();
+        // Set if the member finds it cannot take part in the cluster.
+        let fatal = Arc::new(std::sync::Mutex::new(None::<String>));
+        let failed = fatal.clone();
         tokio::spawn(async move {
-            shutdown.await;
+            match &leaving {
+                Some(member) => tokio::select! {
+                    () = shutdown => {}
+                    why = member.failed() => {
+                        *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+                    }
+                },
+                None => shutdown.await,
+            }
             draining.store(true, Ordering::Release);
             // A primary hands over at once instead of after its TTL.
             if let Some(member) = leaving {
@@ -472,6 +563,9 @@ impl Bound {
         if let Some(member) = member {
             // Bounded: an unreachable etcd takes the lease back at its TTL.
             let _ = tokio::time::timeout(std::time::Duration::from_secs(5), member.left()).await;
+        }
+        if let Some(why) = fatal.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            return Err(StartError::Config(why));
         }
         served.map_err(StartError::Io)
     }

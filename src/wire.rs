@@ -5,7 +5,8 @@
 //! other.
 
 pub use fencegate_core::wire::{
-    FENCEGATE_PRIMARY, FENCING_LEASE_ID, FENCING_TOKEN, PREFIX, X_REQUEST_ID,
+    FENCEGATE_FORWARDED, FENCEGATE_PRIMARY, FENCEGATE_SHARD, FENCING_LEASE_ID, FENCING_TOKEN,
+    PREFIX, X_REQUEST_ID,
 };
 
 /// Set by a backend on a response it made up because the request's outcome

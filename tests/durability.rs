@@ -824,6 +824,7 @@ async fn a_journal_that_cannot_persist_fails_closed_and_recovers() {
             backend: Backend::Embedded(store.clone()),
             draining: Arc::new(AtomicBool::new(false)),
             primacy: None,
+            metrics: None,
         },
     )
     .unwrap();

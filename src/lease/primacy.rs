@@ -54,6 +54,12 @@ impl Primacy {
     pub fn revoke(&self) {
         self.revoked.store(true, Ordering::Release);
     }
+
+    /// Whether [`Primacy::revoke`] was called (a deadline that passed does
+    /// not revoke: a late confirmation may still come).
+    pub fn is_revoked(&self) -> bool {
+        self.revoked.load(Ordering::Acquire)
+    }
 }
 
 #[cfg(test)]

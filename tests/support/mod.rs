@@ -5,6 +5,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod browser;
+pub mod cluster;
 pub mod lazyfs;
 pub mod proc;
 pub mod servers;
@@ -180,6 +181,7 @@ impl Harness {
                 backend,
                 draining: Arc::new(AtomicBool::new(false)),
                 primacy: None,
+                metrics: None,
             },
         )
         .unwrap();

@@ -1,5 +1,5 @@
 //! Names on the wire that the proxy and its clients share: the fencing
-//! headers, the request id, the primary's header and the path prefix
+//! headers, the request id, the cluster headers and the path prefix
 //! fencegate keeps.
 
 /// The header that carries the fencing token; passed on to the backend.
@@ -16,3 +16,10 @@ pub const FENCEGATE_PRIMARY: &str = "fencegate-primary";
 
 /// The path prefix fencegate keeps for itself.
 pub const PREFIX: &str = "/_fence/";
+
+/// On a request one cluster member forwards to another: the forwarding
+/// member's name. A member never forwards such a request again (one hop).
+pub const FENCEGATE_FORWARDED: &str = "fencegate-forwarded";
+
+/// On a forwarded listing (`GET /_fence/leases`): the one shard to list.
+pub const FENCEGATE_SHARD: &str = "fencegate-shard";

@@ -575,9 +575,15 @@ impl Writer {
         };
         match answer.status {
             StatusCode::CREATED => {}
+            // 502 and 504: a member that forwarded the acquire to its
+            // shard's primary lost it (killed) or waited too long. Like a
+            // lost connection, the grant may or may not have happened:
+            // nobody holds its id, so the lease is held at most a TTL.
             StatusCode::CONFLICT
             | StatusCode::SERVICE_UNAVAILABLE
-            | StatusCode::TOO_MANY_REQUESTS => {
+            | StatusCode::TOO_MANY_REQUESTS
+            | StatusCode::BAD_GATEWAY
+            | StatusCode::GATEWAY_TIMEOUT => {
                 tokio::time::sleep(Duration::from_millis(5)).await;
                 return Ok(None);
             }

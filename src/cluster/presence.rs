@@ -1,0 +1,366 @@
+//! A member's presence: the number of shards checked against etcd's, the
+//! member's registration under `{prefix}members/{name}` (on an etcd lease
+//! of its own), the list of members, and the clock check every campaign
+//! waits for.
+
+use std::future::Future;
+use std::time::Duration;
+
+use crate::clock::Clock;
+use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
+use fencegate_core::cluster::{ClockProbe, ClockVerdict};
+
+use super::{ClusterOptions, Member, Registration};
+
+/// The state of this member's clock check, kept across its sessions.
+#[derive(Debug, Default)]
+struct ClockCheck {
+    probe: Option<ClockProbe>,
+    /// The clock agreed with etcd's over at least half a TTL (a whole
+    /// probe's half TTL once it was ever found slow) and has not been found
+    /// slow since: the member may campaign.
+    trusted: bool,
+    /// Why the clock is not trusted, while it is found slow.
+    slow: Option<String>,
+    /// Found slow at least once: trusted again only over a longer span, so
+    /// a clock a little slow does not win, step down and win again.
+    ever_slow: bool,
+    /// A fast clock was said once.
+    said_fast: bool,
+    /// The last probe call failed (said once a streak).
+    failing: bool,
+}
+
+/// What etcd's number of shards for the prefix says.
+enum ShardCount {
+    Agrees,
+    /// Another number, or state this member must not ignore: why.
+    Refused(String),
+}
+
+pub(super) struct Presence<S> {
+    client: EtcdClient,
+    options: ClusterOptions,
+    clock: Clock,
+    member: Member<S>,
+}
+
+impl<S: Send + Sync + 'static> Presence<S> {
+    pub(super) fn new(
+        client: EtcdClient,
+        options: ClusterOptions,
+        clock: Clock,
+        member: Member<S>,
+    ) -> Self {
+        Self {
+            client,
+            options,
+            clock,
+            member,
+        }
+    }
+
+    fn key(&self, rest: &str) -> Vec<u8> {
+        format!("{}{rest}", self.options.prefix).into_bytes()
+    }
+
+    pub(super) async fn run(self) {
+        if self.settle_shard_count().await {
+            let mut check = ClockCheck::default();
+            while !self.member.is_stopping() {
+                if let Err(error) = self.session(&mut check).await {
+                    tracing::warn!(%error, "cluster presence session ended; starting a new one");
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(self.options.beat()) => {}
+                    () = self.member.stopped() => {}
+                }
+            }
+        }
+        self.member.task_left();
+    }
+
+    /// Checks the number of shards against etcd's until it agrees (then
+    /// campaigns may start) or etcd refuses it (the member fails: false).
+    async fn settle_shard_count(&self) -> bool {
+        let mut said = false;
+        while !self.member.is_stopping() {
+            match check_shard_count(&self.client, &self.options).await {
+                Ok(ShardCount::Agrees) => {
+                    self.member.view_mut().shards_checked = true;
+                    self.member.shared.checked.send_replace(Some(Ok(())));
+                    return true;
+                }
+                Ok(ShardCount::Refused(why)) => {
+                    tracing::error!(reason = %why, "this member cannot join the cluster");
+                    self.member.shared.checked.send_replace(Some(Err(why)));
+                    return false;
+                }
+                Err(error) => {
+                    if !said {
+                        tracing::warn!(%error, "cannot check cluster.shards against etcd yet; not campaigning until it can");
+                        said = true;
+                    }
+                }
+            }
+            tokio::select! {
+                () = tokio::time::sleep(self.options.beat()) => {}
+                () = self.member.stopped() => {}
+            }
+        }
+        false
+    }
+
+    /// One etcd session: register, then keep the registration alive, the
+    /// clock checked and the member list fresh, a beat at a time.
+    async fn session(&self, check: &mut ClockCheck) -> Result<(), String> {
+        let ttl_s = i64::try_from(self.options.ttl_ms.div_ceil(1000)).unwrap_or(i64::MAX);
+        let (id, _) = self.client.grant(ttl_s).await.map_err(|e| e.to_string())?;
+        let result = async {
+            let mut registered = None;
+            loop {
+                if self.member.is_stopping() {
+                    return Ok(());
+                }
+                self.check_clock(check).await;
+                {
+                    let mut view = self.member.view_mut();
+                    view.clock_trusted = check.trusted;
+                    view.clock_slow.clone_from(&check.slow);
+                }
+                let me = Registration {
+                    name: self.options.name.clone(),
+                    url: self.options.advertise.clone(),
+                    ready: check.trusted,
+                };
+                if registered.as_ref() != Some(&me) {
+                    let value = serde_json::to_vec(&me).unwrap_or_default();
+                    self.client
+                        .put(&self.key(&format!("members/{}", me.name)), &value, id)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    registered = Some(me);
+                }
+                // The member list every poll between keepalives: a member
+                // gone is seen within a poll of its key's expiry, and its
+                // shards are campaigned for then.
+                let beat = self.clock.now_ms() + self.options.beat().as_millis() as u64;
+                loop {
+                    self.refresh_members().await;
+                    let left_ms = beat.saturating_sub(self.clock.now_ms());
+                    if left_ms == 0 {
+                        break;
+                    }
+                    let nap = self.options.poll().min(Duration::from_millis(left_ms));
+                    tokio::select! {
+                        () = tokio::time::sleep(nap) => {}
+                        () = self.member.stopped() => return Ok(()),
+                    }
+                }
+                self.client
+                    .keep_alive(id)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .ok_or("this member's etcd lease expired")?;
+            }
+        }
+        .await;
+        // Best effort: the key goes at once instead of at the TTL's end.
+        let _ = tokio::time::timeout(self.options.beat(), self.client.revoke(id)).await;
+        result
+    }
+
+    async fn refresh_members(&self) {
+        if let Ok((kvs, _)) = self.client.get_prefix(&self.key("members/")).await {
+            let members = kvs
+                .iter()
+                .filter_map(|kv| serde_json::from_slice::<Registration>(&kv.value).ok())
+                .collect();
+            self.member.view_mut().members = members;
+        }
+    }
+
+    /// The probe's TTL: long, so its span (and the check's precision) grows
+    /// well past etcd's whole seconds; at least six TTLs.
+    fn probe_ttl_s(&self) -> i64 {
+        i64::try_from((self.options.ttl_ms / 1000).saturating_mul(6).max(60)).unwrap_or(60)
+    }
+
+    /// Checks this member's clock against etcd's once (see [`ClockCheck`]).
+    /// An etcd that does not answer says nothing here (keepalives fail
+    /// closed on their own). A probe past half its TTL is replaced by a new
+    /// one, which starts a new span.
+    async fn check_clock(&self, check: &mut ClockCheck) {
+        let Some(probe) = check.probe else {
+            let sent_ms = self.clock.now_ms();
+            match self
+                .within_beat(self.client.grant(self.probe_ttl_s()))
+                .await
+            {
+                Ok((id, ttl_s)) => {
+                    check.probe = Some(ClockProbe {
+                        id,
+                        ttl_s,
+                        sent_ms,
+                        answered_ms: self.clock.now_ms(),
+                    });
+                    check.failing = false;
+                }
+                Err(e) => self.probe_failed(check, &e),
+            }
+            return;
+        };
+        let asked_ms = self.clock.now_ms();
+        let left_s = match self.within_beat(self.client.time_to_live(probe.id)).await {
+            Ok(Some(left_s)) => left_s,
+            // Gone before its time: a new probe next time.
+            Ok(None) => {
+                check.probe = None;
+                return;
+            }
+            Err(e) => {
+                self.probe_failed(check, &e);
+                return;
+            }
+        };
+        check.failing = false;
+        let answered_ms = self.clock.now_ms();
+        let tolerance_ms = self.options.clock_tolerance_ms;
+        match probe.judge(left_s, asked_ms, answered_ms, tolerance_ms) {
+            ClockVerdict::Slow { behind_ms } => {
+                let why = format!(
+                    "this member's clock runs slow against etcd's: {behind_ms} ms behind over {} ms \
+                     (tolerance {tolerance_ms} ms)",
+                    answered_ms.saturating_sub(probe.sent_ms),
+                );
+                if check.slow.is_none() {
+                    tracing::error!(name = %self.options.name, reason = %why, "clock check failed: not primary until this member's clock agrees with etcd's again");
+                }
+                check.slow = Some(why);
+                check.trusted = false;
+                check.ever_slow = true;
+                // Trusted again only by a probe granted after this, with no
+                // slow verdict over its whole span: etcd's whole seconds
+                // make a clock a little slow look right now and then.
+                let _ = self.within_beat(self.client.revoke(probe.id)).await;
+                check.probe = None;
+                return;
+            }
+            ClockVerdict::Fast { ahead_ms } => {
+                if !check.said_fast {
+                    tracing::warn!(name = %self.options.name, ahead_ms, "this member's clock runs fast against etcd's (safe: it stops early)");
+                    check.said_fast = true;
+                }
+            }
+            ClockVerdict::Agrees { span_ms } => {
+                // Once ever slow: about the probe's whole span (it is
+                // replaced at half its TTL, give or take etcd's seconds).
+                let needed_ms = if check.ever_slow {
+                    u64::try_from(probe.ttl_s)
+                        .unwrap_or(0)
+                        .saturating_mul(500)
+                        .saturating_sub(2000)
+                } else {
+                    self.options.ttl_ms / 2
+                };
+                if span_ms >= needed_ms && !check.trusted {
+                    if check.slow.take().is_some() {
+                        tracing::warn!(name = %self.options.name, "this member's clock agrees with etcd's again");
+                    }
+                    check.trusted = true;
+                }
+            }
+        }
+        if left_s < probe.ttl_s / 2 {
+            let _ = self.within_beat(self.client.revoke(probe.id)).await;
+            check.probe = None;
+        }
+    }
+
+    /// `call`, bounded by a beat: the clock check must not hold up the
+    /// keepalive after it.
+    async fn within_beat<T>(
+        &self,
+        call: impl Future<Output = Result<T, EtcdError>>,
+    ) -> Result<T, String> {
+        match tokio::time::timeout(self.options.beat(), call).await {
+            Ok(result) => result.map_err(|e| e.to_string()),
+            Err(_) => Err(format!("no answer within {:?}", self.options.beat())),
+        }
+    }
+
+    /// Says (once a streak) that the clock could not be checked: a member
+    /// that never could would never campaign, silently.
+    fn probe_failed(&self, check: &mut ClockCheck, error: &str) {
+        if !check.failing {
+            tracing::warn!(name = %self.options.name, %error, "cannot check this member's clock against etcd's (lease grant or time-to-live failed); not campaigning until it can");
+            check.failing = true;
+        }
+    }
+}
+
+/// Whether etcd keeps `options.shards` for the prefix, recording it if
+/// no number is kept yet. A prefix that already holds a one-shard
+/// cluster's lease state (from before the number was kept) is not taken
+/// over by several shards: their state would start empty, and tokens over.
+async fn check_shard_count(
+    client: &EtcdClient,
+    options: &ClusterOptions,
+) -> Result<ShardCount, EtcdError> {
+    let key = format!("{}shard-count", options.prefix).into_bytes();
+    let shown = String::from_utf8_lossy(&key).into_owned();
+    let kept = client.get(&key).await?;
+    if kept.is_none() && options.shards > 1 {
+        let prefix = options.prefix.as_bytes();
+        let snapshot = client.get(&[prefix, b"snapshot"].concat()).await?;
+        let (log, _) = client
+            .get_range(&[prefix, b"log/"].concat(), &[prefix, b"log0"].concat(), 1)
+            .await?;
+        if snapshot.is_some() || !log.is_empty() {
+            return Ok(ShardCount::Refused(format!(
+                "cluster.shards is {} but prefix {} holds the lease state of a cluster with one \
+                 shard (and no {shown}); start the members with shards = 1, or use another prefix",
+                options.shards, options.prefix
+            )));
+        }
+    }
+    let value = match kept {
+        Some(kv) => kv.value,
+        None => {
+            let n = options.shards.to_string().into_bytes();
+            let created = client
+                .txn(
+                    &[Compare::CreateRevision(key.clone(), 0)],
+                    &[Op::Put {
+                        key: key.clone(),
+                        value: n.clone(),
+                        lease: 0,
+                    }],
+                    &[Op::Get { key: key.clone() }],
+                )
+                .await?;
+            if created.succeeded {
+                return Ok(ShardCount::Agrees);
+            }
+            created
+                .reads
+                .first()
+                .and_then(|kvs| kvs.first())
+                .map(|kv| kv.value.clone())
+                .unwrap_or_default()
+        }
+    };
+    let theirs = String::from_utf8_lossy(&value);
+    if theirs.trim() == options.shards.to_string() {
+        Ok(ShardCount::Agrees)
+    } else {
+        Ok(ShardCount::Refused(format!(
+            "cluster.shards is {} but the cluster at prefix {} has {} shards (kept in etcd at \
+             {shown}); start every member with shards = {}, or use another prefix",
+            options.shards,
+            options.prefix,
+            theirs.trim(),
+            theirs.trim()
+        )))
+    }
+}

@@ -1,0 +1,485 @@
+//! Where a member with several shards sends a request: to the app of the
+//! shard it leads, to the member that leads the shard (one hop), or to its
+//! reader (unfenced reads and fencegate's own endpoints), and how it
+//! answers what spans shards (the listing, a batch renewal).
+//!
+//! A request's shard is its lease's: the name in a lease API path, or the
+//! lease of the route that fences it. A member never forwards a request
+//! that was forwarded to it (`Fencegate-Forwarded`): if it does not lead
+//! the shard either, it answers `not-primary` naming the member it believes
+//! does.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use http::{Method, Request, Response, StatusCode};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tower::{Service, ServiceExt};
+
+use crate::api::{Page, MAX_BATCH_BODY_BYTES};
+use crate::backend::upstream::strip_hop_by_hop;
+use crate::body::{self, Body};
+use crate::error::{Problem, Reason};
+use crate::metrics::ClusterStats;
+use crate::route::decode_path;
+use crate::wire::{FENCEGATE_FORWARDED, FENCEGATE_SHARD};
+use fencegate_core::names::LeaseName;
+use fencegate_core::shard::shard_of;
+
+use super::{ClusterOptions, Member, Peer};
+
+const FORWARDED_NAME: HeaderName = HeaderName::from_static(FENCEGATE_FORWARDED);
+const SHARD_NAME: HeaderName = HeaderName::from_static(FENCEGATE_SHARD);
+
+/// The largest answer one shard may give to a listing or a batch renewal
+/// (a page holds at most `PAGE_MAX` leases).
+const MAX_SHARD_ANSWER_BYTES: usize = 32 * 1024 * 1024;
+
+/// The lease that fences a proxied request (a write, or a read on a route
+/// that fences reads), by method and raw path; `None` for a request no
+/// lease fences.
+pub type Classify = Arc<dyn Fn(&Method, &str) -> Option<String> + Send + Sync>;
+
+/// What a member with several shards needs besides its shards' apps.
+pub(super) struct Sharded<S> {
+    classify: Classify,
+    /// Serves what belongs to no shard: unfenced reads and writes no route
+    /// guards go to the storage from any member, and fencegate's own
+    /// endpoints (health, metrics, the status page).
+    reader: S,
+    forwarder: Forwarder,
+    /// How long a batch renewal's body may stall.
+    body_read_timeout: Duration,
+}
+
+/// What [`super::start`] needs to serve several shards.
+pub struct Sharding<S> {
+    /// The lease that fences a proxied request.
+    pub classify: Classify,
+    /// The app for what belongs to no shard (see [`Sharded`]).
+    pub reader: S,
+    /// How long a batch renewal's body may stall.
+    pub body_read_timeout: Duration,
+}
+
+impl<S> Sharded<S> {
+    pub(super) fn new(
+        options: &ClusterOptions,
+        sharding: Sharding<S>,
+        stats: Arc<ClusterStats>,
+    ) -> Result<Self, String> {
+        Ok(Self {
+            classify: sharding.classify,
+            reader: sharding.reader,
+            forwarder: Forwarder::new(options, stats)?,
+            body_read_timeout: sharding.body_read_timeout,
+        })
+    }
+}
+
+/// Where a request goes.
+enum Target {
+    /// The shard of its lease.
+    Shard(u32),
+    /// One shard's part of the listing (a member's fan-out).
+    ShardListing(u32),
+    /// The listing of every shard.
+    Listing,
+    /// A batch renewal, split by shard.
+    Batch,
+    Readiness,
+    /// The reader.
+    Any,
+}
+
+/// Sends requests to other members: one pooled HTTP/1.1 client.
+struct Forwarder {
+    client: Client<hyper_rustls::HttpsConnector<HttpConnector>, Body>,
+    me: HeaderValue,
+    timeout: Duration,
+    stats: Arc<ClusterStats>,
+}
+
+impl Forwarder {
+    fn new(options: &ClusterOptions, stats: Arc<ClusterStats>) -> Result<Self, String> {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.enforce_http(false);
+        connector.set_connect_timeout(Some(Duration::from_millis(
+            options.forward_timeout_ms.min(5_000),
+        )));
+        let tls = crate::tls::client_config(None, "forwarding to cluster members")?;
+        let mut tls = tokio_rustls::rustls::ClientConfig::clone(&tls);
+        tls.alpn_protocols.clear();
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
+        Ok(Self {
+            client: Client::builder(TokioExecutor::new()).build(connector),
+            me: HeaderValue::from_str(&options.name)
+                .map_err(|_| "cluster.name cannot be sent in a header".to_owned())?,
+            timeout: Duration::from_millis(options.forward_timeout_ms),
+            stats,
+        })
+    }
+
+    /// Sends `req` to `to` and relays its answer; a member that does not
+    /// take the connection is answered for as `not-primary` (nothing was
+    /// sent).
+    async fn send(&self, to: &Peer, mut req: Request<Body>) -> Response<Body> {
+        let target = format!(
+            "{}{}",
+            to.url.trim_end_matches('/'),
+            req.uri().path_and_query().map_or("/", |pq| pq.as_str())
+        );
+        let Ok(uri) = target.parse::<http::Uri>() else {
+            return Problem::invalid_request("the request target cannot be forwarded")
+                .into_response();
+        };
+        *req.uri_mut() = uri;
+        strip_hop_by_hop(req.headers_mut());
+        req.headers_mut().insert(FORWARDED_NAME, self.me.clone());
+        self.stats.forwarded.fetch_add(1, Relaxed);
+        match tokio::time::timeout(self.timeout, self.client.request(req)).await {
+            Ok(Ok(res)) => {
+                let (mut parts, incoming) = res.into_parts();
+                strip_hop_by_hop(&mut parts.headers);
+                Response::from_parts(parts, body::boxed(incoming))
+            }
+            Ok(Err(e)) if e.is_connect() => Problem::not_primary(
+                &format!(
+                    "member {} leads this lease's shard but did not take the connection; retry shortly",
+                    to.name
+                ),
+                None,
+            )
+            .into_response(),
+            Ok(Err(e)) => {
+                tracing::warn!(member = %to.name, error = %e, "forwarding a request failed");
+                Problem::new(
+                    Reason::UpstreamError,
+                    format!(
+                        "forwarding to member {}, which leads this lease's shard, failed: its outcome is unknown",
+                        to.name
+                    ),
+                )
+                .into_response()
+            }
+            Err(_) => Problem::upstream_timeout(self.timeout.as_millis() as u64).into_response(),
+        }
+    }
+}
+
+/// Where a request for `/_fence/…` goes.
+fn api_target(shards: u32, method: &Method, path: &str, shard: Option<&HeaderValue>) -> Target {
+    let Ok(segments) = decode_path(path) else {
+        return Target::Any;
+    };
+    let segments: Vec<&str> = segments.iter().map(|s| s.as_ref()).collect();
+    match segments.get(1..).unwrap_or_default() {
+        ["leases"] if method == Method::GET => match shard {
+            Some(v) => match v.to_str().ok().and_then(|v| v.parse::<u32>().ok()) {
+                Some(k) if k < shards => Target::ShardListing(k),
+                _ => Target::Any,
+            },
+            None => Target::Listing,
+        },
+        ["leases", name, ..] => match LeaseName::new(name) {
+            Ok(name) => Target::Shard(shard_of(name.as_str(), shards)),
+            // The reader's lease API refuses the name.
+            Err(_) => Target::Any,
+        },
+        ["renew"] if method == Method::POST => Target::Batch,
+        ["readyz"] => Target::Readiness,
+        _ => Target::Any,
+    }
+}
+
+/// `{"leases": [...], "next": ...}` or `{"results": [...]}` of one shard.
+fn parse_answer(bytes: &[u8]) -> Option<serde_json::Map<String, serde_json::Value>> {
+    match serde_json::from_slice(bytes) {
+        Ok(serde_json::Value::Object(map)) => Some(map),
+        _ => None,
+    }
+}
+
+fn json_response(status: StatusCode, doc: &serde_json::Value) -> Response<Body> {
+    let mut res = Response::new(body::full(Bytes::from(doc.to_string())));
+    *res.status_mut() = status;
+    res.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    res
+}
+
+/// A copy of `req`'s head with `body`.
+fn with_body(req: &http::request::Parts, body: Bytes) -> Request<Body> {
+    let mut sub = Request::new(body::full(body.clone()));
+    *sub.method_mut() = req.method.clone();
+    *sub.uri_mut() = req.uri.clone();
+    *sub.headers_mut() = req.headers.clone();
+    sub.headers_mut().remove(http::header::TRANSFER_ENCODING);
+    sub.headers_mut()
+        .insert(CONTENT_LENGTH, HeaderValue::from(body.len()));
+    sub
+}
+
+type BoxResponseFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+/// `app`'s answer to `req`, through a boxed future: awaited inside
+/// [`Member::dispatch`], the app's own future type would have to be `Send`
+/// for every lifetime of the body's error type, which the compiler cannot
+/// prove.
+fn boxed_call<S>(app: S, req: Request<Body>) -> BoxResponseFuture
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send + 'static,
+    S::Future: Send + 'static,
+{
+    Box::pin(app.oneshot(req))
+}
+
+async fn serve<S>(app: S, req: Request<Body>) -> Response<Body>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send + 'static,
+    S::Future: Send + 'static,
+{
+    match boxed_call(app, req).await {
+        Ok(res) => res,
+        Err(never) => match never {},
+    }
+}
+
+impl<S> Member<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    fn sharded(&self) -> &Sharded<S> {
+        self.shared
+            .sharded
+            .as_ref()
+            .expect("dispatch runs only with several shards")
+    }
+
+    /// Answers `req` with several shards.
+    pub(super) async fn dispatch(self, req: Request<Body>) -> Response<Body> {
+        let shards = self.shared.options.shards;
+        let path = req.uri().path();
+        let target = if path.starts_with(crate::wire::PREFIX) {
+            api_target(shards, req.method(), path, req.headers().get(SHARD_NAME))
+        } else {
+            match (self.sharded().classify)(req.method(), path) {
+                Some(lease) => Target::Shard(shard_of(&lease, shards)),
+                None => Target::Any,
+            }
+        };
+        match target {
+            Target::Shard(k) => self.to_shard(k, req, self.shared.options.forward).await,
+            Target::ShardListing(k) => self.to_shard(k, req, true).await,
+            Target::Listing => self.list(req).await,
+            Target::Batch => self.renew_batch(req).await,
+            Target::Readiness => self.readiness(req).await,
+            Target::Any => self.to_reader(req).await,
+        }
+    }
+
+    async fn to_reader(&self, req: Request<Body>) -> Response<Body> {
+        let reader = self.sharded().reader.clone();
+        serve(reader, req).await
+    }
+
+    /// Serves `req` with shard `shard`'s app if this member leads it, else
+    /// forwards it to the member that does (if `forward` and it was not
+    /// forwarded here already), else answers `not-primary`.
+    async fn to_shard(&self, shard: u32, req: Request<Body>, forward: bool) -> Response<Body> {
+        let (app, primary) = {
+            let view = self.view();
+            let slot = &view.shards[shard as usize];
+            (slot.live_app().cloned(), slot.primary.clone())
+        };
+        if let Some(app) = app {
+            return serve(app, req).await;
+        }
+        let forwarded = req.headers().contains_key(FORWARDED_NAME);
+        match primary.filter(|p| p.name != self.shared.me.name) {
+            Some(to) if forward && !forwarded => self.sharded().forwarder.send(&to, req).await,
+            _ => self.not_primary(shard, req.uri().path()),
+        }
+    }
+
+    /// One ordered page across every shard: each shard's page after the
+    /// same cursor, merged by name and cut at the limit.
+    async fn list(&self, req: Request<Body>) -> Response<Body> {
+        let limit = match Page::parse(req.uri().query()) {
+            Ok(page) => page.limit,
+            Err(problem) => return problem.into_response(),
+        };
+        let (parts, _) = req.into_parts();
+        let mut leases = Vec::new();
+        let mut more = false;
+        for shard in 0..self.shared.options.shards {
+            let mut sub = with_body(&parts, Bytes::new());
+            sub.headers_mut().remove(CONTENT_LENGTH);
+            sub.headers_mut()
+                .insert(SHARD_NAME, HeaderValue::from(shard));
+            let res = self.to_shard(shard, sub, true).await;
+            if res.status() != StatusCode::OK {
+                return res;
+            }
+            let Some(mut page) = self.read_answer(res).await else {
+                return Problem::new(
+                    Reason::UpstreamError,
+                    format!("shard {shard}'s listing could not be read"),
+                )
+                .into_response();
+            };
+            more |= page.get("next").is_some_and(|n| !n.is_null());
+            if let Some(serde_json::Value::Array(page)) = page.remove("leases") {
+                leases.extend(page);
+            }
+        }
+        let name = |v: &serde_json::Value| v["lease"].as_str().unwrap_or_default().to_owned();
+        leases.sort_by_key(name);
+        if leases.len() > limit {
+            leases.truncate(limit);
+            more = true;
+        }
+        let next = match leases.last() {
+            Some(last) if more => serde_json::Value::String(name(last)),
+            _ => serde_json::Value::Null,
+        };
+        json_response(
+            StatusCode::OK,
+            &serde_json::json!({ "leases": leases, "next": next }),
+        )
+    }
+
+    async fn read_answer(
+        &self,
+        res: Response<Body>,
+    ) -> Option<serde_json::Map<String, serde_json::Value>> {
+        let bytes = body::collect(res.into_body(), MAX_SHARD_ANSWER_BYTES)
+            .await
+            .ok()?;
+        parse_answer(&bytes)
+    }
+
+    /// A batch renewal naming leases of several shards: each shard's part
+    /// sent where the shard is led, the results put back in order. A
+    /// batch within one shard (or one the reader refuses whole) goes as it
+    /// is.
+    async fn renew_batch(&self, req: Request<Body>) -> Response<Body> {
+        let (parts, body) = req.into_parts();
+        let bytes = match body::collect_idle(
+            body,
+            MAX_BATCH_BODY_BYTES,
+            Some(self.sharded().body_read_timeout),
+        )
+        .await
+        {
+            Ok(bytes) => bytes,
+            Err(body::ReadError::TooLarge) => {
+                return Problem::payload_too_large(MAX_BATCH_BODY_BYTES as u64).into_response()
+            }
+            Err(body::ReadError::Failed(_) | body::ReadError::Stalled) => {
+                return Problem::new(
+                    Reason::RequestTimeout,
+                    "the request body did not arrive in time",
+                )
+                .closing_connection()
+                .into_response()
+            }
+        };
+        let shards = self.shared.options.shards;
+        let mut doc = parse_answer(&bytes);
+        let items = match doc.as_mut().map(|d| d.remove("leases")) {
+            Some(Some(serde_json::Value::Array(items))) => items,
+            // Not a batch: the reader's lease API says what is wrong.
+            _ => return self.to_reader(with_body(&parts, bytes)).await,
+        };
+        let mut groups: BTreeMap<Option<u32>, Vec<usize>> = BTreeMap::new();
+        for (i, item) in items.iter().enumerate() {
+            let shard = item["lease"]
+                .as_str()
+                .and_then(|name| LeaseName::new(name).ok())
+                .map(|name| shard_of(name.as_str(), shards));
+            groups.entry(shard).or_default().push(i);
+        }
+        if groups.len() <= 1 {
+            let whole = with_body(&parts, bytes);
+            return match groups.into_keys().next().flatten() {
+                Some(shard) => {
+                    self.to_shard(shard, whole, self.shared.options.forward)
+                        .await
+                }
+                None => self.to_reader(whole).await,
+            };
+        }
+        let doc = doc.unwrap_or_default();
+        let mut results = vec![serde_json::Value::Null; items.len()];
+        for (shard, indices) in groups {
+            let mut part = doc.clone();
+            part.insert(
+                "leases".to_owned(),
+                indices.iter().map(|&i| items[i].clone()).collect(),
+            );
+            let part = Bytes::from(serde_json::Value::Object(part).to_string());
+            let sub = with_body(&parts, part);
+            let res = match shard {
+                Some(shard) => self.to_shard(shard, sub, self.shared.options.forward).await,
+                None => self.to_reader(sub).await,
+            };
+            let ok = res.status() == StatusCode::OK;
+            let answer = self.read_answer(res).await;
+            let part_results = answer
+                .as_ref()
+                .filter(|_| ok)
+                .and_then(|a| a.get("results"))
+                .and_then(|r| r.as_array())
+                .filter(|r| r.len() == indices.len());
+            for (n, &i) in indices.iter().enumerate() {
+                results[i] = match (part_results, &answer) {
+                    (Some(r), _) => r[n].clone(),
+                    // The shard refused the whole part: its problem, for
+                    // each of the part's leases.
+                    (None, Some(problem)) => serde_json::Value::Object(problem.clone()),
+                    (None, None) => Problem::new(
+                        Reason::UpstreamError,
+                        "this lease's shard gave no readable answer",
+                    )
+                    .to_json(),
+                };
+            }
+        }
+        json_response(StatusCode::OK, &serde_json::json!({ "results": results }))
+    }
+
+    /// Ready when the reader is (not draining, the storage reachable) and
+    /// the primary of at least one shard is known: this member serves or
+    /// forwards its requests.
+    async fn readiness(&self, req: Request<Body>) -> Response<Body> {
+        let res = self.to_reader(req).await;
+        if res.status() != StatusCode::OK {
+            return res;
+        }
+        let known = self.view().shards.iter().any(|s| s.primary.is_some());
+        if known {
+            res
+        } else {
+            Problem::not_primary("no shard has a primary yet; retry shortly", None).into_response()
+        }
+    }
+}

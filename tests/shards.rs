@@ -1,0 +1,507 @@
+//! Shards (`cluster.shards = 12`) over three real fencegate members on a
+//! real three-member etcd cluster: balanced leadership, any member serving
+//! any request (forwarded one hop, or answered `not-primary` naming the
+//! shard's primary), one listing across shards, a member's death and return
+//! moving shards with tokens and the handover order kept, and a member
+//! started with another number of shards refused.
+//!
+//! Waits are in real time (etcd leases expire in real time); each is
+//! bounded with wide margins and says what it waits for.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use fencegate::clock::Stopwatch;
+use fencegate_core::shard::shard_of;
+use serde_json::json;
+use support::cluster::{acquire, assert_tokens_never_go_back, put, Load, Members, TTL_MS};
+use support::proc::Proc;
+use support::{held_from, metric, Held, HttpClient, Req};
+
+const SHARDS: u32 = 12;
+
+fn sharded(extra: &[(&'static str, &'static str)]) -> Vec<(&'static str, &'static str)> {
+    let mut env = vec![("FENCEGATE_CLUSTER__SHARDS", "12")];
+    env.extend_from_slice(extra);
+    env
+}
+
+/// A lease name in each shard: `lease-{n}` for the smallest such n.
+fn one_lease_per_shard() -> Vec<String> {
+    let mut names = vec![String::new(); SHARDS as usize];
+    let mut n = 0;
+    while names.iter().any(String::is_empty) {
+        let name = format!("lease-{n}");
+        let slot = &mut names[shard_of(&name, SHARDS) as usize];
+        if slot.is_empty() {
+            *slot = name;
+        }
+        n += 1;
+    }
+    names
+}
+
+/// Member `i`'s view of who leads each shard (names; `None`: unknown).
+async fn leaders(c: &HttpClient) -> Option<Vec<Option<String>>> {
+    let asked = c.try_send(Req::new("GET", "/_fence/cluster"));
+    let r = tokio::time::timeout(Duration::from_millis(500), asked)
+        .await
+        .ok()?
+        .ok()?;
+    let view = r.json();
+    assert_eq!(view["shards"], SHARDS, "{view}");
+    let leaders = view["leaders"].as_array()?;
+    Some(
+        leaders
+            .iter()
+            .map(|l| l["primary"]["name"].as_str().map(str::to_owned))
+            .collect(),
+    )
+}
+
+/// Waits (bounded by `within`, real time: etcd sessions, clock checks and
+/// handovers) until every running member agrees on a leader for every
+/// shard, each a running member leading at most its share; the leaders.
+async fn balanced(m: &Members, within: Duration) -> Vec<String> {
+    let start = Stopwatch::start();
+    let running: Vec<usize> = (0..m.members.len())
+        .filter(|&i| m.members[i].is_some())
+        .collect();
+    let names: Vec<String> = running.iter().map(|i| format!("m{i}")).collect();
+    let share = (SHARDS as usize).div_ceil(running.len());
+    loop {
+        let mut views = Vec::new();
+        for &i in &running {
+            views.push(leaders(&m.client(i)).await);
+        }
+        let agreed = views.windows(2).all(|w| w[0] == w[1]);
+        if let (true, Some(Some(view))) = (agreed, views.first()) {
+            let all: Option<Vec<String>> = view.iter().cloned().collect();
+            if let Some(all) = all {
+                let fair = names
+                    .iter()
+                    .all(|n| all.iter().filter(|l| *l == n).count() <= share)
+                    && all.iter().all(|l| names.contains(l));
+                if fair {
+                    return all;
+                }
+            }
+        }
+        assert!(
+            start.elapsed_ms() < within.as_millis() as u64,
+            "shards not balanced within {within:?}: {views:?}\n{}",
+            m.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn count(leaders: &[String]) -> BTreeMap<String, usize> {
+    let mut led = BTreeMap::new();
+    for l in leaders {
+        *led.entry(l.clone()).or_default() += 1;
+    }
+    led
+}
+
+/// Three members share twelve shards four each; every member serves every
+/// lease (forwarding to the shard's primary), each write lands once; the
+/// listing through any member is one name-ordered view; a batch renewal
+/// spanning shards renews every lease.
+#[tokio::test]
+async fn shards_are_balanced_and_any_member_serves_any_lease() {
+    let m = Members::start(3, &sharded(&[])).await;
+    let started = Stopwatch::start();
+    let leaders = balanced(&m, Duration::from_secs(30)).await;
+    eprintln!(
+        "balanced in {} ms: {:?}",
+        started.elapsed_ms(),
+        count(&leaders)
+    );
+    assert_eq!(count(&leaders).values().collect::<Vec<_>>(), [&4, &4, &4]);
+    for i in 0..3 {
+        let view = m
+            .client(i)
+            .send(Req::new("GET", "/_fence/cluster"))
+            .await
+            .json();
+        assert_eq!(view["role"], "primary", "{view}");
+    }
+
+    // Forty leases through member 0, written through member 1.
+    let names: Vec<String> = (0..40).map(|n| format!("item-{n:02}")).collect();
+    let mut held = Vec::new();
+    for name in &names {
+        let r = m.client(0).send(acquire(name, "a")).await;
+        assert_eq!(r.status, 201, "{name}: {}", r.text());
+        let h = held_from(&r);
+        assert_eq!(h.token, 1);
+        let r = m.client(1).send(put(name, &h, "v1")).await;
+        assert!(r.status.is_success(), "{name}: {}", r.text());
+        held.push(h);
+    }
+    let applied = m.applied().await;
+    for name in &names {
+        let key = format!("/kv/{name}");
+        let landed = applied.iter().filter(|(k, _)| *k == key).count();
+        assert_eq!(landed, 1, "{key}: {applied:?}");
+    }
+    let forwarded = |metrics: &str| {
+        metric(metrics, "fencegate_requests_forwarded_to_member_total")
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let metrics = m
+        .client(0)
+        .send(Req::new("GET", "/_fence/metrics"))
+        .await
+        .text();
+    assert!(forwarded(&metrics) > 0, "{metrics}");
+    assert_eq!(
+        metric(&metrics, "fencegate_shards_led"),
+        Some("4"),
+        "{metrics}"
+    );
+
+    // One listing across shards, in name order, through any member, in
+    // pages of 7.
+    let mut listed = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let query = match &after {
+            Some(a) => format!("/_fence/leases?limit=7&after={a}"),
+            None => "/_fence/leases?limit=7".to_owned(),
+        };
+        let page = m.client(2).send(Req::new("GET", &query)).await;
+        assert_eq!(page.status, 200, "{}", page.text());
+        let page = page.json();
+        for l in page["leases"].as_array().unwrap() {
+            listed.push(l["lease"].as_str().unwrap().to_owned());
+            assert_eq!(l["state"], "held", "{l}");
+        }
+        match page["next"].as_str() {
+            Some(next) => after = Some(next.to_owned()),
+            None => break,
+        }
+    }
+    assert_eq!(
+        listed, names,
+        "the listing pages through every shard in name order"
+    );
+
+    // One batch renewal naming leases of every shard, through member 2.
+    let batch: Vec<serde_json::Value> = names
+        .iter()
+        .zip(&held)
+        .map(|(name, h)| json!({"lease": name, "token": h.token, "lease_id": h.lease_id}))
+        .collect();
+    let r = m
+        .client(2)
+        .send(Req::new("POST", "/_fence/renew").json(json!({"leases": batch, "ttl_ms": 30_000})))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let results = r.json()["results"].as_array().unwrap().clone();
+    assert_eq!(results.len(), names.len());
+    for (name, result) in names.iter().zip(&results) {
+        assert_eq!(result["lease"], name.as_str(), "{result}");
+        assert_eq!(result["ttl_ms"], 30_000, "{result}");
+    }
+}
+
+/// With `forward = false` a member answers a request for another member's
+/// shard `not-primary`, naming that shard's primary; sent there, it lands.
+#[tokio::test]
+async fn without_forwarding_a_member_names_the_shards_primary() {
+    let m = Members::start(3, &sharded(&[("FENCEGATE_CLUSTER__FORWARD", "false")])).await;
+    let leaders = balanced(&m, Duration::from_secs(30)).await;
+    let urls: BTreeMap<String, String> = (0..3).map(|i| (format!("m{i}"), m.url(i))).collect();
+    for name in one_lease_per_shard() {
+        let leader = &leaders[shard_of(&name, SHARDS) as usize];
+        for i in 0..3 {
+            let r = m.client(i).send(acquire(&name, "a")).await;
+            if format!("m{i}") == *leader {
+                assert_eq!(r.status, 201, "{}", r.text());
+                let h = held_from(&r);
+                let r = m.client(i).send(put(&name, &h, "v")).await;
+                assert!(r.status.is_success(), "{}", r.text());
+            } else {
+                assert_eq!(r.status, 503, "{}", r.text());
+                assert_eq!(r.reason(), "not-primary");
+                assert_eq!(r.headers["fencegate-primary"], urls[leader].as_str());
+                assert_eq!(r.json()["primary"], urls[leader].as_str());
+            }
+        }
+    }
+    let metrics = m
+        .client(0)
+        .send(Req::new("GET", "/_fence/metrics"))
+        .await
+        .text();
+    assert_eq!(
+        metric(&metrics, "fencegate_requests_forwarded_to_member_total"),
+        Some("0")
+    );
+}
+
+/// A member killed with SIGKILL: the others lead its shards within about a
+/// TTL, every holder goes on with its token, later terms get larger ones;
+/// restarted, it is handed shards back until each member leads four,
+/// while a loadtest through all three members finds nothing stale applied
+/// and nothing acknowledged lost.
+#[tokio::test]
+async fn a_killed_member_s_shards_move_and_come_back() {
+    // The takeover window (upstream deadline plus settle time) is 7 s: a
+    // newer term's write right after an unclean takeover waits that long,
+    // one right after a clean handover does not.
+    let window = [
+        ("FENCEGATE_PROXY__TIMEOUT_MS", "2000"),
+        ("FENCEGATE_FENCE__SETTLE_MS", "5000"),
+    ];
+    let mut m = Members::start(3, &sharded(&window)).await;
+    let leaders = balanced(&m, Duration::from_secs(30)).await;
+    let targets = (0..3).map(|i| m.url(i)).collect::<Vec<_>>().join(",");
+    let load = Load::start(
+        &m,
+        &targets,
+        &[
+            "--writers",
+            "16",
+            "--leases",
+            "48",
+            "--duration",
+            "25s",
+            "--seed",
+            "3",
+            "--min-stale",
+            "0",
+        ],
+    );
+    // A term in every shard, long enough to outlive the takeover.
+    let names = one_lease_per_shard();
+    let mut held: Vec<Held> = Vec::new();
+    for name in &names {
+        let r = m
+            .client(0)
+            .send(
+                Req::new("POST", &format!("/_fence/leases/{name}"))
+                    .json(json!({"holder": "h", "ttl_ms": 30_000})),
+            )
+            .await;
+        assert_eq!(r.status, 201, "{}", r.text());
+        let h = held_from(&r);
+        let r = m.client(0).send(put(name, &h, "h1")).await;
+        assert!(r.status.is_success(), "{}", r.text());
+        held.push(h);
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    let killed = Stopwatch::start();
+    m.kill(2);
+    let moved = balanced(&m, Duration::from_millis(TTL_MS + 20_000)).await;
+    let took_ms = killed.elapsed_ms();
+    let lost: Vec<usize> = (0..SHARDS as usize)
+        .filter(|&k| leaders[k] == "m2")
+        .collect();
+    eprintln!(
+        "member 2's {} shards led by the others {took_ms} ms after its kill (TTL {TTL_MS} ms): {:?}",
+        lost.len(),
+        count(&moved)
+    );
+    // Every holder goes on with its token: renewed through member 0.
+    for (name, h) in names.iter().zip(&held) {
+        let r = m
+            .client(0)
+            .send(Req::new("POST", &format!("/_fence/leases/{name}/renew")).held(h))
+            .await;
+        assert_eq!(r.status, 200, "{name}: {}", r.text());
+        assert_eq!(r.json()["token"], h.token);
+    }
+
+    m.members[2] = Some(m.spawn(2));
+    let back = balanced(&m, Duration::from_secs(30)).await;
+    eprintln!("after the restart: {:?}", count(&back));
+    assert_eq!(count(&back).values().collect::<Vec<_>>(), [&4, &4, &4]);
+    // Later terms continue above every earlier token, and write at once:
+    // the shards came back to member 2 by clean handovers (each previous
+    // primary saw its writes finish before it let go), so no takeover
+    // window holds them, though each earlier term wrote.
+    for (name, h) in names.iter().zip(&held) {
+        let c = m.client(1);
+        let r = c
+            .send(Req::new("DELETE", &format!("/_fence/leases/{name}")).held(h))
+            .await;
+        assert_eq!(r.status, 204, "{name}: {}", r.text());
+        let r = c.send(acquire(name, "later")).await;
+        assert_eq!(r.status, 201, "{name}: {}", r.text());
+        let later = held_from(&r);
+        assert!(later.token > h.token, "{name}");
+        let r = c.send(put(name, &later, "later")).await;
+        assert!(r.status.is_success(), "{name}: {}", r.text());
+    }
+
+    let (status, report) = load.finish();
+    let f = &report["findings"];
+    assert_eq!(f["stale_writes_applied"], 0, "{report}");
+    assert_eq!(f["acknowledged_missing"], 0, "{report}");
+    assert!(status.success(), "{report}");
+    assert_tokens_never_go_back(&m.applied().await);
+    // Every member led writes.
+    for i in 0..3 {
+        let metrics = m
+            .client(i)
+            .send(Req::new("GET", "/_fence/metrics"))
+            .await
+            .text();
+        let led: u64 = metric(&metrics, "fencegate_writes_forwarded_total")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        assert!(led > 0, "member {i} led no write:\n{metrics}");
+    }
+}
+
+/// A member started with another number of shards than etcd keeps for the
+/// prefix does not start, and says both numbers.
+#[tokio::test]
+async fn a_member_with_another_number_of_shards_is_refused() {
+    let m = Members::start(1, &sharded(&[])).await;
+    balanced(&m, Duration::from_secs(30)).await;
+    let log = m.dir.path().join("other.log");
+    let refused = Proc::try_start(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            &m.upstream,
+            "--etcd",
+            &m.etcd.endpoints(),
+            "--name",
+            "other",
+        ],
+        &log,
+        &[("FENCEGATE_CLUSTER__SHARDS", "4")],
+    );
+    let Err(why) = refused else {
+        panic!("a member with 4 shards started in a cluster of 12");
+    };
+    assert!(
+        why.contains("cluster.shards is 4") && why.contains("has 12 shards"),
+        "{why}"
+    );
+}
+
+/// Member 2 reaches etcd only through a relay; it is paused (SIGSTOP) past
+/// its TTL while the others take its shards, a holder of one of them moves
+/// on and a newer term writes; then member 2 wakes with a write of the
+/// older term at its door and its etcd link frozen, so only its own clock
+/// can stop it. The status of that write and the apply log of its lease.
+async fn a_member_wakes_after_its_shards_moved(self_fencing: bool) -> (u16, Vec<(String, u64)>) {
+    let fencing = if self_fencing { "true" } else { "false" };
+    let env = sharded(&[
+        ("FENCEGATE_CLUSTER__SELF_FENCING", fencing),
+        ("FENCEGATE_ALLOW_UNSAFE_SETTINGS", "true"),
+        ("FENCEGATE_PROXY__TIMEOUT_MS", "2000"),
+        ("FENCEGATE_FENCE__SETTLE_MS", "500"),
+    ]);
+    let mut m = Members::start(2, &env).await;
+    let relay = support::servers::Relay::start(&m.etcd.urls()[0]).await;
+    let paused = m.spawn_with(2, &relay.url);
+    m.members.push(Some(paused));
+    let leaders = balanced(&m, Duration::from_secs(30)).await;
+    let name = one_lease_per_shard()
+        .into_iter()
+        .find(|n| leaders[shard_of(n, SHARDS) as usize] == "m2")
+        .expect("member 2 leads a shard");
+    let old = m.client(2);
+    let r = old.send(acquire(&name, "a")).await;
+    let a = held_from(&r);
+    let r = old.send(put(&name, &a, "a1")).await;
+    assert!(r.status.is_success(), "{}", r.text());
+
+    m.members[2].as_ref().unwrap().signal("-STOP");
+    // Real time: member 2's etcd leases run out, then the others campaign.
+    let c = m.client(0);
+    let moved = Stopwatch::start();
+    loop {
+        let now = leaders_of(&c).await;
+        if now[shard_of(&name, SHARDS) as usize]
+            .as_deref()
+            .is_some_and(|l| l != "m2")
+        {
+            break;
+        }
+        assert!(
+            moved.elapsed_ms() < TTL_MS + 20_000,
+            "{now:?}\n{}",
+            m.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Through member 0: the holder renews and releases, a newer term writes.
+    let r = c
+        .send(Req::new("POST", &format!("/_fence/leases/{name}/renew")).held(&a))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = c
+        .send(Req::new("DELETE", &format!("/_fence/leases/{name}")).held(&a))
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    let r = c.send(acquire(&name, "b")).await;
+    let b = held_from(&r);
+    assert!(b.token > a.token);
+    support::cluster::put_after_takeover_of(&c, &name, &b, "b1").await;
+
+    // A write of the old term reaches the paused member's socket (the
+    // kernel accepts it), and the member wakes up to it.
+    let door = HttpClient::new(&m.url(2));
+    let zombie_req = put(&name, &a, "zombie");
+    let zombie = tokio::spawn(async move { door.try_send(zombie_req).await });
+    // Real time: the kernel accepting the connection of a stopped process.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    relay.freeze();
+    m.members[2].as_ref().unwrap().signal("-CONT");
+    let status = match zombie.await.unwrap() {
+        Ok(r) => r.status.as_u16(),
+        Err(e) => panic!("the woken member did not answer: {e}\n{}", m.logs()),
+    };
+    let key = format!("/kv/{name}");
+    let applied = m.applied().await;
+    (
+        status,
+        applied.into_iter().filter(|(k, _)| *k == key).collect(),
+    )
+}
+
+/// Any member's view of each shard's leader, retried until it answers.
+async fn leaders_of(c: &HttpClient) -> Vec<Option<String>> {
+    for _ in 0..100 {
+        if let Some(l) = leaders(c).await {
+            return l;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("no answer from a member");
+}
+
+/// With self-fencing, the woken member admits nothing for the shards it
+/// led: the old term's write is refused and never reaches the backend.
+#[tokio::test]
+async fn a_paused_member_admits_nothing_for_its_shards_on_waking() {
+    let (status, x) = a_member_wakes_after_its_shards_moved(true).await;
+    assert_eq!(status, 503, "{x:?}");
+    assert_eq!(x.len(), 2, "{x:?}");
+    assert_tokens_never_go_back(&x);
+}
+
+/// Without self-fencing (the test-only switch), the woken member forwards
+/// the older term's write after the newer one's: what the test above
+/// would catch.
+#[tokio::test]
+async fn without_self_fencing_a_woken_member_writes_stale() {
+    let (status, x) = a_member_wakes_after_its_shards_moved(false).await;
+    assert!((200..300).contains(&status), "{status} {x:?}");
+    let went_back = std::panic::catch_unwind(|| assert_tokens_never_go_back(&x));
+    assert!(went_back.is_err(), "{x:?}");
+}
