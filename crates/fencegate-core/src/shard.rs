@@ -1,6 +1,5 @@
-//! Shards, for spreading leases over cluster members (nothing uses them
-//! yet): which of `N` shards a lease belongs to, and which live member
-//! should lead each shard.
+//! Shards, for spreading leases over cluster members: which of `N` shards
+//! a lease belongs to, and which live member should lead each shard.
 //!
 //! A lease's shard is `h(name) mod N`, where `h(name)` is the first eight
 //! bytes of the SHA-256 digest of the name's bytes, read as a big-endian
