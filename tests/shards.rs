@@ -208,6 +208,90 @@ async fn shards_are_balanced_and_any_member_serves_any_lease() {
         assert_eq!(result["lease"], name.as_str(), "{result}");
         assert_eq!(result["ttl_ms"], 30_000, "{result}");
     }
+
+    // The loadtest given every member sends each lease's requests to its
+    // shard's primary (the shard map): nothing is forwarded. Given one
+    // member, that member forwards what other members lead.
+    let all = (0..3).map(|i| m.url(i)).collect::<Vec<_>>().join(",");
+    for (targets, expect_forwarding) in [(all, false), (m.url(0), true)] {
+        let before = forwarded_total(&m).await;
+        let args = [
+            "--writers",
+            "8",
+            "--leases",
+            "24",
+            "--duration",
+            "3s",
+            "--seed",
+            "5",
+        ];
+        let (status, report) = Load::start(&m, &targets, &args).finish();
+        assert!(status.success(), "{report}");
+        let f = &report["findings"];
+        assert_eq!(f["stale_writes_applied"], 0, "{report}");
+        let acknowledged = f["acknowledged"].as_u64().unwrap();
+        let forwarded = forwarded_total(&m).await - before;
+        eprintln!(
+            "loadtest through {} member(s): {acknowledged} writes acknowledged, {forwarded} requests forwarded between members",
+            targets.split(',').count()
+        );
+        assert!(acknowledged > 0, "{report}");
+        if expect_forwarding {
+            assert!(forwarded > 0);
+        } else {
+            assert_eq!(forwarded, 0, "the loadtest did not use the shard map");
+        }
+    }
+}
+
+/// `fencegate lease acquire --export` given every member: the term is
+/// granted by its shard's primary, straight (nothing forwarded), and
+/// `FENCEGATE_URL` names that member.
+#[tokio::test]
+async fn the_lease_command_goes_to_the_shards_primary() {
+    let m = Members::start(3, &sharded(&[])).await;
+    let leaders = balanced(&m, Duration::from_secs(30)).await;
+    let all = (0..3).map(|i| m.url(i)).collect::<Vec<_>>().join(",");
+    let before = forwarded_total(&m).await;
+    for name in one_lease_per_shard() {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
+            .args([
+                "lease", "acquire", &name, "--holder", "a", "--ttl", "10s", "--export",
+            ])
+            .args(["--server", &all])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let leader = &leaders[shard_of(&name, SHARDS) as usize];
+        let i: usize = leader[1..].parse().unwrap();
+        let want = format!("export FENCEGATE_URL='{}'", m.url(i));
+        assert!(
+            text.lines().any(|l| l == want),
+            "{name}: want {want} in\n{text}"
+        );
+    }
+    assert_eq!(forwarded_total(&m).await, before);
+}
+
+/// Requests the members forwarded to one another so far.
+async fn forwarded_total(m: &Members) -> u64 {
+    let mut total = 0;
+    for i in 0..3 {
+        let metrics = m
+            .client(i)
+            .send(Req::new("GET", "/_fence/metrics"))
+            .await
+            .text();
+        total += metric(&metrics, "fencegate_requests_forwarded_to_member_total")
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    total
 }
 
 /// With `forward = false` a member answers a request for another member's

@@ -127,6 +127,26 @@ impl std::error::Error for ClientError {}
 pub struct Servers {
     list: Vec<String>,
     current: std::sync::Mutex<String>,
+    map: std::sync::Mutex<ShardMap>,
+    /// Held while the shard map is asked for: the other calls wait for it
+    /// rather than go without.
+    fetching: tokio::sync::Mutex<()>,
+}
+
+/// Which member leads each shard of a cluster with several shards, from
+/// `GET /_fence/cluster`: a request for a lease goes straight to its
+/// shard's primary, so it crosses one member, not two.
+#[derive(Debug, Default)]
+struct ShardMap {
+    /// Asked for (or being asked for) at least once.
+    fetched: bool,
+    /// An answer said the map is out of date: asked for again before the
+    /// next call for a lease.
+    stale: bool,
+    /// 0 or 1: no map (standalone, one primary, or not known).
+    shards: u32,
+    /// Each shard's primary, when it is one of the listed members.
+    leaders: Vec<Option<String>>,
 }
 
 impl Servers {
@@ -141,7 +161,99 @@ impl Servers {
         Self {
             list,
             current: std::sync::Mutex::new(first),
+            map: std::sync::Mutex::new(ShardMap::default()),
+            fetching: tokio::sync::Mutex::new(()),
         }
+    }
+
+    fn map(&self) -> std::sync::MutexGuard<'_, ShardMap> {
+        self.map
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether the shard map is to be asked for before a call for a lease:
+    /// with several members listed, once, and again after an answer said
+    /// it is out of date.
+    fn map_wanted(&self) -> bool {
+        let map = self.map();
+        self.list.len() > 1 && (!map.fetched || map.stale)
+    }
+
+    /// Brings the shard map up to date if it is wanted, with `fetch`: `GET
+    /// /_fence/cluster` at [`Servers::current`], giving the document
+    /// (`Some(None)`: not a cluster member; `None`: no answer, the map
+    /// stays as it was). One fetch at a time: calls wait for the first,
+    /// and go on with the map they have while a later one is under way.
+    pub async fn refresh_map<F, Fut>(&self, fetch: F)
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Option<Option<serde_json::Value>>>,
+    {
+        if !self.map_wanted() {
+            return;
+        }
+        let _one = self.fetching.lock().await;
+        if !self.map_wanted() {
+            return;
+        }
+        self.map().stale = false;
+        if let Some(doc) = fetch().await {
+            self.set_map(doc.as_ref());
+        }
+        self.map().fetched = true;
+    }
+
+    /// Takes in the cluster document a member answered (`None`: it has
+    /// none, e.g. a standalone fencegate): each shard's primary, kept only
+    /// if it is one of the listed members, so no answer can draw a call
+    /// (its bearer secret, its lease id) anywhere else.
+    pub fn set_map(&self, cluster: Option<&serde_json::Value>) {
+        let shards = cluster
+            .and_then(|c| c["shards"].as_u64())
+            .and_then(|n| u32::try_from(n).ok())
+            .unwrap_or(1);
+        let leaders = match cluster.and_then(|c| c["leaders"].as_array()) {
+            Some(leaders) if shards > 1 && leaders.len() == shards as usize => leaders
+                .iter()
+                .map(|l| {
+                    let url = l["primary"]["url"].as_str()?.trim_end_matches('/');
+                    self.list.iter().find(|b| *b == url).cloned()
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        let mut map = self.map();
+        map.shards = if leaders.is_empty() { 1 } else { shards };
+        map.leaders = leaders;
+    }
+
+    /// `base` answered a call: the member calls go to now, if it is
+    /// listed (with shards, the primary of the last lease called for).
+    pub fn answered(&self, base: &str) {
+        if self.list.iter().any(|b| b == base) {
+            *self
+                .current
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = base.to_owned();
+        }
+    }
+
+    /// The shard map is out of date (a `not-primary` answer, a refused
+    /// connection): asked for again before the next call for a lease.
+    pub fn map_is_stale(&self) {
+        self.map().stale = true;
+    }
+
+    /// The member to send a request for `lease` to: its shard's primary,
+    /// if the map names one of the listed members.
+    pub fn route(&self, lease: &str) -> Option<String> {
+        let map = self.map();
+        if map.shards < 2 {
+            return None;
+        }
+        let shard = fencegate_core::shard::shard_of(lease, map.shards);
+        map.leaders.get(shard as usize).cloned().flatten()
     }
 
     /// How many members are known.
@@ -226,6 +338,20 @@ pub struct Follow {
 }
 
 impl Follow {
+    /// Whether `base` refused the connection during this call.
+    pub fn refused(&self, base: &str) -> bool {
+        self.refused.iter().any(|r| r == base)
+    }
+
+    /// The member this call goes to next: for a lease, its shard's primary
+    /// (unless it refused this call), else the one calls go to now.
+    pub fn base(&self, servers: &Servers, lease: Option<&str>) -> String {
+        lease
+            .and_then(|lease| servers.route(lease))
+            .filter(|b| !self.refused(b))
+            .unwrap_or_else(|| servers.current())
+    }
+
     /// A call that moves at most `max_moves` times and pauses `pause` after
     /// each round of the members.
     pub fn new(max_moves: usize, pause: Duration) -> Self {
@@ -240,6 +366,9 @@ impl Follow {
     /// Whether the call goes on at another member after `base` answered
     /// `answered` (and moves `servers` there).
     pub async fn again(&mut self, servers: &Servers, base: &str, answered: Answered) -> bool {
+        if !matches!(answered, Answered::Done) {
+            servers.map_is_stale();
+        }
         let primary = match answered {
             Answered::Done => return false,
             Answered::Refused => {
@@ -407,14 +536,25 @@ impl LeaseClient {
         body: Option<serde_json::Value>,
         timeout: Duration,
     ) -> Result<(StatusCode, serde_json::Value), ClientError> {
+        // The lease the call is for: its shard's primary is asked first.
+        let lease = path
+            .strip_prefix("/_fence/leases/")
+            .map(|rest| rest.split('/').next().unwrap_or(rest))
+            .filter(|l| !l.is_empty());
         // Up to about 10 s of rounds at 250 ms: a failover takes about the
         // cluster's TTL.
         let mut follow = Follow::new(40, Duration::from_millis(250));
         loop {
-            let base = self.servers.current();
+            if lease.is_some() {
+                self.servers.refresh_map(|| self.fetch_map()).await;
+            }
+            let base = follow.base(&self.servers, lease);
             let answer = self
                 .call_once(&base, method.clone(), path, headers, body.clone(), timeout)
                 .await;
+            if answer.is_ok() {
+                self.servers.answered(&base);
+            }
             let answered = match &answer {
                 Err((ClientError::Problem { reason, body, .. }, _)) if reason == "not-primary" => {
                     Answered::NotPrimary(body["primary"].as_str().map(str::to_owned))
@@ -425,6 +565,23 @@ impl LeaseClient {
             if !follow.again(&self.servers, &base, answered).await {
                 return answer.map_err(|(e, _)| e);
             }
+        }
+    }
+
+    /// Asks the member calls go to now for the shard map (briefly: a
+    /// member that does not answer leaves the map as it was, and the call
+    /// goes on with it).
+    async fn fetch_map(&self) -> Option<Option<serde_json::Value>> {
+        let base = self.servers.current();
+        let timeout = self.timeout.min(Duration::from_secs(2));
+        match self
+            .call_once(&base, Method::GET, "/_fence/cluster", &[], None, timeout)
+            .await
+        {
+            Ok((_, doc)) => Some(Some(doc)),
+            // Not a cluster member.
+            Err((ClientError::Problem { status: 404, .. }, _)) => Some(None),
+            Err(_) => None,
         }
     }
 
@@ -820,6 +977,59 @@ mod tests {
     use super::*;
 
     const PAUSE: Duration = Duration::from_millis(100);
+
+    /// A cluster document of 12 shards whose leaders cycle through `urls`.
+    fn cluster(urls: &[&str]) -> serde_json::Value {
+        let leaders: Vec<_> = (0..12)
+            .map(|k| serde_json::json!({"shard": k, "primary": {"name": "m", "url": urls[k % urls.len()]}}))
+            .collect();
+        serde_json::json!({"shards": 12, "leaders": leaders})
+    }
+
+    #[tokio::test]
+    async fn a_lease_goes_to_its_shards_primary_if_it_is_listed() {
+        let servers = Servers::new("http://a,http://b");
+        let fetches = std::sync::atomic::AtomicUsize::new(0);
+        let fetch = |doc: Option<serde_json::Value>| {
+            fetches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            async move { Some(doc) }
+        };
+        // `orders` is in shard 4, `a` in shard 10, `lease-42` in shard 1
+        // (the vectors of fencegate_core::shard).
+        servers
+            .refresh_map(|| {
+                fetch(Some(cluster(&[
+                    "http://a/",
+                    "http://b",
+                    "http://elsewhere",
+                    "http://a",
+                ])))
+            })
+            .await;
+        assert_eq!(servers.route("orders").as_deref(), Some("http://a"));
+        assert_eq!(servers.route("lease-42").as_deref(), Some("http://b"));
+        // Shard 10's primary is not a listed member: not followed.
+        assert_eq!(servers.route("a"), None);
+        // Fetched once, until an answer says the map is out of date.
+        servers.refresh_map(|| fetch(None)).await;
+        assert_eq!(fetches.load(std::sync::atomic::Ordering::Relaxed), 1);
+        servers.map_is_stale();
+        servers.refresh_map(|| fetch(None)).await;
+        assert_eq!(fetches.load(std::sync::atomic::Ordering::Relaxed), 2);
+        // Not a cluster: no routing by lease.
+        assert_eq!(servers.route("orders"), None);
+        // A lease's call skips its primary once it refused the connection.
+        servers.set_map(Some(&cluster(&["http://b"])));
+        let mut f = Follow::new(4, PAUSE);
+        assert_eq!(f.base(&servers, Some("orders")), "http://b");
+        assert!(f.again(&servers, "http://b", Answered::Refused).await);
+        assert_eq!(f.base(&servers, Some("orders")), "http://a");
+        // One member listed: no map is asked for.
+        let one = Servers::new("http://a");
+        one.refresh_map(|| fetch(Some(cluster(&["http://a"]))))
+            .await;
+        assert_eq!(fetches.load(std::sync::atomic::Ordering::Relaxed), 2);
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_call_moves_only_among_the_listed_members() {

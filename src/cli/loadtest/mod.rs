@@ -347,6 +347,9 @@ const MAX_ANSWER_BYTES: usize = 1 << 20;
 enum To {
     /// `path` at the fencegate under test (following a cluster's primary).
     Target(String),
+    /// `path` for lease `.0` at the fencegate under test: with several
+    /// shards, at the primary of the lease's shard.
+    Lease(String, String),
     /// A storage URL (`--direct`, `--history`): no bearer secret, ever.
     Url(String),
 }
@@ -358,20 +361,24 @@ async fn call(
     headers: &[(&str, &str)],
     body: Bytes,
 ) -> Result<Answer, String> {
-    let path = match to {
+    let (lease, path) = match to {
         To::Url(url) => {
             return send(shared, method, url, headers, body, false)
                 .await
                 .map_err(|(e, _)| e)
         }
-        To::Target(path) => path,
+        To::Target(path) => (None, path),
+        To::Lease(lease, path) => (Some(lease), path),
     };
     // Moved to another member only on answers that prove nothing was done:
     // a standby's not-primary, or a refused connection.
     // Writers retry on their own: a short budget per call.
     let mut follow = Follow::new(8, Duration::from_millis(100));
     loop {
-        let base = shared.targets.current();
+        if lease.is_some() {
+            shared.targets.refresh_map(|| fetch_map(shared)).await;
+        }
+        let base = follow.base(&shared.targets, lease.as_deref());
         let answer = send(
             shared,
             method.clone(),
@@ -395,6 +402,17 @@ async fn call(
         if !follow.again(&shared.targets, &base, answered).await {
             return answer.map_err(|(e, _)| e);
         }
+    }
+}
+
+/// Asks the member calls go to now for the shard map, so each lease's
+/// requests go straight to its shard's primary (see `Servers::set_map`).
+async fn fetch_map(shared: &Shared) -> Option<Option<serde_json::Value>> {
+    let url = format!("{}/_fence/cluster", shared.targets.current());
+    match send(shared, Method::GET, url, &[], Bytes::new(), true).await {
+        Ok(a) if a.status == StatusCode::OK => Some(Some(a.json)),
+        Ok(a) if a.status == StatusCode::NOT_FOUND => Some(None),
+        _ => None,
     }
 }
 
@@ -552,7 +570,7 @@ impl Writer {
         let answer = call(
             &self.shared,
             Method::POST,
-            To::Target(format!("/_fence/leases/{lease}")),
+            To::Lease(lease.clone(), format!("/_fence/leases/{lease}")),
             &[("content-type", "application/json")],
             Bytes::from(body.to_string()),
         )
@@ -667,7 +685,7 @@ impl Writer {
         let _ = call(
             &self.shared,
             Method::DELETE,
-            To::Target(format!("/_fence/leases/{}", term.lease)),
+            To::Lease(term.lease.clone(), format!("/_fence/leases/{}", term.lease)),
             &[(FENCING_TOKEN, &token), (FENCING_LEASE_ID, &term.lease_id)],
             Bytes::new(),
         )
@@ -681,7 +699,10 @@ async fn renew(shared: &Shared, term: &mut Term, skew_ms: u64) -> bool {
     let answer = call(
         shared,
         Method::POST,
-        To::Target(format!("/_fence/leases/{}/renew", term.lease)),
+        To::Lease(
+            term.lease.clone(),
+            format!("/_fence/leases/{}/renew", term.lease),
+        ),
         &[(FENCING_TOKEN, &token), (FENCING_LEASE_ID, &term.lease_id)],
         Bytes::new(),
     )
@@ -717,7 +738,7 @@ async fn write(
     let path = shared.path.render(&term.lease, &key);
     let to = match &shared.args.direct {
         Some(direct) => To::Url(format!("{direct}{path}")),
-        None => To::Target(path),
+        None => To::Lease(term.lease.clone(), path),
     };
     let token = term.token.to_string();
     let mut headers = vec![
@@ -729,7 +750,7 @@ async fn write(
         headers.push(("content-type", content_type));
     }
     // The lease id is a credential for fencegate: never sent to the storage.
-    if matches!(to, To::Target(_)) {
+    if matches!(to, To::Lease(..)) {
         headers.push((FENCING_LEASE_ID, &term.lease_id));
     }
     let body = shared.body.render(&layout::value(write_id, term.token));

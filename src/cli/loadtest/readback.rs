@@ -200,7 +200,8 @@ async fn clean_lease(shared: &Shared, lease: &str, keys: &[String]) -> Cleanup {
                         (FENCING_TOKEN, h.token.as_str()),
                         (FENCING_LEASE_ID, h.lease_id.as_str()),
                     ];
-                    outcome = delete(shared, To::Target(path.clone()), &headers).await;
+                    outcome =
+                        delete(shared, To::Lease(lease.to_owned(), path.clone()), &headers).await;
                     if outcome.is_ok() {
                         break;
                     }
@@ -222,7 +223,7 @@ async fn clean_lease(shared: &Shared, lease: &str, keys: &[String]) -> Cleanup {
             (FENCING_TOKEN, h.token.as_str()),
             (FENCING_LEASE_ID, h.lease_id.as_str()),
         ];
-        let to = To::Target(format!("/_fence/leases/{lease}"));
+        let to = To::Lease(lease.to_owned(), format!("/_fence/leases/{lease}"));
         let _ = call(shared, Method::DELETE, to, &headers, Bytes::new()).await;
     }
     done
@@ -244,7 +245,7 @@ async fn hold<'a>(
             (FENCING_TOKEN, h.token.as_str()),
             (FENCING_LEASE_ID, h.lease_id.as_str()),
         ];
-        let to = To::Target(format!("/_fence/leases/{lease}/renew"));
+        let to = To::Lease(lease.to_owned(), format!("/_fence/leases/{lease}/renew"));
         let renewed = Stopwatch::start();
         match call(shared, Method::POST, to, &headers, Bytes::new()).await {
             Ok(a) if a.status == StatusCode::OK => {
@@ -261,7 +262,7 @@ async fn hold<'a>(
     }
     let mut last = String::new();
     for _ in 0..3 {
-        let to = To::Target(format!("/_fence/leases/{lease}"));
+        let to = To::Lease(lease.to_owned(), format!("/_fence/leases/{lease}"));
         let sent = Stopwatch::start();
         let headers = [("content-type", "application/json")];
         match call(
@@ -292,7 +293,7 @@ async fn hold<'a>(
 /// A DELETE: done if the key is gone (2xx, or 404: it was never there).
 async fn delete(shared: &Shared, to: To, headers: &[(&str, &str)]) -> Result<(), String> {
     let shown = match &to {
-        To::Url(url) | To::Target(url) => url.clone(),
+        To::Url(url) | To::Target(url) | To::Lease(_, url) => url.clone(),
     };
     match call(shared, Method::DELETE, to, headers, Bytes::new()).await {
         Ok(a) if a.status.is_success() || a.status == StatusCode::NOT_FOUND => Ok(()),
