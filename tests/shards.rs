@@ -191,6 +191,27 @@ async fn shards_are_balanced_and_any_member_serves_any_lease() {
         "the listing pages through every shard in name order"
     );
 
+    // Member 2's status page shows what it leads, and the leases of every
+    // shard.
+    let ui = format!("{}/_fence/ui", m.url(2));
+    let (role, rows) = tokio::task::spawn_blocking(move || {
+        let mut b = support::browser::Browser::open(&ui, 1280, 720);
+        let within = Duration::from_secs(30);
+        b.wait_for(
+            "document.querySelectorAll('tr[data-lease]').length === 40",
+            within,
+        );
+        b.wait_for("!document.getElementById('role').hidden", within);
+        let role = b.eval("document.getElementById('role').textContent");
+        let rows =
+            b.eval("[...document.querySelectorAll('tr[data-lease]')].map(r => r.dataset.lease)");
+        (role, rows)
+    })
+    .await
+    .unwrap();
+    assert_eq!(role, "primary · m2 · leads 4 of 12 shards");
+    assert_eq!(rows, json!(names));
+
     // One batch renewal naming leases of every shard, through member 2.
     let batch: Vec<serde_json::Value> = names
         .iter()
@@ -383,14 +404,17 @@ async fn a_killed_member_s_shards_move_and_come_back() {
 
     let killed = Stopwatch::start();
     m.kill(2);
-    let moved = balanced(&m, Duration::from_millis(TTL_MS + 20_000)).await;
-    let took_ms = killed.elapsed_ms();
     let lost: Vec<usize> = (0..SHARDS as usize)
         .filter(|&k| leaders[k] == "m2")
         .collect();
+    led_by_others(&m, &lost, "m2").await;
+    let took_ms = killed.elapsed_ms();
+    let moved = balanced(&m, Duration::from_secs(20)).await;
     eprintln!(
-        "member 2's {} shards led by the others {took_ms} ms after its kill (TTL {TTL_MS} ms): {:?}",
+        "member 2's {} shards led by the others {took_ms} ms after its kill (TTL {TTL_MS} ms), \
+         balanced over the two {} ms after it: {:?}",
         lost.len(),
+        killed.elapsed_ms(),
         count(&moved)
     );
     // Every holder goes on with its token: renewed through member 0.
@@ -505,24 +529,8 @@ async fn a_member_wakes_after_its_shards_moved(self_fencing: bool) -> (u16, Vec<
     assert!(r.status.is_success(), "{}", r.text());
 
     m.members[2].as_ref().unwrap().signal("-STOP");
-    // Real time: member 2's etcd leases run out, then the others campaign.
+    led_by_others(&m, &[shard_of(&name, SHARDS) as usize], "m2").await;
     let c = m.client(0);
-    let moved = Stopwatch::start();
-    loop {
-        let now = leaders_of(&c).await;
-        if now[shard_of(&name, SHARDS) as usize]
-            .as_deref()
-            .is_some_and(|l| l != "m2")
-        {
-            break;
-        }
-        assert!(
-            moved.elapsed_ms() < TTL_MS + 20_000,
-            "{now:?}\n{}",
-            m.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
     // Through member 0: the holder renews and releases, a newer term writes.
     let r = c
         .send(Req::new("POST", &format!("/_fence/leases/{name}/renew")).held(&a))
@@ -556,6 +564,33 @@ async fn a_member_wakes_after_its_shards_moved(self_fencing: bool) -> (u16, Vec<
         status,
         applied.into_iter().filter(|(k, _)| *k == key).collect(),
     )
+}
+
+/// Waits (bounded, real time: `gone`'s etcd leases run out, then the others
+/// campaign) until members 0 and 1 both name another leader than `gone`
+/// for every shard in `shards`.
+async fn led_by_others(m: &Members, shards: &[usize], gone: &str) {
+    let start = Stopwatch::start();
+    loop {
+        let views = [
+            leaders_of(&m.client(0)).await,
+            leaders_of(&m.client(1)).await,
+        ];
+        let moved = views.iter().all(|view| {
+            shards
+                .iter()
+                .all(|&k| view[k].as_deref().is_some_and(|l| l != gone))
+        });
+        if moved {
+            return;
+        }
+        assert!(
+            start.elapsed_ms() < TTL_MS + 20_000,
+            "{views:?}\n{}",
+            m.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Any member's view of each shard's leader, retried until it answers.

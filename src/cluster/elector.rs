@@ -111,8 +111,12 @@ impl<S: Send + Sync + 'static> Elector<S> {
 
     /// Whether this member campaigns for the shard now: its clock trusted,
     /// the number of shards agreed with etcd, and (with several shards) the
-    /// shard assigned to it, or without a primary for a TTL while this
-    /// member leads fewer than its share.
+    /// shard assigned to it; or, while the shard has no primary, the shard
+    /// assigned to it among the others once the member the shard is
+    /// assigned to lost it (it was the last seen leading it: dead, or
+    /// stepped down), so a dead member's shards move as soon as its keys
+    /// are gone rather than once its registration is; or without a primary
+    /// for a TTL while this member leads fewer than its share.
     fn may_campaign(&self) -> bool {
         let view = self.member.view();
         if !view.clock_trusted || !view.shards_checked {
@@ -122,13 +126,23 @@ impl<S: Send + Sync + 'static> Elector<S> {
         if shards == 1 {
             return true;
         }
-        if view.assigned(shards, self.shard) == Some(self.options.name.as_str()) {
+        let me = Some(self.options.name.as_str());
+        let owner = view.assigned(shards, self.shard);
+        if owner == me {
             return true;
         }
-        let vacant_ms = view.shards[self.shard as usize]
-            .vacant_since_ms
-            .map_or(0, |since| self.clock.now_ms().saturating_sub(since));
-        vacant_ms >= self.options.ttl_ms && view.led() < view.share(shards)
+        let slot = &view.shards[self.shard as usize];
+        let Some(since) = slot.vacant_since_ms else {
+            return false;
+        };
+        if owner.is_some()
+            && slot.last_primary.as_deref() == owner
+            && view.assigned_without(shards, self.shard, owner) == me
+        {
+            return true;
+        }
+        self.clock.now_ms().saturating_sub(since) >= self.options.ttl_ms
+            && view.led() < view.share(shards)
     }
 
     /// The member the shard should be handed over to, if another.
@@ -151,6 +165,9 @@ impl<S: Send + Sync + 'static> Elector<S> {
             (None, Some(since)) => Some(since),
             (None, None) => Some(now_ms),
         };
+        if let Some(peer) = &holder {
+            slot.last_primary = Some(peer.name.clone());
+        }
         slot.primary = holder;
     }
 
@@ -330,6 +347,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
             slot.serving = Some((app, primacy.clone()));
             slot.primary = Some(self.member.shared.me.clone());
             slot.vacant_since_ms = None;
+            slot.last_primary = Some(self.options.name.clone());
         }
         let stats = &self.member.shared.stats;
         stats.takeovers.fetch_add(1, Relaxed);

@@ -167,6 +167,8 @@ struct Slot<S> {
     primary: Option<Peer>,
     /// Since when (proxy clock) its election key was seen absent.
     vacant_since_ms: Option<u64>,
+    /// The last member seen leading it.
+    last_primary: Option<String>,
 }
 
 impl<S> Slot<S> {
@@ -200,10 +202,15 @@ impl<S> View<S> {
     /// The member the balanced assignment gives `shard` to, among the
     /// members whose clocks are trusted; `None` while none is known.
     fn assigned(&self, shards: u32, shard: u32) -> Option<&str> {
+        self.assigned_without(shards, shard, None)
+    }
+
+    /// [`View::assigned`] among the members but `without`.
+    fn assigned_without(&self, shards: u32, shard: u32, without: Option<&str>) -> Option<&str> {
         let mut ready: Vec<&str> = self
             .members
             .iter()
-            .filter(|m| m.ready)
+            .filter(|m| m.ready && Some(m.name.as_str()) != without)
             .map(|m| m.name.as_str())
             .collect();
         ready.sort_unstable();
@@ -443,6 +450,7 @@ where
                         serving: None,
                         primary: None,
                         vacant_since_ms: None,
+                        last_primary: None,
                     })
                     .collect(),
                 members: Vec::new(),
