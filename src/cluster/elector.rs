@@ -26,7 +26,7 @@ use std::time::Duration;
 use crate::clock::Clock;
 use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
 use crate::lease::{LeaseStore, Primacy, RestartRule};
-use fencegate_core::cluster::primacy_deadline;
+use fencegate_core::cluster::{handover_drained, primacy_deadline};
 
 use super::journal::{self, Election, EtcdJournal, Limits};
 use super::{ClusterOptions, MakeApp, Member, Peer, Takeover};
@@ -413,7 +413,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
     async fn drain(&self, store: &LeaseStore, bound_ms: u64) -> bool {
         let bound = self.clock.now_ms() + bound_ms;
         loop {
-            if store.inflight_count() == 0 {
+            if handover_drained(store.inflight_count()) {
                 return true;
             }
             if self.clock.now_ms() >= bound {

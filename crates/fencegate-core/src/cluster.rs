@@ -1,6 +1,7 @@
 //! Cluster mode's rules, on the member's clock: how long a primary may
-//! admit after etcd last confirmed its primacy (self-fencing), and what a
-//! member's check of its clock against etcd's concludes. The member's shell
+//! admit after etcd last confirmed its primacy (self-fencing), when a
+//! handover may be recorded as clean, and what a member's check of its
+//! clock against etcd's concludes. The member's shell
 //! (`fencegate::cluster`) talks to etcd and calls these.
 
 use crate::mutant::{planted, Mutant};
@@ -19,6 +20,15 @@ pub fn primacy_deadline(sent_ms: u64, ttl_s: i64, margin_ms: u64) -> u64 {
         margin_ms
     };
     sent_ms.saturating_add(ttl_ms).saturating_sub(margin_ms)
+}
+
+/// Whether a primary handing a shard over, its primacy revoked, with
+/// `in_flight` admitted writes still unfinished (one whose outcome is
+/// unknown counts until it has settled), may record the handover as clean:
+/// only once none is left, since the next primary then admits newer terms
+/// at once instead of waiting out its takeover window.
+pub fn handover_drained(in_flight: u64) -> bool {
+    in_flight == 0 || planted(Mutant::HandoverUndrained)
 }
 
 /// Whether a primary confirmed until `until_ms` may admit at `now_ms`:

@@ -1,6 +1,6 @@
 //! Planted bugs: each one a known way to break fencing, kept switchable so
 //! the tests can prove they catch it (the simulator in `fencegate-sim`, the
-//! power-cut tests of the real binary).
+//! power-cut and shard tests of the real binary).
 //!
 //! Without the `mutants` feature [`planted`] is a constant `false` and the
 //! compiler removes every check. With it, one mutant at a time is planted
@@ -47,11 +47,32 @@ pub enum Mutant {
     /// ([`crate::lease::restart::wall_hint_due`]): a start ends a renewed,
     /// live term by its grant's hint.
     HintsNeverDue,
+    /// A primary handing a shard over records it as clean without waiting
+    /// for its writes in flight ([`crate::cluster::handover_drained`]): the
+    /// next primary skips its takeover window while they are unfinished.
+    HandoverUndrained,
 }
 
 impl Mutant {
     /// Every mutant, in the order the tests try them.
-    pub const ALL: [Mutant; 11] = [
+    pub const ALL: [Mutant; 12] = [
+        Mutant::BarrierOff,
+        Mutant::RestartWindowSkipped,
+        Mutant::HeaderBeforeSync,
+        Mutant::TornTailTrusted,
+        Mutant::LostRecordsKeepTerms,
+        Mutant::TokenFloorIgnored,
+        Mutant::ReplayDropsReleases,
+        Mutant::ExpiryInclusive,
+        Mutant::RestartRuleOff,
+        Mutant::SelfFencingMarginZero,
+        Mutant::HintsNeverDue,
+        Mutant::HandoverUndrained,
+    ];
+
+    /// The mutants the simulator plays (it has no shards, so no handovers
+    /// between members; the shard tests of the real binary catch that one).
+    pub const SIMULATED: [Mutant; 11] = [
         Mutant::BarrierOff,
         Mutant::RestartWindowSkipped,
         Mutant::HeaderBeforeSync,
@@ -79,6 +100,7 @@ impl Mutant {
             Mutant::RestartRuleOff => "restart-rule-off",
             Mutant::SelfFencingMarginZero => "self-fencing-margin-zero",
             Mutant::HintsNeverDue => "hints-never-due",
+            Mutant::HandoverUndrained => "handover-undrained",
         }
     }
 

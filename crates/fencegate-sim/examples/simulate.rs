@@ -47,7 +47,7 @@ fn main() -> ExitCode {
             "--mutant" => {
                 let name = value();
                 mutant = Some(Mutant::from_name(&name).unwrap_or_else(|| {
-                    let names: Vec<&str> = Mutant::ALL.iter().map(|m| m.name()).collect();
+                    let names: Vec<&str> = Mutant::SIMULATED.iter().map(|m| m.name()).collect();
                     usage(&format!("no mutant {name:?}; one of: {}", names.join(", ")))
                 }));
             }
