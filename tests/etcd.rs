@@ -696,3 +696,93 @@ async fn a_full_queue_fails_a_grant_alone_and_loses_no_renewal() {
     let expected: Vec<_> = model.leases.values().cloned().collect();
     assert_eq!(journal::load(&c, b"/j/").await.unwrap().records(), expected);
 }
+
+/// The log entries of a member's shards, sent at the same time, share etcd
+/// transactions (fewer revisions than entries), and every acknowledged
+/// grant loads back under its own shard; a shard whose election key is
+/// gone fails alone while the other's grants still commit.
+#[tokio::test]
+async fn shards_share_transactions_and_a_deposed_shard_fails_alone() {
+    use fencegate::cluster::committer::Committer;
+    use fencegate::cluster::journal::{self, Election, EtcdJournal, Limits};
+    use fencegate::journal::{GrantRecord, Journal};
+
+    let etcd = etcd_v3(None).await;
+    let c = client(std::slice::from_ref(&etcd.url), EtcdOptions::default());
+    let committer = Committer::start(c.clone());
+    let mut journals = Vec::new();
+    for prefix in ["/s0/", "/s1/"] {
+        let key = format!("{prefix}primary").into_bytes();
+        let revision = c.put(&key, b"me", 0).await.unwrap();
+        let election = Election { key, revision };
+        let loaded = journal::load(&c, prefix.as_bytes()).await.unwrap();
+        journals.push(EtcdJournal::start_with(
+            c.clone(),
+            prefix.as_bytes().to_vec(),
+            election,
+            loaded,
+            Limits::default(),
+            Some(committer.clone()),
+        ));
+    }
+    let grant = |j: &EtcdJournal, lease: String, token: u64| {
+        j.persist_grant(GrantRecord {
+            lease,
+            token,
+            holder: "h".into(),
+            ttl_ms: 1000,
+            lease_id: [token as u8; 32],
+            quiet: true,
+            wall_ms: 1_000_000,
+        })
+    };
+    let before = c.put(b"/mark", b"", 0).await.unwrap();
+    for round in 0..20u64 {
+        let acks: Vec<_> = (0..20u64)
+            .map(|i| grant(&journals[(i % 2) as usize], format!("l-{round}-{i}"), 1))
+            .collect();
+        for ack in acks {
+            ack.await.unwrap();
+        }
+    }
+    let after = c.put(b"/mark", b"", 0).await.unwrap();
+    let (s0, _) = c.get_prefix(b"/s0/log/").await.unwrap();
+    let (s1, _) = c.get_prefix(b"/s1/log/").await.unwrap();
+    let entries = (s0.len() + s1.len()) as i64;
+    // One revision per transaction: fewer than the entries they hold.
+    assert!(
+        after - before - 1 < entries,
+        "{} transactions for {entries} entries",
+        after - before - 1
+    );
+    for (prefix, shard) in [(&b"/s0/"[..], 0), (&b"/s1/"[..], 1)] {
+        let loaded = journal::load(&c, prefix).await.unwrap().records();
+        assert_eq!(loaded.len(), 200, "shard {shard}");
+        assert!(loaded.iter().all(|r| {
+            let i: u64 = r.lease.rsplit('-').next().unwrap().parse().unwrap();
+            i % 2 == shard
+        }));
+    }
+
+    // Shard 1 is deposed: its grants fail, shard 0's sent with them commit.
+    c.delete(b"/s1/primary").await.unwrap();
+    let acks: Vec<_> = (0..10u64)
+        .map(|i| {
+            (
+                i % 2,
+                grant(&journals[(i % 2) as usize], format!("late-{i}"), 1),
+            )
+        })
+        .collect();
+    for (shard, ack) in acks {
+        assert_eq!(ack.await.is_ok(), shard == 0, "shard {shard}");
+    }
+    let loaded = journal::load(&c, b"/s0/").await.unwrap().records();
+    assert_eq!(
+        loaded
+            .iter()
+            .filter(|r| r.lease.starts_with("late-"))
+            .count(),
+        5
+    );
+}

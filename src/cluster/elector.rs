@@ -319,12 +319,13 @@ impl<S: Send + Sync + 'static> Elector<S> {
         let clean = self.record_election(&election).await?;
         let leases = loaded.records();
         let forgotten_above = loaded.forgotten_above();
-        let journal = Arc::new(EtcdJournal::start(
+        let journal = Arc::new(EtcdJournal::start_with(
             self.client.clone(),
             self.prefix.clone().into_bytes(),
             election.clone(),
             loaded,
             Limits::default(),
+            self.member.shared.committer.clone(),
         ));
         let failure = journal.failure();
         let loaded = leases.len();

@@ -47,6 +47,8 @@ use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot, Notify};
 
 use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
+
+use super::committer::Committer;
 use crate::hex;
 use crate::journal::record::{GRANTED_QUIET, RELEASED_QUIET};
 use crate::journal::{GrantRecord, Journal, JournalError, JournalFuture, LeaseRecord};
@@ -476,6 +478,19 @@ impl EtcdJournal {
         loaded: Loaded,
         limits: Limits,
     ) -> Self {
+        Self::start_with(client, prefix, election, loaded, limits, None)
+    }
+
+    /// [`EtcdJournal::start`], its log entries sent through `committer`
+    /// (one transaction with other shards' entries) when given.
+    pub fn start_with(
+        client: EtcdClient,
+        prefix: Vec<u8>,
+        election: Election,
+        loaded: Loaded,
+        limits: Limits,
+        committer: Option<Committer>,
+    ) -> Self {
         let mut leases = loaded.leases;
         if loaded.forgotten_above > 0 {
             leases.insert(
@@ -489,6 +504,7 @@ impl EtcdJournal {
         let state = Arc::new(Failure::default());
         let writer = Writer {
             client,
+            committer,
             keys: Keys { prefix },
             election,
             cache: cache.clone(),
@@ -638,6 +654,8 @@ impl Journal for EtcdJournal {
 /// The task that writes the log, and starts snapshots.
 struct Writer {
     client: EtcdClient,
+    /// Where log entries go when the member leads several shards.
+    committer: Option<Committer>,
     keys: Keys,
     election: Election,
     cache: Arc<Mutex<BTreeMap<String, StoredLease>>>,
@@ -760,12 +778,20 @@ impl Writer {
             value: entry,
             lease: 0,
         }];
-        match self.client.txn(&compare, &put, &[]).await {
-            Ok(r) if r.succeeded => {
+        let succeeded = match &self.committer {
+            Some(committer) => committer.txn(compare.to_vec(), put.to_vec()).await,
+            None => self
+                .client
+                .txn(&compare, &put, &[])
+                .await
+                .map(|r| r.succeeded),
+        };
+        match succeeded {
+            Ok(true) => {
                 self.next_seq += 1;
                 Ok(())
             }
-            Ok(_) => Err(
+            Ok(false) => Err(
                 "this member is no longer the primary (or its log entry's number was taken)"
                     .to_owned(),
             ),

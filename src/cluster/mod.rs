@@ -28,6 +28,7 @@
 //! the shard of their lease ([`shards`]): served here, forwarded to the
 //! member that leads it, or answered `not-primary` naming it.
 
+pub mod committer;
 mod elector;
 pub mod journal;
 mod presence;
@@ -244,6 +245,9 @@ struct Shared<S> {
     stats: Arc<ClusterStats>,
     /// With several shards: where requests go.
     sharded: Option<shards::Sharded<S>>,
+    /// With several shards: the one etcd transaction of the log entries
+    /// its shards write at the same time.
+    committer: Option<committer::Committer>,
 }
 
 /// The service a cluster member runs.
@@ -462,6 +466,7 @@ where
             left: tokio::sync::watch::channel(0).0,
             checked: tokio::sync::watch::channel(None).0,
             stats,
+            committer: (shards > 1).then(|| committer::Committer::start(client.clone())),
             sharded,
         }),
     };
