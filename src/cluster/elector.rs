@@ -51,9 +51,12 @@ enum Ended {
     Lost(String),
 }
 
-/// How long a stopping primary waits for its writes in flight before it
-/// leaves anyway (the process gives its members 5 s to leave).
-const STOP_DRAIN_MS: u64 = 2_000;
+/// How long a primary handing a shard over (or stopping) waits for its
+/// writes in flight before it lets the shard go anyway: the shard has no
+/// primary meanwhile, and the next one's takeover window holds back only
+/// the leases such a write may be of, so it is kept short (and within the
+/// 5 s the process gives its members to leave).
+const DRAIN_MS: u64 = 2_000;
 
 pub(super) struct Elector<S> {
     client: EtcdClient,
@@ -372,15 +375,8 @@ impl<S: Send + Sync + 'static> Elector<S> {
             }
         };
         primacy.revoke();
-        let bound_ms = match &ended {
-            Ended::HandedOver(_) => Some(self.options.unsettled_ms),
-            Ended::Stopping => Some(self.options.unsettled_ms.min(STOP_DRAIN_MS)),
-            Ended::Lost(_) => None,
-        };
-        if let Some(bound_ms) = bound_ms {
-            if self.drain(&store, bound_ms).await {
-                self.record_handover(&election).await;
-            }
+        if !matches!(ended, Ended::Lost(_)) && self.drain(&store, DRAIN_MS).await {
+            self.record_handover(&election).await;
         }
         failure.stop();
         {
