@@ -3,13 +3,14 @@
 //! at a time, elected through etcd.
 //!
 //! Every member runs:
-//! - a presence task ([`presence`]): it checks that etcd keeps the same
+//! - a presence task (`presence.rs`): it checks that etcd keeps the same
 //!   number of shards for the prefix (a member started with another number
 //!   refuses to start), registers the member under `{prefix}members/{name}`
 //!   on an etcd lease of its own, and checks the member's clock against
-//!   etcd's ([`ClockProbe`](fencegate_core::cluster::ClockProbe)); no shard is campaigned for before the clock
-//!   agreed with etcd's over half a TTL.
-//! - an elector per shard ([`elector`]): a sequence of etcd sessions, each
+//!   etcd's ([`ClockProbe`](fencegate_core::cluster::ClockProbe)); no
+//!   shard is campaigned for before the clock agreed with etcd's over half
+//!   a TTL.
+//! - an elector per shard (`elector.rs`): a sequence of etcd sessions, each
 //!   campaigning for the shard's election key (`{prefix}primary` with one
 //!   shard, `{prefix}shards/{k}/primary` with several) and, once won,
 //!   loading the shard's lease state from under the same prefix and serving
@@ -21,12 +22,17 @@
 //!
 //! With several shards, members campaign only for the shards the balanced
 //! assignment ([`fencegate_core::shard::assign`], over the members whose
-//! clocks are trusted) gives them, or for one that stayed without a primary
-//! for a TTL while they lead fewer than their share; a primary whose shard
-//! the assignment gives to another member hands it over cleanly (its
-//! writes finish first, then its election key goes). Requests are sent to
-//! the shard of their lease ([`shards`]): served here, forwarded to the
-//! member that leads it, or answered `not-primary` naming it.
+//! clocks are trusted) gives them; for a shard its assigned member lost
+//! (a dead member's), the member it is assigned to among the others; and
+//! for one that stayed without a primary for a TTL, any member leading
+//! fewer than its share. A primary whose shard the assignment gives to
+//! another member hands it over: it stops admitting, gives its writes in
+//! flight up to 2 s to finish (then the handover is recorded as clean, and
+//! the next primary needs no takeover window), and lets the election key
+//! go. The log entries a member's shards write at the same time share one
+//! etcd transaction ([`committer`]). Requests are sent to the shard of
+//! their lease (`shards.rs`): served here, forwarded to the member that
+//! leads it, or answered `not-primary` naming it.
 
 pub mod committer;
 mod elector;

@@ -63,7 +63,8 @@ pub(super) struct Sharded<S> {
 pub struct Sharding<S> {
     /// The lease that fences a proxied request.
     pub classify: Classify,
-    /// The app for what belongs to no shard (see [`Sharded`]).
+    /// The app for what belongs to no shard: unfenced reads, writes no
+    /// route guards, and fencegate's own endpoints.
     pub reader: S,
     /// How long a batch renewal's body may stall.
     pub body_read_timeout: Duration,
