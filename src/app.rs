@@ -64,13 +64,13 @@ impl RequestLimits {
 /// Makes request ids: a random per-process prefix and a counter, so ids are
 /// unique without a syscall per request.
 #[derive(Debug)]
-struct RequestIds {
+pub(crate) struct RequestIds {
     prefix: u64,
     next: AtomicU64,
 }
 
 impl RequestIds {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let mut raw = [0u8; 8];
         // A predictable prefix only makes ids less unique across processes.
         let _ = getrandom::fill(&mut raw);
@@ -81,7 +81,7 @@ impl RequestIds {
     }
 
     /// `{prefix:016x}-{n:x}`, without the formatting machinery.
-    fn make(&self) -> HeaderValue {
+    pub(crate) fn make(&self) -> HeaderValue {
         const HEX: &[u8; 16] = b"0123456789abcdef";
         let n = self.next.fetch_add(1, Ordering::Relaxed);
         let mut buf = [0u8; 33];
@@ -99,7 +99,7 @@ impl RequestIds {
 }
 
 /// A client's request id is kept if it is 1-128 visible ASCII characters.
-fn is_sane_request_id(v: &HeaderValue) -> bool {
+pub(crate) fn is_sane_request_id(v: &HeaderValue) -> bool {
     let b = v.as_bytes();
     (1..=128).contains(&b.len()) && b.iter().all(|c| (0x21..=0x7e).contains(c))
 }
@@ -150,6 +150,17 @@ fn check_framing(headers: &HeaderMap) -> Result<(), Problem> {
         ));
     }
     Ok(())
+}
+
+/// The checks of a request's head made before any part of fencegate acts
+/// on it: its size, and framing some server would read differently.
+pub(crate) fn check_head<B>(req: &Request<B>, limits: &RequestLimits) -> Result<(), Problem> {
+    if head_size(req) > limits.max_header_bytes {
+        return Err(Problem::headers_too_large(limits.max_header_bytes));
+    }
+    // Where the body ends is in doubt: the connection is not reused (as
+    // hyper itself closes after a length beside a coding).
+    check_framing(req.headers()).map_err(Problem::closing_connection)
 }
 
 fn declared_length(headers: &HeaderMap) -> Option<u64> {
@@ -418,12 +429,7 @@ impl<S> App<S> {
         B: http_body::Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        if head_size(&req) > self.limits.max_header_bytes {
-            return Err(Problem::headers_too_large(self.limits.max_header_bytes));
-        }
-        // Where the body ends is in doubt: the connection is not reused (as
-        // hyper itself closes after a length beside a coding).
-        check_framing(req.headers()).map_err(Problem::closing_connection)?;
+        check_head(&req, &self.limits)?;
         if !limit_body {
             return Ok(req.map(body::boxed));
         }

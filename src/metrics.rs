@@ -73,6 +73,22 @@ struct ShardStores {
     ended: [u64; 3],
 }
 
+impl ShardStores {
+    /// Lets go of the stores of terms that ended, keeping their counters.
+    fn let_go_of_ended(&mut self) {
+        let ended = &mut self.ended;
+        self.led.retain(|(leases, primacy)| {
+            let live = !primacy.is_revoked();
+            if !live {
+                for (sum, n) in ended.iter_mut().zip(barrier_counts(leases)) {
+                    *sum += n;
+                }
+            }
+            live
+        });
+    }
+}
+
 /// Cluster counters of a member with several shards.
 #[derive(Debug, Default)]
 pub struct ClusterStats {
@@ -126,17 +142,8 @@ impl Stores {
             ),
             Stores::Shards(shards) => {
                 let mut shards = shards.lock().unwrap_or_else(|p| p.into_inner());
-                // Stores of terms that ended leave their counters behind.
-                let ShardStores { led, ended } = &mut *shards;
-                led.retain(|(leases, primacy)| {
-                    let live = !primacy.is_revoked();
-                    if !live {
-                        for (sum, n) in ended.iter_mut().zip(barrier_counts(leases)) {
-                            *sum += n;
-                        }
-                    }
-                    live
-                });
+                shards.let_go_of_ended();
+                let ShardStores { led, ended } = &*shards;
                 let mut counts = Counts {
                     barrier: *ended,
                     ..Counts::default()
@@ -253,9 +260,11 @@ impl Metrics {
     }
 
     /// Counts `leases` in while `primacy` (its shard's term) is not revoked.
+    /// Stores of terms that ended are let go here and at each scrape.
     pub fn add_shard(&self, leases: &LeaseStore, primacy: &Arc<Primacy>) {
         if let Stores::Shards(shards) = &self.inner.stores {
             let mut shards = shards.lock().unwrap_or_else(|p| p.into_inner());
+            shards.let_go_of_ended();
             shards.led.push((leases.clone(), primacy.clone()));
         }
     }

@@ -16,6 +16,7 @@ use http::Method;
 use tokio::net::TcpListener;
 
 use crate::app::{self, App, Parts};
+use crate::auth::Authenticator;
 use crate::backend::{Backend, EmbeddedStore, Upstream};
 use crate::clock::{Clock, ClockKind};
 use crate::cluster::{self, Classify, ClusterOptions, MakeApp, Member, Sharding, Takeover};
@@ -316,8 +317,12 @@ async fn join(
         shards: c.shards,
         forward: c.forward,
         // The member that leads the shard may hold a write at its barrier
-        // for as long as the write itself may take upstream.
-        forward_timeout_ms: unsettled_ms.saturating_mul(2).saturating_add(1_000),
+        // for as long as the write itself may take upstream, and an
+        // acquire for as long as it may wait.
+        forward_timeout_ms: unsettled_ms
+            .saturating_mul(2)
+            .max(config.leases.max_wait_ms)
+            .saturating_add(1_000),
     };
     tracing::info!(name = %options.name, advertise = %options.advertise, etcd = ?c.etcd, shards = c.shards, "joining the cluster");
     let stats = Arc::new(ClusterStats::default());
@@ -351,20 +356,21 @@ async fn join(
             // belong to this term's app, and nothing of an earlier term
             // stays pinned.
             let (backend, metrics) = match &shared {
-                Some((backend, metrics)) => {
-                    metrics.add_shard(&leases, &takeover.primacy);
-                    (backend.clone(), Some(metrics.clone()))
-                }
+                Some((backend, metrics)) => (backend.clone(), Some(metrics.clone())),
                 None => (build_backend(&config)?, None),
             };
             let parts = Parts {
                 leases: leases.clone(),
                 backend,
                 draining: draining.clone(),
-                primacy: Some(takeover.primacy),
-                metrics,
+                primacy: Some(takeover.primacy.clone()),
+                metrics: metrics.clone(),
             };
-            Ok((app::build(&config, parts)?, leases))
+            let app = app::build(&config, parts)?;
+            if let Some(metrics) = metrics {
+                metrics.add_shard(&leases, &takeover.primacy);
+            }
+            Ok((app, leases))
         })
     };
     let sharding = match shared {
@@ -397,6 +403,10 @@ async fn join(
                 classify,
                 reader,
                 body_read_timeout: Duration::from_millis(config.limits.body_read_timeout_ms),
+                limits: app::RequestLimits::from_config(&config),
+                auth: Authenticator::from_config(&config.auth)
+                    .map_err(StartError::Config)?
+                    .map(Arc::new),
             })
         }
         None => None,

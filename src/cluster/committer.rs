@@ -8,7 +8,8 @@
 //! shards send at the same time into one transaction holding every
 //! shard's comparisons (its election key, its entry's number not taken)
 //! and every shard's entry. If any comparison fails (a shard lost its
-//! election), each append is tried again alone, so only that shard's fails.
+//! election) or the transaction fails, each append is tried again alone,
+//! so only the shard at fault fails.
 //! Each shard waits for its append's answer before it sends the next, so
 //! its entries stay in order.
 
@@ -129,15 +130,14 @@ async fn commit(client: &EtcdClient, group: Vec<Append>) {
                 let _ = a.done.send(Ok(true));
             }
         }
-        Ok(_) => {
+        // A comparison failed, or the transaction's outcome is unknown:
+        // each append alone. One that did commit then fails its own
+        // comparison (its entry's number is taken), as a lost answer
+        // would; the others are not failed for it.
+        Ok(_) | Err(_) => {
             for a in group {
                 let result = client.txn(&a.compare, &a.ops, &[]).await;
                 let _ = a.done.send(result.map(|r| r.succeeded));
-            }
-        }
-        Err(e) => {
-            for a in group {
-                let _ = a.done.send(Err(e.clone()));
             }
         }
     }

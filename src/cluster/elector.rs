@@ -15,9 +15,10 @@
 //! (nothing more reaches the backend), its app is dropped, and a new
 //! session starts from what etcd holds. A primary whose shard the balanced
 //! assignment gives to another member hands it over: primacy revoked, its
-//! writes in flight finished (bounded by the time they may take), then its
-//! etcd lease revoked so the key goes at once. Losers poll the key and
-//! campaign again when it is gone.
+//! writes in flight given up to 2 s to finish (if they did, and its own
+//! takeover window is over, the handover is recorded as clean in etcd),
+//! then its etcd lease revoked so the key goes at once. Losers poll the
+//! key and campaign again when it is gone.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -129,20 +130,19 @@ impl<S: Send + Sync + 'static> Elector<S> {
         if shards == 1 {
             return true;
         }
-        let me = Some(self.options.name.as_str());
-        let owner = view.assigned(shards, self.shard);
-        if owner == me {
+        let me = self.options.name.as_str();
+        let owner = view.assigned(self.shard);
+        if owner == Some(me) {
             return true;
         }
         let slot = &view.shards[self.shard as usize];
         let Some(since) = slot.vacant_since_ms else {
             return false;
         };
-        if owner.is_some()
-            && slot.last_primary.as_deref() == owner
-            && view.assigned_without(shards, self.shard, owner) == me
-        {
-            return true;
+        if let Some(owner) = owner.filter(|o| slot.last_primary.as_deref() == Some(*o)) {
+            if view.assigned_without(shards, self.shard, owner).as_deref() == Some(me) {
+                return true;
+            }
         }
         self.clock.now_ms().saturating_sub(since) >= self.options.ttl_ms
             && view.led() < view.share(shards)
@@ -154,7 +154,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
             return None;
         }
         let view = self.member.view();
-        let owner = view.assigned(self.options.shards, self.shard)?;
+        let owner = view.assigned(self.shard)?;
         (owner != self.options.name).then(|| owner.to_owned())
     }
 
@@ -405,12 +405,12 @@ impl<S: Send + Sync + 'static> Elector<S> {
 
     /// Waits, after primacy was revoked, until the shard's admitted writes
     /// have finished at the backend (a write whose outcome is unknown
-    /// counts until it has settled), for at most `bound_ms`; whether they
-    /// all did.
+    /// counts until it has settled) and its own takeover window is over,
+    /// for at most `bound_ms`; whether both happened.
     async fn drain(&self, store: &LeaseStore, bound_ms: u64) -> bool {
         let bound = self.clock.now_ms() + bound_ms;
         loop {
-            if handover_drained(store.inflight_count()) {
+            if handover_drained(store.inflight_count(), store.window_left_ms()) {
                 return true;
             }
             if self.clock.now_ms() >= bound {

@@ -191,6 +191,11 @@ impl<S> Slot<S> {
 struct View<S> {
     shards: Vec<Slot<S>>,
     members: Vec<Registration>,
+    /// The names of the members whose clocks are trusted, sorted, and the
+    /// member the balanced assignment gives each shard to among them:
+    /// computed when they change, not at every look.
+    ready: Vec<String>,
+    assignment: Vec<Option<String>>,
     /// The presence task's clock check: campaigns may start.
     clock_trusted: bool,
     /// Why the clock is not trusted, while it is found slow: every primary
@@ -206,34 +211,56 @@ impl<S> View<S> {
         self.shards.iter().filter(|s| s.serving.is_some()).count()
     }
 
-    /// The member the balanced assignment gives `shard` to, among the
-    /// members whose clocks are trusted; `None` while none is known.
-    fn assigned(&self, shards: u32, shard: u32) -> Option<&str> {
-        self.assigned_without(shards, shard, None)
-    }
-
-    /// [`View::assigned`] among the members but `without`.
-    fn assigned_without(&self, shards: u32, shard: u32, without: Option<&str>) -> Option<&str> {
-        let mut ready: Vec<&str> = self
-            .members
+    /// Takes in the registered members (and, if the members whose clocks
+    /// are trusted changed, the assignment among them).
+    fn set_members(&mut self, shards: u32, members: Vec<Registration>) {
+        let mut ready: Vec<String> = members
             .iter()
-            .filter(|m| m.ready && Some(m.name.as_str()) != without)
-            .map(|m| m.name.as_str())
+            .filter(|m| m.ready)
+            .map(|m| m.name.clone())
             .collect();
         ready.sort_unstable();
         ready.dedup();
-        let owner = fencegate_core::shard::assign(shards, &ready)
+        if ready != self.ready || self.assignment.is_empty() {
+            self.assignment = assign(shards, &ready, None);
+            self.ready = ready;
+        }
+        self.members = members;
+    }
+
+    /// The member the balanced assignment gives `shard` to, among the
+    /// members whose clocks are trusted; `None` while none is known.
+    fn assigned(&self, shard: u32) -> Option<&str> {
+        self.assignment.get(shard as usize)?.as_deref()
+    }
+
+    /// [`View::assigned`] among those members but `without` (computed
+    /// anew: only for a shard whose assigned member lost it).
+    fn assigned_without(&self, shards: u32, shard: u32, without: &str) -> Option<String> {
+        assign(shards, &self.ready, Some(without))
             .get(shard as usize)
-            .copied()
-            .flatten()?;
-        Some(ready[owner])
+            .cloned()
+            .flatten()
     }
 
     /// The most shards one member should lead now.
     fn share(&self, shards: u32) -> usize {
-        let ready = self.members.iter().filter(|m| m.ready).count().max(1);
-        (shards as usize).div_ceil(ready)
+        (shards as usize).div_ceil(self.ready.len().max(1))
     }
+}
+
+/// The member each shard goes to among `ready` (sorted names) but
+/// `without`.
+fn assign(shards: u32, ready: &[String], without: Option<&str>) -> Vec<Option<String>> {
+    let names: Vec<&str> = ready
+        .iter()
+        .map(String::as_str)
+        .filter(|n| Some(*n) != without)
+        .collect();
+    fencegate_core::shard::assign(shards, &names)
+        .into_iter()
+        .map(|owner| owner.map(|i| names[i].to_owned()))
+        .collect()
 }
 
 struct Shared<S> {
@@ -464,6 +491,8 @@ where
                     })
                     .collect(),
                 members: Vec::new(),
+                ready: Vec::new(),
+                assignment: Vec::new(),
                 clock_trusted: false,
                 clock_slow: None,
                 shards_checked: false,

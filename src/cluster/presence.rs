@@ -176,7 +176,9 @@ impl<S: Send + Sync + 'static> Presence<S> {
                 .iter()
                 .filter_map(|kv| serde_json::from_slice::<Registration>(&kv.value).ok())
                 .collect();
-            self.member.view_mut().members = members;
+            self.member
+                .view_mut()
+                .set_members(self.options.shards, members);
         }
     }
 
@@ -316,7 +318,15 @@ async fn check_shard_count(
         let (log, _) = client
             .get_range(&[prefix, b"log/"].concat(), &[prefix, b"log0"].concat(), 1)
             .await?;
-        if snapshot.is_some() || !log.is_empty() {
+        // The one-key-per-lease layout of earlier builds.
+        let (keys, _) = client
+            .get_range(
+                &[prefix, b"leases/"].concat(),
+                &[prefix, b"leases0"].concat(),
+                1,
+            )
+            .await?;
+        if snapshot.is_some() || !log.is_empty() || !keys.is_empty() {
             return Ok(ShardCount::Refused(format!(
                 "cluster.shards is {} but prefix {} holds the lease state of a cluster with one \
                  shard (and no {shown}); start the members with shards = 1, or use another prefix",

@@ -21,9 +21,13 @@ use http::{Method, Request, Response, StatusCode};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
 use tower::{Service, ServiceExt};
 
-use crate::api::{Page, MAX_BATCH_BODY_BYTES};
+use crate::api::{Page, MAX_BATCH_BODY_BYTES, MAX_BATCH_LEASES};
+use crate::app::{check_head, is_sane_request_id, RequestIds, RequestLimits, X_REQUEST_ID};
+use crate::auth::Authenticator;
 use crate::backend::upstream::strip_hop_by_hop;
 use crate::body::{self, Body};
 use crate::error::{Problem, Reason};
@@ -57,6 +61,14 @@ pub(super) struct Sharded<S> {
     forwarder: Forwarder,
     /// How long a batch renewal's body may stall.
     body_read_timeout: Duration,
+    /// The head checks made before a request is acted on here.
+    limits: RequestLimits,
+    /// Checked before a request fans out to every shard.
+    auth: Option<Arc<Authenticator>>,
+    /// Request ids of the answers the member makes itself.
+    ids: RequestIds,
+    /// Merged listings at once (each holds a page of every shard).
+    listings: Arc<Semaphore>,
 }
 
 /// What [`super::start`] needs to serve several shards.
@@ -68,7 +80,14 @@ pub struct Sharding<S> {
     pub reader: S,
     /// How long a batch renewal's body may stall.
     pub body_read_timeout: Duration,
+    /// The request head limits.
+    pub limits: RequestLimits,
+    /// The bearer secrets, when authentication is on.
+    pub auth: Option<Arc<Authenticator>>,
 }
+
+/// Merged listings a member makes at once.
+const LISTINGS_AT_ONCE: usize = 4;
 
 impl<S> Sharded<S> {
     pub(super) fn new(
@@ -81,6 +100,10 @@ impl<S> Sharded<S> {
             reader: sharding.reader,
             forwarder: Forwarder::new(options, stats)?,
             body_read_timeout: sharding.body_read_timeout,
+            limits: sharding.limits,
+            auth: sharding.auth,
+            ids: RequestIds::new(),
+            listings: Arc::new(Semaphore::new(LISTINGS_AT_ONCE)),
         })
     }
 }
@@ -154,16 +177,22 @@ impl Forwarder {
             Ok(Ok(res)) => {
                 let (mut parts, incoming) = res.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
+                // Tells a client that reads the shard map that it is out of
+                // date: this answer crossed two members.
+                parts.headers.insert(FORWARDED_NAME, self.me.clone());
                 Response::from_parts(parts, body::boxed(incoming))
             }
-            Ok(Err(e)) if e.is_connect() => Problem::not_primary(
-                &format!(
-                    "member {} leads this lease's shard but did not take the connection; retry shortly",
-                    to.name
-                ),
-                None,
-            )
-            .into_response(),
+            Ok(Err(e)) if e.is_connect() => {
+                tracing::warn!(member = %to.name, url = %to.url, error = %cause(&e), "cannot forward to the member that leads the shard");
+                Problem::not_primary(
+                    &format!(
+                        "member {} leads this lease's shard but did not take the connection; retry shortly",
+                        to.name
+                    ),
+                    None,
+                )
+                .into_response()
+            }
             Ok(Err(e)) => {
                 tracing::warn!(member = %to.name, error = %e, "forwarding a request failed");
                 Problem::new(
@@ -178,6 +207,19 @@ impl Forwarder {
             Err(_) => Problem::upstream_timeout(self.timeout.as_millis() as u64).into_response(),
         }
     }
+}
+
+/// An error with its causes (a pooled client's own message says only
+/// "client error (Connect)").
+fn cause(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(e) = source {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        source = e.source();
+    }
+    text
 }
 
 /// Where a request for `/_fence/…` goes.
@@ -276,25 +318,60 @@ where
     }
 
     /// Answers `req` with several shards.
-    pub(super) async fn dispatch(self, req: Request<Body>) -> Response<Body> {
+    pub(super) async fn dispatch(self, mut req: Request<Body>) -> Response<Body> {
+        let request_id = req
+            .headers()
+            .get(X_REQUEST_ID)
+            .filter(|v| is_sane_request_id(v))
+            .cloned();
+        let mut res = self.route(&mut req).await;
+        if !res.headers().contains_key(X_REQUEST_ID) {
+            let id = request_id.unwrap_or_else(|| self.sharded().ids.make());
+            res.headers_mut().insert(X_REQUEST_ID, id);
+        }
+        res
+    }
+
+    async fn route(&self, req: &mut Request<Body>) -> Response<Body> {
+        let sharded = self.sharded();
+        if let Err(problem) = check_head(req, &sharded.limits) {
+            return problem.into_response();
+        }
+        // Only members set these, and the storage never sees them.
+        let forwarded = req.headers_mut().remove(FORWARDED_NAME).is_some();
+        let pinned = req.headers_mut().remove(SHARD_NAME);
+        let req = std::mem::take(req);
         let shards = self.shared.options.shards;
+        let forward = self.shared.options.forward && !forwarded;
         let path = req.uri().path();
         let target = if path.starts_with(crate::wire::PREFIX) {
-            api_target(shards, req.method(), path, req.headers().get(SHARD_NAME))
+            api_target(shards, req.method(), path, pinned.as_ref())
         } else {
-            match (self.sharded().classify)(req.method(), path) {
+            match (sharded.classify)(req.method(), path) {
                 Some(lease) => Target::Shard(shard_of(&lease, shards)),
                 None => Target::Any,
             }
         };
         match target {
-            Target::Shard(k) => self.to_shard(k, req, self.shared.options.forward).await,
-            Target::ShardListing(k) => self.to_shard(k, req, true).await,
+            Target::Shard(k) | Target::ShardListing(k) => self.to_shard(k, req, forward).await,
+            Target::Listing | Target::Batch if !self.authenticated(&req) => {
+                Problem::unauthorized().into_response()
+            }
             Target::Listing => self.list(req).await,
             Target::Batch => self.renew_batch(req).await,
             Target::Readiness => self.readiness(req).await,
             Target::Any => self.to_reader(req).await,
         }
+    }
+
+    /// Whether a request that fans out to every shard may (with
+    /// authentication on, it carries a known secret): the shards check it
+    /// again, this saves them the work.
+    fn authenticated(&self, req: &Request<Body>) -> bool {
+        self.sharded()
+            .auth
+            .as_ref()
+            .is_none_or(|auth| auth.authenticate(req.headers()).is_some())
     }
 
     async fn to_reader(&self, req: Request<Body>) -> Response<Body> {
@@ -303,8 +380,8 @@ where
     }
 
     /// Serves `req` with shard `shard`'s app if this member leads it, else
-    /// forwards it to the member that does (if `forward` and it was not
-    /// forwarded here already), else answers `not-primary`.
+    /// forwards it to the member that does (if `forward`), else answers
+    /// `not-primary`.
     async fn to_shard(&self, shard: u32, req: Request<Body>, forward: bool) -> Response<Body> {
         let (app, primary) = {
             let view = self.view();
@@ -314,33 +391,56 @@ where
         if let Some(app) = app {
             return serve(app, req).await;
         }
-        let forwarded = req.headers().contains_key(FORWARDED_NAME);
         match primary.filter(|p| p.name != self.shared.me.name) {
-            Some(to) if forward && !forwarded => self.sharded().forwarder.send(&to, req).await,
+            Some(to) if forward => self.sharded().forwarder.send(&to, req).await,
             _ => self.not_primary(shard, req.uri().path()),
         }
     }
 
+    /// Sends a part of a request that spans shards to shard `shard` (here,
+    /// or at the member that leads it), on a task of its own so the parts
+    /// run at once.
+    fn part(&self, shard: Option<u32>, req: Request<Body>) -> JoinHandle<Response<Body>> {
+        let member = self.clone();
+        tokio::spawn(async move {
+            match shard {
+                Some(shard) => member.to_shard(shard, req, true).await,
+                None => member.to_reader(req).await,
+            }
+        })
+    }
+
     /// One ordered page across every shard: each shard's page after the
-    /// same cursor, merged by name and cut at the limit.
+    /// same cursor, asked at once, merged by name and cut at the limit.
     async fn list(&self, req: Request<Body>) -> Response<Body> {
         let limit = match Page::parse(req.uri().query()) {
             Ok(page) => page.limit,
             Err(problem) => return problem.into_response(),
         };
+        let Ok(_slot) = self.sharded().listings.clone().acquire_owned().await else {
+            return Problem::not_primary("the member is stopping", None).into_response();
+        };
         let (parts, _) = req.into_parts();
+        let asked: Vec<_> = (0..self.shared.options.shards)
+            .map(|shard| {
+                let mut sub = with_body(&parts, Bytes::new());
+                sub.headers_mut().remove(CONTENT_LENGTH);
+                sub.headers_mut()
+                    .insert(SHARD_NAME, HeaderValue::from(shard));
+                self.part(Some(shard), sub)
+            })
+            .collect();
         let mut leases = Vec::new();
         let mut more = false;
-        for shard in 0..self.shared.options.shards {
-            let mut sub = with_body(&parts, Bytes::new());
-            sub.headers_mut().remove(CONTENT_LENGTH);
-            sub.headers_mut()
-                .insert(SHARD_NAME, HeaderValue::from(shard));
-            let res = self.to_shard(shard, sub, true).await;
+        for (shard, asked) in asked.into_iter().enumerate() {
+            let Ok(res) = asked.await else {
+                return Problem::new(Reason::UpstreamError, "a shard's listing failed")
+                    .into_response();
+            };
             if res.status() != StatusCode::OK {
                 return res;
             }
-            let Some(mut page) = self.read_answer(res).await else {
+            let Some(mut page) = read_answer(res).await else {
                 return Problem::new(
                     Reason::UpstreamError,
                     format!("shard {shard}'s listing could not be read"),
@@ -353,7 +453,10 @@ where
             }
         }
         let name = |v: &serde_json::Value| v["lease"].as_str().unwrap_or_default().to_owned();
-        leases.sort_by_key(name);
+        leases.sort_by(|a, b| {
+            let (a, b) = (a["lease"].as_str(), b["lease"].as_str());
+            a.unwrap_or_default().cmp(b.unwrap_or_default())
+        });
         if leases.len() > limit {
             leases.truncate(limit);
             more = true;
@@ -368,20 +471,10 @@ where
         )
     }
 
-    async fn read_answer(
-        &self,
-        res: Response<Body>,
-    ) -> Option<serde_json::Map<String, serde_json::Value>> {
-        let bytes = body::collect(res.into_body(), MAX_SHARD_ANSWER_BYTES)
-            .await
-            .ok()?;
-        parse_answer(&bytes)
-    }
-
     /// A batch renewal naming leases of several shards: each shard's part
-    /// sent where the shard is led, the results put back in order. A
-    /// batch within one shard (or one the reader refuses whole) goes as it
-    /// is.
+    /// sent where the shard is led, all at once, the results put back in
+    /// order. A batch within one shard, or one the lease API refuses whole
+    /// (not a list, unknown fields, too many leases), goes as it is.
     async fn renew_batch(&self, req: Request<Body>) -> Response<Body> {
         let (parts, body) = req.into_parts();
         let bytes = match body::collect_idle(
@@ -405,10 +498,15 @@ where
             }
         };
         let shards = self.shared.options.shards;
-        let mut doc = parse_answer(&bytes);
-        let items = match doc.as_mut().map(|d| d.remove("leases")) {
-            Some(Some(serde_json::Value::Array(items))) => items,
-            // Not a batch: the reader's lease API says what is wrong.
+        let mut doc = parse_answer(&bytes).unwrap_or_default();
+        let ttl_ms = doc.remove("ttl_ms");
+        let items = match doc.remove("leases") {
+            Some(serde_json::Value::Array(items))
+                if doc.is_empty() && items.len() <= MAX_BATCH_LEASES =>
+            {
+                items
+            }
+            // Not a batch the lease API takes: it says what is wrong.
             _ => return self.to_reader(with_body(&parts, bytes)).await,
         };
         let mut groups: BTreeMap<Option<u32>, Vec<usize>> = BTreeMap::new();
@@ -419,32 +517,48 @@ where
                 .map(|name| shard_of(name.as_str(), shards));
             groups.entry(shard).or_default().push(i);
         }
+        let forward = self.shared.options.forward;
         if groups.len() <= 1 {
             let whole = with_body(&parts, bytes);
             return match groups.into_keys().next().flatten() {
-                Some(shard) => {
-                    self.to_shard(shard, whole, self.shared.options.forward)
-                        .await
-                }
+                Some(shard) => self.to_shard(shard, whole, forward).await,
                 None => self.to_reader(whole).await,
             };
         }
-        let doc = doc.unwrap_or_default();
+        let asked: Vec<_> = groups
+            .into_iter()
+            .map(|(shard, indices)| {
+                let mut part = serde_json::Map::new();
+                part.insert(
+                    "leases".to_owned(),
+                    indices.iter().map(|&i| items[i].clone()).collect(),
+                );
+                if let Some(ttl_ms) = &ttl_ms {
+                    part.insert("ttl_ms".to_owned(), ttl_ms.clone());
+                }
+                let part = Bytes::from(serde_json::Value::Object(part).to_string());
+                let sub = with_body(&parts, part);
+                // Without forwarding, another member's leases are answered
+                // `not-primary`, each.
+                let sub_shard = shard.filter(|_| forward || self.leads(shard));
+                let asked = match (shard, sub_shard) {
+                    (Some(_), None) => None,
+                    _ => Some(self.part(sub_shard, sub)),
+                };
+                (shard, indices, asked)
+            })
+            .collect();
         let mut results = vec![serde_json::Value::Null; items.len()];
-        for (shard, indices) in groups {
-            let mut part = doc.clone();
-            part.insert(
-                "leases".to_owned(),
-                indices.iter().map(|&i| items[i].clone()).collect(),
-            );
-            let part = Bytes::from(serde_json::Value::Object(part).to_string());
-            let sub = with_body(&parts, part);
-            let res = match shard {
-                Some(shard) => self.to_shard(shard, sub, self.shared.options.forward).await,
-                None => self.to_reader(sub).await,
+        for (shard, indices, asked) in asked {
+            let res = match asked {
+                Some(asked) => asked.await.ok(),
+                None => Some(self.not_primary(shard.unwrap_or(0), "/_fence/renew")),
             };
-            let ok = res.status() == StatusCode::OK;
-            let answer = self.read_answer(res).await;
+            let ok = res.as_ref().is_some_and(|r| r.status() == StatusCode::OK);
+            let answer = match res {
+                Some(res) => read_answer(res).await,
+                None => None,
+            };
             let part_results = answer
                 .as_ref()
                 .filter(|_| ok)
@@ -468,19 +582,38 @@ where
         json_response(StatusCode::OK, &serde_json::json!({ "results": results }))
     }
 
+    /// Whether this member leads `shard` now.
+    fn leads(&self, shard: Option<u32>) -> bool {
+        shard.is_some_and(|k| self.view().shards[k as usize].live_app().is_some())
+    }
+
     /// Ready when the reader is (not draining, the storage reachable) and
-    /// the primary of at least one shard is known: this member serves or
-    /// forwards its requests.
+    /// the member can serve or forward a lease's requests: it leads a
+    /// shard, or (forwarding) knows the primary of one.
     async fn readiness(&self, req: Request<Body>) -> Response<Body> {
         let res = self.to_reader(req).await;
         if res.status() != StatusCode::OK {
             return res;
         }
-        let known = self.view().shards.iter().any(|s| s.primary.is_some());
-        if known {
+        let ready = {
+            let view = self.view();
+            view.shards.iter().any(|s| {
+                s.live_app().is_some() || (self.shared.options.forward && s.primary.is_some())
+            })
+        };
+        if ready {
             res
         } else {
-            Problem::not_primary("no shard has a primary yet; retry shortly", None).into_response()
+            Problem::not_primary("this member serves no shard yet; retry shortly", None)
+                .into_response()
         }
     }
+}
+
+/// A shard's answer to a part of a request that spans shards, as JSON.
+async fn read_answer(res: Response<Body>) -> Option<serde_json::Map<String, serde_json::Value>> {
+    let bytes = body::collect(res.into_body(), MAX_SHARD_ANSWER_BYTES)
+        .await
+        .ok()?;
+    parse_answer(&bytes)
 }

@@ -45,7 +45,7 @@ use tokio::time::Instant;
 use tokio_rustls::rustls::crypto::ring;
 use tokio_rustls::rustls::{ClientConfig, RootCertStore};
 
-use fencegate_core::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
+use fencegate_core::wire::{FENCEGATE_FORWARDED, FENCING_LEASE_ID, FENCING_TOKEN};
 
 /// Now on tokio's monotonic clock, for deadlines handed to tokio's timers;
 /// it stands still while a test pauses tokio's time. The client's only
@@ -618,6 +618,11 @@ impl LeaseClient {
                     e.is_connect(),
                 )
             })?;
+            // An answer a member relayed from another: the shard map is
+            // out of date (the shard moved).
+            if res.headers().contains_key(FENCEGATE_FORWARDED) {
+                self.servers.map_is_stale();
+            }
             let status = res.status();
             let bytes = res
                 .into_body()

@@ -24,11 +24,13 @@ pub fn primacy_deadline(sent_ms: u64, ttl_s: i64, margin_ms: u64) -> u64 {
 
 /// Whether a primary handing a shard over, its primacy revoked, with
 /// `in_flight` admitted writes still unfinished (one whose outcome is
-/// unknown counts until it has settled), may record the handover as clean:
-/// only once none is left, since the next primary then admits newer terms
-/// at once instead of waiting out its takeover window.
-pub fn handover_drained(in_flight: u64) -> bool {
-    in_flight == 0 || planted(Mutant::HandoverUndrained)
+/// unknown counts until it has settled) and its own takeover window open
+/// for `window_left_ms` more, may record the handover as clean: only once
+/// no write is left and its window is over (a write of the primary before
+/// it may still be on its way), since the next primary then admits newer
+/// terms at once instead of waiting out a takeover window of its own.
+pub fn handover_drained(in_flight: u64, window_left_ms: u64) -> bool {
+    (in_flight == 0 && window_left_ms == 0) || planted(Mutant::HandoverUndrained)
 }
 
 /// Whether a primary confirmed until `until_ms` may admit at `now_ms`:

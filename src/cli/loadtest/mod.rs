@@ -40,7 +40,7 @@ use serde_json::json;
 use crate::backend::embedded::{History, HISTORY_PATH, WRITER_HEADER, WRITE_ID_HEADER};
 use crate::client::{http_client, Answered, Follow, HttpsClient, Servers};
 use crate::clock::Stopwatch;
-use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
+use crate::wire::{FENCEGATE_FORWARDED, FENCING_LEASE_ID, FENCING_TOKEN};
 use check::{ClientWrite, Findings, Outcome};
 use layout::{BodyTemplate, PathTemplate};
 
@@ -447,6 +447,11 @@ async fn send(
         .request(req)
         .await
         .map_err(|e| (e.to_string(), e.is_connect()))?;
+    // An answer a member relayed from another: the shard map is out of
+    // date (the shard moved).
+    if to_target && res.headers().contains_key(FENCEGATE_FORWARDED) {
+        shared.targets.map_is_stale();
+    }
     let status = res.status();
     let body = http_body_util::Limited::new(res.into_body(), MAX_ANSWER_BYTES)
         .collect()

@@ -1042,6 +1042,15 @@ impl LeaseStore {
         self.shared.inflight_writes.count()
     }
 
+    /// How long this store's restart (or takeover) window still holds back
+    /// later terms of leases whose earlier writes may be unfinished, in
+    /// milliseconds: 0 once it is over.
+    pub fn window_left_ms(&self) -> u64 {
+        self.shared
+            .unsettled_until_ms
+            .saturating_sub(self.shared.clock.now_ms())
+    }
+
     /// How many leases have a live term now, counting those whose deadline
     /// falls within the last [`LeaseStore::held_count_precision_ms`]: read
     /// from counters kept on each change, whatever the number of leases.
