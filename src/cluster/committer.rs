@@ -27,8 +27,10 @@ const MOST_APPENDS: usize = 32;
 /// over 1.5 MiB by default).
 const MOST_BYTES: usize = 1024 * 1024;
 
-/// Merged transactions in flight at once.
-const IN_FLIGHT: usize = 4;
+/// Merged transactions in flight at once: one, as one primary's journal
+/// sends one entry at a time, so the appends that arrive meanwhile all
+/// join the next.
+const IN_FLIGHT: usize = 1;
 
 /// One shard's append: its comparisons and its puts, and who waits.
 struct Append {
