@@ -17,12 +17,11 @@ use fencegate::clock::Stopwatch;
 
 use support::browser::Browser;
 use support::cluster::{
-    acquire, assert_tokens_never_go_back, hand_over, put, targets_primary, Load, Members, TTL_MS,
+    acquire, assert_tokens_never_go_back, hand_over, let_the_slow_write_finish, put,
+    targets_primary, Load, Members, TTL_MS,
 };
 use support::servers::Relay;
-use support::{
-    handover_violations, held_from, spawn, Event, Held, HoldingBackend, HttpClient, Req,
-};
+use support::{held_from, spawn, Held, HoldingBackend, HttpClient, Req};
 
 /// A standby answers `not-primary` and sends nothing to the backend; when
 /// the primary is killed, a standby takes over within the TTL plus a
@@ -515,22 +514,7 @@ async fn a_write_in_flight_across_failover(barrier: bool) -> usize {
     // Term 1's write is let go only once term 2's has reached the backend
     // (barrier off), waits at the barrier (counted in the metrics), or was
     // refused for a wait past its deadline.
-    let metrics = m.client(s);
-    for _ in 0..500 {
-        let text = metrics
-            .send(Req::new("GET", "/_fence/metrics"))
-            .await
-            .text();
-        let held = text
-            .lines()
-            .any(|l| l.starts_with("fencegate_barrier_waits_total ") && !l.ends_with(" 0"));
-        if held || backend.arrived("b1") || newer.is_finished() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    backend.open("slow");
-    let r = newer.await.unwrap();
+    let (r, violations) = let_the_slow_write_finish(&backend, &m.client(s), newer, slow).await;
     if barrier == "true" {
         // Held back past the barrier's longest wait: refused, to retry.
         assert!(
@@ -541,19 +525,7 @@ async fn a_write_in_flight_across_failover(barrier: bool) -> usize {
     } else {
         assert!(r.status.is_success(), "{}", r.text());
     }
-    let _ = slow.await;
-    // The backend applies term 1's write once opened, sender gone or not.
-    for _ in 0..200 {
-        let finished = backend
-            .events()
-            .iter()
-            .any(|e| matches!(e, Event::Finish { id, .. } if id == "slow"));
-        if finished {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    handover_violations(&backend.events())
+    violations
 }
 
 /// The takeover barrier: nothing of term 2 reaches the backend before

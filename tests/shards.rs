@@ -16,11 +16,11 @@ use std::time::Duration;
 use fencegate::clock::Stopwatch;
 use fencegate_core::shard::shard_of;
 use serde_json::json;
-use support::cluster::{acquire, assert_tokens_never_go_back, put, Load, Members, TTL_MS};
-use support::proc::Proc;
-use support::{
-    handover_violations, held_from, metric, spawn, Event, Held, HoldingBackend, HttpClient, Req,
+use support::cluster::{
+    acquire, assert_tokens_never_go_back, let_the_slow_write_finish, put, Load, Members, TTL_MS,
 };
+use support::proc::Proc;
+use support::{held_from, metric, spawn, Held, HoldingBackend, HttpClient, Req};
 
 const SHARDS: u32 = 12;
 
@@ -714,37 +714,13 @@ async fn a_write_in_flight_across_a_handover(mutant: Option<&'static str>) -> us
     let newer = tokio::spawn(async move { c.send(b_req).await });
     // Term 1's write is let go once term 2's has reached the backend, waits
     // at the takeover window (counted in the metrics), or was refused.
-    let metrics = m.client(1);
-    for _ in 0..500 {
-        let text = metrics
-            .send(Req::new("GET", "/_fence/metrics"))
-            .await
-            .text();
-        let held = metric(&text, "fencegate_barrier_waits_total").is_some_and(|v| v != "0");
-        if held || backend.arrived("b1") || newer.is_finished() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    backend.open("slow");
-    let r = newer.await.unwrap();
+    let (r, violations) = let_the_slow_write_finish(&backend, &m.client(1), newer, slow).await;
     assert!(
         r.status.is_success() || r.reason() == "upstream-timeout",
         "{}",
         r.text()
     );
-    let _ = slow.await;
-    for _ in 0..200 {
-        let finished = backend
-            .events()
-            .iter()
-            .any(|e| matches!(e, Event::Finish { id, .. } if id == "slow"));
-        if finished {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    handover_violations(&backend.events())
+    violations
 }
 
 /// A shard handed over with a write in flight: the handing-over primary

@@ -9,7 +9,9 @@ use serde_json::json;
 
 use super::proc::{Proc, TempDir};
 use super::servers::{free_port, EtcdCluster};
-use super::{held_from, Held, HttpClient, Req};
+use super::{
+    handover_violations, held_from, metric, Event, Held, HoldingBackend, HttpClient, Req, Resp,
+};
 
 /// The members' etcd lease TTL: a dead primary is replaced within about
 /// this long (etcd's own minimum is about 1.5 s).
@@ -372,4 +374,45 @@ pub fn assert_tokens_never_go_back(applied: &[(String, u64)]) {
 /// The URL of the member serving as primary now.
 pub async fn targets_primary(m: &Members) -> String {
     m.url(m.primary(Duration::from_secs(20)).await)
+}
+
+/// The end of a test with term 1's write held at a [`HoldingBackend`]
+/// ("slow", its request `slow`) while term 2's write `newer` goes through
+/// the member `metrics`: waits (bounded) until `newer` reached the backend,
+/// waits at that member's barrier (counted in its metrics) or finished;
+/// then lets the slow write finish and waits (bounded) until the backend
+/// applied it. Term 2's answer, and how many writes of an older term the
+/// backend finished after one of a newer term.
+pub async fn let_the_slow_write_finish<T>(
+    backend: &HoldingBackend,
+    metrics: &HttpClient,
+    newer: tokio::task::JoinHandle<Resp>,
+    slow: tokio::task::JoinHandle<T>,
+) -> (Resp, usize) {
+    for _ in 0..500 {
+        let text = metrics
+            .send(Req::new("GET", "/_fence/metrics"))
+            .await
+            .text();
+        let held = metric(&text, "fencegate_barrier_waits_total").is_some_and(|v| v != "0");
+        if held || backend.arrived("b1") || newer.is_finished() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    backend.open("slow");
+    let r = newer.await.unwrap();
+    let _ = slow.await;
+    // The backend applies term 1's write once opened, sender gone or not.
+    for _ in 0..200 {
+        let finished = backend
+            .events()
+            .iter()
+            .any(|e| matches!(e, Event::Finish { id, .. } if id == "slow"));
+        if finished {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (r, handover_violations(&backend.events()))
 }

@@ -17,7 +17,7 @@ const MAX_SEEDS: u64 = 2_000;
 #[test]
 fn every_mutant_is_caught_and_replays() {
     let mut survivors = Vec::new();
-    for mutant in Mutant::SIMULATED {
+    for &mutant in Mutant::SIMULATED {
         plant(Some(mutant));
         let caught = (1..=MAX_SEEDS).find_map(|seed| {
             let report = run(&Config::new(seed, STEPS));
