@@ -35,7 +35,9 @@ impl Primacy {
 
     /// Whether this member may admit now.
     pub fn is_live(&self) -> bool {
-        let revoked = self.revoked.load(Ordering::Acquire);
+        // Sequentially consistent with the revocation and the count of
+        // writes in flight (see `InflightCount::add`).
+        let revoked = self.revoked.load(Ordering::SeqCst);
         let until_ms = self.until_ms.load(Ordering::Acquire);
         fencegate_core::cluster::primacy_admits(
             self.clock.now_ms(),
@@ -52,7 +54,7 @@ impl Primacy {
 
     /// Primacy is lost for good.
     pub fn revoke(&self) {
-        self.revoked.store(true, Ordering::Release);
+        self.revoked.store(true, Ordering::SeqCst);
     }
 
     /// Whether [`Primacy::revoke`] was called (a deadline that passed does

@@ -133,8 +133,13 @@ impl InflightCount {
         &self.cells[(key >> 6 ^ key >> 12) % self.cells.len()].0
     }
 
+    /// Sequentially consistent, as [`InflightCount::count`] and the
+    /// primacy's revocation and check: a write admitted while a primary
+    /// hands its shard over either sees the primacy revoked (and is
+    /// refused) or is seen in flight by the handover's wait for it (the
+    /// same instruction as a relaxed add on x86).
     pub(super) fn add(&self, key: usize) {
-        self.cell(key).fetch_add(1, Ordering::Relaxed);
+        self.cell(key).fetch_add(1, Ordering::SeqCst);
     }
 
     pub(super) fn remove(&self, key: usize) {
@@ -142,7 +147,7 @@ impl InflightCount {
     }
 
     pub(super) fn count(&self) -> u64 {
-        let sum: i64 = self.cells.iter().map(|c| c.0.load(Ordering::Relaxed)).sum();
+        let sum: i64 = self.cells.iter().map(|c| c.0.load(Ordering::SeqCst)).sum();
         u64::try_from(sum).unwrap_or(0)
     }
 }
