@@ -549,7 +549,7 @@ fn auth_expired(message: &str) -> bool {
 }
 
 /// An error and all its causes, for a log line.
-fn cause(err: &dyn std::error::Error) -> String {
+pub(crate) fn cause(err: &dyn std::error::Error) -> String {
     let mut out = err.to_string();
     let mut source = err.source();
     while let Some(e) = source {

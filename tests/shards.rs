@@ -401,6 +401,8 @@ async fn a_killed_member_s_shards_move_and_come_back() {
         assert!(r.status.is_success(), "{}", r.text());
         held.push(h);
     }
+    // The loadtest runs against settled shards for a while before the kill
+    // (real time: it is a real process).
     tokio::time::sleep(Duration::from_secs(3)).await;
 
     let killed = Stopwatch::start();

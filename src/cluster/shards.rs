@@ -31,6 +31,7 @@ use crate::auth::Authenticator;
 use crate::backend::upstream::strip_hop_by_hop;
 use crate::body::{self, Body};
 use crate::error::{Problem, Reason};
+use crate::etcd::cause;
 use crate::metrics::ClusterStats;
 use crate::route::decode_path;
 use crate::wire::{FENCEGATE_FORWARDED, FENCEGATE_SHARD};
@@ -207,19 +208,6 @@ impl Forwarder {
             Err(_) => Problem::upstream_timeout(self.timeout.as_millis() as u64).into_response(),
         }
     }
-}
-
-/// An error with its causes (a pooled client's own message says only
-/// "client error (Connect)").
-fn cause(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(e) = source {
-        text.push_str(": ");
-        text.push_str(&e.to_string());
-        source = e.source();
-    }
-    text
 }
 
 /// Where a request for `/_fence/…` goes.
