@@ -4,6 +4,7 @@
 //! key-value store (the default) or an HTTP [`upstream`].
 
 pub mod embedded;
+mod h1;
 pub mod upstream;
 
 use std::convert::Infallible;

@@ -8,9 +8,11 @@
 //! dedicated upstream connection per client connection, opened on its first
 //! request and closed with it. HTTP/1.1 answers a connection's requests in
 //! order, so a dedicated connection is always free when the next request of
-//! its client arrives; it skips the pool's bookkeeping (see `benches/proxy.rs`
-//! for the measured difference). Requests that come without a client
-//! connection (in-process tests) use the pool.
+//! its client arrives; it skips the pool's bookkeeping, and is driven by the
+//! lean client of `h1.rs` rather than by a hyper connection task of its own
+//! (see `benches/proxy.rs` and `benches/versus-nginx.sh` for the measured
+//! difference). Requests that come without a client connection (in-process
+//! tests) use the pool.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -27,14 +29,14 @@ use http::header::{
 };
 use http::uri::{PathAndQuery, Uri};
 use http::{HeaderMap, Request, Response};
-use hyper::client::conn::http1::SendRequest;
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioExecutor;
 use tokio_rustls::rustls::ClientConfig;
 use tower::Service;
 
+use super::h1;
 use crate::body::{self, Body, BoxError};
 use crate::clock::Stopwatch;
 use crate::error::{Problem, Reason};
@@ -220,22 +222,9 @@ struct Peer {
     ip: HeaderValue,
     /// `for=…;proto=…` of `Forwarded` (RFC 7239).
     forwarded: String,
-    /// The idle dedicated upstream connection ([`ConnectionMode::PerClient`]).
-    upstream: Mutex<Option<Dedicated>>,
-}
-
-/// An upstream connection owned by one client connection; dropping it
-/// closes the connection.
-#[derive(Debug)]
-struct Dedicated {
-    sender: SendRequest<Body>,
-    driver: tokio::task::AbortHandle,
-}
-
-impl Drop for Dedicated {
-    fn drop(&mut self) {
-        self.driver.abort();
-    }
+    /// The idle dedicated upstream connection ([`ConnectionMode::PerClient`]);
+    /// an answer's body holds it while it streams, and puts it back.
+    upstream: Arc<h1::Slot>,
 }
 
 impl ClientAddr {
@@ -258,7 +247,7 @@ impl ClientAddr {
             https,
             ip,
             forwarded,
-            upstream: Mutex::new(None),
+            upstream: Arc::new(Mutex::new(None)),
         }))
     }
 }
@@ -453,114 +442,105 @@ impl Upstream {
 }
 
 impl Shared {
+    /// The absolute URL of the upstream request (the pooled client's form).
     fn target(&self, uri: &Uri) -> Result<Uri, http::Error> {
-        let pq: PathAndQuery = match (self.prefix.is_empty(), uri.path_and_query()) {
+        Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(self.target_path(uri)?)
+            .build()
+    }
+
+    /// The path and query of the upstream request: the base path joined
+    /// with the request's.
+    fn target_path(&self, uri: &Uri) -> Result<PathAndQuery, http::Error> {
+        Ok(match (self.prefix.is_empty(), uri.path_and_query()) {
             (true, Some(pq)) => pq.clone(),
             (true, None) => PathAndQuery::from_static("/"),
             (false, pq) => {
                 let pq = pq.map_or("/", PathAndQuery::as_str);
                 format!("{}{pq}", self.prefix).parse()?
             }
-        };
-        Uri::builder()
-            .scheme(self.scheme.clone())
-            .authority(self.authority.clone())
-            .path_and_query(pq)
-            .build()
+        })
     }
 
-    /// Tells the upstream who the client is, as configured. An existing
-    /// `X-Forwarded-For` is extended, as the header's convention is.
-    fn add_forwarded(&self, req: &mut Request<Body>) {
-        let Some(peer) = req.extensions().get::<ClientAddr>().cloned() else {
+    /// Tells the upstream who the client is, as configured: the lines to
+    /// add. An existing `X-Forwarded-For` is extended, as the header's
+    /// convention is.
+    fn forwarding(&self, req: &Request<Body>, added: &mut h1::Added) {
+        let Some(peer) = req.extensions().get::<ClientAddr>() else {
             return;
         };
         let peer = &*peer.0;
-        let host = req.headers().get(HOST).cloned();
-        let headers = req.headers_mut();
+        let headers = req.headers();
+        let host = headers.get(HOST);
         if self.x_forwarded {
             let xff = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
                 Some(prior) => HeaderValue::from_str(&format!("{prior}, {}", peer.addr.ip())).ok(),
                 None => Some(peer.ip.clone()),
             };
             if let Some(v) = xff {
-                headers.insert(X_FORWARDED_FOR, v);
+                added.push((X_FORWARDED_FOR, v, h1::Put::Replace));
             }
             let proto = if peer.https { "https" } else { "http" };
-            headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
-            if let Some(host) = host.clone() {
-                headers.insert(X_FORWARDED_HOST, host);
+            added.push((
+                X_FORWARDED_PROTO,
+                HeaderValue::from_static(proto),
+                h1::Put::Replace,
+            ));
+            if let Some(host) = host {
+                added.push((X_FORWARDED_HOST, host.clone(), h1::Put::Replace));
             }
         }
         if self.forwarded {
-            let value = match host.as_ref().and_then(|h| h.to_str().ok()) {
+            let value = match host.and_then(|h| h.to_str().ok()) {
                 Some(host) => format!("{};host=\"{host}\"", peer.forwarded),
                 None => peer.forwarded.clone(),
             };
             if let Ok(v) = HeaderValue::from_str(&value) {
-                headers.append(FORWARDED, v);
+                added.push((FORWARDED, v, h1::Put::Append));
             }
         }
     }
 
+    /// [`Self::forwarding`] applied to the request's own headers.
+    #[cfg(test)]
+    fn add_forwarded(&self, req: &mut Request<Body>) {
+        let mut added = h1::Added::new();
+        self.forwarding(req, &mut added);
+        h1::apply(req.headers_mut(), added);
+    }
+
     /// Sends `req` on the client connection's dedicated upstream connection,
-    /// opening one if it has none (or its old one closed). A request the old
-    /// connection refused unsent (it closed meanwhile) is sent once more on
-    /// a fresh one. The connection goes back to the slot once the response
-    /// head is in; on any error or a timeout it is dropped, and closed.
+    /// opening one if it has none (or the upstream closed its idle one
+    /// meanwhile: then nothing was sent on it). The answer's body holds the
+    /// connection and puts it back in the slot once read to its end; on any
+    /// error or a timeout it is dropped, and closed.
     async fn send_dedicated(
         &self,
-        slot: &Mutex<Option<Dedicated>>,
-        mut req: Request<Body>,
-    ) -> Result<Response<hyper::body::Incoming>, BoxError> {
-        // A bare connection writes the target as given: origin form, and the
-        // Host header the pooled client would set.
-        let pq = req.uri().path_and_query().cloned();
-        *req.uri_mut() = Uri::from(pq.unwrap_or_else(|| PathAndQuery::from_static("/")));
-        if !req.headers().contains_key(HOST) {
-            req.headers_mut().insert(HOST, self.host.clone());
-        }
-        let mut idle = slot
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-            .filter(|conn| !conn.sender.is_closed());
-        loop {
-            let reused = idle.is_some();
-            let mut conn = match idle.take() {
-                Some(conn) => conn,
-                None => self.connect().await?,
-            };
-            // A reused connection the upstream closed meanwhile refuses the
-            // request unsent: it goes once more, on a fresh connection.
-            if let Err(err) = conn.sender.ready().await {
-                if reused {
-                    continue;
-                }
-                return Err(err.into());
-            }
-            if let Some(Err(problem)) = req.extensions().get::<BeforeSend>().map(BeforeSend::check)
-            {
-                *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn);
-                return Err(Box::new(Withheld(problem)));
-            }
-            match conn.sender.try_send_request(req).await {
-                Ok(res) => {
-                    *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn);
-                    return Ok(res);
-                }
-                Err(mut err) => match err.take_message() {
-                    Some(unsent) if reused => req = unsent,
-                    _ => return Err(err.into_error().into()),
-                },
-            }
-        }
+        slot: &Arc<h1::Slot>,
+        req: Request<Body>,
+        added: &h1::Added,
+    ) -> Result<Response<Body>, BoxError> {
+        let mut idle = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let conn = match idle.take_if(|conn| conn.is_open()) {
+            Some(conn) => conn,
+            // Boxed: a connect (with TLS) is a large future, and a rare one;
+            // inline it would make every exchange's future that large.
+            None => Box::pin(self.connect()).await?,
+        };
+        let before = req.extensions().get::<BeforeSend>().cloned();
+        let check = move || match before.as_ref().map(BeforeSend::check) {
+            Some(Err(problem)) => Err(Box::new(Withheld(problem)) as BoxError),
+            _ => Ok(()),
+        };
+        conn.send(req, added, slot, check).await
     }
 
     /// A `HEAD` of the base path on a connection of its own, within the
     /// connect timeout (twice: connect, then answer): any answer is one.
     async fn probe(&self) -> Result<(), &'static str> {
-        let mut conn = self.connect().await.map_err(|e| failure_kind(&*e))?;
+        let conn = self.connect().await.map_err(|e| failure_kind(&*e))?;
         let path = if self.prefix.is_empty() {
             "/"
         } else {
@@ -570,15 +550,21 @@ impl Shared {
             .header(HOST, self.host.clone())
             .body(body::empty())
             .map_err(|_| "the exchange broke off")?;
-        match tokio::time::timeout(self.connect_timeout, conn.sender.send_request(req)).await {
+        let slot = Arc::new(Mutex::new(None));
+        match tokio::time::timeout(
+            self.connect_timeout,
+            conn.send(req, &h1::Added::new(), &slot, || Ok(())),
+        )
+        .await
+        {
             Ok(Ok(_answer)) => Ok(()),
-            Ok(Err(e)) => Err(failure_kind(&e)),
+            Ok(Err(e)) => Err(failure_kind(&*e)),
             Err(_) => Err("no answer in time"),
         }
     }
 
-    /// Opens a dedicated upstream connection, its driver on a task of its own.
-    async fn connect(&self) -> Result<Dedicated, BoxError> {
+    /// Opens a dedicated upstream connection.
+    async fn connect(&self) -> Result<h1::Conn, BoxError> {
         let stream = tokio::time::timeout(
             self.connect_timeout,
             tokio::net::TcpStream::connect(&self.dial),
@@ -587,7 +573,7 @@ impl Shared {
         .map_err(|_| format!("connecting to {} timed out", self.dial))??;
         stream.set_nodelay(true)?;
         let Some(tls) = &self.tls else {
-            return Self::handshake(TokioIo::new(stream), self.read_buffer).await;
+            return Ok(h1::Conn::new(h1::Stream::Tcp(stream), self.read_buffer));
         };
         let stream = tokio::time::timeout(
             self.connect_timeout,
@@ -595,30 +581,19 @@ impl Shared {
         )
         .await
         .map_err(|_| format!("the TLS handshake with {} timed out", self.dial))??;
-        Self::handshake(TokioIo::new(stream), self.read_buffer).await
-    }
-
-    /// Starts HTTP/1.1 on an open connection, its driver on a task of its own.
-    async fn handshake<T>(io: T, read_buffer: usize) -> Result<Dedicated, BoxError>
-    where
-        T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-    {
-        let (sender, conn) = hyper::client::conn::http1::Builder::new()
-            .max_buf_size(read_buffer)
-            .handshake(io)
-            .await?;
-        let driver = tokio::spawn(async move {
-            if let Err(err) = conn.await {
-                tracing::debug!(error = %err, "upstream connection ended with an error");
-            }
-        })
-        .abort_handle();
-        Ok(Dedicated { sender, driver })
+        Ok(h1::Conn::new(
+            h1::Stream::Tls(Box::new(stream)),
+            self.read_buffer,
+        ))
     }
 
     async fn forward(&self, mut req: Request<Body>) -> Response<Body> {
-        let client = match self.prepare(&mut req) {
-            Ok(client) => client,
+        let peer = match self.mode {
+            ConnectionMode::PerClient => req.extensions().get::<ClientAddr>().cloned(),
+            ConnectionMode::Pooled => None,
+        };
+        let (client, added) = match self.prepare(&mut req, peer.is_some()) {
+            Ok(prepared) => prepared,
             Err(problem) => return problem.into_response(),
         };
         let timeout_ms = req
@@ -626,17 +601,16 @@ impl Shared {
             .get::<RouteTimeout>()
             .map_or(self.timeout_ms, |t| t.0);
         let watch = Stopwatch::start();
-        let peer = match self.mode {
-            ConnectionMode::PerClient => req.extensions().get::<ClientAddr>().cloned(),
-            ConnectionMode::Pooled => None,
-        };
         let send = async {
             match &peer {
-                Some(peer) => self.send_dedicated(&peer.0.upstream, req).await,
+                Some(peer) => self.send_dedicated(&peer.0.upstream, req, &added).await,
                 // The pool connects inside: checked before it is asked.
                 None => match req.extensions().get::<BeforeSend>().map(BeforeSend::check) {
                     Some(Err(problem)) => Err(Box::new(Withheld(problem)) as BoxError),
-                    _ => self.client.request(req).await.map_err(BoxError::from),
+                    _ => match self.client.request(req).await {
+                        Ok(res) => Ok(res.map(body::boxed)),
+                        Err(e) => Err(BoxError::from(e)),
+                    },
                 },
             }
         };
@@ -666,16 +640,29 @@ impl Shared {
     }
 
     /// Readies `req` for the upstream: its target, hop-by-hop headers
-    /// removed, forwarding headers added, `Host` and `Destination` for the
-    /// upstream. The address the client used (its `Host`, and whether it
-    /// came over TLS), for translating absolute URLs back.
-    fn prepare(&self, req: &mut Request<Body>) -> Result<Option<(HeaderValue, bool)>, Problem> {
-        let uri = self
-            .target(req.uri())
+    /// removed, forwarding headers, `Host` and `Destination` for the
+    /// upstream. For a dedicated connection (`lean`), the target is left in
+    /// origin form and the header lines to add are returned, for the head
+    /// to be written with them rather than inserted (and rehashed) here;
+    /// for the pool they are inserted. Also the address the client used
+    /// (its `Host`, and whether it came over TLS), for translating absolute
+    /// URLs back.
+    #[allow(clippy::type_complexity)]
+    fn prepare(
+        &self,
+        req: &mut Request<Body>,
+        lean: bool,
+    ) -> Result<(Option<(HeaderValue, bool)>, h1::Added), Problem> {
+        let target = if lean {
+            self.target_path(req.uri()).map(Uri::from)
+        } else {
+            self.target(req.uri())
+        };
+        *req.uri_mut() = target
             .map_err(|_| Problem::invalid_request("the request target cannot be forwarded"))?;
-        *req.uri_mut() = uri;
         strip_hop_by_hop(req.headers_mut());
-        self.add_forwarded(req);
+        let mut added = h1::Added::new();
+        self.forwarding(req, &mut added);
         // The address the client used (its Host header, and whether it came
         // over TLS), for translating absolute URLs both ways. A cheap clone;
         // the origin string is made only when a header needs it.
@@ -687,36 +674,46 @@ impl Shared {
             (host, https)
         });
         if !self.preserve_host {
-            // The client sets Host from the upstream URL. A WebDAV
-            // Destination naming the proxy then names the upstream instead,
-            // as servers check it against the Host they were sent.
-            req.headers_mut().remove(HOST);
+            // Host names the upstream (the pool's client sets it from the
+            // URL). A WebDAV Destination naming the proxy then names the
+            // upstream instead, as servers check it against the Host they
+            // were sent.
+            if lean {
+                added.push((HOST, self.host.clone(), h1::Put::Replace));
+            } else {
+                req.headers_mut().remove(HOST);
+            }
             if let (true, Some(client)) = (req.headers().contains_key(DESTINATION), &client) {
                 if let Some(origin) = client_origin(client) {
                     rebase(req.headers_mut(), &DESTINATION, &origin, &self.origin);
                 }
             }
+        } else if lean && client.is_none() {
+            // A request without Host (HTTP/1.0): the upstream's, as the
+            // pool's client sets it.
+            added.push((HOST, self.host.clone(), h1::Put::Replace));
         }
-        Ok(client)
+        if lean {
+            return Ok((client, added));
+        }
+        h1::apply(req.headers_mut(), added);
+        Ok((client, h1::Added::new()))
     }
 
     /// The upstream's answer, relayed: hop-by-hop headers removed, and a
     /// redirect that names the upstream's own address made to name the
     /// proxy instead (nginx's `proxy_redirect default`).
-    fn relay(
-        &self,
-        res: Response<hyper::body::Incoming>,
-        client: Option<&(HeaderValue, bool)>,
-    ) -> Response<Body> {
-        let (mut parts, incoming) = res.into_parts();
+    fn relay(&self, res: Response<Body>, client: Option<&(HeaderValue, bool)>) -> Response<Body> {
+        let (mut parts, body) = res.into_parts();
         strip_hop_by_hop(&mut parts.headers);
         let located =
             parts.headers.contains_key(LOCATION) || parts.headers.contains_key(CONTENT_LOCATION);
-        if let (true, Some(origin)) = (located, client.and_then(client_origin)) {
+        // The origin string is made only for an answer that needs it.
+        if let Some(origin) = located.then(|| client.and_then(client_origin)).flatten() {
             rebase(&mut parts.headers, &LOCATION, &self.origin, &origin);
             rebase(&mut parts.headers, &CONTENT_LOCATION, &self.origin, &origin);
         }
-        Response::from_parts(parts, body::boxed(incoming))
+        Response::from_parts(parts, body)
     }
 
     /// The answer when the exchange with the upstream failed; its outcome

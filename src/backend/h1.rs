@@ -1,0 +1,996 @@
+//! The lean HTTP/1.1 client of a dedicated upstream connection: one
+//! exchange at a time on a connection fencegate owns, with no task of its
+//! own.
+//!
+//! The upstream is the user's own storage, a trusted peer, and the request
+//! arrives already parsed and checked by hyper's server: its head is
+//! written from those parts in one write together with the first piece of
+//! its body, and the answer's head is parsed with `httparse` and relayed,
+//! its body streamed to the client as it comes, the connection going back
+//! to its client connection's slot once the body ended. The rules are
+//! hyper's client's (`hyper::proto::h1::role::Client`), which the pooled
+//! mode still uses; `tests/upstream_h1.rs` sends both the same corpus of
+//! answers and compares what each relays and what the backend received:
+//! - the request: `Content-Length` as the client sent it, else the body's
+//!   exact size, else chunked (no body for a `GET`, `HEAD` or `CONNECT` of
+//!   unknown length); an HTTP/1.0 request never chunks and never keeps the
+//!   connection;
+//! - the answer's body (RFC 9112 §6.3): none for `HEAD`, 1xx, 204 and 304;
+//!   chunked when `Transfer-Encoding` ends in `chunked`, to the close when
+//!   it does not; else `Content-Length` (several equal values are one; an
+//!   invalid one fails the exchange); else to the close;
+//! - interim answers (100, 102-199) are skipped; 101 (and a 2xx to
+//!   `CONNECT`) ends the exchange with no body and the connection;
+//! - the connection is reused after an HTTP/1.1 answer without
+//!   `Connection: close`, or an HTTP/1.0 one with `Connection: keep-alive`,
+//!   once its body was read to the end with nothing after it.
+//!
+//! One difference, on purpose: an answer the upstream sends while the
+//! request body is still being written is read once that write is done or
+//! failed (a backend that answers early and closes is relayed; one that
+//! answers early and neither reads nor closes meets the upstream timeout).
+
+use std::future::Future;
+use std::io;
+use std::mem::MaybeUninit;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Version};
+use http_body::{Body as _, Frame, SizeHint};
+use http_body_util::BodyExt;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+
+use crate::body::{Body, BoxError};
+
+/// The most header lines an answer or its trailers may have (hyper's
+/// limit).
+const MAX_HEADERS: usize = 100;
+
+/// The most bytes of a chunk-size line, and of a chunked body's trailers
+/// (hyper's limit for each).
+const CHUNK_LINE_LIMIT: usize = 16 * 1024;
+
+/// A first body piece up to this size goes in the same write as the head.
+const COALESCE: usize = 16 * 1024;
+
+/// Header lines a request gets beyond its own, in order.
+pub(crate) type Added = smallvec::SmallVec<[(HeaderName, HeaderValue, Put); 5]>;
+
+/// How an added line meets the request's own lines of its name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Put {
+    /// It takes their place.
+    Replace,
+    /// It follows them.
+    Append,
+}
+
+/// Puts `added` into a header map (for hyper's client, which writes the
+/// map as it is).
+pub(crate) fn apply(headers: &mut HeaderMap, added: Added) {
+    for (name, value, put) in added {
+        match put {
+            Put::Replace => {
+                headers.insert(name, value);
+            }
+            Put::Append => {
+                headers.append(name, value);
+            }
+        }
+    }
+}
+
+/// Where an idle connection waits for its client connection's next
+/// request.
+pub(crate) type Slot = Mutex<Option<Conn>>;
+
+/// The connection to the upstream, plain or TLS.
+pub(crate) enum Stream {
+    Tcp(TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+/// An exchange that broke the protocol or ended early; its words are
+/// hyper's, which the failure's kind (`upstream::failure_kind`) reads.
+#[derive(Debug)]
+pub(crate) struct Broken(pub &'static str);
+
+impl std::fmt::Display for Broken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl std::error::Error for Broken {}
+
+fn closed_early() -> BoxError {
+    Box::new(Broken("connection closed before message completed"))
+}
+
+/// One upstream connection and its buffers.
+pub(crate) struct Conn {
+    io: Stream,
+    /// Bytes read and not yet used.
+    buf: BytesMut,
+    /// The request head being written (kept for its capacity).
+    out: Vec<u8>,
+    /// The most an answer's head may take, and the most read at once.
+    max_buf: usize,
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conn")
+            .field("buffered", &self.buf.len())
+            .finish()
+    }
+}
+
+/// What the buffer holds of an answer's head.
+enum Parsed {
+    /// A whole final head, how its body is read, and whether the
+    /// connection may be reused after it.
+    Head(Response<()>, Reading, bool),
+    /// An interim (1xx) head, now consumed.
+    Interim,
+    /// Not a whole head yet.
+    Partial,
+}
+
+/// How the request body is sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Sending {
+    /// Exactly this many bytes (0: none, the body left unread).
+    Length(u64),
+    Chunked,
+}
+
+/// How the answer's body is read.
+#[derive(Debug)]
+enum Reading {
+    Length(u64),
+    Chunked(Chunk),
+    /// To the end of the connection.
+    Close,
+    Done,
+}
+
+/// Where a chunked body is.
+#[derive(Debug, Clone, Copy)]
+enum Chunk {
+    /// Before a chunk-size line.
+    Size,
+    /// Inside a chunk's data, this many bytes left.
+    Data(u64),
+    /// After a chunk's data, before its CRLF.
+    DataEnd,
+    /// After the last chunk: trailers and the final CRLF.
+    Trailers,
+}
+
+impl Conn {
+    pub(crate) fn new(io: Stream, max_buf: usize) -> Self {
+        Self {
+            io,
+            buf: BytesMut::new(),
+            out: Vec::new(),
+            max_buf,
+        }
+    }
+
+    /// Whether an idle connection can take a request: the upstream has
+    /// neither closed it nor sent anything since the last answer. Never
+    /// waits (it asks the socket, not the runtime).
+    pub(crate) fn is_open(&mut self) -> bool {
+        if !self.buf.is_empty() {
+            return false;
+        }
+        let mut byte = [0u8; 1];
+        let mut probe = ReadBuf::new(&mut byte);
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        // Pending: nothing arrived; anything else is a close, a failure or
+        // bytes nobody asked for.
+        Pin::new(&mut self.io)
+            .poll_read(&mut cx, &mut probe)
+            .is_pending()
+    }
+
+    /// Sends `req`, its head with the `added` lines, and reads the answer's
+    /// head; the answer's body owns the
+    /// connection and puts it back in `home` once read to its end (at once
+    /// when there is none). `check` runs right before the first byte is
+    /// written: its error is returned with nothing sent, and the
+    /// connection goes home.
+    pub(crate) async fn send(
+        mut self,
+        req: Request<Body>,
+        added: &Added,
+        home: &Arc<Slot>,
+        check: impl FnOnce() -> Result<(), BoxError>,
+    ) -> Result<Response<Body>, BoxError> {
+        let (mut parts, mut body) = req.into_parts();
+        let http10 = parts.version == Version::HTTP_10;
+        let sending = if body.is_end_stream() {
+            parts.headers.remove(TRANSFER_ENCODING);
+            Sending::Length(0)
+        } else {
+            framing(&parts.method, &mut parts.headers, &body, http10)
+        };
+        self.out.clear();
+        encode_head(&mut self.out, &parts, added, http10);
+        // Only the method is needed from here on (a smaller future).
+        let method = parts.method;
+        // The first piece of the body, to go with the head.
+        let mut first = None;
+        let mut ended = sending == Sending::Length(0);
+        if !ended {
+            match next_data(&mut body).await? {
+                Some(data) => {
+                    ended = body.is_end_stream();
+                    first = Some(data);
+                }
+                None => ended = true,
+            }
+        }
+        if let Err(e) = check() {
+            self.go_home(home);
+            return Err(e);
+        }
+        let mut sent: u64 = 0;
+        if let Some(data) = first.take() {
+            sent += data.len() as u64;
+            if matches!(sending, Sending::Length(n) if sent > n) {
+                return Err(Box::new(Broken("request body longer than its length")));
+            }
+            if data.len() <= COALESCE {
+                put_data(&mut self.out, sending, &data);
+                if ended && sending == Sending::Chunked {
+                    self.out.extend_from_slice(b"0\r\n\r\n");
+                }
+            } else {
+                first = Some(data);
+            }
+        } else if ended && sending == Sending::Chunked {
+            self.out.extend_from_slice(b"0\r\n\r\n");
+        }
+        let mut written = self.io.write_all(&self.out).await;
+        if written.is_ok() {
+            written = self
+                .write_body(body, first, ended, sending, &mut sent)
+                .await?;
+        }
+        if written.is_ok() {
+            // TLS may hold the last record back until asked (TCP: nothing).
+            written = self.io.flush().await;
+        }
+        if let Err(e) = written {
+            // An answer sent before the upstream closed (a 413 for a body
+            // it would not take) is relayed; otherwise the write's error.
+            return match self.read_head(&method, true).await {
+                Ok((res, reading, _)) => Ok(self.answer(res, reading, false, home)),
+                Err(_) => Err(e.into()),
+            };
+        }
+        if matches!(sending, Sending::Length(n) if sent < n) {
+            return Err(Box::new(Broken("request body ended early")));
+        }
+        let (res, reading, keep_alive) = self.read_head(&method, false).await?;
+        Ok(self.answer(res, reading, keep_alive && !http10, home))
+    }
+
+    /// Writes the rest of the body after its first piece. `Err` of the
+    /// outer result: the client's body failed (its error, for the caller to
+    /// tell apart); of the inner one: the write failed.
+    async fn write_body(
+        &mut self,
+        mut body: Body,
+        first: Option<Bytes>,
+        mut ended: bool,
+        sending: Sending,
+        sent: &mut u64,
+    ) -> Result<io::Result<()>, BoxError> {
+        if let Some(data) = first {
+            if let Err(e) = self.write_data(sending, &data, ended).await {
+                return Ok(Err(e));
+            }
+        }
+        while !ended {
+            match next_data(&mut body).await? {
+                Some(data) => {
+                    *sent += data.len() as u64;
+                    if let Sending::Length(n) = sending {
+                        if *sent > n {
+                            return Err(Box::new(Broken("request body longer than its length")));
+                        }
+                    }
+                    ended = body.is_end_stream();
+                    if let Err(e) = self.write_data(sending, &data, ended).await {
+                        return Ok(Err(e));
+                    }
+                }
+                None => {
+                    ended = true;
+                    if sending == Sending::Chunked {
+                        if let Err(e) = self.io.write_all(b"0\r\n\r\n").await {
+                            return Ok(Err(e));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Ok(()))
+    }
+
+    /// Writes one piece of the body (and the last chunk, if it `ends` a
+    /// chunked body).
+    async fn write_data(&mut self, sending: Sending, data: &[u8], ends: bool) -> io::Result<()> {
+        if sending == Sending::Length(0) {
+            return Ok(());
+        }
+        let last: &[u8] = match (sending, ends) {
+            (Sending::Chunked, true) => b"0\r\n\r\n",
+            _ => b"",
+        };
+        if data.len() > COALESCE {
+            if sending == Sending::Chunked {
+                self.out.clear();
+                chunk_line(&mut self.out, data.len());
+                self.io.write_all(&self.out).await?;
+                self.io.write_all(data).await?;
+                self.out.clear();
+                self.out.extend_from_slice(b"\r\n");
+                self.out.extend_from_slice(last);
+                return self.io.write_all(&self.out).await;
+            }
+            return self.io.write_all(data).await;
+        }
+        // One write for the piece and its framing.
+        self.out.clear();
+        put_data(&mut self.out, sending, data);
+        self.out.extend_from_slice(last);
+        self.io.write_all(&self.out).await
+    }
+
+    /// Reads the answer's head, skipping interim ones. `salvage`: only what
+    /// the upstream sent before a failed write, never waiting for more.
+    async fn read_head(
+        &mut self,
+        method: &Method,
+        salvage: bool,
+    ) -> Result<(Response<()>, Reading, bool), BoxError> {
+        loop {
+            match self.parse_head(method)? {
+                Parsed::Head(head, reading, keep_alive) => return Ok((head, reading, keep_alive)),
+                Parsed::Interim => continue,
+                Parsed::Partial => {}
+            }
+            if self.buf.len() >= self.max_buf {
+                return Err(Box::new(Broken("message head is too large")));
+            }
+            self.buf.reserve(self.max_buf.min(8192));
+            let n = if salvage {
+                let buf = &mut self.buf;
+                let io = &mut self.io;
+                std::future::poll_fn(|cx| {
+                    let read = std::pin::pin!(io.read_buf(buf));
+                    match read.poll(cx) {
+                        Poll::Pending => Poll::Ready(Ok(0)),
+                        other => other,
+                    }
+                })
+                .await?
+            } else {
+                self.io.read_buf(&mut self.buf).await?
+            };
+            if n == 0 {
+                return Err(closed_early());
+            }
+        }
+    }
+
+    /// Parses one head from the buffer.
+    fn parse_head(&mut self, method: &Method) -> Result<Parsed, BoxError> {
+        if self.buf.is_empty() {
+            return Ok(Parsed::Partial);
+        }
+        let mut lines = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+        let mut res = httparse::Response::new(&mut []);
+        let base = self.buf.as_ptr() as usize;
+        let len = match httparse::ParserConfig::default()
+            .parse_response_with_uninit_headers(&mut res, &self.buf, &mut lines)
+        {
+            Ok(httparse::Status::Complete(len)) => len,
+            Ok(httparse::Status::Partial) => return Ok(Parsed::Partial),
+            Err(e) => return Err(Box::new(e)),
+        };
+        let code = res.code.unwrap_or(0);
+        let status = StatusCode::from_u16(code).map_err(|_| Broken("invalid status code"))?;
+        let version = if res.version == Some(1) {
+            Version::HTTP_11
+        } else {
+            Version::HTTP_10
+        };
+        let reason = res
+            .reason
+            .filter(|r| Some(*r) != status.canonical_reason())
+            .map(|r| (r.as_ptr() as usize - base, r.len()));
+        // Where each line lies in the buffer, to slice it once frozen.
+        let mut spans: smallvec::SmallVec<[(usize, usize, usize, usize); 24]> =
+            smallvec::SmallVec::with_capacity(res.headers.len());
+        for h in res.headers.iter() {
+            spans.push((
+                h.name.as_ptr() as usize - base,
+                h.name.len(),
+                h.value.as_ptr() as usize - base,
+                h.value.len(),
+            ));
+        }
+        let head = self.buf.split_to(len).freeze();
+        if matches!(code, 100 | 102..=199) {
+            return Ok(Parsed::Interim);
+        }
+        // Room for the lines fencegate adds to an answer (its request id).
+        let mut headers = HeaderMap::with_capacity(spans.len() + 2);
+        let mut keep_alive = version == Version::HTTP_11;
+        let mut saw_close = false;
+        for (n, nl, v, vl) in spans {
+            let name = HeaderName::from_bytes(&head[n..n + nl])
+                .map_err(|_| Broken("invalid header name"))?;
+            let value = HeaderValue::from_maybe_shared(head.slice(v..v + vl))
+                .map_err(|_| Broken("invalid header value"))?;
+            if name == CONNECTION {
+                if saw_close || has_token(&value, "close") {
+                    saw_close = true;
+                    keep_alive = false;
+                } else if !keep_alive {
+                    keep_alive = has_token(&value, "keep-alive");
+                }
+            }
+            headers.append(name, value);
+        }
+        let (reading, upgrade) = decoder(code, method, version, &headers)?;
+        let mut res = Response::new(());
+        *res.status_mut() = status;
+        *res.version_mut() = version;
+        *res.headers_mut() = headers;
+        if let Some((at, len)) = reason {
+            if let Ok(phrase) = hyper::ext::ReasonPhrase::try_from(head.slice(at..at + len)) {
+                res.extensions_mut().insert(phrase);
+            }
+        }
+        Ok(Parsed::Head(res, reading, keep_alive && !upgrade))
+    }
+
+    /// The answer with its body; the connection goes home now if the
+    /// answer has no body and may be reused.
+    fn answer(
+        self,
+        head: Response<()>,
+        reading: Reading,
+        keep_alive: bool,
+        home: &Arc<Slot>,
+    ) -> Response<Body> {
+        let (parts, ()) = head.into_parts();
+        let body = match reading {
+            Reading::Done | Reading::Length(0) => {
+                if keep_alive {
+                    self.go_home(home);
+                }
+                crate::body::empty()
+            }
+            reading => crate::body::boxed(Incoming {
+                conn: Some(self),
+                reading,
+                keep_alive,
+                home: Arc::downgrade(home),
+            }),
+        };
+        Response::from_parts(parts, body)
+    }
+
+    /// Back to the slot, if nothing unexpected is buffered.
+    fn go_home(mut self, home: &Slot) {
+        if self.buf.is_empty() {
+            self.buf = BytesMut::new();
+            *home.lock().unwrap_or_else(|p| p.into_inner()) = Some(self);
+        }
+    }
+}
+
+/// How a request body of unknown framing is sent, and its headers to
+/// match (hyper's `Client::set_length`).
+fn framing(method: &Method, headers: &mut HeaderMap, body: &Body, http10: bool) -> Sending {
+    let stated = content_length(headers);
+    let exact = body.size_hint().exact();
+    if http10 {
+        headers.remove(TRANSFER_ENCODING);
+        return match (stated, exact) {
+            (Some(Ok(n)), _) => Sending::Length(n),
+            (_, Some(n)) => {
+                headers.insert(CONTENT_LENGTH, HeaderValue::from(n));
+                Sending::Length(n)
+            }
+            _ => Sending::Length(0),
+        };
+    }
+    if let Some(Ok(n)) = stated {
+        return Sending::Length(n);
+    }
+    match exact {
+        Some(n) => {
+            headers.insert(CONTENT_LENGTH, HeaderValue::from(n));
+            Sending::Length(n)
+        }
+        None if matches!(*method, Method::GET | Method::HEAD | Method::CONNECT) => {
+            Sending::Length(0)
+        }
+        None => {
+            headers.remove(CONTENT_LENGTH);
+            headers.insert(TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+            Sending::Chunked
+        }
+    }
+}
+
+/// The head of a request, in HTTP/1.1's words.
+fn encode_head(out: &mut Vec<u8>, parts: &http::request::Parts, added: &Added, http10: bool) {
+    out.extend_from_slice(parts.method.as_str().as_bytes());
+    out.push(b' ');
+    match parts.uri.path_and_query() {
+        Some(pq) => out.extend_from_slice(pq.as_str().as_bytes()),
+        None => out.push(b'/'),
+    }
+    out.extend_from_slice(if http10 {
+        b" HTTP/1.0\r\n"
+    } else {
+        b" HTTP/1.1\r\n"
+    });
+    let line = |out: &mut Vec<u8>, name: &HeaderName, value: &HeaderValue| {
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    };
+    for (name, value) in &parts.headers {
+        if !added
+            .iter()
+            .any(|(n, _, put)| *put == Put::Replace && n == name)
+        {
+            line(out, name, value);
+        }
+    }
+    for (name, value, _) in added {
+        line(out, name, value);
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Appends a body piece in the request's framing.
+fn put_data(out: &mut Vec<u8>, sending: Sending, data: &[u8]) {
+    if data.is_empty() {
+        return;
+    }
+    if sending == Sending::Chunked {
+        chunk_line(out, data.len());
+        out.extend_from_slice(data);
+        out.extend_from_slice(b"\r\n");
+    } else {
+        out.extend_from_slice(data);
+    }
+}
+
+/// Appends a chunk-size line for `len` bytes.
+fn chunk_line(out: &mut Vec<u8>, len: usize) {
+    let digits = (usize::BITS - len.leading_zeros()).div_ceil(4).max(1);
+    for i in (0..digits).rev() {
+        out.push(b"0123456789ABCDEF"[(len >> (4 * i)) & 0xF]);
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+/// The next non-empty data of a request body (trailers are dropped, as
+/// hyper's client drops those no `Trailer` header announced, and
+/// `Trailer` is hop-by-hop).
+async fn next_data(body: &mut Body) -> Result<Option<Bytes>, BoxError> {
+    loop {
+        match body.frame().await {
+            None => return Ok(None),
+            Some(frame) => {
+                if let Ok(data) = frame?.into_data() {
+                    if !data.is_empty() {
+                        return Ok(Some(data));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `Content-Length`: `None` if absent, `Some(Err)` if invalid (values that
+/// are not all the same number).
+fn content_length(headers: &HeaderMap) -> Option<Result<u64, ()>> {
+    let mut found: Option<u64> = None;
+    let mut any = false;
+    for value in headers.get_all(CONTENT_LENGTH) {
+        any = true;
+        let Ok(line) = value.to_str() else {
+            return Some(Err(()));
+        };
+        for part in line.split(',') {
+            let part = part.trim();
+            if part.is_empty() || !part.bytes().all(|b| b.is_ascii_digit()) {
+                return Some(Err(()));
+            }
+            let Ok(n) = part.parse::<u64>() else {
+                return Some(Err(()));
+            };
+            match found {
+                Some(m) if m != n => return Some(Err(())),
+                _ => found = Some(n),
+            }
+        }
+    }
+    match found {
+        Some(n) => Some(Ok(n)),
+        None if any => Some(Err(())),
+        None => None,
+    }
+}
+
+/// Whether a `Connection` value lists `token`.
+fn has_token(value: &HeaderValue, token: &str) -> bool {
+    value
+        .to_str()
+        .is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
+}
+
+/// How the answer's body is framed (RFC 9112 §6.3, as hyper's
+/// `Client::decoder`), and whether it ends the connection as an upgrade.
+fn decoder(
+    code: u16,
+    method: &Method,
+    version: Version,
+    headers: &HeaderMap,
+) -> Result<(Reading, bool), BoxError> {
+    match code {
+        101 => return Ok((Reading::Done, true)),
+        204 | 304 => return Ok((Reading::Done, false)),
+        _ => {}
+    }
+    if *method == Method::HEAD {
+        return Ok((Reading::Done, false));
+    }
+    if *method == Method::CONNECT && (200..300).contains(&code) {
+        return Ok((Reading::Done, true));
+    }
+    if headers.contains_key(TRANSFER_ENCODING) {
+        if version == Version::HTTP_10 {
+            return Err(Box::new(Broken(
+                "unexpected transfer-encoding parsed in an HTTP/1.0 answer",
+            )));
+        }
+        let chunked = headers
+            .get_all(TRANSFER_ENCODING)
+            .iter()
+            .next_back()
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.rsplit(',').next())
+            .is_some_and(|last| last.trim().eq_ignore_ascii_case("chunked"));
+        return Ok((
+            if chunked {
+                Reading::Chunked(Chunk::Size)
+            } else {
+                Reading::Close
+            },
+            false,
+        ));
+    }
+    match content_length(headers) {
+        Some(Ok(n)) => Ok((Reading::Length(n), false)),
+        Some(Err(())) => Err(Box::new(Broken("invalid content-length parsed"))),
+        None => Ok((Reading::Close, false)),
+    }
+}
+
+/// An answer's body, read from the connection as the client takes it.
+struct Incoming {
+    /// `None` once the body ended.
+    conn: Option<Conn>,
+    reading: Reading,
+    keep_alive: bool,
+    home: Weak<Slot>,
+}
+
+impl Incoming {
+    /// The body ended: the connection goes home if it may be reused.
+    fn end(&mut self) {
+        self.reading = Reading::Done;
+        if let Some(conn) = self.conn.take() {
+            if self.keep_alive {
+                if let Some(home) = self.home.upgrade() {
+                    conn.go_home(&home);
+                }
+            }
+        }
+    }
+
+    /// Reads more into the buffer: `Ok(0)` at the end of the connection.
+    fn poll_fill(&mut self, cx: &mut Context<'_>, want: u64) -> Poll<io::Result<usize>> {
+        let Some(conn) = self.conn.as_mut() else {
+            return Poll::Ready(Ok(0));
+        };
+        let room = (conn.max_buf as u64).min(want.max(1)) as usize;
+        conn.buf.reserve(room);
+        let read = std::pin::pin!(conn.io.read_buf(&mut conn.buf));
+        read.poll(cx)
+    }
+
+    fn buf(&mut self) -> &mut BytesMut {
+        &mut self
+            .conn
+            .as_mut()
+            .expect("a body being read has its connection")
+            .buf
+    }
+
+    /// The next frame of a chunked body: `Ready(None)` to read more first.
+    fn chunked(&mut self, state: Chunk) -> Result<Option<Option<Frame<Bytes>>>, BoxError> {
+        match state {
+            Chunk::Size => {
+                let buf = self.buf();
+                let Some(end) = memchr::memchr(b'\n', buf) else {
+                    if buf.len() > CHUNK_LINE_LIMIT {
+                        return Err(Box::new(Broken("chunk size line too long")));
+                    }
+                    return Ok(None);
+                };
+                let size = chunk_size(&buf[..=end])?;
+                buf.advance(end + 1);
+                self.reading = Reading::Chunked(if size == 0 {
+                    Chunk::Trailers
+                } else {
+                    Chunk::Data(size)
+                });
+                Ok(Some(None))
+            }
+            Chunk::Data(left) => {
+                let buf = self.buf();
+                if buf.is_empty() {
+                    return Ok(None);
+                }
+                let n = (buf.len() as u64).min(left) as usize;
+                let data = buf.split_to(n).freeze();
+                self.reading = Reading::Chunked(if left == n as u64 {
+                    Chunk::DataEnd
+                } else {
+                    Chunk::Data(left - n as u64)
+                });
+                Ok(Some(Some(Frame::data(data))))
+            }
+            Chunk::DataEnd => {
+                let buf = self.buf();
+                if buf.len() < 2 {
+                    return Ok(None);
+                }
+                if &buf[..2] != b"\r\n" {
+                    return Err(Box::new(Broken(
+                        "invalid chunk body: no CRLF after the data",
+                    )));
+                }
+                buf.advance(2);
+                self.reading = Reading::Chunked(Chunk::Size);
+                Ok(Some(None))
+            }
+            Chunk::Trailers => {
+                let buf = self.buf();
+                if buf.starts_with(b"\r\n") {
+                    buf.advance(2);
+                    self.end();
+                    return Ok(Some(None));
+                }
+                let Some(at) = memchr::memmem::find(buf, b"\r\n\r\n") else {
+                    if buf.len() > CHUNK_LINE_LIMIT {
+                        return Err(Box::new(Broken("chunk trailers too large")));
+                    }
+                    return Ok(None);
+                };
+                let block = buf.split_to(at + 4).freeze();
+                let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS];
+                let trailers = match httparse::parse_headers(&block, &mut lines) {
+                    Ok(httparse::Status::Complete((_, lines))) => {
+                        let mut map = HeaderMap::with_capacity(lines.len());
+                        for line in lines {
+                            let name = HeaderName::from_bytes(line.name.as_bytes())
+                                .map_err(|_| Broken("invalid trailer name"))?;
+                            let value = HeaderValue::from_maybe_shared(block.slice_ref(line.value))
+                                .map_err(|_| Broken("invalid trailer value"))?;
+                            map.append(name, value);
+                        }
+                        map
+                    }
+                    _ => return Err(Box::new(Broken("invalid chunk trailers"))),
+                };
+                self.end();
+                Ok(Some(Some(Frame::trailers(trailers))))
+            }
+        }
+    }
+}
+
+/// The size of a chunk from its line (with its CRLF): hex digits, then
+/// optional whitespace and extensions, which are ignored.
+fn chunk_size(line: &[u8]) -> Result<u64, BoxError> {
+    let bad = || -> BoxError { Box::new(Broken("invalid chunk size line")) };
+    let line = line.strip_suffix(b"\r\n").ok_or_else(bad)?;
+    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+    if digits == 0 {
+        return Err(bad());
+    }
+    let mut size: u64 = 0;
+    for &b in &line[..digits] {
+        let d = (b as char).to_digit(16).ok_or_else(bad)?;
+        size = size
+            .checked_mul(16)
+            .and_then(|s| s.checked_add(u64::from(d)))
+            .ok_or_else(|| -> BoxError { Box::new(Broken("invalid chunk size: overflow")) })?;
+    }
+    let rest = &line[digits..];
+    let rest = &rest[rest
+        .iter()
+        .take_while(|b| matches!(b, b' ' | b'\t'))
+        .count()..];
+    if !(rest.is_empty() || rest[0] == b';') || rest.contains(&b'\r') || rest.contains(&b'\n') {
+        return Err(bad());
+    }
+    Ok(size)
+}
+
+impl http_body::Body for Incoming {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        loop {
+            match this.reading {
+                Reading::Done => return Poll::Ready(None),
+                Reading::Length(left) => {
+                    let buf = this.buf();
+                    if !buf.is_empty() {
+                        let n = (buf.len() as u64).min(left) as usize;
+                        let data = buf.split_to(n).freeze();
+                        if left == n as u64 {
+                            this.end();
+                        } else {
+                            this.reading = Reading::Length(left - n as u64);
+                        }
+                        return Poll::Ready(Some(Ok(Frame::data(data))));
+                    }
+                    match std::task::ready!(this.poll_fill(cx, left)) {
+                        Ok(0) => {
+                            this.conn = None;
+                            this.reading = Reading::Done;
+                            return Poll::Ready(Some(Err(closed_early())));
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            this.conn = None;
+                            this.reading = Reading::Done;
+                            return Poll::Ready(Some(Err(e.into())));
+                        }
+                    }
+                }
+                Reading::Close => {
+                    let buf = this.buf();
+                    if !buf.is_empty() {
+                        let data = buf.split().freeze();
+                        return Poll::Ready(Some(Ok(Frame::data(data))));
+                    }
+                    let read = std::task::ready!(this.poll_fill(cx, u64::MAX));
+                    match read {
+                        Ok(0) => {
+                            // The end of the connection is the end of the body.
+                            this.conn = None;
+                            this.reading = Reading::Done;
+                            return Poll::Ready(None);
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            this.conn = None;
+                            this.reading = Reading::Done;
+                            return Poll::Ready(Some(Err(e.into())));
+                        }
+                    }
+                }
+                Reading::Chunked(state) => match this.chunked(state) {
+                    Ok(Some(Some(frame))) => return Poll::Ready(Some(Ok(frame))),
+                    Ok(Some(None)) => {}
+                    Ok(None) => {
+                        let want = match state {
+                            Chunk::Data(left) => left,
+                            _ => 8192,
+                        };
+                        match std::task::ready!(this.poll_fill(cx, want)) {
+                            Ok(0) => {
+                                this.conn = None;
+                                this.reading = Reading::Done;
+                                return Poll::Ready(Some(Err(closed_early())));
+                            }
+                            Ok(_) => {}
+                            Err(e) => {
+                                this.conn = None;
+                                this.reading = Reading::Done;
+                                return Poll::Ready(Some(Err(e.into())));
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        this.conn = None;
+                        this.reading = Reading::Done;
+                        return Poll::Ready(Some(Err(e)));
+                    }
+                },
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self.reading, Reading::Done)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.reading {
+            Reading::Length(n) => SizeHint::with_exact(n),
+            Reading::Done => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
+}
