@@ -17,7 +17,9 @@
 # requests, zeroes the counters, sends REQUESTS sequential requests on one
 # keep-alive connection (PUTs of 64 bytes; a POST without a body for a path
 # ending in /renew), and divides the instruction count by REQUESTS.
-# Needs valgrind, curl and python3. Kernel time is not counted.
+# Needs valgrind, curl and python3. Kernel time is not counted. With
+# CALLGRIND_OUT=FILE set, the profile is kept there, for
+# `callgrind_annotate --inclusive=yes FILE`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 path=${1:-/kv/bench/1}
@@ -54,4 +56,5 @@ callgrind_control -d "$fencegate" >/dev/null 2>&1
 sleep 0.5
 dump=$(ls -t "$work"/callgrind.out.*.1 | head -1)
 total=$(callgrind_annotate "$dump" 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
+[[ -n "${CALLGRIND_OUT:-}" ]] && cp "$dump" "$CALLGRIND_OUT"
 echo "$path: $((total / requests)) instructions per request ($requests requests${*:+, $*})"

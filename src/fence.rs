@@ -78,10 +78,16 @@ pub fn is_write(method: &Method) -> bool {
 /// A parsed `Fencing-Token`.
 pub fn parse_token(headers: &HeaderMap) -> Result<Option<u64>, Problem> {
     let mut values = headers.get_all(&TOKEN_NAME).iter();
-    let Some(value) = values.next() else {
-        return Ok(None);
-    };
-    if values.next().is_some() {
+    match values.next() {
+        None => Ok(None),
+        Some(value) => token_value(value, values.next().is_some()).map(Some),
+    }
+}
+
+/// The number a `Fencing-Token` value states; `more`: the header came more
+/// than once.
+fn token_value(value: &HeaderValue, more: bool) -> Result<u64, Problem> {
+    if more {
         return Err(Problem::malformed_token(
             "Fencing-Token must appear exactly once",
         ));
@@ -95,22 +101,25 @@ pub fn parse_token(headers: &HeaderMap) -> Result<Option<u64>, Problem> {
     std::str::from_utf8(text)
         .ok()
         .and_then(|t| t.parse::<u64>().ok())
-        .map(Some)
         .ok_or_else(|| Problem::malformed_token("Fencing-Token must be a decimal u64"))
 }
 
 /// The presented lease id, if exactly one was sent.
 pub fn lease_id_header(headers: &HeaderMap) -> Result<Option<&[u8]>, Problem> {
     let mut values = headers.get_all(&LEASE_ID_NAME).iter();
-    let Some(value) = values.next() else {
-        return Ok(None);
-    };
-    if values.next().is_some() {
+    let first = values.next();
+    lease_id_value(first, values.next().is_some())
+}
+
+/// The lease id of a `Fencing-Lease-Id` value; `more`: the header came
+/// more than once.
+fn lease_id_value(value: Option<&HeaderValue>, more: bool) -> Result<Option<&[u8]>, Problem> {
+    if more {
         return Err(Problem::invalid_request(
             "Fencing-Lease-Id must appear exactly once",
         ));
     }
-    Ok(Some(value.as_bytes()))
+    Ok(value.map(HeaderValue::as_bytes))
 }
 
 /// The headers a fenced request presents, checked for presence and form in
@@ -119,17 +128,26 @@ pub fn credentials(
     headers: &HeaderMap,
     require_lease_id: bool,
 ) -> Result<(u64, Option<&[u8]>), Problem> {
-    let has_token = headers.contains_key(&TOKEN_NAME);
-    let has_id = headers.contains_key(&LEASE_ID_NAME);
-    if !has_token {
+    presented(headers, require_lease_id).map(|(token, _, id)| (token, id))
+}
+
+/// [`credentials`], with the token as sent; one lookup of each header.
+fn presented(
+    headers: &HeaderMap,
+    require_lease_id: bool,
+) -> Result<(u64, &HeaderValue, Option<&[u8]>), Problem> {
+    let mut tokens = headers.get_all(&TOKEN_NAME).iter();
+    let mut ids = headers.get_all(&LEASE_ID_NAME).iter();
+    let Some(sent) = tokens.next() else {
         return Err(Problem::missing_token());
-    }
-    if require_lease_id && !has_id {
+    };
+    let id = ids.next();
+    if require_lease_id && id.is_none() {
         return Err(Problem::missing_lease_id());
     }
-    let token = parse_token(headers)?.ok_or_else(Problem::missing_token)?;
-    let lease_id = lease_id_header(headers)?;
-    Ok((token, lease_id))
+    let token = token_value(sent, tokens.next().is_some())?;
+    let lease_id = lease_id_value(id, ids.next().is_some())?;
+    Ok((token, sent, lease_id))
 }
 
 /// What the fence decided before any waiting.
@@ -226,17 +244,13 @@ impl FencePolicy {
         if let Err(problem) = self.check_destination(req.headers(), Some(&lease)) {
             return Decision::Reject(problem);
         }
-        let token = match credentials(req.headers(), self.require_lease_id) {
-            Ok((token, _)) => token,
+        let (token, padded) = match presented(req.headers(), self.require_lease_id) {
+            Ok((token, sent, _)) => (token, sent.len() > 1 && sent.as_bytes()[0] == b'0'),
             Err(p) => return Decision::Reject(p.lease(&lease)),
         };
         // The backend gets the number in its one form: `0001` goes on as `1`
         // (a backend comparing tokens as text would misorder it).
-        if req
-            .headers()
-            .get(&TOKEN_NAME)
-            .is_some_and(|v| v.len() > 1 && v.as_bytes()[0] == b'0')
-        {
+        if padded {
             req.headers_mut()
                 .insert(TOKEN_NAME, HeaderValue::from(token));
         }
