@@ -32,9 +32,11 @@
 //!   defaults are chosen by measurement in the same run.
 //!
 //! With `--two-cores` nothing is pinned: nginx runs `worker_processes 2`,
-//! fencegate two worker threads (tokio's multi-thread scheduler, its default
-//! on two CPUs), wrk two threads, all sharing the machine's cores; the table
-//! shows how each proxy scales, as a ratio to nginx in the same run.
+//! fencegate two threads, once as two current-thread runtimes accepting
+//! from one listening socket (`runtime.scheduler = "per-thread"`) and once
+//! as tokio's multi-thread scheduler (`"work-stealing"`), wrk two threads,
+//! all sharing the machine's cores; the table shows how each proxy scales,
+//! as a ratio to nginx in the same run.
 //!
 //! Every request carries the same 64-byte body and fencing headers; any
 //! non-2xx answer fails the run, since its figures would be meaningless.
@@ -540,7 +542,10 @@ fn main() {
         ),
         (
             "multi-thread",
-            &[("FENCEGATE_RUNTIME__WORKER_THREADS", "2")],
+            &[
+                ("FENCEGATE_RUNTIME__WORKER_THREADS", "2"),
+                ("FENCEGATE_RUNTIME__SCHEDULER", "work-stealing"),
+            ],
         ),
     ];
     let mut servers = Vec::new();
@@ -666,21 +671,39 @@ fn measure(targets: &[Target], o: &Options) -> Vec<Sample> {
 /// pinned.
 fn two_cores(dir: &Path, backend: &str, o: &Options) {
     let (_nginx, nginx) = start_nginx(dir, None, backend, o.connections, 2);
-    let (_fencegate, fencegate, put, _) = start_fencegate(
+    let (_per_thread, per_thread, put, _) = start_fencegate(
         dir,
         None,
         backend,
         "two-cores",
-        &[("FENCEGATE_RUNTIME__WORKER_THREADS", "2")],
+        &[
+            ("FENCEGATE_RUNTIME__WORKER_THREADS", "2"),
+            ("FENCEGATE_RUNTIME__SCHEDULER", "per-thread"),
+        ],
     );
-    let target = |name, addr: &str| Target {
+    let (_stealing, stealing, put_stealing, _) = start_fencegate(
+        dir,
+        None,
+        backend,
+        "two-cores-stealing",
+        &[
+            ("FENCEGATE_RUNTIME__WORKER_THREADS", "2"),
+            ("FENCEGATE_RUNTIME__SCHEDULER", "work-stealing"),
+        ],
+    );
+    let target = |name, addr: &str, script: &PathBuf| Target {
         name,
         url: format!("http://{addr}/kv/bench/1"),
-        script: put.clone(),
+        script: script.clone(),
     };
     let targets = [
-        target("nginx, 2 workers", &nginx),
-        target("fencegate, 2 threads", &fencegate),
+        target("nginx, 2 workers", &nginx, &put),
+        target("fencegate, 2 per-thread runtimes", &per_thread, &put),
+        target(
+            "fencegate, 2 threads work-stealing",
+            &stealing,
+            &put_stealing,
+        ),
     ];
     println!(
         "wrk -t2 -c{} -d{}s, {BODY_BYTES} B PUT bodies, {} round(s), medians; nothing pinned",

@@ -186,6 +186,33 @@ pub struct RuntimeConfig {
     /// Threads serving connections: 0 for one per CPU the process may run on;
     /// one thread (set, or the only CPU) is tokio's current-thread scheduler.
     pub worker_threads: usize,
+    /// How several threads share the connections.
+    pub scheduler: Scheduler,
+}
+
+impl RuntimeConfig {
+    /// The threads serving connections (`worker_threads`, 0 resolved).
+    pub fn threads(&self) -> usize {
+        match self.worker_threads {
+            0 => std::thread::available_parallelism().map_or(1, usize::from),
+            n => n,
+        }
+    }
+}
+
+/// How the threads of `fencegate serve` share the connections.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Scheduler {
+    /// tokio's multi-thread runtime: any thread polls any connection, idle
+    /// ones steal work.
+    WorkStealing,
+    /// A current-thread runtime on each thread, each accepting from the
+    /// same listening socket (as nginx's workers do) and serving its
+    /// connections, and their upstream connections, start to finish; the
+    /// lease store and the rest are shared.
+    #[default]
+    PerThread,
 }
 
 /// TLS on the main listener (off while both paths are empty).

@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use fencegate::cli::{self, lease::LeaseArgs, loadtest::LoadtestArgs, run::RunArgs};
+use fencegate::config::{RuntimeConfig, Scheduler};
 use fencegate::serve::{self, shutdown_signal, BackendArgs, ServeArgs};
 
 #[derive(Parser)]
@@ -78,17 +79,21 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Serve(args) => match args.load(std::env::vars()) {
             // The config picks the runtime.
-            Ok((config, options)) => block_on(config.runtime.worker_threads, async move {
+            Ok((config, options)) => block_on(serve::runtime(&config.runtime), async move {
                 stopped(serve::run(config, options, shutdown_signal()).await)
             }),
             Err(e) => failed(&e),
         },
-        Command::Backend(args) => block_on(0, async move {
+        Command::Backend(args) => block_on(serve::runtime(&CLIENT_RUNTIME), async move {
             stopped(serve::backend(&args.listen, args.record, shutdown_signal()).await)
         }),
-        Command::Lease(args) => block_on(0, async { Ok(cli::lease::run(args).await) }),
-        Command::Run(args) => block_on(0, async { Ok(cli::run::run(args).await) }),
-        Command::Loadtest(args) => block_on(0, async {
+        Command::Lease(args) => block_on(serve::runtime(&CLIENT_RUNTIME), async {
+            Ok(cli::lease::run(args).await)
+        }),
+        Command::Run(args) => block_on(serve::runtime(&CLIENT_RUNTIME), async {
+            Ok(cli::run::run(args).await)
+        }),
+        Command::Loadtest(args) => block_on(serve::runtime(&CLIENT_RUNTIME), async {
             let (report, status) = cli::loadtest::run(*args).await?;
             print!("{}", cli::loadtest::summary(&report));
             Ok(status)
@@ -96,11 +101,20 @@ fn main() -> ExitCode {
     }
 }
 
-/// Runs `job` on a runtime of `worker_threads` (0: one per CPU): its `Ok`
-/// is the exit status, its `Err` exit status 2; a runtime that cannot
-/// start, 1.
-fn block_on(worker_threads: usize, job: impl Future<Output = Result<u8, String>>) -> ExitCode {
-    match serve::runtime(worker_threads) {
+/// The runtime of the client commands and `fencegate backend`: tokio's
+/// multi-thread scheduler, a thread per CPU.
+const CLIENT_RUNTIME: RuntimeConfig = RuntimeConfig {
+    worker_threads: 0,
+    scheduler: Scheduler::WorkStealing,
+};
+
+/// Runs `job` on `runtime`: its `Ok` is the exit status, its `Err` exit
+/// status 2; a runtime that cannot start, 1.
+fn block_on(
+    runtime: std::io::Result<tokio::runtime::Runtime>,
+    job: impl Future<Output = Result<u8, String>>,
+) -> ExitCode {
+    match runtime {
         Ok(runtime) => runtime
             .block_on(job)
             .map_or_else(|e| failed(&e), ExitCode::from),

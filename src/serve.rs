@@ -20,7 +20,7 @@ use crate::auth::Authenticator;
 use crate::backend::{Backend, EmbeddedStore, Upstream};
 use crate::clock::{Clock, ClockKind};
 use crate::cluster::{self, Classify, ClusterOptions, MakeApp, Member, Sharding, Takeover};
-use crate::config::{Config, Overrides, UpstreamTarget};
+use crate::config::{Config, Overrides, RuntimeConfig, Scheduler, UpstreamTarget};
 use crate::etcd::{EtcdClient, EtcdOptions};
 use crate::fence::is_write;
 use crate::journal::{FileJournal, FileJournalOptions, JournalError, MemoryJournal};
@@ -174,6 +174,9 @@ pub struct Bound {
     tls: Option<tokio_rustls::TlsAcceptor>,
     options: ServerOptions,
     draining: Arc<AtomicBool>,
+    /// Threads that accept from the main listener, each on a runtime of its
+    /// own (`runtime.scheduler = "per-thread"`); 1: the runtime's own.
+    threads: usize,
 }
 
 /// What the main listener serves.
@@ -256,6 +259,10 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
             timer_tick_ms: config.timer_tick_ms(),
         },
         draining,
+        threads: match config.runtime.scheduler {
+            Scheduler::PerThread => config.runtime.threads(),
+            Scheduler::WorkStealing => 1,
+        },
     })
 }
 
@@ -524,6 +531,7 @@ impl Bound {
             tls,
             options,
             draining,
+            threads,
         } = self;
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let member = match &app {
@@ -554,14 +562,23 @@ impl Bound {
         let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|stop| *stop).await;
         };
-        let until = until_stopped(stopped.clone());
         let main: Pin<Box<dyn Future<Output = std::io::Result<()>> + Send>> = match app {
-            Served::Standalone(app) => {
-                Box::pin(server::run_with_tls(listener, tls, app, options, until))
-            }
-            Served::Cluster(member) => {
-                Box::pin(server::run_with_tls(listener, tls, member, options, until))
-            }
+            Served::Standalone(app) => Box::pin(server::run_on_threads(
+                listener,
+                tls,
+                app,
+                options,
+                threads,
+                stopped.clone(),
+            )),
+            Served::Cluster(member) => Box::pin(server::run_on_threads(
+                listener,
+                tls,
+                member,
+                options,
+                threads,
+                stopped.clone(),
+            )),
         };
         let served = match admin {
             None => main.await,
@@ -673,22 +690,21 @@ fn reload_on_sighup(certs: Arc<Certificates>) {
 #[cfg(not(unix))]
 fn reload_on_sighup(_: Arc<Certificates>) {}
 
-/// The runtime `serve` runs on: `worker_threads` 0 means one per CPU the
-/// process may run on, and one thread means tokio's current-thread
-/// scheduler (measured faster on one core than a one-worker multi-thread
-/// runtime, whose accept loop and workers hand off across threads).
-pub fn runtime(worker_threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
-    let worker_threads = match worker_threads {
-        0 => std::thread::available_parallelism().map_or(1, usize::from),
-        n => n,
-    };
-    if worker_threads == 1 {
+/// The runtime `serve` runs on (`runtime.worker_threads` 0 means one per
+/// CPU the process may run on): tokio's current-thread scheduler for one
+/// thread (measured faster on one core than a one-worker multi-thread
+/// runtime, whose accept loop and workers hand off across threads) and for
+/// `scheduler = "per-thread"`, whose other threads [`Bound::serve`]
+/// starts; else the multi-thread scheduler.
+pub fn runtime(config: &RuntimeConfig) -> std::io::Result<tokio::runtime::Runtime> {
+    let threads = config.threads();
+    if threads == 1 || config.scheduler == Scheduler::PerThread {
         return tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build();
     }
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(worker_threads)
+        .worker_threads(threads)
         .enable_all()
         .build()
 }

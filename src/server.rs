@@ -117,6 +117,98 @@ where
         + 'static,
     S::Future: Send + 'static,
 {
+    let permits = Arc::new(Semaphore::new(options.max_connections));
+    accept_loop(listener, tls, app, options, permits, shutdown).await
+}
+
+/// [`run_with_tls`] on `threads` threads: this one and `threads - 1` more,
+/// each with a current-thread runtime of its own, all accepting from the
+/// same listening socket (a copy of its descriptor each, as nginx's workers
+/// share theirs) and serving their connections start to finish, within one
+/// `max_connections` for all, until `stop` turns true. Returns once every
+/// thread has drained.
+pub async fn run_on_threads<S>(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    app: S,
+    options: ServerOptions,
+    threads: usize,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<()>
+where
+    S: Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let until = |mut stop: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = stop.wait_for(|stop| *stop).await;
+    };
+    let permits = Arc::new(Semaphore::new(options.max_connections));
+    let mut others = Vec::new();
+    for k in 1..threads {
+        let socket = same_socket(&listener)?;
+        let (done, finished) = tokio::sync::oneshot::channel();
+        let (tls, app, permits, stop) = (tls.clone(), app.clone(), permits.clone(), stop.clone());
+        std::thread::Builder::new()
+            .name(format!("fencegate-{k}"))
+            .spawn(move || {
+                let served = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .and_then(|runtime| {
+                        runtime.block_on(async move {
+                            let listener = TcpListener::from_std(socket)?;
+                            accept_loop(listener, tls, app, options, permits, until(stop)).await
+                        })
+                    });
+                let _ = done.send(served);
+            })?;
+        others.push(finished);
+    }
+    let mut served = accept_loop(listener, tls, app, options, permits, until(stop)).await;
+    for finished in others {
+        let theirs = finished
+            .await
+            .unwrap_or_else(|_| Err(std::io::Error::other("a serving thread panicked")));
+        served = served.and(theirs);
+    }
+    served
+}
+
+/// Another descriptor of the listening socket, for another runtime.
+#[cfg(unix)]
+fn same_socket(listener: &TcpListener) -> std::io::Result<std::net::TcpListener> {
+    use std::os::fd::AsFd;
+    Ok(std::net::TcpListener::from(
+        listener.as_fd().try_clone_to_owned()?,
+    ))
+}
+
+#[cfg(not(unix))]
+fn same_socket(_: &TcpListener) -> std::io::Result<std::net::TcpListener> {
+    Err(std::io::Error::other(
+        "runtime.scheduler = \"per-thread\" needs a Unix system",
+    ))
+}
+
+/// The accept loop of one runtime, within `permits`.
+async fn accept_loop<S>(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    app: S,
+    options: ServerOptions,
+    permits: Arc<Semaphore>,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()>
+where
+    S: Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
     // Heads between the configured limit and this buffer get fencegate's
     // 431 problem; larger ones get hyper's bare 431. The framing guard holds
     // no more of an incomplete head than this either.
@@ -125,7 +217,6 @@ where
     let handshake_timeout = Duration::from_millis(options.header_read_timeout_ms);
     let send_timeout = Duration::from_millis(options.send_timeout_ms);
     let graceful = GracefulShutdown::new();
-    let permits = Arc::new(Semaphore::new(options.max_connections));
     tokio::pin!(shutdown);
     let local = listener.local_addr()?;
     tracing::info!(%local, "listening");
