@@ -128,30 +128,26 @@ pub fn credentials(
     headers: &HeaderMap,
     require_lease_id: bool,
 ) -> Result<(u64, Option<&[u8]>), Problem> {
-    let mut ids = headers.get_all(&LEASE_ID_NAME).iter();
-    let id = ids.next();
-    let (token, _) = presented(headers, id, ids.next().is_some(), require_lease_id)?;
-    Ok((token, id.map(HeaderValue::as_bytes)))
+    presented(headers, require_lease_id).map(|(token, _, id)| (token, id))
 }
 
-/// [`credentials`] for a lease id already taken from the headers (`id`,
-/// and whether more lines followed it): the token, and the token as sent.
-fn presented<'h>(
-    headers: &'h HeaderMap,
-    id: Option<&HeaderValue>,
-    more_ids: bool,
+/// [`credentials`], with the token as sent; one lookup of each header.
+fn presented(
+    headers: &HeaderMap,
     require_lease_id: bool,
-) -> Result<(u64, &'h HeaderValue), Problem> {
+) -> Result<(u64, &HeaderValue, Option<&[u8]>), Problem> {
     let mut tokens = headers.get_all(&TOKEN_NAME).iter();
+    let mut ids = headers.get_all(&LEASE_ID_NAME).iter();
     let Some(sent) = tokens.next() else {
         return Err(Problem::missing_token());
     };
+    let id = ids.next();
     if require_lease_id && id.is_none() {
         return Err(Problem::missing_lease_id());
     }
     let token = token_value(sent, tokens.next().is_some())?;
-    lease_id_value(id, more_ids)?;
-    Ok((token, sent))
+    let lease_id = lease_id_value(id, ids.next().is_some())?;
+    Ok((token, sent, lease_id))
 }
 
 /// What the fence decided before any waiting.
@@ -248,22 +244,8 @@ impl FencePolicy {
         if let Err(problem) = self.check_destination(req.headers(), Some(&lease)) {
             return Decision::Reject(problem);
         }
-        // The lease id is for fencegate alone: taken out (every line of it)
-        // as it is read, one lookup for both.
-        let mut ids = match req.headers_mut().entry(&LEASE_ID_NAME) {
-            http::header::Entry::Occupied(lines) => Some(lines.remove_entry_mult().1),
-            http::header::Entry::Vacant(_) => None,
-        };
-        let lease_id = ids.as_mut().and_then(Iterator::next);
-        let more_ids = ids.as_mut().is_some_and(|rest| rest.next().is_some());
-        drop(ids);
-        let (token, padded) = match presented(
-            req.headers(),
-            lease_id.as_ref(),
-            more_ids,
-            self.require_lease_id,
-        ) {
-            Ok((token, sent)) => (token, sent.len() > 1 && sent.as_bytes()[0] == b'0'),
+        let (token, padded) = match presented(req.headers(), self.require_lease_id) {
+            Ok((token, sent, _)) => (token, sent.len() > 1 && sent.as_bytes()[0] == b'0'),
             Err(p) => return Decision::Reject(p.lease(&lease)),
         };
         // The backend gets the number in its one form: `0001` goes on as `1`
@@ -275,7 +257,7 @@ impl FencePolicy {
         Decision::Fenced(Fenced {
             lease,
             token,
-            lease_id,
+            lease_id: req.headers_mut().remove(&LEASE_ID_NAME),
             caller,
             max_wait_ms: timeout_ms,
         })
