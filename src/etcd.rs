@@ -26,7 +26,6 @@ use http_body_util::{BodyExt, Full};
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
 
 /// Longest answer read from etcd: a range of every lease record of a large
@@ -186,7 +185,7 @@ impl EtcdClient {
             .https_or_http()
             .enable_http1()
             .wrap_connector(connector);
-        let client = Client::builder(TokioExecutor::new())
+        let client = Client::builder(crate::server::ClientExecutor::here())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(connector);
         Ok(Self {

@@ -142,16 +142,31 @@ where
         + 'static,
     S::Future: Send + 'static,
 {
-    let until = |mut stop: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = stop.wait_for(|stop| *stop).await;
+    // Every thread stops at `stop`, or at `abort` if another failed to start.
+    let (abort, aborted) = tokio::sync::watch::channel(false);
+    let until = |mut stop: tokio::sync::watch::Receiver<bool>,
+                 mut aborted: tokio::sync::watch::Receiver<bool>| async move {
+        tokio::select! {
+            _ = stop.wait_for(|stop| *stop) => {}
+            _ = aborted.wait_for(|abort| *abort) => {}
+        }
     };
     let permits = Arc::new(Semaphore::new(options.max_connections));
     let mut others = Vec::new();
+    let mut started = Ok(());
     for k in 1..threads {
-        let socket = same_socket(&listener)?;
+        let socket = match same_socket(&listener) {
+            Ok(socket) => socket,
+            Err(e) => {
+                started = Err(e);
+                break;
+            }
+        };
+        let (ready, readied) = tokio::sync::oneshot::channel();
         let (done, finished) = tokio::sync::oneshot::channel();
-        let (tls, app, permits, stop) = (tls.clone(), app.clone(), permits.clone(), stop.clone());
-        std::thread::Builder::new()
+        let (tls, app, permits) = (tls.clone(), app.clone(), permits.clone());
+        let shutdown = until(stop.clone(), aborted.clone());
+        let spawned = std::thread::Builder::new()
             .name(format!("fencegate-{k}"))
             .spawn(move || {
                 let served = tokio::runtime::Builder::new_current_thread()
@@ -160,14 +175,33 @@ where
                     .and_then(|runtime| {
                         runtime.block_on(async move {
                             let listener = TcpListener::from_std(socket)?;
-                            accept_loop(listener, tls, app, options, permits, until(stop)).await
+                            let _ = ready.send(());
+                            accept_loop(listener, tls, app, options, permits, shutdown).await
                         })
                     });
                 let _ = done.send(served);
-            })?;
+            });
+        if let Err(e) = spawned {
+            started = Err(e);
+            break;
+        }
+        // Serving, or failed (then `finished` says why).
+        if readied.await.is_err() {
+            started = Err(match finished.await {
+                Ok(Err(e)) => e,
+                _ => std::io::Error::other("a serving thread did not start"),
+            });
+            break;
+        }
         others.push(finished);
     }
-    let mut served = accept_loop(listener, tls, app, options, permits, until(stop)).await;
+    let mut served = match started {
+        Ok(()) => accept_loop(listener, tls, app, options, permits, until(stop, aborted)).await,
+        Err(e) => {
+            let _ = abort.send(true);
+            Err(e)
+        }
+    };
     for finished in others {
         let theirs = finished
             .await
@@ -175,6 +209,34 @@ where
         served = served.and(theirs);
     }
     served
+}
+
+/// Where hyper-util's clients (the pooled upstream, etcd, other members)
+/// run their connections' tasks: on the runtime that built the client (the
+/// first thread's, which serves until the process ends), not on whichever
+/// serving thread happened to open a connection. A pooled connection may
+/// serve any thread, and must outlive each of them.
+#[derive(Clone, Debug)]
+pub struct ClientExecutor(Option<tokio::runtime::Handle>);
+
+impl ClientExecutor {
+    /// The current runtime's (or, outside one, whichever runtime spawns).
+    pub fn here() -> Self {
+        Self(tokio::runtime::Handle::try_current().ok())
+    }
+}
+
+impl<F> hyper::rt::Executor<F> for ClientExecutor
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn execute(&self, task: F) {
+        match &self.0 {
+            Some(runtime) => drop(runtime.spawn(task)),
+            None => drop(tokio::spawn(task)),
+        }
+    }
 }
 
 /// Another descriptor of the listening socket, for another runtime.

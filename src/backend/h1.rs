@@ -25,10 +25,17 @@
 //!   `Connection: close`, or an HTTP/1.0 one with `Connection: keep-alive`,
 //!   once its body was read to the end with nothing after it.
 //!
-//! One difference, on purpose: an answer the upstream sends while the
-//! request body is still being written is read once that write is done or
-//! failed (a backend that answers early and closes is relayed; one that
-//! answers early and neither reads nor closes meets the upstream timeout).
+//! Differences, on purpose:
+//! - an answer the upstream sends while the request body is still being
+//!   written is read once that write is done or failed (a backend that
+//!   answers early and closes is relayed; one that answers early and
+//!   neither reads nor closes meets the upstream timeout);
+//! - the first piece of the request body is awaited before a connection is
+//!   taken, and goes out in the same write as the head;
+//! - after an HTTP/1.0 answer with `Connection: keep-alive`, hyper sends
+//!   the connection's later requests as HTTP/1.0; this client goes on with
+//!   HTTP/1.1 (a server that answers in HTTP/1.0 reads those too, or
+//!   closes the connection).
 
 use std::future::Future;
 use std::io;
@@ -37,7 +44,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Version};
 use http_body::{Body as _, Frame, SizeHint};
@@ -82,6 +89,53 @@ pub(crate) fn apply(headers: &mut HeaderMap, added: Added) {
                 headers.append(name, value);
             }
         }
+    }
+}
+
+/// A request ready to go: its framing decided (its headers to match) and
+/// the first piece of its body in hand, so that an upstream connection is
+/// taken only once there is something to write on it.
+pub(crate) struct Outgoing {
+    parts: http::request::Parts,
+    body: Body,
+    first: Option<Bytes>,
+    /// Whether `first` is all of the body.
+    ended: bool,
+    sending: Sending,
+    http10: bool,
+}
+
+impl Outgoing {
+    /// Waits for the first piece of `req`'s body (none for a body it
+    /// sends empty). `Err`: the client's body failed.
+    pub(crate) async fn new(req: Request<Body>) -> Result<Self, BoxError> {
+        let (mut parts, mut body) = req.into_parts();
+        let http10 = parts.version == Version::HTTP_10;
+        let sending = if body.is_end_stream() {
+            parts.headers.remove(TRANSFER_ENCODING);
+            Sending::Length(0)
+        } else {
+            framing(&parts.method, &mut parts.headers, &body, http10)
+        };
+        let mut first = None;
+        let mut ended = sending == Sending::Length(0);
+        if !ended {
+            match next_data(&mut body).await? {
+                Some(data) => {
+                    ended = body.is_end_stream();
+                    first = Some(data);
+                }
+                None => ended = true,
+            }
+        }
+        Ok(Self {
+            parts,
+            body,
+            first,
+            ended,
+            sending,
+            http10,
+        })
     }
 }
 
@@ -240,47 +294,34 @@ impl Conn {
             .is_pending()
     }
 
-    /// Sends `req`, its head with the `added` lines, and reads the answer's
-    /// head; the answer's body owns the
-    /// connection and puts it back in `home` once read to its end (at once
-    /// when there is none). `check` runs right before the first byte is
-    /// written: its error is returned with nothing sent, and the
-    /// connection goes home.
+    /// Sends `out`, its head with the `added` lines, and reads the answer's
+    /// head; the answer's body owns the connection and puts it back in
+    /// `home` once read to its end (at once when there is none). `check`
+    /// runs right before the first byte is written: its error is returned
+    /// with nothing sent, and the connection goes home.
     pub(crate) async fn send(
         mut self,
-        req: Request<Body>,
+        out: Outgoing,
         added: &Added,
         home: &Arc<Slot>,
         check: impl FnOnce() -> Result<(), BoxError>,
     ) -> Result<Response<Body>, BoxError> {
-        let (mut parts, mut body) = req.into_parts();
-        let http10 = parts.version == Version::HTTP_10;
-        let sending = if body.is_end_stream() {
-            parts.headers.remove(TRANSFER_ENCODING);
-            Sending::Length(0)
-        } else {
-            framing(&parts.method, &mut parts.headers, &body, http10)
-        };
-        self.out.clear();
-        encode_head(&mut self.out, &parts, added, http10);
-        // Only the method is needed from here on (a smaller future).
-        let method = parts.method;
-        // The first piece of the body, to go with the head.
-        let mut first = None;
-        let mut ended = sending == Sending::Length(0);
-        if !ended {
-            match next_data(&mut body).await? {
-                Some(data) => {
-                    ended = body.is_end_stream();
-                    first = Some(data);
-                }
-                None => ended = true,
-            }
-        }
+        let Outgoing {
+            parts,
+            body,
+            mut first,
+            ended,
+            sending,
+            http10,
+        } = out;
         if let Err(e) = check() {
             self.go_home(home);
             return Err(e);
         }
+        self.out.clear();
+        encode_head(&mut self.out, &parts, added, http10);
+        // Only the method is needed from here on (a smaller future).
+        let method = parts.method;
         let mut sent: u64 = 0;
         if let Some(data) = first.take() {
             sent += data.len() as u64;
@@ -412,12 +453,15 @@ impl Conn {
             if self.buf.len() >= self.max_buf {
                 return Err(Box::new(Broken("message head is too large")));
             }
-            self.buf.reserve(self.max_buf.min(8192));
+            // Never past `max_buf`: a longer head fails, as hyper's does.
+            let room = (self.max_buf - self.buf.len()).min(8192);
+            self.buf.reserve(room);
             let n = if salvage {
                 let buf = &mut self.buf;
                 let io = &mut self.io;
                 std::future::poll_fn(|cx| {
-                    let read = std::pin::pin!(io.read_buf(buf));
+                    let mut limited = (&mut **buf).limit(room);
+                    let read = std::pin::pin!(io.read_buf(&mut limited));
                     match read.poll(cx) {
                         Poll::Pending => Poll::Ready(Ok(0)),
                         other => other,
@@ -425,7 +469,7 @@ impl Conn {
                 })
                 .await?
             } else {
-                self.io.read_buf(&mut self.buf).await?
+                self.io.read_buf(&mut (&mut self.buf).limit(room)).await?
             };
             if n == 0 {
                 return Err(closed_early());
@@ -455,10 +499,12 @@ impl Conn {
         } else {
             Version::HTTP_10
         };
+        // Copied, as hyper's client does: httparse gives a missing or
+        // non-ASCII reason as a static "", which is not in the buffer.
         let reason = res
             .reason
             .filter(|r| Some(*r) != status.canonical_reason())
-            .map(|r| (r.as_ptr() as usize - base, r.len()));
+            .map(|r| Bytes::copy_from_slice(r.as_bytes()));
         // Where each line lies in the buffer, to slice it once frozen.
         let mut spans: smallvec::SmallVec<[(usize, usize, usize, usize); 24]> =
             smallvec::SmallVec::with_capacity(res.headers.len());
@@ -498,10 +544,8 @@ impl Conn {
         *res.status_mut() = status;
         *res.version_mut() = version;
         *res.headers_mut() = headers;
-        if let Some((at, len)) = reason {
-            if let Ok(phrase) = hyper::ext::ReasonPhrase::try_from(head.slice(at..at + len)) {
-                res.extensions_mut().insert(phrase);
-            }
+        if let Some(Ok(phrase)) = reason.map(hyper::ext::ReasonPhrase::try_from) {
+            res.extensions_mut().insert(phrase);
         }
         Ok(Parsed::Head(res, reading, keep_alive && !upgrade))
     }
@@ -764,9 +808,11 @@ impl Incoming {
         let Some(conn) = self.conn.as_mut() else {
             return Poll::Ready(Ok(0));
         };
+        // At most `max_buf` at once, however much the buffer could hold.
         let room = (conn.max_buf as u64).min(want.max(1)) as usize;
         conn.buf.reserve(room);
-        let read = std::pin::pin!(conn.io.read_buf(&mut conn.buf));
+        let mut limited = (&mut conn.buf).limit(room);
+        let read = std::pin::pin!(conn.io.read_buf(&mut limited));
         read.poll(cx)
     }
 
@@ -839,6 +885,9 @@ impl Incoming {
                     }
                     return Ok(None);
                 };
+                if at + 4 > CHUNK_LINE_LIMIT {
+                    return Err(Box::new(Broken("chunk trailers too large")));
+                }
                 let block = buf.split_to(at + 4).freeze();
                 let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS];
                 let trailers = match httparse::parse_headers(&block, &mut lines) {

@@ -32,7 +32,6 @@ use http::{HeaderMap, Request, Response};
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use tokio_rustls::rustls::ClientConfig;
 use tower::Service;
 
@@ -522,6 +521,11 @@ impl Shared {
         req: Request<Body>,
         added: &h1::Added,
     ) -> Result<Response<Body>, BoxError> {
+        let before = req.extensions().get::<BeforeSend>().cloned();
+        // The client's first body piece before a connection is taken: an
+        // idle one checked open now is written to at once, not after the
+        // client took its time (and the upstream perhaps closed it).
+        let out = h1::Outgoing::new(req).await?;
         let mut idle = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
         let conn = match idle.take_if(|conn| conn.is_open()) {
             Some(conn) => conn,
@@ -529,12 +533,11 @@ impl Shared {
             // inline it would make every exchange's future that large.
             None => Box::pin(self.connect()).await?,
         };
-        let before = req.extensions().get::<BeforeSend>().cloned();
         let check = move || match before.as_ref().map(BeforeSend::check) {
             Some(Err(problem)) => Err(Box::new(Withheld(problem)) as BoxError),
             _ => Ok(()),
         };
-        conn.send(req, added, slot, check).await
+        conn.send(out, added, slot, check).await
     }
 
     /// A `HEAD` of the base path on a connection of its own, within the
@@ -551,12 +554,11 @@ impl Shared {
             .body(body::empty())
             .map_err(|_| "the exchange broke off")?;
         let slot = Arc::new(Mutex::new(None));
-        match tokio::time::timeout(
-            self.connect_timeout,
-            conn.send(req, &h1::Added::new(), &slot, || Ok(())),
-        )
-        .await
-        {
+        let exchange = async {
+            let out = h1::Outgoing::new(req).await?;
+            conn.send(out, &h1::Added::new(), &slot, || Ok(())).await
+        };
+        match tokio::time::timeout(self.connect_timeout, exchange).await {
             Ok(Ok(_answer)) => Ok(()),
             Ok(Err(e)) => Err(failure_kind(&*e)),
             Err(_) => Err("no answer in time"),
@@ -845,7 +847,7 @@ fn pooled_client(
         .https_or_http()
         .enable_http1()
         .wrap_connector(connector);
-    Ok(Client::builder(TokioExecutor::new())
+    Ok(Client::builder(crate::server::ClientExecutor::here())
         .http1_max_buf_size(options.read_buffer_bytes.max(MIN_READ_BUFFER))
         .pool_idle_timeout(Duration::from_millis(options.pool_idle_timeout_ms))
         .pool_max_idle_per_host(options.pool_max_idle)

@@ -20,7 +20,6 @@ use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use http::{Method, Request, Response, StatusCode};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tower::{Service, ServiceExt};
@@ -149,7 +148,7 @@ impl Forwarder {
             .enable_http1()
             .wrap_connector(connector);
         Ok(Self {
-            client: Client::builder(TokioExecutor::new()).build(connector),
+            client: Client::builder(crate::server::ClientExecutor::here()).build(connector),
             me: HeaderValue::from_str(&options.name)
                 .map_err(|_| "cluster.name cannot be sent in a header".to_owned())?,
             timeout: Duration::from_millis(options.forward_timeout_ms),
