@@ -6,6 +6,8 @@
 
 use std::fmt;
 
+use compact_str::CompactString;
+
 /// Longest lease name, in bytes.
 pub const MAX_LEASE_NAME_LEN: usize = 128;
 
@@ -13,9 +15,10 @@ pub const MAX_LEASE_NAME_LEN: usize = 128;
 pub const MAX_HOLDER_LEN: usize = 256;
 
 /// A lease name: 1-128 bytes of `[A-Za-z0-9._-]`, so it is one path
-/// segment that no backend decodes or normalises.
+/// segment that no backend decodes or normalises. Names up to 24 bytes are
+/// held inline: naming a request's lease allocates nothing.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct LeaseName(String);
+pub struct LeaseName(CompactString);
 
 /// A holder name (the holder of a term, or an authenticated caller): 1-256
 /// bytes without control characters, so it can be logged and shown as is.
@@ -42,7 +45,7 @@ impl LeaseName {
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
         if valid {
-            Ok(Self(name.to_owned()))
+            Ok(Self(CompactString::new(name)))
         } else {
             Err(InvalidName(
                 "a lease name is 1-128 bytes of letters, digits, '.', '_' and '-'",
@@ -102,7 +105,7 @@ impl fmt::Display for Holder {
 
 impl From<LeaseName> for String {
     fn from(name: LeaseName) -> Self {
-        name.0
+        name.0.into_string()
     }
 }
 
