@@ -64,6 +64,32 @@ impl Default for ServerOptions {
     }
 }
 
+/// What a listener serves: a cloneable tower service of hyper's requests,
+/// whose futures may move between threads.
+pub trait Serves:
+    Service<
+        Request<Incoming>,
+        Response = Response<Body>,
+        Error = Infallible,
+        Future: Send + 'static,
+    > + Clone
+    + Send
+    + 'static
+{
+}
+
+impl<S> Serves for S where
+    S: Service<
+            Request<Incoming>,
+            Response = Response<Body>,
+            Error = Infallible,
+            Future: Send + 'static,
+        > + Clone
+        + Send
+        + 'static
+{
+}
+
 /// Serves `app` over plain HTTP on `listener` until `shutdown` completes.
 pub async fn run<S>(
     listener: TcpListener,
@@ -72,11 +98,7 @@ pub async fn run<S>(
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()>
 where
-    S: Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
+    S: Serves,
 {
     run_with_tls(listener, None, app, options, shutdown).await
 }
@@ -111,11 +133,7 @@ pub async fn run_with_tls<S>(
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()>
 where
-    S: Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
+    S: Serves,
 {
     let permits = Arc::new(Semaphore::new(options.max_connections));
     accept_loop(listener, tls, app, options, permits, shutdown).await
@@ -136,11 +154,7 @@ pub async fn run_on_threads<S>(
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> std::io::Result<()>
 where
-    S: Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
+    S: Serves,
 {
     // Every thread stops at `stop`, or at `abort` if another failed to start.
     let (abort, aborted) = tokio::sync::watch::channel(false);
@@ -265,11 +279,7 @@ async fn accept_loop<S>(
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()>
 where
-    S: Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
+    S: Serves,
 {
     // Heads between the configured limit and this buffer get fencegate's
     // 431 problem; larger ones get hyper's bare 431. The framing guard holds

@@ -816,6 +816,23 @@ impl Incoming {
         read.poll(cx)
     }
 
+    /// [`Self::poll_fill`] where the body has not ended: its end is an
+    /// error.
+    fn poll_more(&mut self, cx: &mut Context<'_>, want: u64) -> Poll<Result<(), BoxError>> {
+        Poll::Ready(match std::task::ready!(self.poll_fill(cx, want)) {
+            Ok(0) => Err(closed_early()),
+            Ok(_) => Ok(()),
+            Err(e) => Err(e.into()),
+        })
+    }
+
+    /// The body failed: the connection is dropped (closed), never reused.
+    fn fail(&mut self, e: BoxError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.conn = None;
+        self.reading = Reading::Done;
+        Poll::Ready(Some(Err(e)))
+    }
+
     fn buf(&mut self) -> &mut BytesMut {
         &mut self
             .conn
@@ -963,18 +980,8 @@ impl http_body::Body for Incoming {
                         }
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     }
-                    match std::task::ready!(this.poll_fill(cx, left)) {
-                        Ok(0) => {
-                            this.conn = None;
-                            this.reading = Reading::Done;
-                            return Poll::Ready(Some(Err(closed_early())));
-                        }
-                        Ok(_) => {}
-                        Err(e) => {
-                            this.conn = None;
-                            this.reading = Reading::Done;
-                            return Poll::Ready(Some(Err(e.into())));
-                        }
+                    if let Err(e) = std::task::ready!(this.poll_more(cx, left)) {
+                        return this.fail(e);
                     }
                 }
                 Reading::Close => {
@@ -983,8 +990,7 @@ impl http_body::Body for Incoming {
                         let data = buf.split().freeze();
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     }
-                    let read = std::task::ready!(this.poll_fill(cx, u64::MAX));
-                    match read {
+                    match std::task::ready!(this.poll_fill(cx, u64::MAX)) {
                         Ok(0) => {
                             // The end of the connection is the end of the body.
                             this.conn = None;
@@ -992,11 +998,7 @@ impl http_body::Body for Incoming {
                             return Poll::Ready(None);
                         }
                         Ok(_) => {}
-                        Err(e) => {
-                            this.conn = None;
-                            this.reading = Reading::Done;
-                            return Poll::Ready(Some(Err(e.into())));
-                        }
+                        Err(e) => return this.fail(e.into()),
                     }
                 }
                 Reading::Chunked(state) => match this.chunked(state) {
@@ -1007,25 +1009,11 @@ impl http_body::Body for Incoming {
                             Chunk::Data(left) => left,
                             _ => 8192,
                         };
-                        match std::task::ready!(this.poll_fill(cx, want)) {
-                            Ok(0) => {
-                                this.conn = None;
-                                this.reading = Reading::Done;
-                                return Poll::Ready(Some(Err(closed_early())));
-                            }
-                            Ok(_) => {}
-                            Err(e) => {
-                                this.conn = None;
-                                this.reading = Reading::Done;
-                                return Poll::Ready(Some(Err(e.into())));
-                            }
+                        if let Err(e) = std::task::ready!(this.poll_more(cx, want)) {
+                            return this.fail(e);
                         }
                     }
-                    Err(e) => {
-                        this.conn = None;
-                        this.reading = Reading::Done;
-                        return Poll::Ready(Some(Err(e)));
-                    }
+                    Err(e) => return this.fail(e),
                 },
             }
         }
