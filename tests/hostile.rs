@@ -364,6 +364,11 @@ async fn readers_that_stop_reading_free_their_connection_slots() {
     .await
     .expect("no slot came free");
     assert_eq!(served, 200);
+    // One stalled client's slot came free; the other's send timeout may not
+    // have run out yet, and reading from it now would un-stall it (its
+    // answers would then flow, and it would stay open). Both have been
+    // stalled for 300 ms well within this wait, wide for a loaded machine.
+    tokio::time::sleep(Duration::from_secs(3)).await;
     for mut s in stalled {
         // What was sent before the close, then the end of the stream.
         let mut sink = Vec::new();
