@@ -357,18 +357,36 @@ async fn readers_that_stop_reading_free_their_connection_slots() {
         s.write_all(gets.as_bytes()).await.unwrap();
         stalled.push(s);
     }
+    // A client served once a stalled one's slot came free keeps its
+    // connection (and so the slot) open...
+    let mut holder = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /_fence/livez HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .unwrap();
+        let mut head = Vec::new();
+        let mut chunk = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = s.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "closed before answering");
+            head.extend_from_slice(&chunk[..n]);
+        }
+        assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+        s
+    })
+    .await
+    .expect("no slot came free");
+    // ...so the next is served only once the other stalled client's slot
+    // came free too: both are closed before either is read (reading one
+    // whose send timeout had not yet run out would un-stall it).
     let served = tokio::time::timeout(
         Duration::from_secs(10),
         raw_status(addr, b"GET /_fence/livez HTTP/1.1\r\nHost: a\r\n\r\n"),
     )
     .await
-    .expect("no slot came free");
+    .expect("the second stalled client's slot never came free");
     assert_eq!(served, 200);
-    // One stalled client's slot came free; the other's send timeout may not
-    // have run out yet, and reading from it now would un-stall it (its
-    // answers would then flow, and it would stay open). Both have been
-    // stalled for 300 ms well within this wait, wide for a loaded machine.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    drop(holder.shutdown().await);
     for mut s in stalled {
         // What was sent before the close, then the end of the stream.
         let mut sink = Vec::new();

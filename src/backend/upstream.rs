@@ -747,13 +747,7 @@ impl Shared {
         // The whole chain: a pooled client's error says only "client error
         // (Connect)"; the cause (a refused connection, a certificate that
         // cannot be verified) is in its sources.
-        let mut cause = err.to_string();
-        let mut source = err.source();
-        while let Some(e) = source {
-            cause.push_str(": ");
-            cause.push_str(&e.to_string());
-            source = e.source();
-        }
+        let cause = crate::etcd::cause(err);
         tracing::warn!(upstream = %self.authority, error = %cause, "upstream request failed");
         let kind = failure_kind(err);
         self.count_failure(kind);
