@@ -81,6 +81,7 @@ async fn run(mode: &Mode, n: u32) -> f64 {
             draining: Arc::new(AtomicBool::new(false)),
             primacy: None,
             metrics: None,
+            key_states: None,
         },
     )
     .expect("app");

@@ -36,6 +36,7 @@ use crate::error::Problem;
 use crate::fence::{Fence, FenceLayer, FencePolicy};
 use crate::lease::{LeaseStore, Primacy};
 use crate::metrics::Metrics;
+use crate::precondition::KeyStateTable;
 
 pub use crate::wire::X_REQUEST_ID;
 
@@ -206,6 +207,10 @@ pub struct Parts {
     /// Metrics shared with other apps (a cluster member's shards); `None`:
     /// the app's own, over `leases`.
     pub metrics: Option<Metrics>,
+    /// The key states of routes with preconditions, kept by a cluster
+    /// member for a shard across its terms of primacy (each starts with
+    /// [`KeyStateTable::take_over`]); `None`: the app's own, empty.
+    pub key_states: Option<Arc<KeyStateTable>>,
 }
 
 /// Composes `fencegate serve`: limits → (lease API | fence → backend).
@@ -227,6 +232,7 @@ pub fn build(config: &Config, parts: Parts) -> Result<FencegateApp, String> {
         parts.draining,
         (backend, parts.primacy),
         metrics,
+        parts.key_states,
     )?;
     if let Some(store) = recording {
         app.api = app
@@ -251,7 +257,7 @@ pub fn build_with<S>(
     backend: S,
 ) -> Result<App<Fence<S>>, String> {
     let metrics = Metrics::new(&leases);
-    compose(config, leases, draining, (backend, None), metrics)
+    compose(config, leases, draining, (backend, None), metrics, None)
 }
 
 /// The fence (with this member's primacy in cluster mode) around
@@ -262,6 +268,7 @@ fn compose<S>(
     draining: Arc<AtomicBool>,
     (backend, primacy): (S, Option<Arc<Primacy>>),
     metrics: Metrics,
+    key_states: Option<Arc<KeyStateTable>>,
 ) -> Result<App<Fence<S>>, String> {
     let policy = FencePolicy {
         metrics: metrics.clone(),
@@ -272,6 +279,9 @@ fn compose<S>(
         admit: config.admit_options(),
         upstream_timeout_ms: config.proxy.timeout_ms,
         primacy,
+        key_states: key_states
+            .unwrap_or_else(|| Arc::new(KeyStateTable::new(config.fence.precondition_keys))),
+        key_with_host: config.proxy.preserve_host,
     };
     let data = FenceLayer::new(policy).layer(backend);
     let api = Api::new(leases, config.fence.require_lease_id, draining, metrics)

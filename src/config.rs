@@ -17,7 +17,7 @@ pub use crate::auth::{AuthConfig, AuthToken};
 use crate::backend::UpstreamOptions;
 use crate::clock::ClockKind;
 use crate::lease::{AdmitOptions, LeaseLimits, RestartRule};
-use crate::route::{PathRules, Route, Routes};
+use crate::route::{PathRules, Preconditions, Route, Routes};
 use crate::server::ServerOptions;
 
 /// Environment variables with the `FENCEGATE_` prefix that are not config keys.
@@ -286,6 +286,9 @@ pub struct FenceConfig {
     /// match without regard to case, and a lease named in a path must be
     /// lower case.
     pub case_insensitive_paths: bool,
+    /// The most keys whose state is remembered for routes with
+    /// preconditions (per term of primacy: per shard led, in a cluster).
+    pub precondition_keys: usize,
 }
 
 /// One route of the config file.
@@ -306,6 +309,10 @@ pub struct RouteConfig {
     /// Replaces the pattern's leading literal segments upstream.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream_prefix: Option<String>,
+    /// `"etag"`: every write that changes a key reaches the storage with a
+    /// precondition (SPEC §10); `"off"` by default.
+    #[serde(default, skip_serializing_if = "Preconditions::is_off")]
+    pub preconditions: Preconditions,
 }
 
 /// Request and connection limits.
@@ -357,8 +364,10 @@ impl Default for FenceConfig {
                 fence_reads: false,
                 timeout_ms: None,
                 upstream_prefix: None,
+                preconditions: Preconditions::Off,
             }],
             case_insensitive_paths: false,
+            precondition_keys: 100_000,
         }
     }
 }
@@ -565,6 +574,10 @@ impl Config {
             ("limits.send_timeout_ms", lim.send_timeout_ms),
             ("proxy.connect_timeout_ms", self.proxy.connect_timeout_ms),
             ("proxy.timeout_ms", self.proxy.timeout_ms),
+            (
+                "fence.precondition_keys",
+                self.fence.precondition_keys as u64,
+            ),
         ] {
             if value == 0 {
                 return Err(format!("{name} must be greater than 0"));
@@ -691,7 +704,11 @@ impl FenceConfig {
                 }
                 Route::new(&r.pattern, r.lease.as_deref(), r.fence_reads)?
                     .with_upstream_prefix(r.upstream_prefix.as_deref())
-                    .map(|route| route.with_timeout_ms(r.timeout_ms))
+                    .map(|route| {
+                        route
+                            .with_timeout_ms(r.timeout_ms)
+                            .with_preconditions(r.preconditions)
+                    })
             })
             .collect::<Result<Vec<_>, _>>()
             .map(|routes| {

@@ -31,6 +31,7 @@ pub enum Fault {
 pub enum Reason {
     MissingFencingToken,
     MissingLeaseId,
+    PreconditionRequired,
     MalformedFencingToken,
     InvalidLeaseName,
     InvalidTtl,
@@ -61,9 +62,10 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, for documentation and tests.
-    pub const ALL: [Reason; 28] = [
+    pub const ALL: [Reason; 29] = [
         Reason::MissingFencingToken,
         Reason::MissingLeaseId,
+        Reason::PreconditionRequired,
         Reason::MalformedFencingToken,
         Reason::InvalidLeaseName,
         Reason::InvalidTtl,
@@ -105,6 +107,11 @@ impl Reason {
                 StatusCode::PRECONDITION_REQUIRED,
                 "missing-lease-id",
                 "Missing lease id",
+            ),
+            Reason::PreconditionRequired => (
+                StatusCode::PRECONDITION_REQUIRED,
+                "precondition-required",
+                "Precondition required",
             ),
             Reason::MalformedFencingToken => (
                 StatusCode::BAD_REQUEST,
@@ -260,6 +267,12 @@ struct Doc {
     /// `not-primary` only.
     #[serde(skip_serializing_if = "Option::is_none")]
     primary: Option<Option<String>>,
+    /// On `precondition-required`, where fencegate knows the key's state
+    /// but may not add it: the precondition to send.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    if_match: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    if_none_match: Option<&'static str>,
     #[serde(skip)]
     retry_after_s: Option<u64>,
     /// Answer with `Connection: close`.
@@ -292,6 +305,8 @@ impl Problem {
             holder: None,
             expires_in_ms: None,
             primary: None,
+            if_match: None,
+            if_none_match: None,
             retry_after_s: None,
             close: false,
             allow: None,
@@ -445,7 +460,6 @@ impl Problem {
         )
     }
 
-    /// A write held at the handover barrier past its wait limit;
     /// A cluster member that may not serve this request: a standby, or a
     /// primary that could not confirm its primacy in time. `primary` is the
     /// primary's advertised URL when known (also sent as `Fencegate-Primary`).
@@ -455,6 +469,33 @@ impl Problem {
         problem
     }
 
+    /// A write on a route with preconditions (SPEC §10) that carries none
+    /// and gets none: fencegate knows no state of its key, or (`signed`)
+    /// the request's signature covers the precondition headers, and
+    /// `known` is the state the client should name itself.
+    pub fn precondition_required(
+        lease: &str,
+        known: Option<crate::precondition::KeyState>,
+        signed: bool,
+    ) -> Self {
+        use crate::precondition::KeyState;
+        let detail = match (&known, signed) {
+            (Some(_), _) => "this request's signature (Azure Shared Key) covers If-Match and If-None-Match, so fencegate cannot add the precondition this route needs: send the one in this problem's if_match or if_none_match member yourself (nothing was sent to the storage)",
+            (None, true) => "this route needs a precondition on every write, fencegate knows no state of this key, and this request's signature (Azure Shared Key) covers the precondition headers: read the key once through fencegate (GET or HEAD), then send If-Match or If-None-Match yourself (nothing was sent to the storage)",
+            (None, false) => "this route needs a precondition on every write and fencegate knows no state of this key: read it once through fencegate (GET or HEAD) and send the write again, or send If-Match or If-None-Match yourself (nothing was sent to the storage)",
+        };
+        let mut p = Self::new(Reason::PreconditionRequired, detail).lease(lease);
+        match known {
+            Some(KeyState::Tagged(tag)) => {
+                p.0.if_match = Some(String::from_utf8_lossy(&tag).into_owned());
+            }
+            Some(KeyState::Absent) => p.0.if_none_match = Some("*"),
+            None => {}
+        }
+        p
+    }
+
+    /// A write held at the handover barrier past its wait limit;
     /// `retry_after_ms` when only writes sent before a restart hold it back,
     /// so it is known when they will have settled.
     pub fn barrier_timeout(lease: &str, retry_after_ms: Option<u64>) -> Self {

@@ -36,7 +36,8 @@ use crate::error::{Problem, Reason};
 use crate::lease::{Admission, AdmitError, AdmitOptions, LeaseStore, Primacy, WriteGuard};
 use crate::metrics::Metrics;
 use crate::names::LeaseName;
-use crate::route::{RouteTimeout, Routes};
+use crate::precondition::{self, Exchange, Key, KeyStateTable, Observed, Plan};
+use crate::route::{Preconditions, RouteTimeout, Routes};
 
 pub use crate::wire::{OutcomeUnknown, FENCING_LEASE_ID, FENCING_TOKEN};
 
@@ -64,6 +65,12 @@ pub struct FencePolicy {
     /// anything (reads too) is handed to the backend, after admission and
     /// any wait at the barrier. `None` standalone.
     pub primacy: Option<Arc<Primacy>>,
+    /// The key states of the routes with preconditions (SPEC §10), for
+    /// this term of primacy.
+    pub key_states: Arc<KeyStateTable>,
+    /// Whether a key is named with the client's `Host` (the storage gets
+    /// it: `proxy.preserve_host`, e.g. S3's virtual-hosted buckets).
+    pub key_with_host: bool,
 }
 
 /// Whether `method` changes state at the backend. Everything but the safe
@@ -152,8 +159,10 @@ fn presented(
 
 /// What the fence decided before any waiting.
 enum Decision {
-    /// Not fenced (a read, or an allowed unrouted write): forward as it is.
-    Pass,
+    /// Not fenced (a read, or an allowed unrouted write): forward as it is,
+    /// and learn from its answer if it reads a key of a route with
+    /// preconditions.
+    Pass(Option<Observed>),
     /// Refused before the lease store was asked.
     Reject(Problem),
     /// A fenced request: admit it through the lease store.
@@ -169,6 +178,8 @@ struct Fenced {
     caller: Option<Caller>,
     /// The longest wait at the barrier (the route's upstream deadline).
     max_wait_ms: u64,
+    /// On a route with preconditions: the key it writes (or reads).
+    conditioned: Option<(Key, bool)>,
 }
 
 impl Fenced {
@@ -211,7 +222,7 @@ impl FencePolicy {
                     return Decision::Reject(problem);
                 }
             }
-            return Decision::Pass;
+            return Decision::Pass(None);
         };
         if let Some(path) = route.upstream_path(req.uri().path(), req.uri().query()) {
             match path.parse::<http::Uri>() {
@@ -228,9 +239,20 @@ impl FencePolicy {
             req.extensions_mut().insert(RouteTimeout(timeout_ms));
         }
         let timeout_ms = route.timeout_ms.unwrap_or(self.upstream_timeout_ms);
+        let conditioned = match route.preconditions {
+            Preconditions::Off => None,
+            Preconditions::Etag => match Key::of(req, self.key_with_host) {
+                Some(key) => Some((key, write)),
+                None => {
+                    return Decision::Reject(Problem::invalid_request(
+                        "the Host header is not text, so it names no key",
+                    ))
+                }
+            },
+        };
         if !write && !route.fence_reads {
             req.headers_mut().remove(&LEASE_ID_NAME);
-            return Decision::Pass;
+            return Decision::Pass(conditioned.map(|(key, _)| self.read_of(key, req)));
         }
         let lease = match route.lease {
             Ok(lease) => lease,
@@ -243,6 +265,16 @@ impl FencePolicy {
         };
         if let Err(problem) = self.check_destination(req.headers(), Some(&lease)) {
             return Decision::Reject(problem);
+        }
+        if conditioned.is_some() && write && req.headers().contains_key(DESTINATION_NAME) {
+            // The storage checks a precondition against the request's own
+            // key only: a late COPY or MOVE could still overwrite the other.
+            return Decision::Reject(
+                Problem::invalid_request(
+                    "COPY and MOVE write to a second key that no precondition covers: not on a route with preconditions",
+                )
+                .lease(&lease),
+            );
         }
         let (token, padded) = match presented(req.headers(), self.require_lease_id) {
             Ok((token, sent, _)) => (token, sent.len() > 1 && sent.as_bytes()[0] == b'0'),
@@ -260,7 +292,47 @@ impl FencePolicy {
             lease_id: req.headers_mut().remove(&LEASE_ID_NAME),
             caller,
             max_wait_ms: timeout_ms,
+            conditioned,
         })
+    }
+
+    /// A read of `key` on a route with preconditions, to learn from.
+    fn read_of<B>(&self, key: Key, req: &Request<B>) -> Observed {
+        let get_or_head = matches!(*req.method(), Method::GET | Method::HEAD);
+        Observed {
+            table: self.key_states.clone(),
+            key,
+            exchange: Exchange::read(get_or_head, req.uri().query()),
+        }
+    }
+
+    /// For an admitted request on a route with preconditions: a write gets
+    /// the precondition the key states plan (or is answered 428 with
+    /// nothing sent), and the answer of each is to be learned from.
+    fn condition(
+        &self,
+        req: &mut Request<Body>,
+        fenced: &mut Fenced,
+    ) -> Result<Option<Observed>, Problem> {
+        let Some((key, write)) = fenced.conditioned.take() else {
+            return Ok(None);
+        };
+        if !write {
+            return Ok(Some(self.read_of(key, req)));
+        }
+        let (plan, exchange) = self.key_states.plan(key.as_str(), req);
+        if let Plan::Required(known) = plan {
+            self.metrics
+                .write_rejected(Reason::PreconditionRequired.slug());
+            let signed = precondition::signature_covers_preconditions(req.headers());
+            return Err(Problem::precondition_required(&fenced.lease, known, signed));
+        }
+        precondition::add(&plan, req.headers_mut());
+        Ok(exchange.teaches().then(|| Observed {
+            table: self.key_states.clone(),
+            key,
+            exchange,
+        }))
     }
 
     /// WebDAV `COPY` and `MOVE` write to their `Destination` too: it must be
@@ -402,12 +474,12 @@ where
     }
 
     fn call(&mut self, mut req: Request<Body>) -> Self::Future {
-        let fenced = match self.policy.decide(&mut req) {
-            Decision::Pass => {
+        let mut fenced = match self.policy.decide(&mut req) {
+            Decision::Pass(observed) => {
                 if let Some(refused) = self.policy.not_primary() {
                     return FenceFuture::ready(refused);
                 }
-                return FenceFuture::forward(self.inner.call(req), None);
+                return FenceFuture::forward(self.inner.call(req), None, observed);
             }
             Decision::Reject(problem) => {
                 self.policy.metrics.write_rejected(problem.reason().slug());
@@ -428,11 +500,19 @@ where
                 if let Some(refused) = self.policy.not_primary() {
                     return FenceFuture::ready(refused);
                 }
+                let observed = match self.policy.condition(&mut req, &mut fenced) {
+                    Ok(observed) => observed,
+                    Err(problem) => {
+                        // Nothing was sent: the write holds nothing back.
+                        guard.finish();
+                        return FenceFuture::ready(problem.into_response());
+                    }
+                };
                 req.extensions_mut()
                     .insert(self.policy.before_send(&fenced));
                 self.policy.metrics.write_forwarded();
                 tracing::debug!(lease = fenced.lease.as_str(), token = fenced.token, method = %req.method(), "write admitted");
-                FenceFuture::forward(self.inner.call(req), Some(guard))
+                FenceFuture::forward(self.inner.call(req), Some(guard), observed)
             }
             Admission::Refused(reject) => {
                 FenceFuture::ready(reject_write(&self.policy, &fenced, &req, reject))
@@ -456,7 +536,7 @@ where
     fn wait_at_barrier(
         &mut self,
         req: Request<Body>,
-        fenced: Fenced,
+        mut fenced: Fenced,
         options: AdmitOptions,
     ) -> FenceFuture<S::Future> {
         // Call the instance that was polled ready later, and keep a clone
@@ -508,10 +588,20 @@ where
                 return Ok(refused);
             }
             let mut req = req;
+            let observed = match policy.condition(&mut req, &mut fenced) {
+                Ok(observed) => observed,
+                Err(problem) => {
+                    admitted.guard.finish();
+                    return Ok(problem.into_response());
+                }
+            };
             req.extensions_mut().insert(policy.before_send(&fenced));
             policy.metrics.write_forwarded();
             tracing::debug!(lease = fenced.lease.as_str(), token = fenced.token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted after the handover barrier");
             let res = forward(req).await?;
+            if let Some(observed) = &observed {
+                observed.learn(&res);
+            }
             Ok(attach_guard(res, Some(admitted.guard)))
         }))
     }
@@ -582,7 +672,7 @@ pin_project! {
     #[project = FenceFutureProj]
     pub enum FenceFuture<F> {
         Ready { res: Option<Response<Body>> },
-        Forward { #[pin] fut: F, guard: Option<WriteGuard> },
+        Forward { #[pin] fut: F, guard: Option<WriteGuard>, observed: Option<Observed> },
         Boxed { fut: BoxResponseFuture },
     }
 }
@@ -592,8 +682,12 @@ impl<F> FenceFuture<F> {
         Self::Ready { res: Some(res) }
     }
 
-    fn forward(fut: F, guard: Option<WriteGuard>) -> Self {
-        Self::Forward { fut, guard }
+    fn forward(fut: F, guard: Option<WriteGuard>, observed: Option<Observed>) -> Self {
+        Self::Forward {
+            fut,
+            guard,
+            observed,
+        }
     }
 
     fn boxed(fut: BoxResponseFuture) -> Self {
@@ -612,8 +706,15 @@ where
             FenceFutureProj::Ready { res } => {
                 Poll::Ready(Ok(res.take().expect("polled after completion")))
             }
-            FenceFutureProj::Forward { fut, guard } => {
+            FenceFutureProj::Forward {
+                fut,
+                guard,
+                observed,
+            } => {
                 let res = std::task::ready!(fut.poll(cx))?;
+                if let Some(observed) = observed.take() {
+                    observed.learn(&res);
+                }
                 Poll::Ready(Ok(attach_guard(res, guard.take())))
             }
             FenceFutureProj::Boxed { fut } => fut.as_mut().poll(cx),

@@ -27,7 +27,9 @@
 //!   [`journal::record`]).
 //! - [`api`]: the lease API under `/_fence/` (acquire, renew, release, inspect).
 //! - [`fence`]: the tower layer that admits or rejects a write; [`route`] maps
-//!   paths to the leases that guard them.
+//!   paths to the leases that guard them; [`precondition`] keeps the key
+//!   states of routes with storage-side preconditions (SPEC §10) and adds
+//!   the precondition the core plans for each write.
 //! - [`backend`]: the embedded key-value store and the HTTP(S) upstream client.
 //! - [`lease`]: the core's lease state machine and the concurrent store around
 //!   it (the handover barrier and the acquire rate limit in files of their
@@ -86,6 +88,7 @@ pub mod journal;
 pub mod lease;
 pub mod metrics;
 pub use fencegate_core::names;
+pub mod precondition;
 pub mod route;
 pub mod serve;
 pub mod server;

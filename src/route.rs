@@ -77,6 +77,8 @@ pub struct Route {
     pub fence_reads: bool,
     /// The route's own upstream deadline, if it has one.
     pub timeout_ms: Option<u64>,
+    /// Whether its writes reach the storage with a precondition (SPEC §10).
+    pub preconditions: Preconditions,
     /// Replaces the pattern's leading literal segments on the way upstream.
     upstream_prefix: Option<String>,
     /// The pattern as the upstream sees it (the prefix rewritten).
@@ -95,6 +97,7 @@ pub struct Matched<'r> {
     pub pattern: &'r str,
     pub fence_reads: bool,
     pub timeout_ms: Option<u64>,
+    pub preconditions: Preconditions,
     /// `(literal segments to drop, prefix to put instead)`, if the route
     /// rewrites paths.
     pub rewrite: Option<(usize, &'r str)>,
@@ -132,6 +135,24 @@ impl Matched<'_> {
             out.push_str(q);
         }
         Some(out)
+    }
+}
+
+/// How a route's writes are conditioned at the storage (SPEC §10): `off`
+/// (the default), or `etag`: every write that changes a key carries a
+/// precondition, the client's own or one naming the key's state as the
+/// storage's answers showed it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Preconditions {
+    #[default]
+    Off,
+    Etag,
+}
+
+impl Preconditions {
+    pub fn is_off(&self) -> bool {
+        *self == Preconditions::Off
     }
 }
 
@@ -242,6 +263,7 @@ impl Route {
             lease,
             fence_reads,
             timeout_ms: None,
+            preconditions: Preconditions::Off,
             upstream_prefix: None,
         })
     }
@@ -292,6 +314,12 @@ impl Route {
         self
     }
 
+    /// Sets how the route's writes are conditioned at the storage.
+    pub fn with_preconditions(mut self, preconditions: Preconditions) -> Self {
+        self.preconditions = preconditions;
+        self
+    }
+
     /// How many leading segments of the pattern are literals.
     fn literal_prefix(&self) -> usize {
         self.segments
@@ -329,6 +357,7 @@ impl Route {
             pattern: &self.pattern,
             fence_reads: self.fence_reads,
             timeout_ms: self.timeout_ms,
+            preconditions: self.preconditions,
             rewrite: self
                 .upstream_prefix
                 .as_deref()

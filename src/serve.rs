@@ -26,6 +26,7 @@ use crate::fence::is_write;
 use crate::journal::{FileJournal, FileJournalOptions, JournalError, MemoryJournal};
 use crate::lease::{LeaseStore, Primacy, RestartRule};
 use crate::metrics::{ClusterStats, Metrics};
+use crate::precondition::KeyStateTable;
 use crate::server::{self, ServerOptions};
 use crate::tls::Certificates;
 
@@ -229,6 +230,7 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
                 draining: draining.clone(),
                 primacy: None,
                 metrics: None,
+                key_states: None,
             };
             let mut app = app::build(&config, parts).map_err(StartError::Config)?;
             let admin = match config.admin_addr().map_err(StartError::Config)? {
@@ -342,6 +344,14 @@ async fn join(
         None
     };
     let config = Arc::new(config.clone());
+    // Each shard's key states (SPEC §10) outlive its terms of primacy on
+    // this member; each term starts knowing none.
+    let key_states: Arc<[Arc<KeyStateTable>]> = (0..c.shards)
+        .map(|_| {
+            let per_shard = config.fence.precondition_keys.div_ceil(c.shards as usize);
+            Arc::new(KeyStateTable::new(per_shard))
+        })
+        .collect();
     let make_app: MakeApp<app::FencegateApp> = {
         let (config, clock, draining, shared) = (
             config.clone(),
@@ -350,6 +360,8 @@ async fn join(
             shared.clone(),
         );
         Arc::new(move |takeover: Takeover| {
+            let states = key_states[takeover.shard as usize].clone();
+            states.take_over();
             let leases = LeaseStore::restore(
                 clock.clone(),
                 config.lease_limits(),
@@ -372,6 +384,7 @@ async fn join(
                 draining: draining.clone(),
                 primacy: Some(takeover.primacy.clone()),
                 metrics: metrics.clone(),
+                key_states: Some(states),
             };
             let app = app::build(&config, parts)?;
             if let Some(metrics) = metrics {
@@ -395,13 +408,16 @@ async fn join(
                 draining,
                 primacy: Some(Arc::new(Primacy::new(clock.clone(), u64::MAX, true))),
                 metrics: Some(metrics),
+                key_states: None,
             };
             let reader = app::build(&config, parts).map_err(StartError::Config)?;
             let routes = config.fence.compile_routes().map_err(StartError::Config)?;
             let classify: Classify = Arc::new(move |method: &Method, path: &str| {
                 let write = is_write(method);
                 let matched = routes.resolve(path, write).ok()??;
-                if !write && !matched.fence_reads {
+                // A read on a route with preconditions goes to the member
+                // that knows the key's state: the one that writes it.
+                if !write && !matched.fence_reads && matched.preconditions.is_off() {
                     return None;
                 }
                 matched.lease.ok().map(|lease| lease.as_str().to_owned())

@@ -825,6 +825,7 @@ async fn a_journal_that_cannot_persist_fails_closed_and_recovers() {
             draining: Arc::new(AtomicBool::new(false)),
             primacy: None,
             metrics: None,
+            key_states: None,
         },
     )
     .unwrap();

@@ -590,6 +590,7 @@ async fn fixed_lease_routes_and_fenced_reads() {
             fence_reads: true,
             timeout_ms: None,
             upstream_prefix: None,
+            preconditions: Default::default(),
         },
     );
     let h = Harness::with_config(config);

@@ -30,6 +30,7 @@ fn route(pattern: &str, upstream_prefix: Option<&str>) -> RouteConfig {
         fence_reads: false,
         timeout_ms: None,
         upstream_prefix: upstream_prefix.map(str::to_owned),
+        preconditions: Default::default(),
     }
 }
 

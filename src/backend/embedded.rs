@@ -3,19 +3,25 @@
 //!
 //! It keeps values in memory, keyed by the request path under `/kv/`: `PUT`
 //! stores the body (and its `Content-Type`), `GET`/`HEAD` return it, `DELETE`
-//! removes it, a missing key is 404. It is for trying fencegate out and for
-//! tests, not the storage you protect in production.
+//! removes it, a missing key is 404. Every stored value has an entity tag
+//! that changes on every write (`ETag: "n"`, from a counter), and `PUT` and
+//! `DELETE` evaluate `If-Match` and `If-None-Match` (412 when they fail), so
+//! routes with storage-side preconditions (SPEC §10) work in front of it. It
+//! is for trying fencegate out and for tests, not the storage you protect in
+//! production.
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use dashmap::mapref::entry::Entry;
 use dashmap::DashMap;
-use http::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use http::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, ETAG};
 use http::{Method, Request, Response, StatusCode};
 use tower::Service;
 
@@ -30,6 +36,69 @@ pub const KV_PREFIX: &str = "/kv/";
 struct Value {
     bytes: Bytes,
     content_type: Option<HeaderValue>,
+    /// The version its entity tag names.
+    version: u64,
+}
+
+impl Value {
+    fn etag(&self) -> HeaderValue {
+        etag(self.version)
+    }
+}
+
+fn etag(version: u64) -> HeaderValue {
+    HeaderValue::from_maybe_shared(Bytes::from(format!("\"{version}\"")))
+        .unwrap_or_else(|_| HeaderValue::from_static("\"0\""))
+}
+
+/// Whether the preconditions of `headers` hold for a key whose current
+/// entity tag is `current` (`None`: no value): `If-Match` compares strongly
+/// (`*`: any value), `If-None-Match` weakly (`*`: none may exist), as RFC
+/// 9110 §13.1 has it for a state-changing request.
+fn preconditions_hold(headers: &http::HeaderMap, current: Option<&HeaderValue>) -> bool {
+    let listed = |name: http::header::HeaderName| -> Option<Vec<Vec<u8>>> {
+        let mut values = headers.get_all(name).iter().peekable();
+        values.peek()?;
+        Some(
+            values
+                .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+                .map(|t| t.trim_ascii().to_vec())
+                .filter(|t| !t.is_empty())
+                .collect(),
+        )
+    };
+    if let Some(tags) = listed(http::header::IF_MATCH) {
+        let Some(current) = current else {
+            return false;
+        };
+        let strong = |t: &[u8]| !t.starts_with(b"W/") && t == current.as_bytes();
+        if !tags.iter().any(|t| t == b"*" || strong(t)) {
+            return false;
+        }
+    }
+    if let Some(tags) = listed(http::header::IF_NONE_MATCH) {
+        if let Some(current) = current {
+            let weak = |t: &[u8]| t.strip_prefix(b"W/").unwrap_or(t) == current.as_bytes();
+            if tags.iter().any(|t| t == b"*" || weak(t)) {
+                return false;
+            }
+        }
+    }
+    true
+}
+
+/// A write its preconditions refused: nothing changed.
+#[derive(Debug)]
+struct Refused;
+
+fn precondition_failed() -> Response<Body> {
+    let mut res = Response::new(body::full(
+        "precondition failed: the key's state is not the one the request names\n",
+    ));
+    *res.status_mut() = StatusCode::PRECONDITION_FAILED;
+    res.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    res
 }
 
 /// The path of the apply log of a recording store.
@@ -70,6 +139,8 @@ pub struct EmbeddedStore {
     /// The apply log, when recording. Writes take this mutex around the
     /// change itself, so the log's order is the order writes were applied.
     history: Option<Arc<Mutex<History>>>,
+    /// The last version an entity tag named.
+    versions: Arc<AtomicU64>,
     /// Time a `PUT` body may send nothing (`limits.body_read_timeout_ms`):
     /// a writer that stops sending mid-body is answered 408 then, so its
     /// write stops holding the next term at the handover barrier; one that
@@ -81,6 +152,7 @@ impl Default for EmbeddedStore {
     fn default() -> Self {
         Self {
             values: Arc::default(),
+            versions: Arc::default(),
             history: None,
             body_read_timeout: Duration::from_millis(10_000),
         }
@@ -133,14 +205,15 @@ impl EmbeddedStore {
         res
     }
 
-    /// Applies `change` and logs it (if recording) as one step.
+    /// Applies `change` and logs it (if recording) as one step, unless its
+    /// preconditions refused it (`Err`).
     fn apply<T>(
         &self,
         method: &Method,
         key: &str,
         headers: &http::HeaderMap,
-        change: impl FnOnce() -> T,
-    ) -> T {
+        change: impl FnOnce() -> Result<T, Refused>,
+    ) -> Result<T, Refused> {
         let Some(history) = &self.history else {
             return change();
         };
@@ -153,7 +226,7 @@ impl EmbeddedStore {
         let mut h = history
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let out = change();
+        let out = change()?;
         if h.entries.len() < h.max_entries {
             let seq = h.entries.len() as u64 + 1;
             h.entries.push(Applied {
@@ -167,7 +240,7 @@ impl EmbeddedStore {
         } else {
             h.truncated = true;
         }
-        out
+        Ok(out)
     }
 
     /// The stored value at `path` (e.g. `/kv/orders/x`), bypassing any fence.
@@ -183,8 +256,13 @@ impl EmbeddedStore {
             Value {
                 bytes: bytes.into(),
                 content_type: None,
+                version: self.next_version(),
             },
         );
+    }
+
+    fn next_version(&self) -> u64 {
+        self.versions.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     /// How many keys are stored.
@@ -219,6 +297,7 @@ impl EmbeddedStore {
                 } else {
                     Response::new(body::full(value.bytes))
                 };
+                res.headers_mut().insert(ETAG, etag(value.version));
                 if let Some(ct) = value.content_type {
                     res.headers_mut().insert(CONTENT_TYPE, ct);
                 }
@@ -249,28 +328,66 @@ impl EmbeddedStore {
                 let value = Value {
                     bytes,
                     content_type: parts.headers.get(CONTENT_TYPE).cloned(),
+                    version: self.next_version(),
                 };
-                let created = self.apply(&parts.method, &path, &parts.headers, || {
-                    self.values.insert(path.clone(), value).is_none()
-                });
+                let tag = value.etag();
+                // The check and the change under the key's entry lock: no
+                // other write of the key comes between them.
+                let store = || match self.values.entry(path.clone()) {
+                    Entry::Occupied(mut e) => {
+                        if !preconditions_hold(&parts.headers, Some(&e.get().etag())) {
+                            return Err(Refused);
+                        }
+                        e.insert(value);
+                        Ok(false)
+                    }
+                    Entry::Vacant(e) => {
+                        if !preconditions_hold(&parts.headers, None) {
+                            return Err(Refused);
+                        }
+                        e.insert(value);
+                        Ok(true)
+                    }
+                };
+                let Ok(created) = self.apply(&parts.method, &path, &parts.headers, store) else {
+                    return precondition_failed();
+                };
                 let mut res = Response::new(body::empty());
                 *res.status_mut() = if created {
                     StatusCode::CREATED
                 } else {
                     StatusCode::NO_CONTENT
                 };
+                res.headers_mut().insert(ETAG, tag);
                 res
             }
-            Method::DELETE => match self.apply(req.method(), &path, req.headers(), || {
-                self.values.remove(&path)
-            }) {
-                Some(_) => {
-                    let mut res = Response::new(body::empty());
-                    *res.status_mut() = StatusCode::NO_CONTENT;
-                    res
+            Method::DELETE => {
+                let headers = req.headers();
+                let remove = || match self.values.entry(path.clone()) {
+                    Entry::Occupied(e) => {
+                        if !preconditions_hold(headers, Some(&e.get().etag())) {
+                            return Err(Refused);
+                        }
+                        e.remove();
+                        Ok(true)
+                    }
+                    Entry::Vacant(_) => {
+                        if !preconditions_hold(headers, None) {
+                            return Err(Refused);
+                        }
+                        Ok(false)
+                    }
+                };
+                match self.apply(req.method(), &path, headers, remove) {
+                    Ok(true) => {
+                        let mut res = Response::new(body::empty());
+                        *res.status_mut() = StatusCode::NO_CONTENT;
+                        res
+                    }
+                    Ok(false) => no_such_key(),
+                    Err(Refused) => precondition_failed(),
                 }
-                None => no_such_key(),
-            },
+            }
             _ => Problem::method_not_allowed("GET, HEAD, PUT, DELETE").into_response(),
         }
     }

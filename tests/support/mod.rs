@@ -182,6 +182,7 @@ impl Harness {
                 draining: Arc::new(AtomicBool::new(false)),
                 primacy: None,
                 metrics: None,
+                key_states: None,
             },
         )
         .unwrap();

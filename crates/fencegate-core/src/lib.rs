@@ -23,16 +23,19 @@
 //! - [`cluster`]: cluster mode's rules on the member's clock: the
 //!   self-fencing deadline and the clock check's verdict.
 //! - [`shard`]: which shard a lease belongs to, and which member should
-//!   lead each shard, for sharding leases over cluster members (not used
-//!   yet).
+//!   lead each shard, for sharding leases over cluster members.
+//! - [`precondition`]: storage-side preconditions (SPEC §10): which
+//!   precondition a fenced write carries, what the storage's answers teach
+//!   about a key's state, what is forgotten when, in a table bounded in
+//!   keys.
 //! - [`names`]: lease and holder names, checked once where they enter.
 //! - [`hex`]: lowercase hex for ids and digests.
 //! - [`wire`]: the header names and path prefix the proxy and its clients
 //!   share.
 //!
 //! Dependencies point one way: `mutant`, `wire`, `hex`, `names` and
-//! `shard` import nothing from the crate; `cluster` and `journal` import
-//! only `mutant`; `lease` imports `journal`, `names`, `hex` and `mutant`.
+//! `shard` import nothing from the crate; `cluster`, `journal` and
+//! `precondition` import only `mutant`; `lease` imports `journal`, `names`, `hex` and `mutant`.
 
 pub mod cluster;
 pub mod hex;
@@ -40,5 +43,6 @@ pub mod journal;
 pub mod lease;
 pub mod mutant;
 pub mod names;
+pub mod precondition;
 pub mod shard;
 pub mod wire;

@@ -51,11 +51,22 @@ pub enum Mutant {
     /// for its writes in flight ([`crate::cluster::handover_drained`]): the
     /// next primary skips its takeover window while they are unfinished.
     HandoverUndrained,
+    /// A write on a precondition route whose key's state is known goes
+    /// without the precondition that names it
+    /// ([`crate::precondition::KeyStates::plan_write`]).
+    PreconditionDropped,
+    /// A write the storage refused is taken as applied: a refused `DELETE`
+    /// teaches that the key is absent, a refused write the tag its answer
+    /// carries ([`crate::precondition::KeyStates::learn`]).
+    RefusedWriteTeaches,
+    /// A member that takes over keeps the key states it learned in an
+    /// earlier primacy ([`crate::precondition::KeyStates::take_over`]).
+    StatesKeptAcrossTakeover,
 }
 
 impl Mutant {
     /// Every mutant, in the order the tests try them.
-    pub const ALL: [Mutant; 12] = [
+    pub const ALL: [Mutant; 15] = [
         Mutant::BarrierOff,
         Mutant::RestartWindowSkipped,
         Mutant::HeaderBeforeSync,
@@ -68,12 +79,27 @@ impl Mutant {
         Mutant::SelfFencingMarginZero,
         Mutant::HintsNeverDue,
         Mutant::HandoverUndrained,
+        Mutant::PreconditionDropped,
+        Mutant::RefusedWriteTeaches,
+        Mutant::StatesKeptAcrossTakeover,
     ];
 
-    /// The mutants the simulator plays: all but the last (it has no
-    /// shards, so no handovers between members; the shard tests of the
+    /// The mutants the simulator plays: all but `HandoverUndrained` (it has
+    /// no shards, so no handovers between members; the shard tests of the
     /// real binary catch that one).
-    pub const SIMULATED: &'static [Mutant] = Self::ALL.split_at(Self::ALL.len() - 1).0;
+    pub const SIMULATED: &'static [Mutant] = &[
+        Mutant::BarrierOff,
+        Mutant::RestartWindowSkipped,
+        Mutant::HeaderBeforeSync,
+        Mutant::TornTailTrusted,
+        Mutant::LostRecordsKeepTerms,
+        Mutant::TokenFloorIgnored,
+        Mutant::ReplayDropsReleases,
+        Mutant::ExpiryInclusive,
+        Mutant::RestartRuleOff,
+        Mutant::SelfFencingMarginZero,
+        Mutant::HintsNeverDue,
+    ];
 
     /// The mutant's name on command lines and in `FENCEGATE_TEST_MUTANT`.
     pub fn name(self) -> &'static str {
@@ -90,6 +116,9 @@ impl Mutant {
             Mutant::SelfFencingMarginZero => "self-fencing-margin-zero",
             Mutant::HintsNeverDue => "hints-never-due",
             Mutant::HandoverUndrained => "handover-undrained",
+            Mutant::PreconditionDropped => "precondition-dropped",
+            Mutant::RefusedWriteTeaches => "refused-write-teaches",
+            Mutant::StatesKeptAcrossTakeover => "states-kept-across-takeover",
         }
     }
 
