@@ -230,7 +230,94 @@ pub async fn garage() -> Garage {
     panic!("garage found its port taken {START_ATTEMPTS} times");
 }
 
-/// The test venv made from `tests/s3/requirements.txt` (boto3).
+/// Starts `command` (its stderr and stdout to `log`) and waits for it to
+/// listen on `port`; `None` if another process took the port first.
+async fn start_listening(
+    mut command: Command,
+    port: u16,
+    what: &str,
+    log: &std::path::Path,
+) -> Option<Child> {
+    let out = std::fs::File::create(log).unwrap();
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .spawn()
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    match wait_for_port(port, &mut child, what, log).await {
+        Ok(()) => Some(child),
+        Err(PortTaken) => None,
+    }
+}
+
+/// moto's S3 server (`moto_server`, from the S3 venv), in memory, on a
+/// free loopback port. It takes unsigned requests and evaluates
+/// `If-Match` and `If-None-Match` on PutObject and DeleteObject (not on
+/// CompleteMultipartUpload or CopyObject: tests/preconditions_storage.rs
+/// measures it).
+pub async fn moto() -> Server {
+    let venv = s3_client_venv();
+    let dir = TempDir::new("moto");
+    let log = dir.path().join("moto.log");
+    for _ in 0..START_ATTEMPTS {
+        let port = free_port();
+        let mut command = Command::new(venv.join("bin/moto_server"));
+        command
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .current_dir(dir.path());
+        if let Some(child) = start_listening(command, port, "moto_server", &log).await {
+            return Server {
+                child,
+                url: format!("http://127.0.0.1:{port}"),
+                root: dir.path().to_owned(),
+                _dir: dir,
+            };
+        }
+    }
+    panic!("moto_server found its port taken {START_ATTEMPTS} times");
+}
+
+/// The well-known account of Azure's storage emulators: name and key.
+pub const AZURITE_ACCOUNT: (&str, &str) = (
+    "devstoreaccount1",
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==",
+);
+
+/// Azurite's Blob service (npm `azurite`, pinned in `tests/azurite/`), in
+/// memory, on a free loopback port; its URL is the service's, the account
+/// is the first path segment (`{url}/devstoreaccount1/container/blob`).
+/// Its entity tags change on every write, and it checks every request's
+/// Shared Key or SAS signature.
+pub async fn azurite() -> Server {
+    let packages = super::tools::npm_packages(
+        "azurite",
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/azurite"),
+    );
+    let node = program("node");
+    let dir = TempDir::new("azurite");
+    let log = dir.path().join("azurite.log");
+    for _ in 0..START_ATTEMPTS {
+        let port = free_port();
+        let mut command = Command::new(&node);
+        command
+            .arg(packages.join("node_modules/azurite/dist/src/blob/main.js"))
+            .args(["--blobHost", "127.0.0.1", "--blobPort", &port.to_string()])
+            .args(["--inMemoryPersistence", "--disableTelemetry", "--silent"])
+            .current_dir(dir.path());
+        if let Some(child) = start_listening(command, port, "azurite", &log).await {
+            return Server {
+                child,
+                url: format!("http://127.0.0.1:{port}"),
+                root: dir.path().to_owned(),
+                _dir: dir,
+            };
+        }
+    }
+    panic!("azurite found its port taken {START_ATTEMPTS} times");
+}
+
+/// The test venv made from `tests/s3/requirements.txt` (boto3, moto).
 pub fn s3_client_venv() -> PathBuf {
     let requirements =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/s3/requirements.txt");

@@ -14,7 +14,7 @@ use std::sync::Mutex;
 /// Every program the suite runs, with the Debian package that has it (a
 /// `.jar` is a Java library the tests load, found in `/usr/share/java`; a
 /// `.so.1` a library the tests preload, found in `/usr/lib/*/faketime`).
-pub const PROGRAMS: [(&str, &str); 12] = [
+pub const PROGRAMS: [(&str, &str); 14] = [
     ("curl", "curl"),
     ("openssl", "openssl"),
     ("kill", "procps"),
@@ -27,6 +27,8 @@ pub const PROGRAMS: [(&str, &str); 12] = [
     ("tomcat10-catalina.jar", "libtomcat10-java"),
     ("libfaketimeMT.so.1", "faketime"),
     ("ensurepip", "python3-venv"),
+    ("node", "nodejs"),
+    ("npm", "npm"),
 ];
 
 /// Where `name` is installed, if it is: on PATH or in the sbin directories
@@ -180,17 +182,46 @@ fn disable_new_services(before: &std::collections::BTreeSet<String>) {
     }
 }
 
+/// Where the tools the tests build or download are kept, outside the clone
+/// so a second clone finds them made: `FENCEGATE_TEST_CACHE`, else
+/// `$XDG_CACHE_HOME/fencegate-tests`, else `~/.cache/fencegate-tests`.
+pub fn cache_dir() -> PathBuf {
+    let dir = std::env::var_os("FENCEGATE_TEST_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("fencegate-tests"))
+        })
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/fencegate-tests"))
+        })
+        .unwrap_or_else(|| std::env::temp_dir().join("fencegate-tests-cache"));
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    dir
+}
+
+/// Holds the cache's lock for `name` (a file lock, so test processes of
+/// other clones making the same tool wait for it) while it lives.
+pub fn cache_lock(name: &str) -> std::fs::File {
+    let path = cache_dir().join(format!("{name}.lock"));
+    let file = std::fs::File::create(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    file.lock()
+        .unwrap_or_else(|e| panic!("lock {}: {e}", path.display()));
+    file
+}
+
 /// A Python virtual environment with `requirements` (a pip requirements
-/// file) installed, made once under the build's target directory and made
-/// again when the file changes (never a pip install into the system's
-/// Python, which Debian refuses). Its directory.
+/// file) installed, made once in the [`cache_dir`] for each version of the
+/// file (never a pip install into the system's Python, which Debian
+/// refuses). Its directory.
 pub fn python_venv(name: &str, requirements: &std::path::Path) -> PathBuf {
     program("ensurepip");
     let wanted = std::fs::read_to_string(requirements).expect("the requirements file");
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("venv-{name}"));
+    let version = crc32fast::hash(wanted.as_bytes());
+    let dir = cache_dir().join(format!("venv-{name}-{version:08x}"));
     let stamp = dir.join("installed-requirements.txt");
     static MAKING: Mutex<()> = Mutex::new(());
     let _one = MAKING.lock().unwrap_or_else(|p| p.into_inner());
+    let _all = cache_lock(&format!("venv-{name}"));
     if std::fs::read_to_string(&stamp).ok().as_deref() == Some(wanted.as_str()) {
         return dir;
     }
@@ -225,14 +256,16 @@ pub fn python_venv(name: &str, requirements: &std::path::Path) -> PathBuf {
 }
 
 /// The binary `name` of crate `name` at `version`, built once with `cargo
-/// install --locked` under the build's target directory (so a tool a test
-/// needs arrives through cargo, and a later run finds it built). Its path.
+/// install --locked` in the [`cache_dir`] (so a tool a test needs arrives
+/// through cargo, and a later run, or another clone, finds it built). Its
+/// path.
 pub fn cargo_tool(name: &str, version: &str) -> PathBuf {
-    let tools = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tools");
+    let tools = cache_dir().join("tools");
     let root = tools.join(format!("{name}-{version}"));
     let bin = root.join("bin").join(name);
     static BUILDING: Mutex<()> = Mutex::new(());
     let _one = BUILDING.lock().unwrap_or_else(|p| p.into_inner());
+    let _all = cache_lock(&format!("tool-{name}"));
     if bin.is_file() {
         return bin;
     }
@@ -263,6 +296,46 @@ pub fn cargo_tool(name: &str, version: &str) -> PathBuf {
         "cargo install {name} --version {version} failed"
     );
     bin
+}
+
+/// The npm packages of `dir` (a `package.json` with its `package-lock.json`
+/// in the repository), installed once with `npm ci` in the [`cache_dir`]
+/// for each version of the lock file. The directory holding their
+/// `node_modules`.
+pub fn npm_packages(name: &str, dir: &std::path::Path) -> PathBuf {
+    let npm = program("npm");
+    program("node");
+    let manifest = std::fs::read(dir.join("package.json")).expect("package.json");
+    let lock = std::fs::read(dir.join("package-lock.json")).expect("package-lock.json");
+    let version = crc32fast::hash(&[manifest.as_slice(), lock.as_slice()].concat());
+    let out = cache_dir().join(format!("npm-{name}-{version:08x}"));
+    let stamp = out.join("installed");
+    static INSTALLING: Mutex<()> = Mutex::new(());
+    let _one = INSTALLING.lock().unwrap_or_else(|p| p.into_inner());
+    let _all = cache_lock(&format!("npm-{name}"));
+    if stamp.is_file() {
+        return out;
+    }
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("package.json"), &manifest).unwrap();
+    std::fs::write(out.join("package-lock.json"), &lock).unwrap();
+    {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "installing the npm packages of {} for the tests (npm ci, once)",
+            dir.display()
+        );
+    }
+    let installed = Command::new(npm)
+        .args(["ci", "--no-audit", "--no-fund", "--loglevel=error"])
+        .current_dir(&out)
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(installed, "npm ci in {} failed", out.display());
+    std::fs::write(&stamp, "").unwrap();
+    out
 }
 
 /// Whether the tests run as root (some need it: mounting a tmpfs).

@@ -137,12 +137,42 @@ enum Kind {
     },
 }
 
+/// Query parameters that make a read answer for something other than the
+/// key's current representation, compared without regard to case: another
+/// version (S3's `versionId`, Azure's `versionid` and `snapshot`, GCS's
+/// `generation`), a part, or a sub-resource (Azure's `comp` and `restype`,
+/// S3's `tagging`, `acl`, `attributes`, ...). A read with any of them
+/// teaches nothing; other parameters (a SAS token, `response-*` overrides,
+/// `x-id`) leave it a read of the key.
+const NOT_THE_KEY: [&str; 14] = [
+    "versionid",
+    "snapshot",
+    "generation",
+    "partnumber",
+    "uploadid",
+    "uploads",
+    "comp",
+    "restype",
+    "tagging",
+    "acl",
+    "attributes",
+    "torrent",
+    "retention",
+    "legal-hold",
+];
+
 impl Exchange {
-    /// A read: a `GET` or `HEAD` (`get_or_head`) of the key itself (no
-    /// `query`: a query can name another version or a sub-resource, whose
-    /// entity tag is not the key's).
+    /// A read: a `GET` or `HEAD` (`get_or_head`) of the key's current
+    /// representation, unless its `query` names another version or a
+    /// sub-resource, whose entity tag is not the key's.
     pub fn read(get_or_head: bool, query: Option<&str>) -> Self {
-        Self(if get_or_head && query.is_none() {
+        let other = query.is_some_and(|q| {
+            q.split('&').any(|param| {
+                let name = param.split_once('=').map_or(param, |(n, _)| n);
+                NOT_THE_KEY.iter().any(|n| n.eq_ignore_ascii_case(name))
+            })
+        });
+        Self(if get_or_head && !other {
             Kind::Read
         } else {
             Kind::Nothing
@@ -492,7 +522,12 @@ mod tests {
 
     #[test]
     fn reads_of_other_versions_teach_nothing() {
-        assert!(!Exchange::read(true, Some("versionId=1")).teaches());
+        for query in ["versionId=1", "snapshot=2026-01-01", "comp=metadata", "x=1&versionid=2"] {
+            assert!(!Exchange::read(true, Some(query)).teaches(), "{query}");
+        }
+        for query in ["sv=2021-08-06&sig=abc", "x-id=GetObject", "response-content-type=a"] {
+            assert!(Exchange::read(true, Some(query)).teaches(), "{query}");
+        }
         assert!(!Exchange::read(false, None).teaches());
         let mut s = KeyStates::new(16);
         s.learn("/k", &Exchange::read(true, None), ok(403, Some(A)));

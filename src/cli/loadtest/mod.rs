@@ -23,6 +23,7 @@ pub mod check;
 pub mod html;
 pub mod layout;
 mod readback;
+pub mod relay;
 pub mod sigv4;
 
 use std::collections::{BTreeMap, HashMap};

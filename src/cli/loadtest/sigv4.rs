@@ -37,6 +37,15 @@ pub struct Signed {
 }
 
 impl S3Signer {
+    /// The signer for `region` with these credentials.
+    pub fn new(key_id: &str, secret: &str, region: &str) -> Self {
+        Self {
+            key_id: key_id.to_owned(),
+            secret: secret.to_owned(),
+            region: region.to_owned(),
+        }
+    }
+
     /// The signer for `region`, with the credentials from the environment.
     pub fn from_env(region: &str) -> Result<Self, String> {
         let var = |name: &str| {
