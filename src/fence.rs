@@ -36,7 +36,7 @@ use crate::error::{Problem, Reason};
 use crate::lease::{Admission, AdmitError, AdmitOptions, LeaseStore, Primacy, WriteGuard};
 use crate::metrics::Metrics;
 use crate::names::LeaseName;
-use crate::precondition::{self, Exchange, Key, KeyStateTable, Observed, Plan};
+use crate::precondition::{self, Key, KeyStateTable, Observed, Plan};
 use crate::route::{Preconditions, RouteTimeout, Routes};
 
 pub use crate::wire::{OutcomeUnknown, FENCING_LEASE_ID, FENCING_TOKEN};
@@ -298,11 +298,11 @@ impl FencePolicy {
 
     /// A read of `key` on a route with preconditions, to learn from.
     fn read_of<B>(&self, key: Key, req: &Request<B>) -> Observed {
-        let get_or_head = matches!(*req.method(), Method::GET | Method::HEAD);
+        let exchange = self.key_states.read(key.as_str(), req);
         Observed {
             table: self.key_states.clone(),
             key,
-            exchange: Exchange::read(get_or_head, req.uri().query()),
+            exchange,
         }
     }
 

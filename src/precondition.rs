@@ -64,6 +64,13 @@ impl KeyStateTable {
         self.part(key).plan_write(key, shape, delete, own, may_add)
     }
 
+    /// A read of `key` (`req`'s method and query say whether it reads the
+    /// key's current representation).
+    pub fn read<B>(&self, key: &str, req: &Request<B>) -> Exchange {
+        let get_or_head = matches!(*req.method(), Method::GET | Method::HEAD);
+        self.part(key).read(get_or_head, req.uri().query())
+    }
+
     /// Learns from `answer` to `exchange` about `key`.
     pub fn learn(&self, key: &str, exchange: &Exchange, answer: Answer<'_>) {
         if exchange.teaches() {
@@ -216,7 +223,8 @@ mod tests {
         let table = std::sync::Arc::new(KeyStateTable::new(64));
         let put = req("PUT", "/b/k", &[]);
         assert_eq!(table.plan("/b/k", &put).0, Plan::Required(None));
-        let read = Exchange::read(true, None);
+        let get = req("GET", "/b/k", &[]);
+        let read = table.read("/b/k", &get);
         let ok = Response::builder()
             .header("etag", "\"e1\"")
             .body(())

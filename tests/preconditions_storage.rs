@@ -215,14 +215,22 @@ async fn stored(s: &Storage) -> Option<String> {
 /// A writes, then sends `late` (PUT or DELETE), which the relay holds; A's
 /// term ends and its unknown write settles; B writes; A's write arrives.
 /// What the storage answered it, and what the key holds at the end.
-async fn late_write(s: &Storage, preconditions: Preconditions, late: &str) -> (u16, Option<String>) {
+async fn late_write(
+    s: &Storage,
+    preconditions: Preconditions,
+    late: &str,
+) -> (u16, Option<String>) {
     let (h, relay, c) = stack(s, preconditions).await;
     let a = h.acquire("orders", "A", 1_000).await;
     let r = write(s, &c, "PUT", &a, "a-1").await;
     assert!(r.status.is_success(), "A's write: {r:?}");
     let body = if late == "PUT" { "a-2-late" } else { "" };
     let held = c
-        .send(s.req(late, &s.key, body).held(&a).header("x-test-hold", "1"))
+        .send(
+            s.req(late, &s.key, body)
+                .held(&a)
+                .header("x-test-hold", "1"),
+        )
         .await;
     assert_eq!(held.status, 502, "the held write: {}", held.text());
     h.advance(1_000 + 1_000);
@@ -259,7 +267,11 @@ async fn without_preconditions_late_writes_land_in_moto() {
     let s = s3().await;
     let (status, kept) = late_write(&s, Preconditions::Off, "PUT").await;
     assert_eq!(status, 200);
-    assert_eq!(kept.as_deref(), Some("a-2-late"), "the stale PUT did not land");
+    assert_eq!(
+        kept.as_deref(),
+        Some("a-2-late"),
+        "the stale PUT did not land"
+    );
     let (status, kept) = late_write(&s, Preconditions::Off, "DELETE").await;
     assert_eq!(status, 204);
     assert_eq!(kept, None, "the stale DELETE did not land");
@@ -281,7 +293,11 @@ async fn without_preconditions_late_writes_land_in_azurite() {
     let s = azure().await;
     let (status, kept) = late_write(&s, Preconditions::Off, "PUT").await;
     assert_eq!(status, 201);
-    assert_eq!(kept.as_deref(), Some("a-2-late"), "the stale PUT did not land");
+    assert_eq!(
+        kept.as_deref(),
+        Some("a-2-late"),
+        "the stale PUT did not land"
+    );
     let (status, kept) = late_write(&s, Preconditions::Off, "DELETE").await;
     assert_eq!(status, 202);
     assert_eq!(kept, None, "the stale DELETE did not land");
@@ -309,8 +325,15 @@ async fn moto_ignores_preconditions_on_complete_and_copy() {
                 .header("if-match", "\"nope\""),
         )
         .await;
-    assert_eq!(r.status, 200, "CopyObject with a false If-Match: {}", r.text());
-    let r = direct.send(s.req("POST", &format!("{key}?uploads"), "")).await;
+    assert_eq!(
+        r.status,
+        200,
+        "CopyObject with a false If-Match: {}",
+        r.text()
+    );
+    let r = direct
+        .send(s.req("POST", &format!("{key}?uploads"), ""))
+        .await;
     let text = r.text();
     let upload = text
         .split("<UploadId>")
@@ -318,7 +341,11 @@ async fn moto_ignores_preconditions_on_complete_and_copy() {
         .and_then(|t| t.split("</UploadId>").next())
         .expect("an upload id");
     let r = direct
-        .send(s.req("PUT", &format!("{key}?partNumber=1&uploadId={upload}"), "part"))
+        .send(s.req(
+            "PUT",
+            &format!("{key}?partNumber=1&uploadId={upload}"),
+            "part",
+        ))
         .await;
     assert_eq!(r.status, 200);
     let part = r.headers["etag"].to_str().unwrap().to_owned();
@@ -332,7 +359,8 @@ async fn moto_ignores_preconditions_on_complete_and_copy() {
         )
         .await;
     assert_eq!(
-        r.status, 200,
+        r.status,
+        200,
         "CompleteMultipartUpload with a false If-Match: {}",
         r.text()
     );
@@ -360,7 +388,11 @@ fn shared_key(method: &str, path: &str, headers: &[(&str, &str)], length: usize)
         .collect();
     ms.sort();
     let canonical_headers: String = ms.iter().map(|(k, v)| format!("{k}:{v}\n")).collect();
-    let length = if length == 0 { String::new() } else { length.to_string() };
+    let length = if length == 0 {
+        String::new()
+    } else {
+        length.to_string()
+    };
     let to_sign = format!(
         "{method}\n\n\n{length}\n\n{}\n\n\n{}\n{}\n\n\n{canonical_headers}/{account}{path}",
         get("content-type"),
@@ -384,7 +416,9 @@ fn signed_put(path: &str, body: &str, headers: &[(&str, &str)], after: &[(&str, 
     ];
     all.extend_from_slice(headers);
     let auth = shared_key("PUT", path, &all, body.len());
-    let mut r = Req::new("PUT", path).header("authorization", &auth).body(body.to_owned());
+    let mut r = Req::new("PUT", path)
+        .header("authorization", &auth)
+        .body(body.to_owned());
     for (k, v) in all.iter().chain(after) {
         r = r.header(k, v);
     }
@@ -422,9 +456,8 @@ async fn shared_key_requests_send_their_own_precondition() {
     let a = h.acquire("orders", "A", 60_000).await;
     let r = c.send(s.req("HEAD", key, "")).await;
     assert_eq!(r.status, 200);
-    let fenced = |body: &str, headers: &[(&str, &str)]| {
-        signed_put(key, body, headers, &[]).held(&a)
-    };
+    let fenced =
+        |body: &str, headers: &[(&str, &str)]| signed_put(key, body, headers, &[]).held(&a);
     let r = c.send(fenced("v1", &[])).await;
     assert_eq!(r.reason(), "precondition-required");
     assert_eq!(r.json()["if_match"], tag.as_str());

@@ -99,6 +99,9 @@ impl Mutant {
         Mutant::RestartRuleOff,
         Mutant::SelfFencingMarginZero,
         Mutant::HintsNeverDue,
+        Mutant::PreconditionDropped,
+        Mutant::RefusedWriteTeaches,
+        Mutant::StatesKeptAcrossTakeover,
     ];
 
     /// The mutant's name on command lines and in `FENCEGATE_TEST_MUTANT`.

@@ -119,9 +119,12 @@ pub enum Plan {
 }
 
 /// What an exchange was, so its answer can be learned from
-/// ([`KeyStates::learn`]).
+/// ([`KeyStates::learn`]), and the term of primacy it began in.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Exchange(Kind);
+pub struct Exchange {
+    kind: Kind,
+    epoch: u64,
+}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Kind {
@@ -161,32 +164,23 @@ const NOT_THE_KEY: [&str; 14] = [
     "legal-hold",
 ];
 
-impl Exchange {
-    /// A read: a `GET` or `HEAD` (`get_or_head`) of the key's current
-    /// representation, unless its `query` names another version or a
-    /// sub-resource, whose entity tag is not the key's.
-    pub fn read(get_or_head: bool, query: Option<&str>) -> Self {
-        let other = query.is_some_and(|q| {
-            q.split('&').any(|param| {
-                let name = param.split_once('=').map_or(param, |(n, _)| n);
-                NOT_THE_KEY.iter().any(|n| n.eq_ignore_ascii_case(name))
-            })
-        });
-        Self(if get_or_head && !other {
-            Kind::Read
-        } else {
-            Kind::Nothing
+/// Whether a `GET` or `HEAD` (`get_or_head`) with `query` reads the key's
+/// current representation: not when its query names another version or a
+/// sub-resource ([`NOT_THE_KEY`]), whose entity tag is not the key's.
+pub fn reads_the_key(get_or_head: bool, query: Option<&str>) -> bool {
+    let other = query.is_some_and(|q| {
+        q.split('&').any(|param| {
+            let name = param.split_once('=').map_or(param, |(n, _)| n);
+            NOT_THE_KEY.iter().any(|n| n.eq_ignore_ascii_case(name))
         })
-    }
+    });
+    get_or_head && !other
+}
 
-    /// An exchange that teaches nothing.
-    pub fn nothing() -> Self {
-        Self(Kind::Nothing)
-    }
-
+impl Exchange {
     /// Whether its answer can teach anything.
     pub fn teaches(&self) -> bool {
-        self.0 != Kind::Nothing
+        self.kind != Kind::Nothing
     }
 }
 
@@ -219,6 +213,9 @@ pub struct KeyStates {
     old: HashMap<Box<str>, KeyState>,
     /// The most keys a generation holds: half the capacity.
     generation: usize,
+    /// Counts the terms of primacy this table served ([`Self::take_over`]):
+    /// an answer to an exchange of an earlier one teaches nothing.
+    epoch: u64,
 }
 
 impl KeyStates {
@@ -228,6 +225,24 @@ impl KeyStates {
             young: HashMap::new(),
             old: HashMap::new(),
             generation: (capacity / 2).max(1),
+            epoch: 0,
+        }
+    }
+
+    fn exchange(&self, kind: Kind) -> Exchange {
+        Exchange {
+            kind,
+            epoch: self.epoch,
+        }
+    }
+
+    /// A read of a key on a route with preconditions: a `GET` or `HEAD`
+    /// (`get_or_head`) with `query` (see [`reads_the_key`]).
+    pub fn read(&self, get_or_head: bool, query: Option<&str>) -> Exchange {
+        if reads_the_key(get_or_head, query) {
+            self.exchange(Kind::Read)
+        } else {
+            self.exchange(Kind::Nothing)
         }
     }
 
@@ -265,38 +280,39 @@ impl KeyStates {
         may_add: bool,
     ) -> (Plan, Exchange) {
         if shape == WriteShape::Aside {
-            return (Plan::AsSent, Exchange(Kind::Nothing));
+            return (Plan::AsSent, self.exchange(Kind::Nothing));
         }
         if own {
-            let exchange = Exchange(Kind::Write { delete, sent: None });
+            let exchange = self.exchange(Kind::Write { delete, sent: None });
             return (Plan::AsSent, exchange);
         }
         let known = self.touch(key).cloned();
         if planted(Mutant::PreconditionDropped) && known.is_some() {
-            return (
-                Plan::AsSent,
-                Exchange(Kind::Write {
-                    delete,
-                    sent: known,
-                }),
-            );
+            let exchange = self.exchange(Kind::Write {
+                delete,
+                sent: known,
+            });
+            return (Plan::AsSent, exchange);
         }
         let plan = match &known {
-            Some(_) if !may_add => return (Plan::Required(known), Exchange(Kind::Nothing)),
-            None => return (Plan::Required(None), Exchange(Kind::Nothing)),
+            Some(_) if !may_add => {
+                return (Plan::Required(known), self.exchange(Kind::Nothing));
+            }
+            None => return (Plan::Required(None), self.exchange(Kind::Nothing)),
             Some(KeyState::Absent) => Plan::IfNoneMatchAny,
             Some(KeyState::Tagged(tag)) => Plan::IfMatch(tag.clone()),
         };
         (
             plan,
-            Exchange(Kind::Write {
+            self.exchange(Kind::Write {
                 delete,
                 sent: known,
             }),
         )
     }
 
-    /// Learns what `answer` to `exchange` (an exchange about `key`) shows.
+    /// Learns what `answer` to `exchange` (an exchange about `key`) shows;
+    /// nothing, if the exchange began in an earlier term of primacy.
     ///
     /// - A read answered 2xx or 304 shows the entity tag it carries (or, if
     ///   it carries no strong one, a state that cannot be named: the key is
@@ -310,7 +326,11 @@ impl KeyStates {
     ///   the key is forgotten, if its state is still the one the write's
     ///   added precondition named (a write with the client's own: always).
     pub fn learn(&mut self, key: &str, exchange: &Exchange, answer: Answer<'_>) {
-        match (&exchange.0, answer) {
+        let kept_across_takeover = planted(Mutant::StatesKeptAcrossTakeover);
+        if exchange.epoch != self.epoch && !kept_across_takeover {
+            return;
+        }
+        match (&exchange.kind, answer) {
             (Kind::Nothing, _) | (Kind::Read, Answer::Unknown) => {}
             (Kind::Read, Answer::Storage { status, etag }) => match status {
                 200..=299 | 304 => self.tagged(key, etag),
@@ -344,8 +364,10 @@ impl KeyStates {
     }
 
     /// A member took over the primacy this table serves: it starts knowing
-    /// nothing.
+    /// nothing, and answers to the exchanges of its earlier terms of
+    /// primacy teach nothing either.
     pub fn take_over(&mut self) {
+        self.epoch += 1;
         if planted(Mutant::StatesKeptAcrossTakeover) {
             return;
         }
@@ -432,6 +454,11 @@ mod tests {
         Answer::Storage { status, etag }
     }
 
+    /// A `GET` of the key, as `states` would plan it.
+    fn read(states: &KeyStates) -> Exchange {
+        states.read(true, None)
+    }
+
     fn put(s: &mut KeyStates, key: &str) -> (Plan, Exchange) {
         s.plan_write(key, WriteShape::Key, false, false, true)
     }
@@ -440,16 +467,16 @@ mod tests {
     fn an_unknown_key_is_refused_until_read() {
         let mut s = KeyStates::new(16);
         assert_eq!(put(&mut s, "/k").0, Plan::Required(None));
-        s.learn("/k", &Exchange::read(true, None), ok(404, None));
+        s.learn("/k", &read(&s), ok(404, None));
         assert_eq!(put(&mut s, "/k").0, Plan::IfNoneMatchAny);
-        s.learn("/k", &Exchange::read(true, None), ok(200, Some(A)));
+        s.learn("/k", &read(&s), ok(200, Some(A)));
         assert_eq!(put(&mut s, "/k").0, Plan::IfMatch(Bytes::from_static(A)));
     }
 
     #[test]
     fn writes_teach_the_state_they_leave() {
         let mut s = KeyStates::new(16);
-        s.learn("/k", &Exchange::read(true, None), ok(404, None));
+        s.learn("/k", &read(&s), ok(404, None));
         let (plan, ex) = put(&mut s, "/k");
         assert_eq!(plan, Plan::IfNoneMatchAny);
         s.learn("/k", &ex, ok(201, Some(A)));
@@ -463,13 +490,10 @@ mod tests {
         s.learn("/k", &ex, ok(200, None));
         assert_eq!(s.known("/k"), None);
         // A weak tag names nothing a write can be conditioned on.
-        s.learn("/k", &Exchange::read(true, None), ok(200, Some(b"W/\"a\"")));
+        s.learn("/k", &read(&s), ok(200, Some(b"W/\"a\"")));
         assert_eq!(s.known("/k"), None);
         // A delete that found nothing leaves it absent.
-        let ex = Exchange(Kind::Write {
-            delete: true,
-            sent: None,
-        });
+        let (_, ex) = s.plan_write("/k", WriteShape::Key, true, true, true);
         s.learn("/k", &ex, ok(404, None));
         assert_eq!(s.known("/k"), Some(&KeyState::Absent));
     }
@@ -478,12 +502,12 @@ mod tests {
     fn refusals_and_unknown_outcomes_forget_the_state_they_named() {
         for answer in [ok(412, None), ok(409, None), ok(500, None), Answer::Unknown] {
             let mut s = KeyStates::new(16);
-            s.learn("/k", &Exchange::read(true, None), ok(200, Some(A)));
+            s.learn("/k", &read(&s), ok(200, Some(A)));
             let (_, ex) = put(&mut s, "/k");
             s.learn("/k", &ex, answer);
             assert_eq!(s.known("/k"), None, "{answer:?}");
             // One named a state since replaced: the newer one stays.
-            s.learn("/k", &Exchange::read(true, None), ok(200, Some(A)));
+            s.learn("/k", &read(&s), ok(200, Some(A)));
             let (_, first) = put(&mut s, "/k");
             let (_, second) = put(&mut s, "/k");
             s.learn("/k", &second, ok(200, Some(B)));
@@ -503,7 +527,7 @@ mod tests {
         assert_eq!(plan, Plan::AsSent);
         s.learn("/k", &ex, ok(412, None));
         assert_eq!(s.known("/k"), None);
-        s.learn("/k", &Exchange::read(true, None), ok(200, Some(A)));
+        s.learn("/k", &read(&s), ok(200, Some(A)));
         let (plan, ex) = s.plan_write("/k", WriteShape::Aside, false, false, true);
         assert_eq!((plan, ex.teaches()), (Plan::AsSent, false));
         // A part's answer carries the part's tag, not the key's.
@@ -514,7 +538,7 @@ mod tests {
     #[test]
     fn a_signature_over_the_headers_gets_the_state_to_send() {
         let mut s = KeyStates::new(16);
-        s.learn("/k", &Exchange::read(true, None), ok(200, Some(A)));
+        s.learn("/k", &read(&s), ok(200, Some(A)));
         let (plan, ex) = s.plan_write("/k", WriteShape::Key, false, false, false);
         assert_eq!(plan, Plan::Required(Some(tag(A))));
         assert!(!ex.teaches());
@@ -522,16 +546,25 @@ mod tests {
 
     #[test]
     fn reads_of_other_versions_teach_nothing() {
-        for query in ["versionId=1", "snapshot=2026-01-01", "comp=metadata", "x=1&versionid=2"] {
-            assert!(!Exchange::read(true, Some(query)).teaches(), "{query}");
+        for query in [
+            "versionId=1",
+            "snapshot=2026-01-01",
+            "comp=metadata",
+            "x=1&versionid=2",
+        ] {
+            assert!(!reads_the_key(true, Some(query)), "{query}");
         }
-        for query in ["sv=2021-08-06&sig=abc", "x-id=GetObject", "response-content-type=a"] {
-            assert!(Exchange::read(true, Some(query)).teaches(), "{query}");
+        for query in [
+            "sv=2021-08-06&sig=abc",
+            "x-id=GetObject",
+            "response-content-type=a",
+        ] {
+            assert!(reads_the_key(true, Some(query)), "{query}");
         }
-        assert!(!Exchange::read(false, None).teaches());
+        assert!(!reads_the_key(false, None));
         let mut s = KeyStates::new(16);
-        s.learn("/k", &Exchange::read(true, None), ok(403, Some(A)));
-        s.learn("/k", &Exchange::read(true, None), ok(500, None));
+        s.learn("/k", &read(&s), ok(403, Some(A)));
+        s.learn("/k", &read(&s), ok(500, None));
         assert_eq!(s.known("/k"), None);
     }
 
@@ -576,10 +609,10 @@ mod tests {
     #[test]
     fn memory_is_bounded_and_recent_keys_stay() {
         let mut s = KeyStates::new(100);
-        s.learn("/hot", &Exchange::read(true, None), ok(200, Some(A)));
+        s.learn("/hot", &read(&s), ok(200, Some(A)));
         for i in 0..10_000 {
             let key = format!("/k{i}");
-            s.learn(&key, &Exchange::read(true, None), ok(404, None));
+            s.learn(&key, &read(&s), ok(404, None));
             assert!(s.len() <= s.capacity());
             if i % 10 == 0 {
                 assert_eq!(put(&mut s, "/hot").0, Plan::IfMatch(Bytes::from_static(A)));
@@ -590,5 +623,18 @@ mod tests {
         assert!(s.known("/k0").is_none());
         s.take_over();
         assert!(s.is_empty());
+    }
+
+    #[test]
+    fn a_new_primacy_learns_nothing_from_the_old_one() {
+        let mut s = KeyStates::new(16);
+        let before = read(&s);
+        let (_, write) = s.plan_write("/w", WriteShape::Key, false, true, true);
+        s.take_over();
+        s.learn("/k", &before, ok(200, Some(A)));
+        s.learn("/w", &write, ok(200, Some(B)));
+        assert!(s.is_empty());
+        s.learn("/k", &read(&s), ok(200, Some(A)));
+        assert_eq!(s.known("/k"), Some(&tag(A)));
     }
 }

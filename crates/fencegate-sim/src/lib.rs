@@ -20,7 +20,18 @@
 //! - a backend that answers late, times out, and applies a write before or
 //!   after it answers, up to the settle time after the connection is gone:
 //!   the documented bound. Writes applied later than that ("rogue" writes)
-//!   are made on purpose, counted, and left out of the order check;
+//!   are made on purpose, counted, and left out of the lease-wide order
+//!   check;
+//! - routes with storage-side preconditions (SPEC §10) for some leases:
+//!   their writes go to a few keys of a storage ([`storage`]) that names
+//!   states with entity tags of one of two kinds (new on every write, or
+//!   naming the content, so a key can return to an earlier state) and
+//!   evaluates each write's precondition when it applies it, however late;
+//!   the proxy plans each precondition with the core
+//!   (`fencegate_core::precondition`), from what the answers to its writes
+//!   and to its clients' reads taught a table that outlives its terms of
+//!   primacy, and answers 428 (the client then reads the key) where it
+//!   knows nothing;
 //! - crashes and power cuts at any step, and restarts;
 //! - in cluster mode (even seeds), three members sharing the lease state
 //!   through a simulated etcd (sessions that expire on etcd's clock, one
@@ -43,6 +54,13 @@
 //! What it checks (see [`Violation`]):
 //! - the backend never applies a write of a term after one of a later term
 //!   of the same lease (within the bound);
+//! - on the routes with preconditions, whenever it is applied (rogue writes
+//!   too): the storage applies no write of a term to a key after a later
+//!   term's write to it, unless the key returned to the state the write's
+//!   precondition named (the documented bound, counted); what the proxy
+//!   learns of a key is a state the key held while the exchange ran; and a
+//!   precondition names a state the key held since the member's term of
+//!   primacy began (a new primary starts knowing none);
 //! - tokens granted to clients strictly increase per lease (so none is
 //!   issued twice), across every restart and loss;
 //! - no term that ended (released with an answer, superseded by a granted
@@ -67,6 +85,7 @@
 //! [`run`] plays one seed; the same seed plays the same run, step for step.
 
 pub mod disk;
+pub mod storage;
 pub mod world;
 
 pub use world::{run, Config, Report, Stats, Violation};

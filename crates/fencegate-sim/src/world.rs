@@ -14,8 +14,10 @@ use fencegate_core::lease::id::LeaseId;
 use fencegate_core::lease::inflight::Inflight;
 use fencegate_core::lease::machine::{AcquireRefused, LeaseState, Term};
 use fencegate_core::lease::restart::{self, RestartRule};
+use fencegate_core::precondition::{self, KeyStates, Plan, WriteShape};
 
 use crate::disk::File;
+use crate::storage::{KeyWrite, Keys, Outcome, State, TagKind};
 
 /// The wall clock's Unix time at the simulation's start.
 const WALL_BASE_MS: u64 = 1_800_000_000_000;
@@ -66,6 +68,19 @@ pub struct Config {
     /// Cluster mode: mean time between pauses (SIGSTOP) of a member, each
     /// up to two TTLs of its etcd lease.
     pub pause_every_ms: u64,
+    /// Leases `0..precondition_leases` are guarded by a route with
+    /// preconditions (SPEC §10): each of their writes goes to one of
+    /// `keys_per_lease` keys, carries a precondition planned by the core
+    /// (`fencegate_core::precondition`), is evaluated by the storage when
+    /// it is applied, and is checked however late it is applied (their
+    /// rogue writes included).
+    pub precondition_leases: usize,
+    pub keys_per_lease: usize,
+    /// How the storage names its keys' states (see [`crate::storage`]).
+    pub tag_kind: TagKind,
+    /// The most keys a member remembers the state of (fewer than there are
+    /// keys, so some are forgotten).
+    pub key_states: usize,
     /// Print every event to stderr (the `simulate` example's `--trace`).
     pub trace: bool,
 }
@@ -111,6 +126,16 @@ impl Config {
             margin_ms: 100,
             member_skew_ppm: 5_000,
             pause_every_ms: 3_000,
+            precondition_leases: 2,
+            keys_per_lease: 2,
+            // Each kind with both modes: seeds 1, 2 version tags, 3, 4
+            // content tags, and so on.
+            tag_kind: if seed.div_ceil(2).is_multiple_of(2) {
+                TagKind::Content
+            } else {
+                TagKind::Version
+            },
+            key_states: 3,
             trace: false,
         }
     }
@@ -153,6 +178,19 @@ pub struct Stats {
     /// Cluster mode: primaries that stepped down (their etcd lease gone, a
     /// write of lease state refused).
     pub step_downs: u64,
+    /// Routes with preconditions: writes answered 428 (no state known).
+    pub preconditions_required: u64,
+    /// Reads of a key through the proxy.
+    pub key_reads: u64,
+    /// Writes whose precondition the storage refused.
+    pub preconditions_refused: u64,
+    /// Of those, writes of an old term applied after a later term's
+    /// (rogue or late): the storage refused them.
+    pub late_stale_refused: u64,
+    /// Writes of an old term the storage applied after a later term's
+    /// because the key returned to the state they named (the documented
+    /// bound: deleted again, or, with content tags, the same bytes again).
+    pub returned_states: u64,
 }
 
 /// A run's outcome.
@@ -183,10 +221,23 @@ pub fn run(config: &Config) -> Report {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Acquire { ttl_ms: u64 },
+    Acquire {
+        ttl_ms: u64,
+    },
     Renew,
     Release,
-    Write { first_try_ms: Option<u64> },
+    Write {
+        first_try_ms: Option<u64>,
+        /// On a route with preconditions: which key, a DELETE or a PUT of
+        /// which content.
+        key: usize,
+        delete: bool,
+        content: u64,
+    },
+    /// On a route with preconditions: a read of a key.
+    Read {
+        key: usize,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -216,6 +267,13 @@ enum Answer {
     Written,
     Refused,
     Held,
+    /// 428 precondition-required: the client reads the key.
+    PreconditionRequired {
+        lease: usize,
+        key: usize,
+    },
+    /// A read's answer.
+    Read,
     /// 503 or 504, or the connection was refused or lost.
     Failed,
 }
@@ -243,6 +301,9 @@ enum Ev {
     },
     Apply(usize),
     Answered(usize),
+    /// The storage serves read `.0`, then its answer reaches the proxy.
+    ReadServed(usize),
+    ReadAnswered(usize),
     BodyDone(usize),
     Timeout(usize),
     Crash(usize),
@@ -444,6 +505,12 @@ struct Member {
     generation: u64,
     proxy: Option<Proxy>,
     session: Option<Session>,
+    /// The process's key states of the routes with preconditions: kept
+    /// across its terms of primacy, each of which begins with
+    /// `KeyStates::take_over` (as the shell's per-shard table is).
+    key_states: Option<KeyStates>,
+    /// When its current term of primacy (standalone: its process) began.
+    primacy_since_ms: u64,
 }
 
 /// A member's etcd lease as it last confirmed it.
@@ -508,6 +575,36 @@ struct Write {
     /// The forwarding proxy's clock rate: the settle time is measured on
     /// that clock.
     skew_ppm: i64,
+    /// On a route with preconditions: what the storage is to evaluate.
+    cond: Option<Cond>,
+}
+
+/// A write on a route with preconditions.
+#[derive(Debug)]
+struct Cond {
+    key: String,
+    write: KeyWrite,
+    exchange: precondition::Exchange,
+    sent_ms: u64,
+    /// The member whose table learns from its answer, and its process.
+    member: usize,
+    generation: u64,
+    outcome: Option<Outcome>,
+}
+
+/// A read of a key on a route with preconditions.
+#[derive(Debug)]
+struct Read {
+    key: String,
+    inc: u64,
+    member: usize,
+    generation: u64,
+    exchange: precondition::Exchange,
+    sent_ms: u64,
+    client: usize,
+    req: u64,
+    /// What the storage answered, once it served it.
+    state: Option<State>,
 }
 
 // ---------------------------------------------------------------------------
@@ -597,10 +694,19 @@ struct World {
     /// The member of each incarnation (index: incarnation).
     inc_member: Vec<usize>,
     etcd: Etcd,
+    /// The storage's keys on the routes with preconditions.
+    keys: Keys,
+    reads: Vec<Read>,
+}
+
+/// The key `k` of lease `lease`.
+fn key_name(lease: usize, k: usize) -> String {
+    format!("/l{lease}/k{k}")
 }
 
 impl World {
     fn new(cfg: Config) -> Self {
+        let cfg_tag_kind = cfg.tag_kind;
         let mut rng = fastrand::Rng::with_seed(cfg.seed);
         let clients = (0..cfg.clients)
             .map(|i| Client {
@@ -640,6 +746,8 @@ impl World {
             members: Vec::new(),
             inc_member: vec![0],
             etcd: Etcd::default(),
+            keys: Keys::new(cfg_tag_kind),
+            reads: Vec::new(),
         };
         let skew = world.cfg.member_skew_ppm;
         for _ in 0..world.cfg.members.max(1) {
@@ -732,6 +840,7 @@ impl World {
             Ev::Answered(w) | Ev::BodyDone(w) | Ev::Timeout(w) => {
                 Some(self.inc_member[self.writes[*w].inc as usize])
             }
+            Ev::ReadAnswered(r) => Some(self.reads[*r].member),
             Ev::Crash(m) | Ev::Restart(m) => Some(*m),
             Ev::Beat { member, .. }
             | Ev::Poll { member, .. }
@@ -782,6 +891,11 @@ impl World {
             } => self.synced(inc, rest, batch, len_before),
             Ev::Apply(w) => self.apply(w),
             Ev::Answered(w) => self.answered(w),
+            Ev::ReadServed(r) => {
+                let state = self.keys.state(&self.reads[r].key);
+                self.reads[r].state = Some(state);
+            }
+            Ev::ReadAnswered(r) => self.read_answered(r),
             Ev::BodyDone(w) => self.body_done(w),
             Ev::Timeout(w) => self.timeout(w),
             Ev::Crash(m) if self.cluster() => self.member_crash(m),
@@ -836,7 +950,7 @@ impl World {
                 if now >= until_ms {
                     self.clients[c].hold = Hold::Idle;
                 } else if self.clients[c].outstanding < 3 {
-                    let op = Op::Write { first_try_ms: None };
+                    let op = self.new_write();
                     self.send(c, lease, token, lease_id, op, None);
                 }
                 self.after(next, Ev::Wake(c));
@@ -870,7 +984,7 @@ impl World {
                     // it still held the lease, whatever its clock says.
                     1..=3 => {
                         let pause = self.rng.u64(0..=2 * ttl_ms);
-                        let op = Op::Write { first_try_ms: None };
+                        let op = self.new_write();
                         self.send(c, lease, token, lease_id, op, Some(self.now + pause));
                         self.after(pause + next, Ev::Wake(c));
                         return;
@@ -881,16 +995,33 @@ impl World {
                     // the client's clock tells it.
                     24..=33 => {
                         let at = self.clients[c].global_ms(end_local_ms);
-                        let op = Op::Write { first_try_ms: None };
+                        let op = self.new_write();
                         self.send(c, lease, token, lease_id, op, Some(at));
                     }
+                    // A read of one of the lease's keys, racing its writes.
+                    34..=37 if lease < self.cfg.precondition_leases => {
+                        let key = self.rng.usize(0..self.cfg.keys_per_lease);
+                        self.send(c, lease, 0, [0; 32], Op::Read { key }, None);
+                    }
                     _ => {
-                        let op = Op::Write { first_try_ms: None };
+                        let op = self.new_write();
                         self.send(c, lease, token, lease_id, op, None);
                     }
                 }
                 self.after(next, Ev::Wake(c));
             }
+        }
+    }
+
+    /// A write of a random key (a PUT of one of a few contents, or now and
+    /// then a DELETE), for a lease on a route with preconditions; the
+    /// other leases ignore which.
+    fn new_write(&mut self) -> Op {
+        Op::Write {
+            first_try_ms: None,
+            key: self.rng.usize(0..self.cfg.keys_per_lease),
+            delete: self.rng.u32(0..5) == 0,
+            content: self.rng.u64(0..3),
         }
     }
 
@@ -944,6 +1075,7 @@ impl World {
                 Op::Renew => "renewal",
                 Op::Release => "release",
                 Op::Acquire { .. } => "acquire",
+                Op::Read { .. } => "read",
             };
             self.check_refusal(req, what);
         }
@@ -963,6 +1095,13 @@ impl World {
         if matches!(answer, Answer::Failed) {
             // Another member may be the primary (or up).
             self.clients[c].target = self.rng.usize(0..self.members.len());
+        }
+        if let Answer::PreconditionRequired { lease, key } = answer {
+            // The client reads the key once, as the 428 asks; its next
+            // write of the key may then go.
+            self.clients[c].outstanding = self.clients[c].outstanding.saturating_sub(1);
+            self.send(c, lease, 0, [0; 32], Op::Read { key }, None);
+            return;
         }
         let client = &mut self.clients[c];
         client.outstanding = client.outstanding.saturating_sub(1);
@@ -1087,6 +1226,7 @@ impl World {
             Op::Renew => self.renew(req),
             Op::Release => self.release(req),
             Op::Write { .. } => self.write(req),
+            Op::Read { key } => self.read(req, key),
         }
     }
 
@@ -1268,7 +1408,7 @@ impl World {
 
     fn write(&mut self, req: Req) {
         let first_try_ms = match req.op {
-            Op::Write { first_try_ms } => first_try_ms,
+            Op::Write { first_try_ms, .. } => first_try_ms,
             _ => None,
         };
         // Checked again right before a write leaves (after a wait at the
@@ -1303,7 +1443,6 @@ impl World {
         );
         match decision {
             Decision::Admit(_) => {
-                slot.inflight.add(req.token);
                 self.stats.writes_admitted += 1;
                 self.check_primacy("a write");
                 if let Some(why) = self.truth[req.lease].ended(req.token, self.now) {
@@ -1312,7 +1451,22 @@ impl World {
                         req.lease, req.token
                     ));
                 }
-                self.forward(req, inc);
+                // On a route with preconditions, the core's plan: a
+                // precondition, or 428 with nothing sent.
+                let cond = match self.plan_condition(&req, inc) {
+                    Ok(cond) => cond,
+                    Err(key) => {
+                        self.stats.preconditions_required += 1;
+                        let lease = req.lease;
+                        self.reply(&req, Answer::PreconditionRequired { lease, key });
+                        return;
+                    }
+                };
+                let proxy = self.proxy.as_mut().expect("arrive checked");
+                if let Some(slot) = proxy.slots.get_mut(&req.lease) {
+                    slot.inflight.add(req.token);
+                }
+                self.forward(req, inc, cond);
             }
             Decision::Wait { until_ms, .. } => {
                 let first = first_try_ms.unwrap_or(self.now);
@@ -1329,12 +1483,21 @@ impl World {
                 let retry = until_ms
                     .map_or(u64::MAX, |u| u.saturating_sub(p))
                     .clamp(1, 3);
-                let req = Req {
-                    op: Op::Write {
+                let op = match req.op {
+                    Op::Write {
+                        key,
+                        delete,
+                        content,
+                        ..
+                    } => Op::Write {
                         first_try_ms: Some(first),
+                        key,
+                        delete,
+                        content,
                     },
-                    ..req
+                    other => other,
                 };
+                let req = Req { op, ..req };
                 // It stays at the proxy (open): a crash meanwhile loses it.
                 self.after(retry, Ev::Retry { inc, req });
             }
@@ -1349,15 +1512,20 @@ impl World {
     /// (sometimes past the upstream timeout) and applies the write before
     /// or after it answers, within the settle time after the connection
     /// is gone, or, for a rogue write, later.
-    fn forward(&mut self, req: Req, inc: u64) {
+    fn forward(&mut self, req: Req, inc: u64, cond: Option<Cond>) {
         let timeout = self.cfg.upstream_timeout_ms;
         let settle = self.cfg.settle_ms;
-        let latency = if self.rng.u32(0..10) < 8 {
+        let mut latency = if self.rng.u32(0..10) < 8 {
             self.rng.u64(0..=10)
         } else {
             self.rng.u64(0..=2 * timeout)
         };
         let rogue = self.chance(self.cfg.rogue_per_mille);
+        if rogue && cond.is_some() {
+            // A write the storage applies late is one the proxy stopped
+            // waiting for: it gets no answer.
+            latency = timeout;
+        }
         // An answer means the write was applied; a write the proxy stops
         // waiting for (a timeout, a crash) may be applied up to the settle
         // time later (see `connection_gone`).
@@ -1389,6 +1557,7 @@ impl World {
             gone_ms: None,
             rogue,
             skew_ppm: self.proxy.as_ref().map_or(0, |p| p.skew_ppm),
+            cond,
         });
         if latency < timeout {
             self.after(latency, Ev::Answered(w));
@@ -1423,6 +1592,24 @@ impl World {
     fn apply(&mut self, w: usize) {
         let write = &mut self.writes[w];
         write.applied = true;
+        if let Some(cond) = &mut write.cond {
+            // The storage evaluates the precondition, however late; the
+            // key's guarantee is checked for every write, rogue or not.
+            match self.keys.apply(&cond.key, self.now, cond.write) {
+                Ok(outcome) => cond.outcome = Some(outcome),
+                Err(violation) => {
+                    self.fail(violation);
+                    return;
+                }
+            }
+            self.stats.late_stale_refused = self.keys.refused_stale;
+            self.stats.returned_states = self.keys.returns;
+            if cond.outcome == Some(Outcome::Refused) {
+                self.stats.preconditions_refused += 1;
+                return;
+            }
+        }
+        let write = &self.writes[w];
         if write.rogue {
             self.stats.rogue_writes += 1;
             return;
@@ -1447,6 +1634,9 @@ impl World {
     }
 
     fn answered(&mut self, w: usize) {
+        // The shell learns from every answer its process gets, the old
+        // primacy's too (the core then ignores it).
+        self.learn_write(w, false);
         if !self.live_write(w) {
             return;
         }
@@ -1478,6 +1668,7 @@ impl World {
         if !self.live_write(w) {
             return;
         }
+        self.learn_write(w, true);
         let p = self.proxy_now();
         let settle = self.cfg.settle_ms;
         let (lease, token, client, req) = {
@@ -1489,6 +1680,195 @@ impl World {
         }
         self.connection_gone(w);
         self.reply_to(client, req, Answer::Failed);
+    }
+
+    /// The member serving now, and its process's key states.
+    fn serving_member(&self, inc: u64) -> usize {
+        self.inc_member[inc as usize]
+    }
+
+    /// The core's plan for a write on a route with preconditions (`Ok(None)`
+    /// on other routes); `Err(key)`: 428, nothing sent. Checks that a
+    /// precondition names a state the key held since this member's term of
+    /// primacy began (a new primary starts knowing none).
+    fn plan_condition(&mut self, req: &Req, inc: u64) -> Result<Option<Cond>, usize> {
+        let Op::Write {
+            key,
+            delete,
+            content,
+            ..
+        } = req.op
+        else {
+            return Ok(None);
+        };
+        if req.lease >= self.cfg.precondition_leases {
+            return Ok(None);
+        }
+        let name = key_name(req.lease, key);
+        let m = self.serving_member(inc);
+        let member = &mut self.members[m];
+        let states = member
+            .key_states
+            .as_mut()
+            .expect("a serving process has key states");
+        let (plan, exchange) = states.plan_write(&name, WriteShape::Key, delete, false, true);
+        let precondition = match plan {
+            Plan::Required(_) => return Err(key),
+            Plan::IfMatch(tag) => Some(State::from_etag(&tag).expect("a tag the storage gave")),
+            Plan::IfNoneMatchAny => Some(State::Absent),
+            Plan::AsSent => None,
+        };
+        let (since, generation) = (member.primacy_since_ms, member.generation);
+        if let Some(state) = precondition {
+            if !self.keys.held_between(&name, state, since, self.now) {
+                self.fail(format!(
+                    "member {m} sent a write of {name} naming {state:?}, a state the key has not \
+                     held since the member's term of primacy began at {since} ms"
+                ));
+            }
+        }
+        Ok(Some(Cond {
+            key: name,
+            write: KeyWrite {
+                token: req.token,
+                precondition,
+                delete,
+                content,
+            },
+            exchange,
+            sent_ms: self.now,
+            member: m,
+            generation,
+            outcome: None,
+        }))
+    }
+
+    /// The key states of member `m`'s process `generation`, if it still
+    /// runs.
+    fn key_states(&mut self, m: usize, generation: u64) -> Option<&mut KeyStates> {
+        let member = &mut self.members[m];
+        if member.generation != generation {
+            return None;
+        }
+        member.key_states.as_mut()
+    }
+
+    /// The member's process learns from the answer to write `w` (`unknown`:
+    /// it stopped waiting for it).
+    fn learn_write(&mut self, w: usize, unknown: bool) {
+        let Some(cond) = &self.writes[w].cond else {
+            return;
+        };
+        let (m, generation, sent_ms) = (cond.member, cond.generation, cond.sent_ms);
+        let key = cond.key.clone();
+        let exchange = cond.exchange.clone();
+        let (status, etag) = match (unknown, cond.outcome) {
+            (false, Some(Outcome::Applied(state))) => {
+                (if cond.write.delete { 204 } else { 200 }, state.etag())
+            }
+            (false, Some(Outcome::Refused)) => (412, None),
+            _ => (0, None),
+        };
+        let answer = match status {
+            0 => precondition::Answer::Unknown,
+            status => precondition::Answer::Storage {
+                status,
+                etag: etag.as_deref().map(str::as_bytes),
+            },
+        };
+        let Some(states) = self.key_states(m, generation) else {
+            return;
+        };
+        let before = states.known(&key).cloned();
+        states.learn(&key, &exchange, answer);
+        self.check_learned(m, generation, &key, before, sent_ms);
+    }
+
+    /// What a member's process learned about `key` from an exchange sent at
+    /// `sent_ms` must be a state the key held while it ran.
+    fn check_learned(
+        &mut self,
+        m: usize,
+        generation: u64,
+        key: &str,
+        before: Option<precondition::KeyState>,
+        sent_ms: u64,
+    ) {
+        let Some(states) = self.key_states(m, generation) else {
+            return;
+        };
+        let after = states.known(key).cloned();
+        if after == before {
+            return;
+        }
+        let Some(learned) = after else {
+            return;
+        };
+        let state = match &learned {
+            precondition::KeyState::Absent => State::Absent,
+            precondition::KeyState::Tagged(tag) => {
+                State::from_etag(tag).expect("a tag the storage gave")
+            }
+        };
+        if !self.keys.held_between(key, state, sent_ms, self.now) {
+            self.fail(format!(
+                "member {m} learned that {key} is {state:?}, which it never was between \
+                 {sent_ms} ms, when the exchange began, and its answer"
+            ));
+        }
+    }
+
+    /// A read of a key on a route with preconditions: the storage serves it
+    /// a moment later, and its answer teaches the member's process.
+    fn read(&mut self, req: Req, key: usize) {
+        let inc = self.proxy.as_ref().expect("arrive checked").inc;
+        let m = self.serving_member(inc);
+        let member = &self.members[m];
+        let generation = member.generation;
+        let exchange = member
+            .key_states
+            .as_ref()
+            .expect("a serving process has key states")
+            .read(true, None);
+        self.stats.key_reads += 1;
+        let r = self.reads.len();
+        self.reads.push(Read {
+            key: key_name(req.lease, key),
+            inc,
+            member: m,
+            generation,
+            exchange,
+            sent_ms: self.now,
+            client: req.client,
+            req: req.id,
+            state: None,
+        });
+        let served = self.rng.u64(0..=3);
+        let answered = served + self.rng.u64(0..=3);
+        self.after(served, Ev::ReadServed(r));
+        self.after(answered, Ev::ReadAnswered(r));
+    }
+
+    fn read_answered(&mut self, r: usize) {
+        let read = &self.reads[r];
+        let (m, generation, sent_ms) = (read.member, read.generation, read.sent_ms);
+        let (key, exchange) = (read.key.clone(), read.exchange.clone());
+        let (client, req, inc) = (read.client, read.req, read.inc);
+        let state = read.state.expect("served before answered");
+        let etag = state.etag();
+        let answer = precondition::Answer::Storage {
+            status: if state == State::Absent { 404 } else { 200 },
+            etag: etag.as_deref().map(str::as_bytes),
+        };
+        if let Some(states) = self.key_states(m, generation) {
+            let before = states.known(&key).cloned();
+            states.learn(&key, &exchange, answer);
+            self.check_learned(m, generation, &key, before, sent_ms);
+        }
+        let live = self.proxy.as_ref().is_some_and(|p| p.inc == inc);
+        if live && self.open.contains_key(&req) {
+            self.reply_to(client, req, Answer::Read);
+        }
     }
 
     fn reply_to(&mut self, client: usize, req: u64, answer: Answer) {
@@ -1875,6 +2255,11 @@ impl World {
     fn start(&mut self) {
         self.incarnation += 1;
         let inc = self.incarnation;
+        // A new process: it knows no key's state.
+        let member = &mut self.members[0];
+        member.generation += 1;
+        member.key_states = Some(KeyStates::new(self.cfg.key_states));
+        member.primacy_since_ms = self.now;
         let clock_offset_ms = self.rng.u64(0..1_000_000);
         let half = (self.cfg.tolerance_ms / 2) as i64;
         let wall_error_ms = self.rng.i64(-half..=half);
@@ -2314,6 +2699,7 @@ impl World {
         member.generation += 1;
         member.clock_offset_ms = clock_offset_ms;
         member.session = None;
+        member.key_states = Some(KeyStates::new(self.cfg.key_states));
         self.send_etcd(m, EtcdOp::Grant);
         let mean = self.cfg.crash_every_ms.max(2) * self.members.len() as u64;
         let at = self.rng.u64(1..2 * mean);
@@ -2612,6 +2998,12 @@ impl World {
         self.incarnation += 1;
         let inc = self.incarnation;
         self.inc_member.push(m);
+        // The process's key states outlive its terms of primacy; each
+        // begins knowing none (the core's rule, as the shell calls it).
+        if let Some(states) = self.members[m].key_states.as_mut() {
+            states.take_over();
+        }
+        self.members[m].primacy_since_ms = self.now;
         let half = (self.cfg.tolerance_ms / 2) as i64;
         let wall_error_ms = self.rng.i64(-half..=half);
         let member = &self.members[m];

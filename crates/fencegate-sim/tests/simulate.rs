@@ -45,7 +45,9 @@ fn seeds_hold_every_guarantee() {
          {} of them power cuts ({} torn writes), {} damaged logs, {} failed syncs, {} grants, \
          {} writes applied, {} stale or late writes refused, {} barrier waits, {} rogue \
          writes left out; cluster mode: {} takeovers, {} pauses, {} members cut off from \
-         etcd, {} step-downs",
+         etcd, {} step-downs; preconditions: {} writes answered 428, {} key reads, {} \
+         preconditions refused, {} of them late writes of an old term, {} returned states let \
+         through",
         steps as f64 / secs,
         totals.crashes,
         totals.power_cuts,
@@ -61,11 +63,20 @@ fn seeds_hold_every_guarantee() {
         totals.pauses,
         totals.partitions,
         totals.step_downs,
+        totals.preconditions_required,
+        totals.key_reads,
+        totals.preconditions_refused,
+        totals.late_stale_refused,
+        totals.returned_states,
     );
     // The world did go wrong: a run that never crashed would prove little.
     assert!(totals.power_cuts > 0 && totals.damaged_logs > 0 && totals.failed_syncs > 0);
     assert!(totals.barrier_waits > 0 && totals.rogue_writes > 0);
     assert!(totals.takeovers > 0 && totals.pauses > 0 && totals.partitions > 0);
+    // The storage refused late writes of old terms, and both kinds of tag
+    // were played.
+    assert!(totals.late_stale_refused > 0 && totals.preconditions_required > 0);
+    assert!(totals.returned_states > 0);
 }
 
 fn add(totals: &mut fencegate_sim::Stats, s: &fencegate_sim::Stats) {
@@ -83,4 +94,9 @@ fn add(totals: &mut fencegate_sim::Stats, s: &fencegate_sim::Stats) {
     totals.pauses += s.pauses;
     totals.partitions += s.partitions;
     totals.step_downs += s.step_downs;
+    totals.preconditions_required += s.preconditions_required;
+    totals.key_reads += s.key_reads;
+    totals.preconditions_refused += s.preconditions_refused;
+    totals.late_stale_refused += s.late_stale_refused;
+    totals.returned_states += s.returned_states;
 }

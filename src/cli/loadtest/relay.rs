@@ -223,7 +223,12 @@ async fn relay(
     };
     let body = match Limited::new(body, shared.max_body_bytes).collect().await {
         Ok(b) => b.to_bytes(),
-        Err(_) => return Ok(plain(StatusCode::BAD_GATEWAY, "relay: the request body broke off")),
+        Err(_) => {
+            return Ok(plain(
+                StatusCode::BAD_GATEWAY,
+                "relay: the request body broke off",
+            ))
+        }
     };
     let req = Request::from_parts(parts, body);
     match hold {
@@ -325,11 +330,8 @@ fn note_applied(shared: &Shared, key: &str, token: Option<u64>) {
 async fn deliver(shared: &Shared, req: Request<Bytes>) -> Option<Delivered> {
     let (key, token) = (key_of(&req), token_of(&req));
     let method = req.method().to_string();
-    let newer_applied = token.is_some_and(|t| {
-        lock(&shared.applied)
-            .get(&key)
-            .is_some_and(|&max| max > t)
-    });
+    let newer_applied =
+        token.is_some_and(|t| lock(&shared.applied).get(&key).is_some_and(|&max| max > t));
     let answer = send(shared, req).await;
     let mut report = lock(&shared.report);
     report.late_writes += 1;
