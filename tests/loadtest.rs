@@ -736,3 +736,239 @@ async fn read_back_in_front_of_s3() {
     ];
     fenced_and_direct(&dir, &proxy.url, &garage.server.url, &layout, &env).await;
 }
+
+/// `fencegate serve` with a route whose preconditions are `preconditions`
+/// in front of `upstream`, on a free port, with a settle time of 300 ms.
+fn proxy_with_route(
+    dir: &TempDir,
+    name: &str,
+    upstream: &str,
+    route: &str,
+    preconditions: &str,
+    extra: &str,
+) -> Proc {
+    let config = dir.path().join(format!("{name}.toml"));
+    std::fs::write(
+        &config,
+        format!(
+            "{extra}\n[fence]\nsettle_ms = 300\n[[fence.routes]]\npattern = \"{route}\"\n\
+             preconditions = \"{preconditions}\"\n"
+        ),
+    )
+    .unwrap();
+    let data = dir.path().join(format!("data-{name}"));
+    Proc::start(
+        &[
+            "serve",
+            "--config",
+            config.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            upstream,
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        &dir.path().join(format!("{name}.log")),
+        &[],
+    )
+}
+
+/// A load test whose writes sometimes reach `storage` late, through the
+/// load tester's relay on `relay_port` (the proxy's upstream).
+fn late_loadtest(
+    target: &str,
+    storage: &str,
+    relay_port: u16,
+    extra: &[&str],
+    json: &std::path::Path,
+    env: &[(&str, &str)],
+) -> (i32, serde_json::Value, String) {
+    let relay = format!("127.0.0.1:{relay_port}");
+    let args = [
+        &[
+            "--target",
+            target,
+            "--late-writes",
+            "0.3",
+            // Longer than the proxy's settle time (300 ms), and than the
+            // term (300 ms): the next holder writes the key meanwhile.
+            "--late-by",
+            "900ms",
+            "--relay-to",
+            storage,
+            "--relay-listen",
+            &relay,
+        ][..],
+        extra,
+    ]
+    .concat();
+    loadtest_env(&args, "1500", json, env)
+}
+
+/// `--late-writes` in front of the embedded store (`fencegate backend`,
+/// entity tags that change on every write): with the route's preconditions
+/// on, every write reaches the storage with one, the storage refuses the
+/// late writes of old terms, and the run is SAFE; with them off, the same
+/// run finds late stale writes applied and fails (seen failing: the test's
+/// second half).
+#[test]
+fn late_writes_are_refused_by_the_storage_with_preconditions_on() {
+    let dir = TempDir::new("loadtest-late");
+    let backend = Proc::start(
+        &["backend", "--listen", "127.0.0.1:0"],
+        &dir.path().join("backend.log"),
+        &[],
+    );
+    let port = support::servers::free_port();
+    let relay = format!("http://127.0.0.1:{port}");
+    let on = proxy_with_route(&dir, "on", &relay, "/kv/{lease}", "etag", "");
+    let (code, r, stdout) = late_loadtest(
+        &on.url,
+        &backend.url,
+        port,
+        &[],
+        &dir.path().join("on.json"),
+        &[],
+    );
+    let late = &r["late_writes"];
+    assert_eq!(code, 0, "{stdout}");
+    assert_eq!(late["relay"]["late_stale_applied"], 0, "{stdout}");
+    assert!(
+        late["relay"]["late_stale_refused"].as_u64().unwrap() > 0,
+        "{stdout}"
+    );
+    assert_eq!(late["relay"]["writes_without_precondition"], 0, "{stdout}");
+    assert_eq!(late["storage_evaluates_if_match"], true, "{stdout}");
+    assert!(stdout.lines().any(|l| l.starts_with("SAFE:")), "{stdout}");
+    drop(on);
+
+    let off = proxy_with_route(&dir, "off", &relay, "/kv/{lease}", "off", "");
+    let (code, r, stdout) = late_loadtest(
+        &off.url,
+        &backend.url,
+        port,
+        &[],
+        &dir.path().join("off.json"),
+        &[],
+    );
+    assert_eq!(code, 1, "{stdout}");
+    assert!(
+        r["late_writes"]["relay"]["late_stale_applied"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{stdout}"
+    );
+    assert!(stdout.contains("UNSAFE:"), "{stdout}");
+    assert!(stdout.contains("without a precondition"), "{stdout}");
+}
+
+/// In front of Garage, which applies a write whose If-Match is false: the
+/// report says the storage ignores preconditions and does not call the run
+/// safe, though every write carried one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storage_that_ignores_preconditions_is_named() {
+    let dir = TempDir::new("loadtest-late-garage");
+    let garage = support::servers::garage().await;
+    let port = support::servers::free_port();
+    let relay = format!("http://127.0.0.1:{port}");
+    let config = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/examples/s3.toml");
+    let data = dir.path().join("data");
+    let proxy = Proc::start(
+        &[
+            "serve",
+            "--config",
+            config.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            &relay,
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        &dir.path().join("servers.log"),
+        &[("FENCEGATE_FENCE__SETTLE_MS", "300")],
+    );
+    let (key_id, secret) = support::servers::GARAGE_KEY;
+    let env = [
+        ("AWS_ACCESS_KEY_ID", key_id),
+        ("AWS_SECRET_ACCESS_KEY", secret),
+    ];
+    let layout = [
+        "--path",
+        "/orders-bucket/{lease}/{key}",
+        "--s3-region",
+        garage.region,
+    ];
+    let (code, r, stdout) = tokio::task::spawn_blocking({
+        let (url, storage, json) = (
+            proxy.url.clone(),
+            garage.server.url.clone(),
+            dir.path().join("garage.json"),
+        );
+        move || late_loadtest(&url, &storage, port, &layout, &json, &env)
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, 1, "{stdout}");
+    assert_eq!(
+        r["late_writes"]["storage_evaluates_if_match"], false,
+        "{stdout}"
+    );
+    assert_eq!(r["safe"], false, "{stdout}");
+    assert!(stdout.contains("ignores preconditions"), "{stdout}");
+    assert!(!stdout.lines().any(|l| l.starts_with("SAFE")), "{stdout}");
+}
+
+/// In front of moto's S3 server, which evaluates If-Match on PutObject:
+/// the late writes of old terms are refused, and the run is SAFE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_writes_in_front_of_moto_are_refused() {
+    let dir = TempDir::new("loadtest-late-moto");
+    let moto = support::servers::moto().await;
+    let r = support::HttpClient::new(&moto.url)
+        .send(support::Req::new("PUT", "/orders-bucket"))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let port = support::servers::free_port();
+    let relay = format!("http://127.0.0.1:{port}");
+    let proxy = proxy_with_route(
+        &dir,
+        "moto",
+        &relay,
+        "/orders-bucket/{lease}",
+        "etag",
+        "[proxy]\npreserve_host = true\n",
+    );
+    // moto takes conditional writes only signed; it does not check the
+    // signature itself.
+    let env = [
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+    ];
+    let layout = [
+        "--path",
+        "/orders-bucket/{lease}/{key}",
+        "--s3-region",
+        "us-east-1",
+    ];
+    let (code, r, stdout) = tokio::task::spawn_blocking({
+        let (url, storage, json) = (
+            proxy.url.clone(),
+            moto.url.clone(),
+            dir.path().join("moto.json"),
+        );
+        move || late_loadtest(&url, &storage, port, &layout, &json, &env)
+    })
+    .await
+    .unwrap();
+    let late = &r["late_writes"];
+    assert_eq!(code, 0, "{stdout}");
+    assert_eq!(late["storage_evaluates_if_match"], true, "{stdout}");
+    assert!(
+        late["relay"]["late_stale_refused"].as_u64().unwrap() > 0,
+        "{stdout}"
+    );
+    assert_eq!(late["relay"]["late_stale_applied"], 0, "{stdout}");
+}

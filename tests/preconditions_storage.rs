@@ -57,10 +57,7 @@ impl Storage {
             }
         }
         if let Some(signer) = &self.signer {
-            let unix_s = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_secs();
+            let unix_s = fencegate::clock::unix_now_ms() / 1000;
             let signed = signer.sign(method, "127.0.0.1", &path, body.as_bytes(), unix_s);
             r = r
                 .header("host", "127.0.0.1")

@@ -151,6 +151,26 @@ pub struct LoadtestArgs {
     /// run against other storage.
     #[arg(long)]
     pub s3_region: Option<String>,
+    /// Make this fraction of the writes (0 to 1) reach the storage late: a
+    /// relay the load tester runs at `--relay-listen` (point fencegate's
+    /// upstream at it) forwards to `--relay-to`; a write it holds gets no
+    /// answer (to fencegate, an unknown outcome) and reaches the storage
+    /// `--late-by` later, after fencegate's `fence.settle_ms`, when a later
+    /// term may have written its key. The report says whether the storage
+    /// refused the late writes of old terms (routes with `preconditions =
+    /// "etag"` on storage that evaluates them) or applied them.
+    #[arg(long)]
+    pub late_writes: Option<f64>,
+    /// How late a held write reaches the storage (longer than fencegate's
+    /// `fence.settle_ms`).
+    #[arg(long, default_value = "3s", value_parser = parse_duration_ms)]
+    pub late_by: u64,
+    /// Where the relay of `--late-writes` listens.
+    #[arg(long, default_value = "127.0.0.1:9380")]
+    pub relay_listen: String,
+    /// The storage the relay of `--late-writes` forwards to (its base URL).
+    #[arg(long)]
+    pub relay_to: Option<String>,
 }
 
 /// `--verify`: which checker says what landed.
@@ -241,8 +261,24 @@ pub struct Report {
     pub by_checker: BTreeMap<&'static str, Findings>,
     /// What the cleanup did (absent with `--keep`).
     pub cleanup: Option<readback::Cleanup>,
+    /// With `--late-writes`: what the relay saw, and whether the storage
+    /// evaluates preconditions.
+    pub late_writes: Option<LateWrites>,
     pub safe: bool,
     pub verdict: String,
+}
+
+/// What `--late-writes` found.
+#[derive(Debug, Serialize)]
+pub struct LateWrites {
+    pub fraction: f64,
+    pub late_by_ms: u64,
+    pub relay: relay::RelayReport,
+    /// Whether the storage refused a PUT whose `If-Match` names no state
+    /// its key can have (`None`: the probe could not tell).
+    pub storage_evaluates_if_match: Option<bool>,
+    /// What the probe saw, for people.
+    pub probe: String,
 }
 
 struct Shared {
@@ -762,7 +798,7 @@ async fn write(
     let body = shared.body.render(&layout::value(write_id, term.token));
     let at_us = shared.started.elapsed_us();
     let watch = Stopwatch::start();
-    let answer = call(shared, Method::PUT, to, &headers, Bytes::from(body)).await;
+    let answer = write_reading_first(shared, Method::PUT, to, &headers, Bytes::from(body)).await;
     let latency_us = watch.elapsed_us();
     let outcome = match answer {
         Ok(a) if a.status.is_success() => Outcome::Acknowledged,
@@ -771,6 +807,11 @@ async fn write(
                 Outcome::Unknown(reason.to_owned())
             }
             Some(reason) => Outcome::Rejected(reason.to_owned()),
+            // The storage's own refusal of a precondition (SPEC §10): it
+            // changed nothing.
+            None if matches!(a.status.as_u16(), 409 | 412) => {
+                Outcome::Rejected(STORAGE_PRECONDITION_FAILED.to_owned())
+            }
             None => Outcome::Failed(format!("status {}", a.status)),
         },
         Err(e) => Outcome::Failed(e),
@@ -789,6 +830,117 @@ async fn write(
         at_us,
     };
     lock(&shared.log).push(record);
+}
+
+/// The reason the report gives a write the storage itself refused (its
+/// precondition failed: 412, or 409 for a conflict).
+pub const STORAGE_PRECONDITION_FAILED: &str = "storage-precondition-failed";
+
+/// Sends a write; on `428 precondition-required` (a route with
+/// preconditions whose key fencegate has not seen) reads the key once
+/// through fencegate and sends it again, as clients do.
+async fn write_reading_first(
+    shared: &Shared,
+    method: Method,
+    to: To,
+    headers: &[(&str, &str)],
+    body: Bytes,
+) -> Result<Answer, String> {
+    let again = match &to {
+        To::Lease(lease, path) => Some(To::Lease(lease.clone(), path.clone())),
+        To::Target(path) => Some(To::Target(path.clone())),
+        To::Url(_) => None,
+    };
+    let answer = call(shared, method.clone(), to, headers, body.clone()).await?;
+    let required = answer.status == StatusCode::PRECONDITION_REQUIRED
+        && answer.json["reason"] == "precondition-required";
+    let Some(again) = again.filter(|_| required) else {
+        return Ok(answer);
+    };
+    let read = match &again {
+        To::Lease(lease, path) => To::Lease(lease.clone(), path.clone()),
+        To::Target(path) => To::Target(path.clone()),
+        To::Url(url) => To::Url(url.clone()),
+    };
+    call(shared, Method::HEAD, read, &[], Bytes::new()).await?;
+    call(shared, method, again, headers, body).await
+}
+
+/// Whether the storage evaluates `If-Match` on a write: a PUT whose
+/// `If-Match` names no state a key can have, sent through fencegate (which
+/// passes a client's own precondition on unchanged) under a term of a lease
+/// of the run's own. `(Some(true), _)`: refused; `(Some(false), _)`:
+/// applied; `None`: the probe could not tell; with what it saw.
+async fn probe_preconditions(shared: &Shared) -> (Option<bool>, String) {
+    let lease = format!("{}-probe", shared.run_id);
+    let body =
+        json!({"holder": format!("{}-probe", shared.run_id), "ttl_ms": 30_000, "wait_ms": 10_000});
+    let acquired = call(
+        shared,
+        Method::POST,
+        To::Lease(lease.clone(), format!("/_fence/leases/{lease}")),
+        &[("content-type", "application/json")],
+        Bytes::from(body.to_string()),
+    )
+    .await;
+    let term = match acquired {
+        Ok(a) if a.status == StatusCode::CREATED => a.json,
+        Ok(a) => return (None, format!("acquiring {lease} answered {}", a.status)),
+        Err(e) => return (None, format!("acquiring {lease}: {e}")),
+    };
+    let token = term["token"].as_u64().unwrap_or(0).to_string();
+    let lease_id = term["lease_id"].as_str().unwrap_or_default().to_owned();
+    let path = shared
+        .path
+        .render(&lease, &format!("{}-probe", shared.run_id));
+    let held = [
+        (FENCING_TOKEN, token.as_str()),
+        (FENCING_LEASE_ID, lease_id.as_str()),
+    ];
+    let to = || To::Lease(lease.clone(), path.clone());
+    let first = shared.body.render("fencegate probe 1");
+    let outcome = match write_reading_first(shared, Method::PUT, to(), &held, Bytes::from(first))
+        .await
+    {
+        Ok(a) if a.status.is_success() => {
+            let mut headers = held.to_vec();
+            headers.push(("if-match", "\"fencegate-probe-no-such-state\""));
+            let second = shared.body.render("fencegate probe 2");
+            match call(shared, Method::PUT, to(), &headers, Bytes::from(second)).await {
+                Ok(a) if a.status.is_success() => (
+                    Some(false),
+                    format!(
+                        "a PUT whose If-Match names no state of its key was applied ({})",
+                        a.status
+                    ),
+                ),
+                Ok(a) if matches!(a.status.as_u16(), 409 | 412) && a.json["reason"].is_null() => (
+                    Some(true),
+                    format!(
+                        "a PUT whose If-Match names no state of its key was refused ({})",
+                        a.status
+                    ),
+                ),
+                Ok(a) => (
+                    None,
+                    format!("the probe's conditional PUT answered {}", a.status),
+                ),
+                Err(e) => (None, format!("the probe's conditional PUT: {e}")),
+            }
+        }
+        Ok(a) => (None, format!("the probe's first PUT answered {}", a.status)),
+        Err(e) => (None, format!("the probe's first PUT: {e}")),
+    };
+    let _ = write_reading_first(shared, Method::DELETE, to(), &held, Bytes::new()).await;
+    let _ = call(
+        shared,
+        Method::DELETE,
+        To::Lease(lease.clone(), format!("/_fence/leases/{lease}")),
+        &held,
+        Bytes::new(),
+    )
+    .await;
+    outcome
 }
 
 /// Draws a progress bar on stderr (a terminal only) once the run has lasted
@@ -846,8 +998,25 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
     if verify.contains(&HISTORY) {
         read_history(&shared, history_url).await?;
     }
+    let relay = start_relay(&args, seed).await?;
     drive(&shared, total, seed).await?;
     let duration_ms = shared.started.elapsed_ms().max(1);
+    let late_writes = match &relay {
+        Some(relay) => {
+            // Every held write reaches the storage before anything is read.
+            let limit = Duration::from_millis(args.late_by.saturating_add(30_000));
+            let report = relay.finish(limit).await;
+            let (evaluates, probe) = probe_preconditions(&shared).await;
+            Some(LateWrites {
+                fraction: args.late_writes.unwrap_or(0.0),
+                late_by_ms: args.late_by,
+                relay: report,
+                storage_evaluates_if_match: evaluates,
+                probe,
+            })
+        }
+        None => None,
+    };
 
     let mut writes = std::mem::take(&mut *lock(&shared.log));
     let terms = std::mem::take(&mut *lock(&shared.terms));
@@ -878,7 +1047,16 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
     }
     let all: Vec<Findings> = by_checker.values().cloned().collect();
     let findings = Findings::merge(&all);
-    let (safe, verdict, status) = verdict(&findings, truncated, args.min_stale);
+    let (safe, mut verdict, status) = match late_verdict(late_writes.as_ref()) {
+        Some(late) => late,
+        None => verdict(&findings, truncated, args.min_stale),
+    };
+    if let Some(late) = late_writes.as_ref().filter(|_| safe && status == 0) {
+        verdict.push_str(&match late.relay.late_stale_refused {
+            0 => "; no late write reached the storage after a later term's write to its key (raise --late-writes or --late-by)".to_owned(),
+            n => format!("; the storage refused all {n} late writes of an old term"),
+        });
+    }
     let cleanup = if args.keep {
         None
     } else {
@@ -904,6 +1082,7 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
         findings,
         by_checker,
         cleanup,
+        late_writes,
         safe,
         verdict,
     };
@@ -946,6 +1125,17 @@ fn check_args(args: &mut LoadtestArgs) -> Result<Vec<&'static str>, String> {
     };
     if !(0.0..=1.0).contains(&args.pause_prob) {
         return Err("--pause-prob must be between 0 and 1".into());
+    }
+    if let Some(fraction) = args.late_writes {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err("--late-writes must be between 0 and 1".into());
+        }
+        let to = args
+            .relay_to
+            .as_mut()
+            .ok_or("--late-writes needs --relay-to, the storage the relay forwards to")?;
+        super::check_url("--relay-to", to)?;
+        *to = to.trim_end_matches('/').to_owned();
     }
     for url in [
         args.direct.as_mut(),
@@ -1069,6 +1259,68 @@ fn latency_quantiles(writes: &[ClientWrite]) -> Result<BTreeMap<String, u64>, St
         .into_iter()
         .map(|(k, q)| (k.to_owned(), hist.value_at_quantile(q / 100.0)))
         .collect())
+}
+
+/// Starts the relay of `--late-writes`, if asked: it holds that fraction of
+/// the writers' writes (seeded with the run) for `--late-by`.
+async fn start_relay(args: &LoadtestArgs, seed: u64) -> Result<Option<relay::Relay>, String> {
+    let Some(fraction) = args.late_writes else {
+        return Ok(None);
+    };
+    let to = args
+        .relay_to
+        .as_deref()
+        .ok_or("--late-writes needs --relay-to, the storage the relay forwards to")?;
+    let listen: std::net::SocketAddr = args
+        .relay_listen
+        .parse()
+        .map_err(|_| format!("--relay-listen {:?} is not an address", args.relay_listen))?;
+    let client = http_client(to, args.cacert.as_deref())?;
+    let late_by = Duration::from_millis(args.late_by);
+    let rng = Mutex::new(Rng(seed ^ 0x6c61_7465));
+    // Only the writers' writes (the probe and the cleanup go through).
+    let hold: relay::HoldFn = Arc::new(move |parts: &http::request::Parts| {
+        let chosen = parts.headers.contains_key(WRITER_HEADER) && lock(&rng).chance(fraction);
+        if chosen {
+            relay::Hold::Late(late_by)
+        } else {
+            relay::Hold::Pass
+        }
+    });
+    relay::Relay::start(listen, to, client, hold)
+        .await
+        .map(Some)
+}
+
+/// The verdict of a run with `--late-writes`, where its findings decide it:
+/// a late write of an old term the storage applied is unsafe, and a storage
+/// that ignores preconditions cannot be called safe.
+fn late_verdict(late: Option<&LateWrites>) -> Option<(bool, String, u8)> {
+    let late = late?;
+    let r = &late.relay;
+    if r.late_stale_applied > 0 {
+        let why = match late.storage_evaluates_if_match {
+            Some(false) => "the storage ignores preconditions (a PUT whose If-Match named no state of its key was applied), so it takes a write of an old term however late it comes; only fence.settle_ms bounds that",
+            _ if r.writes_without_precondition > 0 => "writes reached the storage without a precondition: set preconditions = \"etag\" on the route (docs/preconditions.md)",
+            _ => "their keys had returned to the state their preconditions named (the same bytes written again under an entity tag that names the content, or deleted again: docs/preconditions.md)",
+        };
+        return Some((
+            false,
+            format!(
+                "UNSAFE: {} late writes of an old term landed after a later term's write to the same key: {why}",
+                r.late_stale_applied
+            ),
+            1,
+        ));
+    }
+    if late.storage_evaluates_if_match == Some(false) {
+        return Some((
+            false,
+            "UNPROTECTED: the storage ignores preconditions (a PUT whose If-Match named no state of its key was applied): a write of an old term that reaches it after fence.settle_ms lands, whatever fencegate does".to_owned(),
+            1,
+        ));
+    }
+    None
 }
 
 /// `(safe, verdict line, exit status)`: unsafe on any violation;
@@ -1286,6 +1538,35 @@ pub fn summary(r: &Report) -> String {
             ),
         },
     ));
+    if let Some(late) = &r.late_writes {
+        let relay = &late.relay;
+        rows.push((
+            "late writes (relay)",
+            format!(
+                "{} held {} ms; {} arrived after a later term's write to their key: {} refused by the storage, {} applied",
+                relay.late_writes,
+                late.late_by_ms,
+                relay.late_stale,
+                relay.late_stale_refused,
+                relay.late_stale_applied
+            ),
+        ));
+        rows.push((
+            "writes w/o precondition",
+            format!(
+                "{} of {} reached the storage with neither If-Match nor If-None-Match",
+                relay.writes_without_precondition, relay.writes
+            ),
+        ));
+        rows.push((
+            "storage preconditions",
+            match late.storage_evaluates_if_match {
+                Some(true) => format!("evaluated: {}", late.probe),
+                Some(false) => format!("IGNORED: {}", late.probe),
+                None => format!("unknown: {}", late.probe),
+            },
+        ));
+    }
     for (k, v) in rows {
         out.push_str(&format!("  {k:<26}{v}\n"));
     }

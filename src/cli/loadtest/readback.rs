@@ -295,7 +295,9 @@ async fn delete(shared: &Shared, to: To, headers: &[(&str, &str)]) -> Result<(),
     let shown = match &to {
         To::Url(url) | To::Target(url) | To::Lease(_, url) => url.clone(),
     };
-    match call(shared, Method::DELETE, to, headers, Bytes::new()).await {
+    // On a route with preconditions a key not seen since a restart is read
+    // first (428).
+    match super::write_reading_first(shared, Method::DELETE, to, headers, Bytes::new()).await {
         Ok(a) if a.status.is_success() || a.status == StatusCode::NOT_FOUND => Ok(()),
         Ok(a) => Err(format!("DELETE {shown} answered {}", a.status)),
         Err(e) => Err(format!("DELETE {shown}: {e}")),

@@ -65,6 +65,12 @@ pub struct Delivered {
 /// What the relay saw.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct RelayReport {
+    /// Writes that came through the relay.
+    pub writes: u64,
+    /// Of those, writes with neither `If-Match` nor `If-None-Match`: on a
+    /// route with preconditions, none but the writes storages evaluate no
+    /// precondition on (S3's parts and upload starts).
+    pub writes_without_precondition: u64,
     /// Writes held and delivered late.
     pub late_writes: u64,
     /// Of those, writes of an old term: a later term had a write to the
@@ -170,16 +176,16 @@ impl Relay {
     /// Waits until every write held [`Hold::Late`] has been delivered (at
     /// most `limit`), then says what the relay saw.
     pub async fn finish(&self, limit: Duration) -> RelayReport {
-        let deadline = tokio::time::Instant::now() + limit;
-        while self.shared.outstanding.load(Ordering::SeqCst) > 0 {
-            let notified = self.shared.delivered.notified();
-            if self.shared.outstanding.load(Ordering::SeqCst) == 0 {
-                break;
+        let all_delivered = async {
+            loop {
+                let notified = self.shared.delivered.notified();
+                if self.shared.outstanding.load(Ordering::SeqCst) == 0 {
+                    return;
+                }
+                notified.await;
             }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                break;
-            }
-        }
+        };
+        let _ = tokio::time::timeout(limit, all_delivered).await;
         self.report()
     }
 
@@ -217,6 +223,14 @@ async fn relay(
 ) -> Result<Response<http_body_util::combinators::BoxBody<Bytes, hyper::Error>>, HeldBack> {
     let (parts, body) = req.into_parts();
     let hold = if is_write(&parts.method) {
+        let conditioned = parts.headers.contains_key(http::header::IF_MATCH)
+            || parts.headers.contains_key(http::header::IF_NONE_MATCH);
+        let mut report = lock(&shared.report);
+        report.writes += 1;
+        if !conditioned {
+            report.writes_without_precondition += 1;
+        }
+        drop(report);
         (shared.hold)(&parts)
     } else {
         Hold::Pass
