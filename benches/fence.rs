@@ -36,6 +36,9 @@ struct Mode {
     name: &'static str,
     env: Vec<(&'static str, &'static str)>,
     fenced: bool,
+    /// The route has storage-side preconditions (SPEC §10): each PUT
+    /// carries the `If-Match` fencegate learned from the last answer.
+    preconditions: bool,
 }
 
 fn modes() -> Vec<Mode> {
@@ -44,6 +47,13 @@ fn modes() -> Vec<Mode> {
             name: "fenced write (barrier on)",
             env: vec![],
             fenced: true,
+            preconditions: false,
+        },
+        Mode {
+            name: "fenced write (preconditions)",
+            env: vec![],
+            fenced: true,
+            preconditions: true,
         },
         Mode {
             name: "fenced write (barrier off)",
@@ -52,11 +62,13 @@ fn modes() -> Vec<Mode> {
                 ("FENCEGATE_ALLOW_UNSAFE_SETTINGS", "true"),
             ],
             fenced: true,
+            preconditions: false,
         },
         Mode {
             name: "unfenced write (no route)",
             env: vec![("FENCEGATE_FENCE__ALLOW_UNROUTED_WRITES", "true")],
             fenced: false,
+            preconditions: false,
         },
     ]
 }
@@ -67,6 +79,9 @@ async fn run(mode: &Mode, n: u32) -> f64 {
     let mut config = Config::load(None, env, &Overrides::default()).expect("config");
     if !mode.fenced {
         config.fence.routes.clear();
+    }
+    if mode.preconditions {
+        config.fence.routes[0].preconditions = fencegate::route::Preconditions::Etag;
     }
     let leases = LeaseStore::new(
         Clock::system(),
@@ -97,6 +112,13 @@ async fn run(mode: &Mode, n: u32) -> f64 {
     let token = held.token.to_string();
     let id = held.lease_id.expose().to_owned();
     let body = Bytes::from_static(&[b'x'; 64]);
+    if mode.preconditions {
+        // Once: the key's state, so no PUT is answered 428.
+        let read = Request::get("/kv/orders/x")
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        let _ = app.clone().oneshot(read).await.expect("infallible");
+    }
     let start = Instant::now();
     for _ in 0..n {
         let req = Request::put("/kv/orders/x")

@@ -16,6 +16,13 @@
 //! its outcome is unknown, until the settle time has passed. The first write
 //! of a newer term waits until no write of an older term holds it back. So
 //! the backend never receives a write of term t after one of a later term.
+//!
+//! On a route with storage-side preconditions (SPEC §10) an admitted write
+//! also gets the precondition the key states plan
+//! ([`crate::precondition`]: the client's own, one naming the key's state,
+//! or `428 precondition-required` with nothing sent), and the answer to
+//! every request about such a key, read or write, is learned from before
+//! it goes back to the client.
 
 use std::convert::Infallible;
 use std::sync::Arc;

@@ -61,7 +61,8 @@
 //! Inside this crate `tests/layering.rs` checks the imports for cycles: the
 //! leaves `clock`, `journal`, `body`, `wire`, `framing` and `tls` import
 //! nothing from the crate (`names` and `hex` come from the core); `auth`
-//! imports only `names` and `hex`, `route` only `names`, `etcd` only `tls`; `lease` ← `error`, `metrics` ← `fence` ←
+//! imports only `names` and `hex`, `route` only `names`, `precondition` only
+//! `wire` and `body`, `etcd` only `tls`; `lease` ← `error`, `metrics` ← `fence` ←
 //! `api`; `backend` ← `server`; `app` composes `api`, `fence` and `backend`;
 //! `cluster` builds on `etcd`, `journal` and `lease` and gets the app it
 //! serves from `serve` (it never reads the config);

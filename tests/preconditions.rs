@@ -388,3 +388,53 @@ async fn lease_checks_come_before_the_precondition() {
     let r: Resp = h.send(Req::new("PUT", KEY).body("x")).await;
     assert_eq!(r.reason(), "missing-fencing-token");
 }
+
+/// `LeaseGuard::write` (the Rust client) on a route with preconditions:
+/// a 428 makes it read the key once and send the write again; once the
+/// term is lost it sends nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rust_client_reads_once_on_428_and_never_writes_when_lost() {
+    let (h, backend) = harness(Preconditions::Etag);
+    let server = support::spawn(h.app.clone()).await;
+    let client = fencegate::client::LeaseClient::new(&server.url());
+    // A short TTL: its renewals (every 100 ms of real time) find the term
+    // ended soon after the manual clock passes its deadline.
+    let guard = client
+        .hold("orders", "w", 300, 0, Default::default())
+        .await
+        .unwrap();
+    let w = guard
+        .write(http::Method::PUT, KEY, &[], Bytes::from_static(b"v1"))
+        .await
+        .unwrap();
+    assert_eq!(w.status, 201, "{w:?}");
+    let lines: Vec<String> = backend.seen().into_iter().map(|(l, _)| l).collect();
+    assert_eq!(lines, [format!("HEAD {KEY}"), format!("PUT {KEY}")]);
+    let w = guard
+        .write(http::Method::PUT, KEY, &[], Bytes::from_static(b"v2"))
+        .await
+        .unwrap();
+    assert_eq!(w.status, 204);
+    assert_eq!(h.store.get(KEY).as_deref(), Some(&b"v2"[..]));
+
+    h.advance(300);
+    // Real time, bounded: the renewer's next round is 100 ms away.
+    tokio::time::timeout(std::time::Duration::from_secs(30), guard.lost())
+        .await
+        .expect("the guard never saw its term end");
+    let sent_before = backend.seen().len();
+    let err = guard
+        .write(http::Method::PUT, KEY, &[], Bytes::from_static(b"late"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, fencegate::client::ClientError::Lost(_)),
+        "{err}"
+    );
+    assert_eq!(
+        backend.seen().len(),
+        sent_before,
+        "a lost term's write was sent"
+    );
+    assert_eq!(h.store.get(KEY).as_deref(), Some(&b"v2"[..]));
+}

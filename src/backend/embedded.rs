@@ -56,30 +56,30 @@ fn etag(version: u64) -> HeaderValue {
 /// (`*`: any value), `If-None-Match` weakly (`*`: none may exist), as RFC
 /// 9110 §13.1 has it for a state-changing request.
 fn preconditions_hold(headers: &http::HeaderMap, current: Option<&HeaderValue>) -> bool {
-    let listed = |name: http::header::HeaderName| -> Option<Vec<Vec<u8>>> {
+    // Each header's values as one comma-separated list of tags; `None`:
+    // the header is absent.
+    let tags = |name: http::header::HeaderName| {
         let mut values = headers.get_all(name).iter().peekable();
         values.peek()?;
         Some(
             values
                 .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-                .map(|t| t.trim_ascii().to_vec())
-                .filter(|t| !t.is_empty())
-                .collect(),
+                .map(<[u8]>::trim_ascii)
+                .filter(|t| !t.is_empty()),
         )
     };
-    if let Some(tags) = listed(http::header::IF_MATCH) {
+    let current = current.map(HeaderValue::as_bytes);
+    if let Some(mut tags) = tags(http::header::IF_MATCH) {
         let Some(current) = current else {
             return false;
         };
-        let strong = |t: &[u8]| !t.starts_with(b"W/") && t == current.as_bytes();
-        if !tags.iter().any(|t| t == b"*" || strong(t)) {
+        if !tags.any(|t| t == b"*" || (!t.starts_with(b"W/") && t == current)) {
             return false;
         }
     }
-    if let Some(tags) = listed(http::header::IF_NONE_MATCH) {
+    if let Some(mut tags) = tags(http::header::IF_NONE_MATCH) {
         if let Some(current) = current {
-            let weak = |t: &[u8]| t.strip_prefix(b"W/").unwrap_or(t) == current.as_bytes();
-            if tags.iter().any(|t| t == b"*" || weak(t)) {
+            if tags.any(|t| t == b"*" || t.strip_prefix(b"W/").unwrap_or(t) == current) {
                 return false;
             }
         }

@@ -139,6 +139,7 @@ pub fn exit_code(err: &ClientError) -> u8 {
         },
         ClientError::Unreachable(_) => EXIT_UNREACHABLE,
         ClientError::Protocol(_) => EXIT_PROBLEM,
+        ClientError::Lost(_) => EXIT_LEASE_LOST,
     }
 }
 

@@ -23,6 +23,11 @@
 //! # let _ = token; Ok(()) }
 //! ```
 //!
+//! [`LeaseGuard::write`] sends a write through fencegate under the term:
+//! never once the term is lost, and, on a route with storage-side
+//! preconditions (SPEC §10), reading the key once when fencegate answers
+//! `428 precondition-required`.
+//!
 //! The client measures its deadlines on tokio's monotonic clock: it never
 //! compares wall clocks with the proxy.
 
@@ -82,6 +87,8 @@ pub enum ClientError {
     Unreachable(String),
     /// The server answered something that is not the lease API.
     Protocol(String),
+    /// The guard's term is lost: nothing was sent.
+    Lost(Lost),
 }
 
 impl ClientError {
@@ -115,6 +122,7 @@ impl std::fmt::Display for ClientError {
             }
             ClientError::Unreachable(e) => write!(f, "server unreachable: {e}"),
             ClientError::Protocol(e) => write!(f, "unexpected answer: {e}"),
+            ClientError::Lost(why) => write!(f, "the lease is lost ({why}): nothing was sent"),
         }
     }
 }
@@ -665,6 +673,93 @@ impl LeaseClient {
         }
     }
 
+    /// One request of any kind to `base`, its answer as it came (any
+    /// status); on failure, also whether nothing was sent.
+    async fn exchange_once(
+        &self,
+        base: &str,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Bytes,
+    ) -> Result<Written, (ClientError, bool)> {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(format!("{base}{path}"));
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        if let Some(bearer) = &self.bearer {
+            req = req.header(http::header::AUTHORIZATION, bearer.clone());
+        }
+        let req = req
+            .body(Full::new(body))
+            .map_err(|e| (ClientError::Protocol(e.to_string()), false))?;
+        let exchange = async {
+            let res = self.http.request(req).await.map_err(|e| {
+                (
+                    ClientError::Unreachable(Self::cause(base, &e)),
+                    e.is_connect(),
+                )
+            })?;
+            if res.headers().contains_key(FENCEGATE_FORWARDED) {
+                self.servers.map_is_stale();
+            }
+            let (parts, body) = res.into_parts();
+            let body = body
+                .collect()
+                .await
+                .map_err(|e| (ClientError::Unreachable(Self::cause(base, &e)), false))?
+                .to_bytes();
+            Ok(Written {
+                status: parts.status,
+                headers: parts.headers,
+                body,
+            })
+        };
+        tokio::time::timeout(self.timeout, exchange)
+            .await
+            .map_err(|_| {
+                let e = format!("{base}: no answer within {} ms", self.timeout.as_millis());
+                (ClientError::Unreachable(e), false)
+            })?
+    }
+
+    /// A request for `lease`'s keys, sent to its shard's primary and moved
+    /// to another member only on an answer that proves nothing was done.
+    async fn exchange(
+        &self,
+        lease: &str,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Bytes,
+    ) -> Result<Written, ClientError> {
+        let mut follow = Follow::new(40, Duration::from_millis(250));
+        loop {
+            self.servers.refresh_map(|| self.fetch_map()).await;
+            let base = follow.base(&self.servers, Some(lease));
+            let answer = self
+                .exchange_once(&base, method.clone(), path, headers, body.clone())
+                .await;
+            if answer.is_ok() {
+                self.servers.answered(&base);
+            }
+            let answered = match &answer {
+                Ok(w) if w.reason().as_deref() == Some("not-primary") => {
+                    let problem: serde_json::Value =
+                        serde_json::from_slice(&w.body).unwrap_or_default();
+                    Answered::NotPrimary(problem["primary"].as_str().map(str::to_owned))
+                }
+                Err((ClientError::Unreachable(_), true)) => Answered::Refused,
+                _ => Answered::Done,
+            };
+            if !follow.again(&self.servers, &base, answered).await {
+                return answer.map_err(|(e, _)| e);
+            }
+        }
+    }
+
     /// "URL: what went wrong", with the error's causes (a pooled client's
     /// own message says only "client error (Connect)").
     fn cause(base: &str, err: &dyn std::error::Error) -> String {
@@ -825,6 +920,31 @@ impl LeaseClient {
     }
 }
 
+/// An answer to a write sent through fencegate ([`LeaseGuard::write`]): the
+/// storage's, or a problem fencegate answered itself.
+#[derive(Clone, Debug)]
+pub struct Written {
+    pub status: StatusCode,
+    pub headers: http::HeaderMap,
+    pub body: Bytes,
+}
+
+impl Written {
+    /// The `reason` of a problem fencegate answered (`None`: the storage's
+    /// answer, or a success).
+    pub fn reason(&self) -> Option<String> {
+        let problem = self
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .is_some_and(|ct| ct.as_bytes().starts_with(b"application/problem+json"));
+        if !problem {
+            return None;
+        }
+        let doc: serde_json::Value = serde_json::from_slice(&self.body).ok()?;
+        doc.get("reason")?.as_str().map(str::to_owned)
+    }
+}
+
 /// How a [`LeaseGuard`] renews.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GuardOptions {
@@ -905,6 +1025,58 @@ impl LeaseGuard {
         let mut rx = self.lost.clone();
         // An error means the renewer is gone: that is loss too.
         let _ = rx.wait_for(Option::is_some).await;
+    }
+
+    /// Sends a write (`method`, e.g. `PUT`, to the proxied `path`, e.g.
+    /// `/kv/orders/42`, with `headers` and `body`) through fencegate under
+    /// this term: never once the term is lost ([`ClientError::Lost`],
+    /// nothing sent). On a route with storage-side preconditions (SPEC §10)
+    /// a `428 precondition-required` (fencegate has not seen the key) makes
+    /// it read the key once (`HEAD`) and send the write again. The answer
+    /// comes back whatever its status: the storage's (a `412` from the
+    /// storage is a precondition it refused), or a problem fencegate
+    /// answered ([`Written::reason`]).
+    pub async fn write(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Bytes,
+    ) -> Result<Written, ClientError> {
+        let token = self.grant.token.to_string();
+        let mut all = vec![
+            (FENCING_TOKEN, token.as_str()),
+            (FENCING_LEASE_ID, self.grant.lease_id.as_str()),
+        ];
+        all.extend_from_slice(headers);
+        let lease = self.grant.lease.as_str();
+        self.check_held()?;
+        let written = self
+            .client
+            .exchange(lease, method.clone(), path, &all, body.clone())
+            .await?;
+        if written.status != StatusCode::PRECONDITION_REQUIRED
+            || written.reason().as_deref() != Some("precondition-required")
+        {
+            return Ok(written);
+        }
+        self.client
+            .exchange(lease, Method::HEAD, path, headers, Bytes::new())
+            .await?;
+        self.check_held()?;
+        self.client.exchange(lease, method, path, &all, body).await
+    }
+
+    /// `Err` once the term is lost.
+    fn check_held(&self) -> Result<(), ClientError> {
+        if self.renewer.is_finished() && self.lost_reason().is_none() {
+            // A renewer that ended without saying why is a loss too.
+            return Err(ClientError::Lost(Lost::DeadlinePassed));
+        }
+        match self.lost_reason() {
+            Some(why) => Err(ClientError::Lost(why)),
+            None => Ok(()),
+        }
     }
 
     /// Stops renewing and releases the term.

@@ -398,7 +398,10 @@ impl KeyStates {
                         return;
                     }
                 }
-                self.set(key, KeyState::Tagged(Bytes::copy_from_slice(tag)));
+                // An owned buffer behind a reference count: handing it to a
+                // request (`Plan::IfMatch`) clones the count, copies nothing.
+                let tag = Bytes::from_owner(Box::<[u8]>::from(tag));
+                self.set(key, KeyState::Tagged(tag));
             }
             None => self.forget(key),
         }
