@@ -759,3 +759,54 @@ async fn a_primary_stopped_cleanly_hands_over_at_once() {
     m.becomes_primary(s, Duration::from_millis(TTL_MS + 10_000))
         .await;
 }
+
+/// Storage-side preconditions across a failover (SPEC §10): a member that
+/// takes over knows no key's state, so a write of a key the old primary
+/// had learned is answered 428 on the new one until it is read there; the
+/// term itself goes on. (A member that leads again what it led before:
+/// tests/shards.rs.)
+#[tokio::test]
+async fn a_new_primary_knows_no_key_state() {
+    let dir = support::proc::TempDir::new("cluster-preconditions");
+    let config = dir.path().join("fencegate.toml");
+    std::fs::write(
+        &config,
+        "[[fence.routes]]\npattern = \"/kv/{lease}\"\npreconditions = \"etag\"\n",
+    )
+    .unwrap();
+    let env = [
+        ("FENCEGATE_CONFIG", config.to_str().unwrap()),
+        // The takeover window (upstream deadline plus settle time) short.
+        ("FENCEGATE_PROXY__TIMEOUT_MS", "2000"),
+        ("FENCEGATE_FENCE__SETTLE_MS", "500"),
+    ];
+    let mut m = Members::start(2, &env).await;
+    let (p, s) = m.pair().await;
+    let primary = m.client(p);
+    let held = held_from(&primary.send(acquire("x", "a")).await);
+    let r = primary.send(put("x", &held, "one")).await;
+    assert_eq!(r.reason(), "precondition-required");
+    assert_eq!(primary.send(Req::new("HEAD", "/kv/x")).await.status, 404);
+    for body in ["one", "two"] {
+        let r = primary.send(put("x", &held, body)).await;
+        assert!(r.status.is_success(), "{}", r.text());
+    }
+
+    m.kill(p);
+    m.becomes_primary(s, Duration::from_secs(30)).await;
+    let c = m.client(s);
+    let required = loop {
+        let r = c.send(put("x", &held, "three")).await;
+        if r.status == 428 {
+            break r;
+        }
+        // Held back while the old primary's writes may settle: wait as told.
+        assert_eq!(r.reason(), "upstream-timeout", "{}", r.text());
+        let secs: u64 = r.headers["retry-after"].to_str().unwrap().parse().unwrap();
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+    };
+    assert_eq!(required.reason(), "precondition-required");
+    assert_eq!(c.send(Req::new("HEAD", "/kv/x")).await.status, 200);
+    let r = c.send(put("x", &held, "three")).await;
+    assert!(r.status.is_success(), "{}", r.text());
+}
