@@ -25,7 +25,8 @@ use std::time::Duration;
 use std::net::SocketAddr;
 
 use http::header::{
-    HeaderName, HeaderValue, CONNECTION, CONTENT_LOCATION, FORWARDED, HOST, LOCATION,
+    HeaderName, HeaderValue, CONNECTION, CONTENT_LENGTH, CONTENT_LOCATION, FORWARDED, HOST,
+    LOCATION, TRANSFER_ENCODING,
 };
 use http::uri::{PathAndQuery, Uri};
 use http::{HeaderMap, Request, Response};
@@ -707,6 +708,23 @@ impl Shared {
     /// proxy instead (nginx's `proxy_redirect default`).
     fn relay(&self, res: Response<Body>, client: Option<&(HeaderValue, bool)>) -> Response<Body> {
         let (mut parts, body) = res.into_parts();
+        if parts.headers.contains_key(TRANSFER_ENCODING)
+            && parts.headers.contains_key(CONTENT_LENGTH)
+        {
+            // RFC 9112 §6.3: an error an intermediary must not forward as
+            // it is (the length would go on with the coding gone). Its body
+            // is dropped unread, so the connection is never reused.
+            drop(body);
+            tracing::warn!(upstream = %self.authority, status = parts.status.as_u16(), "the upstream's answer has both Content-Length and Transfer-Encoding: not relayed");
+            self.count_failure("ambiguous framing");
+            return outcome_unknown(
+                Problem::new(
+                    Reason::UpstreamError,
+                    "the backend failed to answer: its answer had both Content-Length and Transfer-Encoding",
+                )
+                .into_response(),
+            );
+        }
         strip_hop_by_hop(&mut parts.headers);
         let located =
             parts.headers.contains_key(LOCATION) || parts.headers.contains_key(CONTENT_LOCATION);
