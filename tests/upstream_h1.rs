@@ -742,4 +742,3 @@ async fn an_answer_with_a_length_and_a_coding_is_not_relayed() {
         }
     }
 }
-

@@ -203,7 +203,15 @@ impl std::fmt::Display for Broken {
 impl std::error::Error for Broken {}
 
 fn closed_early() -> BoxError {
-    Box::new(Broken("connection closed before message completed"))
+    Box::new(Broken(CLOSED_EARLY))
+}
+
+const CLOSED_EARLY: &str = "connection closed before message completed";
+
+impl std::fmt::Debug for Outgoing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outgoing").finish_non_exhaustive()
+    }
 }
 
 /// One upstream connection and its buffers.
@@ -215,6 +223,8 @@ pub(crate) struct Conn {
     out: Vec<u8>,
     /// The most an answer's head may take, and the most read at once.
     max_buf: usize,
+    /// Since when it has been idle, back in its slot.
+    idle: Option<crate::clock::Stopwatch>,
 }
 
 impl std::fmt::Debug for Conn {
@@ -274,14 +284,25 @@ impl Conn {
             buf: BytesMut::new(),
             out: Vec::new(),
             max_buf,
+            idle: None,
         }
     }
 
-    /// Whether an idle connection can take a request: the upstream has
-    /// neither closed it nor sent anything since the last answer. Never
-    /// waits (it asks the socket, not the runtime).
-    pub(crate) fn is_open(&mut self) -> bool {
+    /// Whether an idle connection can take a request: it has been idle for
+    /// less than `idle_timeout_ms` (an upstream that closes idle
+    /// connections after a while of its own may be closing it right now,
+    /// as the request goes out), and the upstream has neither closed it
+    /// nor sent anything since the last answer. Never waits (it asks the
+    /// socket, not the runtime).
+    pub(crate) fn is_open(&mut self, idle_timeout_ms: u64) -> bool {
         if !self.buf.is_empty() {
+            return false;
+        }
+        if self
+            .idle
+            .take()
+            .is_some_and(|idle| idle.elapsed_ms() >= idle_timeout_ms)
+        {
             return false;
         }
         let mut byte = [0u8; 1];
@@ -294,17 +315,36 @@ impl Conn {
             .is_pending()
     }
 
-    /// Sends `out`, its head with the `added` lines, and reads the answer's
-    /// head; the answer's body owns the connection and puts it back in
-    /// `home` once read to its end (at once when there is none). `check`
-    /// runs right before the first byte is written: its error is returned
-    /// with nothing sent, and the connection goes home.
+    /// Writes the first byte of `out`'s head (its `added` lines with it):
+    /// `Err` if that write fails outright, and then nothing of the request
+    /// reached the upstream (the connection had been closed or reset as it
+    /// sat idle), so it may go on another connection. Over TLS the head is
+    /// only encoded here (a TLS write's failure proves nothing).
+    pub(crate) fn begin(
+        &mut self,
+        out: &Outgoing,
+        added: &Added,
+    ) -> impl Future<Output = io::Result<()>> + Send + '_ {
+        self.out.clear();
+        encode_head(&mut self.out, &out.parts, added, out.http10);
+        self.write_first()
+    }
+
+    async fn write_first(&mut self) -> io::Result<()> {
+        if let Stream::Tcp(tcp) = &mut self.io {
+            let n = tcp.write(&self.out[..1]).await?;
+            self.out.drain(..n);
+        }
+        Ok(())
+    }
+
+    /// Sends the rest of `out` after [`Self::begin`], and reads the
+    /// answer's head; the answer's body owns the connection and puts it
+    /// back in `home` once read to its end (at once when there is none).
     pub(crate) async fn send(
         mut self,
         out: Outgoing,
-        added: &Added,
         home: &Arc<Slot>,
-        check: impl FnOnce() -> Result<(), BoxError>,
     ) -> Result<Response<Body>, BoxError> {
         let Outgoing {
             parts,
@@ -314,12 +354,6 @@ impl Conn {
             sending,
             http10,
         } = out;
-        if let Err(e) = check() {
-            self.go_home(home);
-            return Err(e);
-        }
-        self.out.clear();
-        encode_head(&mut self.out, &parts, added, http10);
         // Only the method is needed from here on (a smaller future).
         let method = parts.method;
         let mut sent: u64 = 0;
@@ -581,6 +615,7 @@ impl Conn {
     fn go_home(mut self, home: &Slot) {
         if self.buf.is_empty() {
             self.buf = BytesMut::new();
+            self.idle = Some(crate::clock::Stopwatch::start());
             *home.lock().unwrap_or_else(|p| p.into_inner()) = Some(self);
         }
     }

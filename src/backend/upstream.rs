@@ -14,10 +14,11 @@
 //! difference). Requests that come without a client connection (in-process
 //! tests) use the pool.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -139,7 +140,7 @@ impl Default for UpstreamOptions {
             connect_timeout_ms: 2_000,
             read_buffer_bytes: 32 * 1024,
             timeout_ms: 30_000,
-            pool_idle_timeout_ms: 90_000,
+            pool_idle_timeout_ms: 4_000,
             pool_max_idle: 64,
             preserve_host: false,
             x_forwarded: true,
@@ -158,7 +159,8 @@ pub struct Upstream(Arc<Shared>);
 
 #[derive(Debug)]
 struct Shared {
-    client: Client<HttpsConnector<HttpConnector>, Body>,
+    /// The pooled mode's pools, one per client.
+    pools: Pools,
     /// TLS to the upstream, for an `https://` base URL.
     tls: Option<UpstreamTls>,
     scheme: http::uri::Scheme,
@@ -179,6 +181,9 @@ struct Shared {
     connect_timeout: Duration,
     /// `read_buffer_bytes` of the options.
     read_buffer: usize,
+    /// How long an idle upstream connection may be reused
+    /// (`pool_idle_timeout_ms`, both modes).
+    idle_timeout_ms: u64,
     /// `host:port` to dial for a dedicated connection.
     dial: String,
     /// The upstream's `Host` header.
@@ -343,7 +348,9 @@ impl Upstream {
             }
             (false, None) => None,
         };
-        let client = pooled_client(tls_config.as_ref(), options)?;
+        // Built once: checks the TLS settings before the first request.
+        let first = pooled_client(tls_config.as_ref(), options)?;
+        let pools = Pools::new(first, tls_config.clone(), options.clone());
         let host = authority
             .host()
             .trim_start_matches('[')
@@ -373,9 +380,10 @@ impl Upstream {
             mode: options.upstream_connections,
             connect_timeout: Duration::from_millis(options.connect_timeout_ms),
             read_buffer: options.read_buffer_bytes.max(MIN_READ_BUFFER),
+            idle_timeout_ms: options.pool_idle_timeout_ms,
             dial,
             host,
-            client,
+            pools,
             tls,
             scheme: if https {
                 http::uri::Scheme::HTTPS
@@ -528,17 +536,32 @@ impl Shared {
         // client took its time (and the upstream perhaps closed it).
         let out = h1::Outgoing::new(req).await?;
         let mut idle = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let conn = match idle.take_if(|conn| conn.is_open()) {
-            Some(conn) => conn,
+        let idle_timeout_ms = self.idle_timeout_ms;
+        let (mut conn, reused) = match idle.take_if(|conn| conn.is_open(idle_timeout_ms)) {
+            Some(conn) => (conn, true),
             // Boxed: a connect (with TLS) is a large future, and a rare one;
             // inline it would make every exchange's future that large.
-            None => Box::pin(self.connect()).await?,
+            None => (Box::pin(self.connect()).await?, false),
         };
-        let check = move || match before.as_ref().map(BeforeSend::check) {
-            Some(Err(problem)) => Err(Box::new(Withheld(problem)) as BoxError),
-            _ => Ok(()),
-        };
-        conn.send(out, added, slot, check).await
+        // Right before the first byte leaves: still admitted?
+        if let Some(Err(problem)) = before.as_ref().map(BeforeSend::check) {
+            if reused {
+                *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn);
+            }
+            return Err(Box::new(Withheld(problem)));
+        }
+        if let Err(e) = conn.begin(&out, added).await {
+            if !reused {
+                return Err(e.into());
+            }
+            // The upstream closed or reset the idle connection as the
+            // request went out: not a byte of it left, so it goes again
+            // on a fresh connection (once).
+            tracing::debug!(upstream = %self.authority, error = %e, "an idle upstream connection failed before the request left: sent on a new one");
+            conn = Box::pin(self.connect()).await?;
+            conn.begin(&out, added).await?;
+        }
+        conn.send(out, slot).await
     }
 
     /// A `HEAD` of the base path on a connection of its own, within the
@@ -557,7 +580,9 @@ impl Shared {
         let slot = Arc::new(Mutex::new(None));
         let exchange = async {
             let out = h1::Outgoing::new(req).await?;
-            conn.send(out, &h1::Added::new(), &slot, || Ok(())).await
+            let mut conn = conn;
+            conn.begin(&out, &h1::Added::new()).await?;
+            conn.send(out, &slot).await
         };
         match tokio::time::timeout(self.connect_timeout, exchange).await {
             Ok(Ok(_answer)) => Ok(()),
@@ -595,6 +620,10 @@ impl Shared {
             ConnectionMode::PerClient => req.extensions().get::<ClientAddr>().cloned(),
             ConnectionMode::Pooled => None,
         };
+        let pool = match self.mode {
+            ConnectionMode::PerClient => None,
+            ConnectionMode::Pooled => Some(self.pools.of(&req)),
+        };
         let (client, added) = match self.prepare(&mut req, peer.is_some()) {
             Ok(prepared) => prepared,
             Err(problem) => return problem.into_response(),
@@ -610,7 +639,7 @@ impl Shared {
                 // The pool connects inside: checked before it is asked.
                 None => match req.extensions().get::<BeforeSend>().map(BeforeSend::check) {
                     Some(Err(problem)) => Err(Box::new(Withheld(problem)) as BoxError),
-                    _ => match self.client.request(req).await {
+                    _ => match pool.expect("the pooled mode has a pool").request(req).await {
                         Ok(res) => Ok(res.map(body::boxed)),
                         Err(e) => Err(BoxError::from(e)),
                     },
@@ -828,6 +857,90 @@ fn failure_kind(err: &(dyn std::error::Error + 'static)) -> &'static str {
         "the backend closed the connection"
     } else {
         "the exchange broke off"
+    }
+}
+
+type PooledClient = Client<HttpsConnector<HttpConnector>, Body>;
+
+/// Who a pooled upstream connection may serve: one client, by its address
+/// and, with authentication on, its caller.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct PoolKey {
+    ip: Option<std::net::IpAddr>,
+    caller: Option<crate::names::Holder>,
+}
+
+/// The pooled mode's clients, one (with a pool of its own) per client: an
+/// upstream connection is never shared between two clients, so an answer
+/// a storage sends that nobody asked for (response queue poisoning) can
+/// reach no other client than the one whose connection it came on. At
+/// most [`MAX_POOLED_CLIENTS`]; the one used longest ago makes room.
+struct Pools {
+    tls: Option<Arc<ClientConfig>>,
+    options: UpstreamOptions,
+    /// The client of each key, and when it was last used (a counter).
+    clients: Mutex<HashMap<PoolKey, (PooledClient, u64)>>,
+    uses: AtomicU64,
+}
+
+/// The most clients the pooled mode keeps pools for at once.
+const MAX_POOLED_CLIENTS: usize = 1024;
+
+impl Pools {
+    fn new(first: PooledClient, tls: Option<Arc<ClientConfig>>, options: UpstreamOptions) -> Self {
+        let mut clients = HashMap::new();
+        clients.insert(
+            PoolKey {
+                ip: None,
+                caller: None,
+            },
+            (first, 0),
+        );
+        Self {
+            tls,
+            options,
+            clients: Mutex::new(clients),
+            uses: AtomicU64::new(1),
+        }
+    }
+
+    /// The client whose pool serves `req`'s client. A std mutex, held for
+    /// a map lookup (and, for a new client, building its pool), never
+    /// across an await.
+    fn of(&self, req: &Request<Body>) -> PooledClient {
+        let key = PoolKey {
+            ip: req.extensions().get::<ClientAddr>().map(ClientAddr::ip),
+            caller: req
+                .extensions()
+                .get::<crate::auth::Caller>()
+                .map(|c| c.0.name.clone()),
+        };
+        let now = self.uses.fetch_add(1, Ordering::Relaxed);
+        let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((client, used)) = clients.get_mut(&key) {
+            *used = now;
+            return client.clone();
+        }
+        if clients.len() >= MAX_POOLED_CLIENTS {
+            let oldest = clients
+                .iter()
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(k, _)| k.clone());
+            if let Some(oldest) = oldest {
+                clients.remove(&oldest);
+            }
+        }
+        // The settings were checked when the upstream was built.
+        let client = pooled_client(self.tls.as_ref(), &self.options)
+            .expect("the pooled client's settings were checked at start");
+        clients.insert(key, (client.clone(), now));
+        client
+    }
+}
+
+impl std::fmt::Debug for Pools {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pools").finish_non_exhaustive()
     }
 }
 
