@@ -853,3 +853,59 @@ async fn a_member_keeping_key_states_across_takeovers_names_an_old_state() {
         "not the storage's 412"
     );
 }
+
+/// A client's `Fencegate-Shard` crosses no second hop and names no shard
+/// that is not there: without `Fencegate-Forwarded` (which only members
+/// set) it is ignored, so the listing fans out once from the member asked,
+/// as without it; with it, a pin that names no shard is refused (400), and
+/// the request is never forwarded again. Seen failing before: a pin to
+/// another member's shard was forwarded there and fanned out again (two
+/// hops), and `99`, `-1` or `abc` answered 200 with an empty list.
+#[tokio::test]
+async fn a_clients_shard_headers_cross_no_second_hop() {
+    let m = Members::start(3, &sharded(&[])).await;
+    let leaders = balanced(&m, Duration::from_secs(30)).await;
+    let c = m.client(0);
+    for name in one_lease_per_shard() {
+        let r = c.send(acquire(&name, "a")).await;
+        assert_eq!(r.status, 201, "{}", r.text());
+    }
+    let names = |r: &support::Resp| -> Vec<String> {
+        r.json()["leases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l["lease"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let before = forwarded_total(&m).await;
+    let plain = c.send(Req::new("GET", "/_fence/leases")).await;
+    assert_eq!(plain.status, 200);
+    let once = forwarded_total(&m).await - before;
+    assert_eq!(names(&plain).len(), SHARDS as usize);
+    let elsewhere = leaders.iter().position(|l| l != "m0").unwrap();
+    for pin in [
+        elsewhere.to_string(),
+        "99".into(),
+        "-1".into(),
+        "abc".into(),
+    ] {
+        let before = forwarded_total(&m).await;
+        let r = c
+            .send(Req::new("GET", "/_fence/leases").header("fencegate-shard", &pin))
+            .await;
+        assert_eq!(r.status, 200, "{pin}: {}", r.text());
+        assert_eq!(names(&r), names(&plain), "{pin}");
+        assert_eq!(forwarded_total(&m).await - before, once, "{pin}: hops");
+    }
+    for pin in ["99", "-1", "abc"] {
+        let r = c
+            .send(
+                Req::new("GET", "/_fence/leases")
+                    .header("fencegate-forwarded", "m9")
+                    .header("fencegate-shard", pin),
+            )
+            .await;
+        assert_eq!(r.reason(), "invalid-request", "{pin}");
+    }
+}

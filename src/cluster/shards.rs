@@ -324,9 +324,24 @@ where
         if let Err(problem) = check_head(req, &sharded.limits) {
             return problem.into_response();
         }
-        // Only members set these, and the storage never sees them.
+        // Only members set these, and the storage never sees them. A
+        // request marked forwarded is never forwarded again (one hop, even
+        // if a client set the mark: it only gives up being forwarded); a
+        // shard pin counts only on such a request, so a client's pin never
+        // sends a listing on a second hop, and one that names no shard is
+        // refused, never answered from no shard.
         let forwarded = req.headers_mut().remove(FORWARDED_NAME).is_some();
-        let pinned = req.headers_mut().remove(SHARD_NAME);
+        let pinned = req.headers_mut().remove(SHARD_NAME).filter(|_| forwarded);
+        if let Some(pin) = &pinned {
+            let shard = pin.to_str().ok().and_then(|v| v.parse::<u32>().ok());
+            if shard.is_none_or(|k| k >= self.shared.options.shards) {
+                return Problem::invalid_request(format!(
+                    "Fencegate-Shard must name one of the {} shards",
+                    self.shared.options.shards
+                ))
+                .into_response();
+            }
+        }
         let req = std::mem::take(req);
         let shards = self.shared.options.shards;
         let forward = self.shared.options.forward && !forwarded;
