@@ -498,7 +498,7 @@ impl Api {
             (["ui"], Method::GET | Method::HEAD) => Ok(status_page()),
             (["metrics"], Method::GET) => Ok(self.metrics()),
             (["backend", "history"], Method::GET) => match &self.history {
-                Some(store) => Ok(store.history_response()),
+                Some(store) => Ok(store.history_response(req.uri().query())),
                 None => Err(Problem::new(
                     Reason::NotFound,
                     "the backend is not a recording embedded store",

@@ -972,3 +972,212 @@ async fn late_writes_in_front_of_moto_are_refused() {
     );
     assert_eq!(late["relay"]["late_stale_applied"], 0, "{stdout}");
 }
+
+/// `fencegate loadtest` with `args` (and `--json json`), killed if it has
+/// not ended within `limit`: (exit code, stdout, stderr). Real time: a run
+/// bounded by its own deadlines ends well within it.
+fn loadtest_within(
+    args: &[&str],
+    json: &std::path::Path,
+    limit: std::time::Duration,
+) -> (i32, String, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .arg("loadtest")
+        .args(args)
+        .arg("--json")
+        .arg(json)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = fencegate::clock::Stopwatch::start();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let out = child.wait_with_output().unwrap();
+            return (
+                status.code().unwrap_or(-1),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            );
+        }
+        if started.elapsed_ms() > limit.as_millis() as u64 {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "the load test did not end within {limit:?}:\n{}\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// Serves `answer` to every request on a free loopback port, on a thread
+/// of its own: its URL.
+fn serve_on_a_thread<F, Fut>(answer: F) -> String
+where
+    F: Fn(http::Request<hyper::body::Incoming>) -> Fut + Send + Sync + Copy + 'static,
+    Fut: std::future::Future<Output = http::Response<fencegate::body::Body>> + Send + 'static,
+{
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    listener.set_nonblocking(true).unwrap();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            while let Ok((sock, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| async move {
+                        Ok::<_, std::convert::Infallible>(answer(req).await)
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(sock), service)
+                        .await;
+                });
+            }
+        });
+    });
+    url
+}
+
+/// A storage that takes every write but trickles its answers to reads (a
+/// byte a second, never ending): the load test's read-back gives up on
+/// each read at `--request-timeout` and the run ends INCONCLUSIVE, saying
+/// what timed out (seen failing: it waited on the first read until killed).
+#[test]
+fn a_storage_that_trickles_its_reads_makes_the_run_inconclusive() {
+    let dir = TempDir::new("loadtest-trickle");
+    let storage = serve_on_a_thread(|req| async move {
+        if req.method() != http::Method::GET {
+            let mut res = http::Response::new(fencegate::body::empty());
+            *res.status_mut() = http::StatusCode::NO_CONTENT;
+            return res;
+        }
+        let (tx, body) =
+            http_body_util::channel::Channel::<bytes::Bytes, std::convert::Infallible>::new(1);
+        tokio::spawn(async move {
+            let mut tx = tx;
+            loop {
+                if tx.send_data(bytes::Bytes::from_static(b"x")).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        });
+        http::Response::new(fencegate::body::boxed(body))
+    });
+    let proxy = proxy_to(&dir, &storage, &[]);
+    let (code, stdout, stderr) = loadtest_within(
+        &[
+            "--target",
+            &proxy.url,
+            "--writes",
+            "40",
+            "--writers",
+            "4",
+            "--request-timeout",
+            "2s",
+            "--keep",
+        ],
+        &dir.path().join("trickle.json"),
+        std::time::Duration::from_secs(120),
+    );
+    assert_eq!(code, 1, "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("INCONCLUSIVE") && stdout.contains("--request-timeout"),
+        "{stdout}\n{stderr}"
+    );
+}
+
+/// A target that answers every request `503 not-primary` (no member
+/// serves): the writers stop once no term was granted for
+/// `--unreachable-limit`, and the run says why it stopped (seen failing: it
+/// retried for ever).
+#[test]
+fn a_target_that_only_answers_not_primary_stops_the_run() {
+    let dir = TempDir::new("loadtest-not-primary");
+    let target = serve_on_a_thread(|_req| async move {
+        let body = serde_json::json!({
+            "type": "urn:fencegate:problem:not-primary",
+            "title": "Not primary",
+            "status": 503,
+            "detail": "no primary",
+            "reason": "not-primary",
+            "primary": null,
+        });
+        let mut res = http::Response::new(fencegate::body::full(body.to_string()));
+        *res.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+        res.headers_mut().insert(
+            "content-type",
+            http::HeaderValue::from_static("application/problem+json"),
+        );
+        res
+    });
+    let (code, stdout, stderr) = loadtest_within(
+        &[
+            "--target",
+            &target,
+            "--writes",
+            "10",
+            "--unreachable-limit",
+            "3s",
+        ],
+        &dir.path().join("np.json"),
+        std::time::Duration::from_secs(120),
+    );
+    assert_ne!(code, 0, "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("no term granted") && stderr.contains("not-primary"),
+        "{stdout}\n{stderr}"
+    );
+}
+
+/// `--verify history` reads the storage's apply log a page at a time: a
+/// log far longer than one answer may hold (20,000 entries of other
+/// writers before the run's own) is read whole (seen failing: "length
+/// limit exceeded" past about 8,000 entries).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_apply_log_is_read_a_page_at_a_time() {
+    let dir = TempDir::new("loadtest-long-log");
+    let backend = recording_backend(&dir);
+    let c = support::HttpClient::new(&backend.url);
+    let writes: Vec<_> = (0..16)
+        .map(|t| {
+            let c = c.clone();
+            tokio::spawn(async move {
+                for i in 0..1_250 {
+                    let r = c
+                        .send(
+                            support::Req::new("PUT", &format!("/kv/other/{t}-{i}"))
+                                .header("x-fencegate-writer", "someone-else")
+                                .body("x"),
+                        )
+                        .await;
+                    assert!(r.status.is_success());
+                }
+            })
+        })
+        .collect();
+    for w in writes {
+        w.await.unwrap();
+    }
+    let proxy = proxy_to(&dir, &backend.url, &[]);
+    let (code, r, stdout) = tokio::task::spawn_blocking({
+        let (url, history, json) = (
+            proxy.url.clone(),
+            backend.url.clone(),
+            dir.path().join("long.json"),
+        );
+        move || loadtest_writes(&["--target", &url, "--history", &history], "300", &json)
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, 0, "{stdout}");
+    assert_eq!(r["verify"], serde_json::json!(["history"]));
+    assert_eq!(r["findings"]["unknown_in_log"], 0, "{stdout}");
+}

@@ -87,6 +87,36 @@ fn preconditions_hold(headers: &http::HeaderMap, current: Option<&HeaderValue>) 
     true
 }
 
+/// The most entries one page of the apply log holds.
+pub const HISTORY_PAGE_MAX: usize = 100_000;
+
+/// `after=SEQ&limit=N` of a history request (`None`: no paging asked).
+fn history_page(query: Option<&str>) -> Result<Option<(u64, usize)>, Problem> {
+    let Some(query) = query.filter(|q| !q.is_empty()) else {
+        return Ok(None);
+    };
+    let (mut after, mut limit) = (0u64, 10_000usize);
+    for param in query.split('&') {
+        let (name, value) = param.split_once('=').unwrap_or((param, ""));
+        let bad = || Problem::invalid_request(format!("{name}: not a whole number"));
+        match name {
+            "after" => after = value.parse().map_err(|_| bad())?,
+            "limit" => limit = value.parse().map_err(|_| bad())?,
+            _ => {
+                return Err(Problem::invalid_request(format!(
+                    "unknown parameter {name:?} (after, limit)"
+                )))
+            }
+        }
+    }
+    if limit == 0 || limit > HISTORY_PAGE_MAX {
+        return Err(Problem::invalid_request(format!(
+            "limit must be between 1 and {HISTORY_PAGE_MAX}"
+        )));
+    }
+    Ok(Some((after, limit)))
+}
+
 /// A write its preconditions refused: nothing changed.
 #[derive(Debug)]
 struct Refused;
@@ -187,17 +217,40 @@ impl EmbeddedStore {
         self.history.is_some()
     }
 
-    /// The apply log as JSON (404 when not recording).
-    pub fn history_response(&self) -> Response<Body> {
+    /// The apply log as JSON (404 when not recording): all of it, or with
+    /// `query` `after=SEQ&limit=N` a page of at most `N` entries (at most
+    /// [`HISTORY_PAGE_MAX`]) after entry `SEQ`, with `next`: the `after`
+    /// of the next page, `null` on the last.
+    pub fn history_response(&self, query: Option<&str>) -> Response<Body> {
         let Some(history) = &self.history else {
             return Problem::new(Reason::NotFound, "this backend does not record writes")
                 .into_response();
+        };
+        let page = match history_page(query) {
+            Ok(page) => page,
+            Err(problem) => return problem.into_response(),
         };
         let json = {
             let h = history
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            serde_json::to_vec(&*h).unwrap_or_default()
+            match page {
+                None => serde_json::to_vec(&*h).unwrap_or_default(),
+                Some((after, limit)) => {
+                    // Entry `seq` is at index `seq - 1`.
+                    let from = usize::try_from(after)
+                        .unwrap_or(usize::MAX)
+                        .min(h.entries.len());
+                    let to = from.saturating_add(limit).min(h.entries.len());
+                    let next = (to < h.entries.len()).then(|| to as u64);
+                    serde_json::to_vec(&serde_json::json!({
+                        "entries": &h.entries[from..to],
+                        "truncated": h.truncated,
+                        "next": next,
+                    }))
+                    .unwrap_or_default()
+                }
+            }
         };
         let mut res = Response::new(body::full(json));
         res.headers_mut()
@@ -278,7 +331,7 @@ impl EmbeddedStore {
     async fn handle(self, req: Request<Body>) -> Response<Body> {
         let path = req.uri().path().to_owned();
         if path == HISTORY_PATH && req.method() == Method::GET {
-            return self.history_response();
+            return self.history_response(req.uri().query());
         }
         if !path.starts_with(KV_PREFIX) || path.len() == KV_PREFIX.len() {
             return Problem::new(Reason::NotFound, "the embedded store serves /kv/{key}")

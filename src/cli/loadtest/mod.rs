@@ -135,6 +135,10 @@ pub struct LoadtestArgs {
     /// long (fencegate restarting, a failover, a crash test).
     #[arg(long, default_value = "30s", value_parser = parse_duration_ms)]
     pub unreachable_limit: u64,
+    /// Give up on any one request (a write, a read, a lease call, the apply
+    /// log) after this long; a run in which one did is INCONCLUSIVE.
+    #[arg(long, default_value = "60s", value_parser = parse_duration_ms)]
+    pub request_timeout: u64,
     /// A file holding the bearer secret, for a target with authentication
     /// on (or put the secret itself in FENCEGATE_TOKEN). Never echoed.
     #[arg(long, env = "FENCEGATE_TOKEN_FILE")]
@@ -264,6 +268,8 @@ pub struct Report {
     /// With `--late-writes`: what the relay saw, and whether the storage
     /// evaluates preconditions.
     pub late_writes: Option<LateWrites>,
+    /// Requests that got no answer within `--request-timeout`.
+    pub requests_timed_out: u64,
     pub safe: bool,
     pub verdict: String,
 }
@@ -309,6 +315,11 @@ struct Shared {
     /// When the target last answered anything, in milliseconds since the
     /// run started.
     answered_ms: AtomicU64,
+    /// When a term was last granted (the run's start before the first), in
+    /// milliseconds since the run started.
+    granted_ms: AtomicU64,
+    /// Requests that got no answer within `--request-timeout`.
+    timed_out: AtomicU64,
 }
 
 /// A term as the run saw it: from its grant to its end (release, or the
@@ -480,6 +491,29 @@ async fn send(
     let req = req
         .body(Full::new(body))
         .map_err(|e| (e.to_string(), false))?;
+    let limit = Duration::from_millis(shared.args.request_timeout);
+    match tokio::time::timeout(limit, exchange(shared, client, req, to_target)).await {
+        Ok(answer) => answer,
+        Err(_) => {
+            shared.timed_out.fetch_add(1, Ordering::Relaxed);
+            Err((
+                format!(
+                    "no answer within {} ms (--request-timeout)",
+                    shared.args.request_timeout
+                ),
+                false,
+            ))
+        }
+    }
+}
+
+/// One request and its whole answer.
+async fn exchange(
+    shared: &Shared,
+    client: &HttpsClient,
+    req: Request<Full<Bytes>>,
+    to_target: bool,
+) -> Result<Answer, (String, bool)> {
     let res = client
         .request(req)
         .await
@@ -644,6 +678,18 @@ impl Writer {
             | StatusCode::TOO_MANY_REQUESTS
             | StatusCode::BAD_GATEWAY
             | StatusCode::GATEWAY_TIMEOUT => {
+                // Answers, but no term for anyone for that long: a target
+                // that only ever says not-primary (no member serves), or a
+                // store that cannot grant. Stop and say so.
+                let now_ms = self.shared.started.elapsed_ms();
+                let since_ms = self.shared.granted_ms.load(Ordering::Relaxed);
+                if now_ms.saturating_sub(since_ms) >= args.unreachable_limit {
+                    let reason = answer.json["reason"].as_str().unwrap_or("no reason given");
+                    return Err(format!(
+                        "no term granted for {} ms (--unreachable-limit): {} answered {} {reason}",
+                        args.unreachable_limit, args.target, answer.status
+                    ));
+                }
                 tokio::time::sleep(Duration::from_millis(5)).await;
                 return Ok(None);
             }
@@ -656,6 +702,9 @@ impl Writer {
         }
         let expires = answer.json["expires_in_ms"].as_u64().unwrap_or(0);
         let granted_us = self.shared.started.elapsed_us();
+        self.shared
+            .granted_ms
+            .fetch_max(granted_us / 1000, Ordering::Relaxed);
         let token = answer.json["token"].as_u64().unwrap_or(0);
         let previous = {
             let mut newest = lock(&self.shared.newest_token);
@@ -1047,10 +1096,19 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
     }
     let all: Vec<Findings> = by_checker.values().cloned().collect();
     let findings = Findings::merge(&all);
-    let (safe, mut verdict, status) = match late_verdict(late_writes.as_ref()) {
+    let (mut safe, mut verdict, mut status) = match late_verdict(late_writes.as_ref()) {
         Some(late) => late,
         None => verdict(&findings, truncated, args.min_stale),
     };
+    let timed_out = shared.timed_out.load(Ordering::Relaxed);
+    if timed_out > 0 && findings.violations() == 0 {
+        // What did not answer cannot be checked: no SAFE on what is missing.
+        (safe, status) = (false, 1);
+        verdict = format!(
+            "INCONCLUSIVE: {timed_out} requests got no answer within {} ms (--request-timeout)",
+            args.request_timeout
+        );
+    }
     if let Some(late) = late_writes.as_ref().filter(|_| safe && status == 0) {
         verdict.push_str(&match late.relay.late_stale_refused {
             0 => "; no late write reached the storage after a later term's write to its key (raise --late-writes or --late-by)".to_owned(),
@@ -1083,6 +1141,7 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
         by_checker,
         cleanup,
         late_writes,
+        requests_timed_out: timed_out,
         safe,
         verdict,
     };
@@ -1216,6 +1275,8 @@ fn prepare(args: &LoadtestArgs, total: Option<u64>) -> Result<Arc<Shared>, Strin
         ),
         stop: std::sync::atomic::AtomicBool::new(false),
         answered_ms: AtomicU64::new(0),
+        granted_ms: AtomicU64::new(0),
+        timed_out: AtomicU64::new(0),
         started: Stopwatch::start(),
         sent: AtomicU64::new(0),
         log: Mutex::new(Vec::new()),
@@ -1380,24 +1441,44 @@ fn verdict(findings: &Findings, truncated: bool, min_stale: u64) -> (bool, Strin
 
 /// Reads the storage's apply log at `history_url` (default: the target).
 async fn read_history(shared: &Shared, history_url: Option<&str>) -> Result<History, String> {
-    let (to, shown) = match history_url {
-        Some(url) => (To::Url(format!("{url}{HISTORY_PATH}")), url.to_owned()),
-        None => (
-            To::Target(HISTORY_PATH.to_owned()),
-            shared.args.target.clone(),
-        ),
+    let (base, shown) = match history_url {
+        Some(url) => (Some(url.to_owned()), url.to_owned()),
+        None => (None, shared.args.target.clone()),
     };
-    let answer = call(shared, Method::GET, to, &[], Bytes::new())
-        .await
-        .map_err(|e| format!("cannot read the apply log at {shown}: {e}"))?;
-    if answer.status != StatusCode::OK {
-        return Err(format!(
-            "{shown}{HISTORY_PATH} answered {}: run the backend with --record (or [embedded] record = true)",
-            answer.status
-        ));
+    let mut history = History::default();
+    let mut after = 0u64;
+    // A page at a time, each well under what one answer may hold: a log of
+    // a million writes is read in full (a backend that pages nothing sends
+    // it all at once, and that is its last page).
+    loop {
+        let path = format!("{HISTORY_PATH}?after={after}&limit={HISTORY_PAGE}");
+        let to = match &base {
+            Some(url) => To::Url(format!("{url}{path}")),
+            None => To::Target(path),
+        };
+        let answer = call(shared, Method::GET, to, &[], Bytes::new())
+            .await
+            .map_err(|e| format!("cannot read the apply log at {shown}: {e}"))?;
+        if answer.status != StatusCode::OK {
+            return Err(format!(
+                "{shown}{HISTORY_PATH} answered {}: run the backend with --record (or [embedded] record = true)",
+                answer.status
+            ));
+        }
+        let page: History = serde_json::from_value(answer.json.clone())
+            .map_err(|e| format!("the apply log is not readable: {e}"))?;
+        history.truncated |= page.truncated;
+        history.entries.extend(page.entries);
+        match answer.json["next"].as_u64() {
+            Some(next) if next > after => after = next,
+            _ => return Ok(history),
+        }
     }
-    serde_json::from_value(answer.json).map_err(|e| format!("the apply log is not readable: {e}"))
 }
+
+/// Entries of the apply log asked for at once (a page of them stays well
+/// under the most one answer may hold).
+const HISTORY_PAGE: usize = 2_000;
 
 /// Which checkers ran, for people.
 pub fn checkers(r: &Report) -> String {
