@@ -242,7 +242,7 @@ impl EmbeddedStore {
                         .unwrap_or(usize::MAX)
                         .min(h.entries.len());
                     let to = from.saturating_add(limit).min(h.entries.len());
-                    let next = (to < h.entries.len()).then(|| to as u64);
+                    let next = (to < h.entries.len()).then_some(to as u64);
                     serde_json::to_vec(&serde_json::json!({
                         "entries": &h.entries[from..to],
                         "truncated": h.truncated,
