@@ -332,6 +332,10 @@ async fn join(
             .saturating_mul(2)
             .max(config.leases.max_wait_ms)
             .saturating_add(1_000),
+        forward_read_buffer_bytes: config
+            .proxy
+            .read_buffer_bytes
+            .max(crate::backend::MIN_READ_BUFFER),
     };
     tracing::info!(name = %options.name, advertise = %options.advertise, etcd = ?c.etcd, shards = c.shards, "joining the cluster");
     let stats = Arc::new(ClusterStats::default());

@@ -909,3 +909,55 @@ async fn a_clients_shard_headers_cross_no_second_hop() {
         assert_eq!(r.reason(), "invalid-request", "{pin}");
     }
 }
+
+/// Clients that abort the requests a member forwards cost one log line an
+/// interval, not one each: 40 writes whose clients go away halfway through
+/// their bodies leave no `forwarding a request failed` line and at most
+/// two counted ones (seen failing: a WARN line each).
+#[tokio::test]
+async fn clients_that_abort_forwarded_requests_are_counted_not_logged_each() {
+    use tokio::io::AsyncWriteExt;
+    let m = Members::start(2, &[("FENCEGATE_CLUSTER__SHARDS", "2")]).await;
+    let both = Stopwatch::start();
+    let leaders = loop {
+        let l = leaders_of(&m.client(0)).await;
+        if l.iter().all(Option::is_some) && l.contains(&Some("m1".to_owned())) {
+            break l;
+        }
+        assert!(both.elapsed_ms() < 60_000, "{}", m.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let elsewhere = leaders
+        .iter()
+        .position(|l| l.as_deref() == Some("m1"))
+        .unwrap();
+    let name = (0..)
+        .map(|n| format!("x-{n}"))
+        .find(|n| shard_of(n, 2) as usize == elsewhere)
+        .unwrap();
+    let a = held_from(&m.client(1).send(acquire(&name, "a")).await);
+    let addr = m.url(0).trim_start_matches("http://").to_owned();
+    for _ in 0..40 {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let head = format!(
+            "PUT /kv/{name} HTTP/1.1\r\nHost: x\r\nFencing-Token: {}\r\nFencing-Lease-Id: {}\r\n\
+             Content-Length: 1000\r\n\r\n",
+            a.token, a.lease_id
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        s.write_all(&[b'x'; 100]).await.unwrap();
+        // Long enough for member 0 to have forwarded the head and the
+        // first bytes; then the client is gone.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(s);
+    }
+    // Each forward fails as its client goes; give the last a moment.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let log = m.members[0].as_ref().unwrap().log_text();
+    let each = log.matches("forwarding a request failed").count();
+    let counted = log
+        .matches("forwarded requests failed because their clients")
+        .count();
+    assert_eq!(each, 0, "{log}");
+    assert!((1..=2).contains(&counted), "{log}");
+}

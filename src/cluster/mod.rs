@@ -95,6 +95,10 @@ pub struct ClusterOptions {
     pub forward: bool,
     /// How long a forwarded request may take to its response head.
     pub forward_timeout_ms: u64,
+    /// The most a forwarded answer's connection reads ahead of its client
+    /// (`proxy.read_buffer_bytes`): a client reading a forwarded answer
+    /// slowly holds no more than one reading the storage's.
+    pub forward_read_buffer_bytes: usize,
 }
 
 impl ClusterOptions {
@@ -439,7 +443,10 @@ where
         }
         if self.shared.sharded.is_some() {
             let member = self.clone();
-            return Box::pin(async move { Ok(member.dispatch(req.map(body::boxed)).await) });
+            // The client's body: its failures are the client's (a request
+            // forwarded to another member tells them apart).
+            let req = req.map(|b| body::boxed(body::from_client(b)));
+            return Box::pin(async move { Ok(member.dispatch(req).await) });
         }
         let app = self.view().shards[0].live_app().cloned();
         match app {

@@ -129,6 +129,41 @@ struct Forwarder {
     me: HeaderValue,
     timeout: Duration,
     stats: Arc<ClusterStats>,
+    /// Forwarded requests that failed because of their client (it went
+    /// away, or its body broke off), counted and logged once an interval.
+    client_failures: ClientFailures,
+}
+
+/// Failures a client caused, told in one line an interval rather than one
+/// a request (a few clients that abort can cause thousands).
+#[derive(Default)]
+struct ClientFailures {
+    count: std::sync::atomic::AtomicU64,
+    /// When the last line was written; `None` before the first.
+    last: std::sync::Mutex<Option<crate::clock::Stopwatch>>,
+}
+
+/// How often, at most, the line about client-caused failures is written.
+const CLIENT_FAILURES_EVERY_MS: u64 = 10_000;
+
+impl ClientFailures {
+    /// Counts one; writes the line if the interval has passed.
+    fn note(&self, to: &str) {
+        self.count.fetch_add(1, Relaxed);
+        // A std mutex held for a comparison and a log line, never across
+        // an await.
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        if last
+            .as_ref()
+            .is_some_and(|at| at.elapsed_ms() < CLIENT_FAILURES_EVERY_MS)
+        {
+            return;
+        }
+        let n = self.count.swap(0, Relaxed);
+        *last = Some(crate::clock::Stopwatch::start());
+        drop(last);
+        tracing::warn!(member = %to, failed = n, every_s = CLIENT_FAILURES_EVERY_MS / 1000, "forwarded requests failed because their clients went away or sent a broken body (counted, at most one line an interval)");
+    }
 }
 
 impl Forwarder {
@@ -148,11 +183,14 @@ impl Forwarder {
             .enable_http1()
             .wrap_connector(connector);
         Ok(Self {
-            client: Client::builder(crate::server::ClientExecutor::here()).build(connector),
+            client: Client::builder(crate::server::ClientExecutor::here())
+                .http1_max_buf_size(options.forward_read_buffer_bytes)
+                .build(connector),
             me: HeaderValue::from_str(&options.name)
                 .map_err(|_| "cluster.name cannot be sent in a header".to_owned())?,
             timeout: Duration::from_millis(options.forward_timeout_ms),
             stats,
+            client_failures: ClientFailures::default(),
         })
     }
 
@@ -194,7 +232,11 @@ impl Forwarder {
                 .into_response()
             }
             Ok(Err(e)) => {
-                tracing::warn!(member = %to.name, error = %e, "forwarding a request failed");
+                if body::is_client_body_error(&e) {
+                    self.client_failures.note(&to.name);
+                } else {
+                    tracing::warn!(member = %to.name, error = %cause(&e), "forwarding a request failed");
+                }
                 Problem::new(
                     Reason::UpstreamError,
                     format!(
