@@ -16,7 +16,11 @@
 //! `/_fence/livez` once, in turn. Targets (issue 25): at 2,000 slow readers
 //! at most 256 MiB resident and livez p99 under 50 ms. Last, as many
 //! connections each send an unfinished 16 KiB request head and stop: what
-//! one costs. No thresholds: the figures are printed.
+//! one costs. Then the kernel's side: what the send queues of as many slow
+//! readers hold (summed from `ss -tm` for fencegate's port), with the
+//! system's send buffer and with `limits.send_buffer_bytes`, while held and
+//! after the send timeout (2 s here) cut them off: reset, not closed, they
+//! hold nothing more. No thresholds: the figures are printed.
 
 #![allow(clippy::disallowed_methods)] // a benchmark measures wall time
 
@@ -65,8 +69,14 @@ impl Drop for Server {
 
 /// Starts `fencegate ARGS…` and returns it with the address it announced.
 fn start(args: &[&str], log: &Path) -> (Server, String) {
+    start_with(args, log, &[])
+}
+
+/// [`start`] with `env` set.
+fn start_with(args: &[&str], log: &Path, env: &[(&str, &str)]) -> (Server, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_fencegate"))
         .args(args)
+        .envs(env.iter().copied())
         .env("FENCEGATE_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -303,6 +313,75 @@ fn unfinished_heads(dir: &Path, n: usize, head_bytes: usize) -> (f64, f64) {
     )
 }
 
+/// Bytes queued to send on the sockets of local port `port` (the `w` of
+/// `ss -tm`'s skmem, summed), and how many there are: fencegate's client
+/// connections, orphaned ones (closed, still sending) included.
+fn send_queued(port: &str) -> (u64, usize) {
+    let out = Command::new("ss")
+        .args(["-tmnHa", &format!("sport = :{port}")])
+        .output()
+        .expect("ss (iproute2) runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut bytes = 0;
+    let mut sockets = 0;
+    for skmem in text.split("skmem:(").skip(1) {
+        let fields = skmem.split(')').next().unwrap_or_default();
+        sockets += 1;
+        bytes += fields
+            .split(',')
+            .find_map(|f| f.strip_prefix('w'))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    (bytes, sockets)
+}
+
+/// The kernel memory `n` slow readers hold in fencegate's send queues with
+/// a send buffer of `sndbuf` (0: the system's), while held and after the
+/// send timeout cut them off.
+fn kernel_row(dir: &Path, sndbuf: usize, o: &Options) {
+    let data = dir.join(format!("data-kernel-{sndbuf}"));
+    let sndbuf_text = sndbuf.to_string();
+    let (fg, addr) = start_with(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        &dir.join(format!("kernel-{sndbuf}.log")),
+        &[
+            ("FENCEGATE_LIMITS__SEND_TIMEOUT_MS", "2000"),
+            ("FENCEGATE_LIMITS__SEND_BUFFER_BYTES", &sndbuf_text),
+        ],
+    );
+    store_value(&addr);
+    let port = addr.rsplit(':').next().unwrap_or_default().to_owned();
+    let held = slow_readers(&addr, o.readers, o.pipeline);
+    // The queues fill in well under a second on loopback.
+    std::thread::sleep(Duration::from_millis(1500));
+    let (during, sockets) = send_queued(&port);
+    // Past the 2 s send timeout: every slow reader was cut off.
+    std::thread::sleep(Duration::from_millis(3000));
+    let (after, left) = send_queued(&port);
+    let shown = if sndbuf == 0 {
+        "system's".to_owned()
+    } else {
+        format!("{} KiB", sndbuf / 1024)
+    };
+    let mib = |b: u64| b as f64 / 1048576.0;
+    println!(
+        "{shown:<20} {:>10.1} MiB {:>9.1} KiB {:>12.1} MiB {:>10}",
+        mib(during),
+        during as f64 / 1024.0 / sockets.max(1) as f64,
+        mib(after),
+        left
+    );
+    drop(held);
+    drop(fg);
+}
+
 fn main() {
     let o = options();
     raise_file_limit();
@@ -366,5 +445,16 @@ fn main() {
         "{n} connections with an unfinished 16 KiB request head (max_header_bytes 16384): \
          {total:.1} MiB resident, {per:.1} KiB each"
     );
+    println!(
+        "kernel send queues of {} slow readers (send_timeout_ms 2000), held and after the cut-off",
+        o.readers
+    );
+    println!(
+        "{:<20} {:>14} {:>13} {:>16} {:>10}",
+        "send buffer", "queued, held", "per reader", "queued after", "sockets"
+    );
+    for sndbuf in [0, 256 * 1024] {
+        kernel_row(&dir, sndbuf, &o);
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -326,6 +326,7 @@ pub struct LimitsConfig {
     pub body_read_timeout_ms: u64,
     pub shutdown_grace_ms: u64,
     pub send_timeout_ms: u64,
+    pub send_buffer_bytes: usize,
 }
 
 impl Default for Config {
@@ -383,6 +384,7 @@ impl Default for LimitsConfig {
             body_read_timeout_ms: 10_000,
             shutdown_grace_ms: server.shutdown_grace_ms,
             send_timeout_ms: server.send_timeout_ms,
+            send_buffer_bytes: server.send_buffer_bytes,
         }
     }
 }

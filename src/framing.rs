@@ -400,6 +400,28 @@ impl<S> Guarded<S> {
     }
 }
 
+/// A client connection that can be reset rather than closed: what it still
+/// has queued to send is dropped at once. A connection cut off by the send
+/// timeout is reset (nginx's `reset_timedout_connection`): closed
+/// gracefully, it would keep its full send buffer queued in the kernel
+/// (FIN-WAIT-1) for as long as the client keeps not reading.
+pub trait Reset {
+    /// Makes the connection's close a reset (`SO_LINGER` of zero).
+    fn reset_on_close(&self) {}
+}
+
+impl Reset for tokio::net::TcpStream {
+    fn reset_on_close(&self) {
+        let _ = socket2::SockRef::from(self).set_linger(Some(Duration::ZERO));
+    }
+}
+
+impl Reset for tokio_rustls::server::TlsStream<tokio::net::TcpStream> {
+    fn reset_on_close(&self) {
+        self.get_ref().0.reset_on_close();
+    }
+}
+
 /// The send timeout: armed when a write finds the connection full, disarmed
 /// by any progress.
 struct SendDeadline {
@@ -424,6 +446,7 @@ impl SendDeadline {
         &mut self,
         cx: &mut Context<'_>,
         polled: Poll<io::Result<T>>,
+        conn: &impl Reset,
     ) -> Poll<io::Result<T>> {
         if polled.is_ready() {
             self.armed = false;
@@ -439,6 +462,7 @@ impl SendDeadline {
             return Poll::Pending; // never: arming made it
         };
         ready!(sleep.as_mut().poll(cx));
+        conn.reset_on_close();
         Poll::Ready(Err(io::Error::new(
             io::ErrorKind::TimedOut,
             "the client accepted no response bytes within the send timeout",
@@ -529,7 +553,7 @@ impl<S> Guarded<S> {
     }
 }
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
+impl<S: AsyncWrite + Reset + Unpin> AsyncWrite for Guarded<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -537,7 +561,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
     ) -> Poll<io::Result<usize>> {
         let this = &mut *self;
         let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
-        this.send.watch(cx, polled)
+        this.send.watch(cx, polled, &this.inner)
     }
 
     fn poll_write_vectored(
@@ -547,7 +571,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
     ) -> Poll<io::Result<usize>> {
         let this = &mut *self;
         let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
-        this.send.watch(cx, polled)
+        this.send.watch(cx, polled, &this.inner)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -557,13 +581,13 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
         let polled = Pin::new(&mut this.inner).poll_flush(cx);
-        this.send.watch(cx, polled)
+        this.send.watch(cx, polled, &this.inner)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
         let polled = Pin::new(&mut this.inner).poll_shutdown(cx);
-        this.send.watch(cx, polled)
+        this.send.watch(cx, polled, &this.inner)
     }
 }
 

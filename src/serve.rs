@@ -258,6 +258,7 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
             max_header_bytes: config.limits.max_header_bytes,
             shutdown_grace_ms: config.limits.shutdown_grace_ms,
             send_timeout_ms: config.limits.send_timeout_ms,
+            send_buffer_bytes: config.limits.send_buffer_bytes,
             timer_tick_ms: config.timer_tick_ms(),
         },
         draining,

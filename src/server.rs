@@ -38,8 +38,12 @@ pub struct ServerOptions {
     /// Time in-flight requests get to finish at shutdown.
     pub shutdown_grace_ms: u64,
     /// Time a client may accept no response bytes before its connection is
-    /// closed (slow or stalled readers).
+    /// reset (slow or stalled readers).
     pub send_timeout_ms: u64,
+    /// The kernel send buffer of each client connection (`SO_SNDBUF`; the
+    /// kernel doubles it), in bytes; 0: the system's own, which grows to
+    /// several MiB for a client that stops reading.
+    pub send_buffer_bytes: usize,
     /// How often a timer that does nothing fires while the server runs (0:
     /// never). tokio's timer wakes its driver through the I/O driver (an
     /// eventfd write, then one more `epoll_wait`) whenever a timer is set to
@@ -59,6 +63,7 @@ impl Default for ServerOptions {
             max_header_bytes: 16 * 1024,
             shutdown_grace_ms: 10_000,
             send_timeout_ms: 30_000,
+            send_buffer_bytes: 256 * 1024,
             timer_tick_ms: 500,
         }
     }
@@ -312,6 +317,9 @@ where
             },
         };
         let _ = stream.set_nodelay(true);
+        if options.send_buffer_bytes > 0 {
+            let _ = socket2::SockRef::from(&stream).set_send_buffer_size(options.send_buffer_bytes);
+        }
         let app = app.clone();
         let client = ClientAddr::new(peer, tls.is_some());
         let service = service_fn(move |mut req: Request<Incoming>| {

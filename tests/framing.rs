@@ -41,6 +41,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 /// what the server writes is dropped.
 struct Script(VecDeque<Vec<u8>>);
 
+impl fencegate::framing::Reset for Script {}
+
 impl AsyncRead for Script {
     fn poll_read(
         mut self: Pin<&mut Self>,
