@@ -17,6 +17,11 @@ medians, the share of requests the members forwarded to one another (with
 the shard map, and with every process sending leases of every shard), and,
 once, the failover of each shard of a member killed with SIGKILL (until a
 write under a term held there is acknowledged through another member).
+Before it, what slow readers of forwarded answers cost the forwarding
+member: 200 connections to a member, each pipelining eight fenced GETs of a
+1 MiB value whose lease another member leads (the twelve-shard cluster
+fences reads, so they are forwarded) and never reading; the forwarding
+member's resident size before and once it has settled.
 Needs wrk, etcd, curl.
 """
 
@@ -170,6 +175,55 @@ end
 """
 
 
+def rss(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def settled_rss(pid):
+    last = rss(pid)
+    for _ in range(60):
+        time.sleep(0.5)
+        now = rss(pid)
+        if abs(now - last) < now / 100:
+            return now
+        last = now
+    return last
+
+
+def forwarded_slow_readers(urls, pids, owner, readers=200, pipeline=8):
+    """A member's resident size while `readers` slow readers of forwarded
+    answers (1 MiB each) are held: (before, held) in bytes."""
+    here, there = urls[0], next(u for u in urls if u != urls[0])
+    name = names_for(there, owner, 1, "slow", SHARDS)[0]
+    status, body = http("POST", f"{there}/_fence/leases/{name}", {"holder": "bench", "ttl_ms": 600000})
+    if status != 201:
+        sys.exit(f"acquire {name}: {status} {body!r}")
+    g = json.loads(body)
+    headers = {"Fencing-Token": str(g["token"]), "Fencing-Lease-Id": g["lease_id"]}
+    req = urllib.request.Request(f"{there}/kv/{name}/v", data=b"x" * (1 << 20), method="PUT",
+                                 headers=headers)
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert 200 <= r.status < 300, r.status
+    host = here.removeprefix("http://")
+    get = (f"GET /kv/{name}/v HTTP/1.1\r\nHost: {host}\r\nFencing-Token: {g['token']}\r\n"
+           f"Fencing-Lease-Id: {g['lease_id']}\r\n\r\n").encode() * pipeline
+    pid = pids[0].pid
+    before = settled_rss(pid)
+    addr, port_ = host.rsplit(":", 1)
+    held = []
+    for _ in range(readers):
+        s = socket.create_connection((addr, int(port_)))
+        s.sendall(get)
+        held.append(s)
+    during = settled_rss(pid)
+    for s in held:
+        s.close()
+    return before, during
+
+
 def wrk(work, script, jobs):
     """Runs one wrk per (url, arg file) at once; the summed rate."""
     running = []
@@ -204,6 +258,8 @@ def main():
     start([BIN, "backend", "--listen", "127.0.0.1:0"], f"{work}/backend.log")
     backend = announced(f"{work}/backend.log")
 
+    fenced_reads = os.path.join(work, "fenced-reads.toml")
+    open(fenced_reads, "w").write('[[fence.routes]]\npattern = "/kv/{lease}"\nfence_reads = true\n')
     members = {}
     for shards in (1, SHARDS):
         urls, pids = [], []
@@ -217,6 +273,7 @@ def main():
                 "FENCEGATE_CLUSTER__TTL_MS": str(TTL_MS),
                 "FENCEGATE_CLUSTER__MARGIN_MS": "500",
                 "FENCEGATE_LEASES__ACQUIRE_RATE_PER_CLIENT": "0",
+                **({"FENCEGATE_CONFIG": fenced_reads} if shards > 1 else {}),
             })
             urls.append(announced(log))
             pids.append(p)
@@ -299,9 +356,14 @@ def main():
           f"{100 * share_mixed:.1f} % with leases of every shard through each member "
           f"({mixed_rate:.0f} writes/s)")
 
+    urls, pids, owner = members[SHARDS]
+    before, during = forwarded_slow_readers(urls, pids, owner)
+    print(f"  200 slow readers of forwarded 1 MiB answers (8 pipelined GETs each, never read): "
+          f"the forwarding member {before / 1048576:.1f} -> {during / 1048576:.1f} MiB resident, "
+          f"{(during - before) / 1024 / 200:.1f} KiB each")
+
     # Failover: kill member 2; per shard it led, the time until a write
     # under a term held there is acknowledged through member 0.
-    urls, pids, owner = members[SHARDS]
     victim = urls[2]
     lost = sorted(k for k, u in owner.items() if u == victim)
     terms = {}
