@@ -885,7 +885,10 @@ async fn a_journal_that_cannot_persist_fails_closed_and_recovers() {
 }
 
 /// The real binary on a real full disk: a tiny tmpfs mounted for the test.
-/// Needs root, and says so rather than skip.
+/// It fails closed while running, starts degraded on the full disk (the
+/// recovered term served, nothing granted: seen failing, it did not start
+/// at all), and recovers by itself when space returns. Needs root, and says
+/// so rather than skip.
 #[tokio::test]
 async fn the_real_binary_on_a_full_disk_fails_closed_and_recovers() {
     use std::process::Command;
@@ -914,7 +917,7 @@ async fn the_real_binary_on_a_full_disk_fails_closed_and_recovers() {
     let log = dir.path().join("fencegate.log");
     let p = Proc::start(&serve_args(&data, true), &log, &[]);
     let c = HttpClient::new(&p.url);
-    let a = held_from(&c.send(acquire("a", "A", 5000)).await);
+    let a = held_from(&c.send(acquire("a", "A", 60_000)).await);
     // Fill the disk.
     let junk = mnt.join("junk");
     let mut f = std::fs::File::create(&junk).unwrap();
@@ -945,6 +948,32 @@ async fn the_real_binary_on_a_full_disk_fails_closed_and_recovers() {
         .send(Req::new("PUT", "/kv/a/x").held(&a).body("during"))
         .await;
     assert!(r.status.is_success(), "the live term's write: {}", r.text());
+
+    // Restarted on the full disk: it comes up, degraded. The live term is
+    // held and written under; nothing is granted; not ready.
+    p.kill9();
+    let p = Proc::start(&serve_args(&data, true), &log, &[]);
+    let c = HttpClient::new(&p.url);
+    assert_eq!(c.send(Req::new("GET", "/_fence/readyz")).await.status, 503);
+    let r = c.send(acquire("new", "B", 5000)).await;
+    assert_eq!(
+        (r.status.as_u16(), r.reason().as_str()),
+        (503, "lease-store-unavailable"),
+        "{}",
+        r.text()
+    );
+    let r = c
+        .send(Req::new("PUT", "/kv/a/x").held(&a).body("degraded"))
+        .await;
+    assert!(
+        r.status.is_success(),
+        "the recovered term's write: {}",
+        r.text()
+    );
+    let r = c
+        .send(Req::new("POST", "/_fence/leases/a/renew").held(&a))
+        .await;
+    assert_eq!(r.status, 200, "the recovered term's renewal: {}", r.text());
 
     std::fs::remove_file(&junk).unwrap();
     let mut ready = false;

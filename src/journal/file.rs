@@ -468,16 +468,27 @@ impl FileJournal {
             identity_len: len,
             needs_cut: false,
             needs_dir_sync: false,
+            identity_pending: false,
             healthy: healthy.clone(),
             faults: faults.clone(),
             options,
             _lock: lock,
         };
         // Each start gives the log a new identity, so a copy of it taken
-        // before is caught if it is ever put back.
-        writer
-            .change_identity()
-            .map_err(|e| err("cannot write", &writer.path, e))?;
+        // before is caught if it is ever put back. On a full disk the start
+        // goes on, degraded: the recovered terms are served (renewed,
+        // written under), nothing new is granted (the journal is unhealthy,
+        // so readiness is 503 and acquires fail closed), and the writer's
+        // probe gives the log its identity, and the store its readiness,
+        // as soon as the disk takes it.
+        if let Err(e) = writer.change_identity() {
+            if !is_out_of_space(&e) {
+                return Err(err("cannot write", &writer.path, e));
+            }
+            tracing::warn!(journal = %writer.path.display(), error = %e, "the data directory is full: serving the recovered terms; nothing is granted until the journal can be written (it retries every second)");
+            writer.identity_pending = true;
+            writer.failed(&e);
+        }
         let (done_tx, done) = mpsc::channel();
         std::thread::Builder::new()
             .name("fencegate-journal".into())
@@ -945,11 +956,20 @@ struct Writer {
     /// nothing is acknowledged until it is, or a power loss could bring back
     /// the old log without the records written since.
     needs_dir_sync: bool,
+    /// The start's change of identity could not be written (a full disk):
+    /// nothing is appended until it is, so the log gets its new identity
+    /// before any record of this run.
+    identity_pending: bool,
     healthy: Arc<AtomicBool>,
     faults: FaultInjector,
     options: FileJournalOptions,
     /// Held for the writer's life: one fencegate per data directory.
     _lock: File,
+}
+
+/// Whether `e` says the disk (or the user's quota) is full.
+fn is_out_of_space(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(28 | 122)) // ENOSPC, EDQUOT
 }
 
 /// Most records taken into one batch.
@@ -1045,8 +1065,18 @@ impl Writer {
     }
 
     /// Appends `buf`; with `sync`, rewrites the header and makes it all
-    /// durable. Grants above the meta file's floor raise it first.
+    /// durable. Grants above the meta file's floor raise it first. A start
+    /// whose change of identity is still owed makes it first.
     fn append(&mut self, buf: &[u8], sync: bool, max_token: u64) -> io::Result<()> {
+        if self.identity_pending {
+            // Cleared first: the change appends its own record.
+            self.identity_pending = false;
+            if let Err(e) = self.change_identity() {
+                self.identity_pending = true;
+                return Err(e);
+            }
+            tracing::warn!(journal = %self.path.display(), "the journal has its new identity: the start's degraded mode is over");
+        }
         if self.needs_cut && !self.cut_back() {
             return Err(io::Error::other("a failed write could not be cut back yet"));
         }
