@@ -1,0 +1,256 @@
+"""HTTP to fencegate: one or several members, the shard map, the primary.
+
+Standard library only (``urllib``). Every call has a timeout. A call goes
+only to URLs the caller listed: an answer naming any other URL is not
+followed, so the bearer secret and lease ids never leave for a place the
+caller did not name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import ssl
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .errors import ProblemError, Unreachable
+
+#: Header names of the fencing credentials.
+FENCING_TOKEN = "Fencing-Token"
+FENCING_LEASE_ID = "Fencing-Lease-Id"
+
+
+def shard_of(name: str, shards: int) -> int:
+    """The shard of lease ``name``: the first eight bytes of SHA-256 of the
+    name, big-endian, modulo the number of shards (as the README gives)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") % shards
+
+
+@dataclass
+class Reply:
+    """An answer, read in full."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body) if self.body else None
+
+
+class _Refused(Exception):
+    """The connection was refused: nothing was sent."""
+
+
+def _no_redirects() -> urllib.request.OpenerDirector:
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    return urllib.request.build_opener(NoRedirect)
+
+
+class Transport:
+    """The members of one fencegate (``"http://a,http://b"``) and how to
+    reach them: a bearer secret, a CA file for ``https://``, a timeout."""
+
+    def __init__(
+        self,
+        servers: str,
+        *,
+        token: Optional[str] = None,
+        cafile: Optional[str] = None,
+        timeout: float = 10.0,
+    ) -> None:
+        self.members = [s.strip().rstrip("/") for s in servers.split(",") if s.strip()]
+        if not self.members:
+            raise ValueError("no fencegate URL given")
+        for m in self.members:
+            if not (m.startswith("http://") or m.startswith("https://")):
+                raise ValueError(f"{m!r}: give an http:// or https:// URL")
+        self.timeout = timeout
+        self._token = token
+        self._ssl = ssl.create_default_context(cafile=cafile)
+        self._opener = _no_redirects()
+        self._lock = threading.Lock()
+        self._current = self.members[0]
+        # The shard map: leaders[k] is the listed URL of shard k's primary.
+        self._shards = 1
+        self._leaders: list[Optional[str]] = []
+        self._map_stale = True
+
+    # -- one request ------------------------------------------------------
+
+    def _send(
+        self,
+        base: str,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: Optional[bytes],
+        timeout: float,
+    ) -> Reply:
+        req = urllib.request.Request(base + path, data=body, method=method)
+        for k, v in headers.items():
+            req.add_header(k, v)
+        if self._token is not None and "Authorization" not in headers:
+            req.add_header("Authorization", f"Bearer {self._token}")
+        try:
+            kwargs: dict[str, Any] = {"timeout": timeout}
+            if base.startswith("https://"):
+                kwargs["context"] = self._ssl
+            with self._opener.open(req, **kwargs) as r:
+                return Reply(r.status, {k.lower(): v for k, v in r.headers.items()}, r.read())
+        except urllib.error.HTTPError as e:
+            reply = Reply(e.code, {k.lower(): v for k, v in e.headers.items()}, e.read())
+            e.close()
+            return reply
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, ConnectionRefusedError):
+                raise _Refused() from e
+            raise Unreachable(f"{base}: {e.reason}") from e
+        except (socket.timeout, TimeoutError) as e:
+            raise Unreachable(f"{base}: no answer within {timeout:.1f} s") from e
+        except OSError as e:
+            raise Unreachable(f"{base}: {e}") from e
+
+    # -- where calls go ---------------------------------------------------
+
+    def _route(self, lease: Optional[str]) -> Optional[str]:
+        if lease is None or self._shards < 2:
+            return None
+        leader = self._leaders[shard_of(lease, self._shards)]
+        return leader
+
+    def _refresh_map(self) -> None:
+        if not self._map_stale or len(self.members) < 2:
+            return
+        base = self.current()
+        try:
+            reply = self._send(base, "GET", "/_fence/cluster", {}, None, min(self.timeout, 2.0))
+        except (_Refused, Unreachable):
+            return
+        doc = reply.json() if reply.status == 200 else None
+        shards, leaders = 1, []
+        if isinstance(doc, dict) and isinstance(doc.get("leaders"), list):
+            n = int(doc.get("shards") or 1)
+            if n > 1 and len(doc["leaders"]) == n:
+                for entry in doc["leaders"]:
+                    url = ((entry or {}).get("primary") or {}).get("url")
+                    url = url.rstrip("/") if isinstance(url, str) else None
+                    leaders.append(url if url in self.members else None)
+                shards = n
+        with self._lock:
+            self._shards, self._leaders = shards, leaders
+            self._map_stale = reply.status not in (200, 404)
+
+    def current(self) -> str:
+        with self._lock:
+            return self._current
+
+    def _move_on(self, failed: str, primary: Optional[str]) -> None:
+        with self._lock:
+            if self._current != failed:
+                return
+            if primary is not None and primary != failed:
+                self._current = primary
+            else:
+                i = self.members.index(failed) if failed in self.members else -1
+                self._current = self.members[(i + 1) % len(self.members)]
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        lease: Optional[str] = None,
+        headers: Optional[dict[str, str]] = None,
+        body: Optional[bytes] = None,
+        timeout: Optional[float] = None,
+    ) -> Reply:
+        """One request, sent to the primary of ``lease``'s shard (or the
+        member calls go to now), moved to another listed member only on an
+        answer that proves nothing was done: ``503 not-primary`` or a
+        refused connection. Up to about ten seconds of rounds."""
+        timeout = self.timeout if timeout is None else timeout
+        headers = dict(headers or {})
+        refused: list[str] = []
+        moves = 0
+        last: Optional[Reply] = None
+        while True:
+            self._refresh_map()
+            routed = self._route(lease)
+            base = routed if routed is not None and routed not in refused else self.current()
+            primary: Optional[str] = None
+            try:
+                reply = self._send(base, method, path, headers, body, timeout)
+            except _Refused:
+                if base not in refused:
+                    refused.append(base)
+                with self._lock:
+                    self._map_stale = True
+                if len(refused) >= len(self.members):
+                    raise Unreachable(f"every member refused the connection: {self.members}")
+            else:
+                if reply.status == 503 and _reason(reply) == "not-primary":
+                    last = reply
+                    with self._lock:
+                        self._map_stale = True
+                    named = (reply.json() or {}).get("primary")
+                    if isinstance(named, str) and named.rstrip("/") in self.members:
+                        primary = named.rstrip("/")
+                else:
+                    if "fencegate-forwarded" in reply.headers:
+                        with self._lock:
+                            self._map_stale = True
+                    with self._lock:
+                        if base in self.members:
+                            self._current = base
+                    return reply
+            moves += 1
+            if moves >= 40:
+                if last is not None:
+                    return last
+                raise Unreachable(f"no member served the call: {self.members}")
+            if primary is None and moves % len(self.members) == 0:
+                time.sleep(0.25)
+            self._move_on(base, primary)
+
+
+def _reason(reply: Reply) -> Optional[str]:
+    if not reply.headers.get("content-type", "").startswith("application/problem+json"):
+        return None
+    try:
+        doc = reply.json()
+    except ValueError:
+        return None
+    reason = doc.get("reason") if isinstance(doc, dict) else None
+    return reason if isinstance(reason, str) else None
+
+
+def problem(reply: Reply) -> ProblemError:
+    """The problem document of a failed answer, as an exception."""
+    try:
+        doc = reply.json()
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        doc = {}
+    retry = reply.headers.get("retry-after")
+    try:
+        retry_after: Optional[float] = float(retry) if retry is not None else None
+    except ValueError:
+        retry_after = None
+    return ProblemError(
+        reply.status,
+        str(doc.get("reason") or f"http-{reply.status}"),
+        str(doc.get("detail") or reply.body[:200].decode("utf-8", "replace")),
+        retry_after,
+        doc,
+    )
