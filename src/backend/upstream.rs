@@ -616,15 +616,17 @@ impl Shared {
     }
 
     async fn forward(&self, mut req: Request<Body>) -> Response<Body> {
+        // A request with no client address (one made in process) goes
+        // through the pool in either mode.
         let peer = match self.mode {
             ConnectionMode::PerClient => req.extensions().get::<ClientAddr>().cloned(),
             ConnectionMode::Pooled => None,
         };
-        let pool = match self.mode {
-            ConnectionMode::PerClient => None,
-            ConnectionMode::Pooled => Some(self.pools.of(&req)),
+        let via = match peer {
+            Some(peer) => Via::Dedicated(peer),
+            None => Via::Pool(self.pools.of(&req)),
         };
-        let (client, added) = match self.prepare(&mut req, peer.is_some()) {
+        let (client, added) = match self.prepare(&mut req, matches!(via, Via::Dedicated(_))) {
             Ok(prepared) => prepared,
             Err(problem) => return problem.into_response(),
         };
@@ -634,16 +636,18 @@ impl Shared {
             .map_or(self.timeout_ms, |t| t.0);
         let watch = Stopwatch::start();
         let send = async {
-            match &peer {
-                Some(peer) => self.send_dedicated(&peer.0.upstream, req, &added).await,
+            match via {
+                Via::Dedicated(peer) => self.send_dedicated(&peer.0.upstream, req, &added).await,
                 // The pool connects inside: checked before it is asked.
-                None => match req.extensions().get::<BeforeSend>().map(BeforeSend::check) {
-                    Some(Err(problem)) => Err(Box::new(Withheld(problem)) as BoxError),
-                    _ => match pool.expect("the pooled mode has a pool").request(req).await {
-                        Ok(res) => Ok(res.map(body::boxed)),
-                        Err(e) => Err(BoxError::from(e)),
-                    },
-                },
+                Via::Pool(pool) => {
+                    match req.extensions().get::<BeforeSend>().map(BeforeSend::check) {
+                        Some(Err(problem)) => Err(Box::new(Withheld(problem)) as BoxError),
+                        _ => match pool.request(req).await {
+                            Ok(res) => Ok(res.map(body::boxed)),
+                            Err(e) => Err(BoxError::from(e)),
+                        },
+                    }
+                }
             }
         };
         let result = tokio::time::timeout(Duration::from_millis(timeout_ms), send).await;
@@ -861,6 +865,14 @@ fn failure_kind(err: &(dyn std::error::Error + 'static)) -> &'static str {
 }
 
 type PooledClient = Client<HttpsConnector<HttpConnector>, Body>;
+
+/// How one request reaches the upstream.
+enum Via {
+    /// The connection dedicated to its client's connection.
+    Dedicated(ClientAddr),
+    /// A connection of its client's pool.
+    Pool(PooledClient),
+}
 
 /// Who a pooled upstream connection may serve: one client, by its address
 /// and, with authentication on, its caller.
