@@ -150,6 +150,11 @@ class Transport:
             self._shards, self._leaders = shards, leaders
             self._map_stale = reply.status not in (200, 404)
 
+    def member_for(self, lease: str) -> str:
+        """The listed URL that serves ``lease`` now."""
+        self._refresh_map()
+        return self._route(lease) or self.current()
+
     def current(self) -> str:
         with self._lock:
             return self._current

@@ -5,10 +5,11 @@
     s3 = fencegate.boto3.fence(boto3.client("s3", endpoint_url=FENCEGATE), term)
     s3.put_object(Bucket="orders-bucket", Key="orders/42", Body=b"shipped")
 
-Every request the client sends carries the term's fencing headers, added
-after SigV4 has signed it (the ``before-send`` event), so they are not
-among the signed headers; once the term is lost,
-:class:`~fencegate.LeaseLost` is raised instead of sending. A write that
+Every write the client sends (any method but GET and HEAD) carries the
+term's fencing headers, added after SigV4 has signed it (the
+``before-send`` event), so they are not among the signed headers; once the
+term is lost, :class:`~fencegate.LeaseLost` is raised instead of sending a
+write. Reads pass as they are. A write that
 fencegate answers ``428 precondition-required`` (a route with storage-side
 preconditions whose key it has not seen) makes it read the key once
 (``head_object``) and send the write again.
@@ -23,10 +24,11 @@ from .term import AsyncTerm, Term
 
 _PARAMS = "fencegate_params"
 _READ = "fencegate_read_first"
+_READS = frozenset({"GET", "HEAD"})
 
 
 def fence(client: Any, term: Term | AsyncTerm) -> Any:
-    """Fences every request of ``client`` (a boto3 S3 client) under
+    """Fences every write of ``client`` (a boto3 S3 client) under
     ``term``; returns ``client``. Requires path-style addressing, as any S3
     client in front of fencegate does."""
     events = client.meta.events
@@ -35,6 +37,8 @@ def fence(client: Any, term: Term | AsyncTerm) -> Any:
         context[_PARAMS] = {k: params[k] for k in ("Bucket", "Key") if k in params}
 
     def add_headers(request: Any, **_: Any) -> None:
+        if request.method in _READS:
+            return
         for name, value in term.headers().items():
             request.headers[name] = value
 

@@ -64,6 +64,13 @@ class Client:
     def transport(self) -> Transport:
         return self._t
 
+    def member_for(self, lease: str) -> str:
+        """The listed URL that serves ``lease`` now: its shard's primary when
+        the cluster has shards and the map names one, else the member calls
+        go to. Send a lease's writes there to spare a hop (or where
+        members do not forward)."""
+        return self._t.member_for(lease)
+
     def _lease_path(self, lease: str, rest: str = "") -> str:
         return f"/_fence/leases/{quote(lease, safe='')}{rest}"
 

@@ -51,6 +51,24 @@ class MonotonicClock:
         return event.wait(max(0.0, timeout))
 
 
+class AsyncClock(Protocol):
+    """Where the asyncio renewer reads time and sleeps."""
+
+    def monotonic(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class LoopClock:
+    """The running event loop's clock (monotonic)."""
+
+    def monotonic(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds))
+
+
 class _Schedule:
     """When to renew next and when the term ends locally."""
 
@@ -163,7 +181,8 @@ class Term:
 
     def release(self) -> None:
         """Stops renewing and releases the term (once: a second call does
-        nothing). A lost term is not released (fencegate ended it)."""
+        nothing). A lost term is not released: it is over at fencegate, or
+        will be within the margin."""
         with self._release_lock:
             if self._released:
                 return
@@ -263,8 +282,10 @@ class AsyncTerm:
         wait: float,
         margin: float | None,
         on_lost: Callable[[str], None] | None,
+        clock: AsyncClock | None = None,
     ) -> None:
         self._client = client
+        self._clock: AsyncClock = clock or LoopClock()
         self._args = (lease, holder, ttl, wait)
         self._margin = margin
         self._on_lost = on_lost
@@ -278,15 +299,22 @@ class AsyncTerm:
         self.lease_id = ""
 
     async def __aenter__(self) -> AsyncTerm:
-        loop = asyncio.get_running_loop()
+        clock = self._clock
         lease, holder, ttl, wait = self._args
-        sent = loop.time()
+        sent = clock.monotonic()
         grant = await asyncio.to_thread(self._client.acquire, lease, holder, ttl, wait)
-        if loop.time() - sent >= grant.ttl / 10:
-            sent = loop.time()
-            grant = await asyncio.to_thread(
-                self._client._renew, lease, grant.token, grant.lease_id, None, None
-            )
+        if clock.monotonic() - sent >= grant.ttl / 10:
+            sent = clock.monotonic()
+            try:
+                grant = await asyncio.to_thread(
+                    self._client._renew, lease, grant.token, grant.lease_id, None, None
+                )
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(
+                        self._client.release, lease, grant.token, grant.lease_id
+                    )
+                raise
         self.token, self.lease_id = grant.token, grant.lease_id
         margin = grant.ttl / 10 if self._margin is None else self._margin
         self._schedule = _Schedule(grant, sent, margin)
@@ -315,7 +343,7 @@ class AsyncTerm:
             raise LeaseLost("the term was released")
         s = self._schedule
         if self._reason is None and s is not None:
-            if asyncio.get_running_loop().time() >= s.deadline:
+            if self._clock.monotonic() >= s.deadline:
                 self._lose("no renewal succeeded before the local deadline")
             elif self._task is not None and self._task.done():
                 self._lose("the renewer stopped")
@@ -357,10 +385,10 @@ class AsyncTerm:
     async def _renew_loop(self) -> None:
         s = self._schedule
         assert s is not None
-        loop = asyncio.get_running_loop()
+        clock = self._clock
         while True:
-            await asyncio.sleep(max(0.0, min(s.deadline, s.next_renew) - loop.time()))
-            now = loop.time()
+            await clock.sleep(min(s.deadline, s.next_renew) - clock.monotonic())
+            now = clock.monotonic()
             if now >= s.deadline:
                 self._lose("no renewal succeeded before the local deadline")
                 return
@@ -378,11 +406,11 @@ class AsyncTerm:
                 )
             except ProblemError as e:
                 if e.reason == "not-primary":
-                    s.next_renew = loop.time() + 0.1
+                    s.next_renew = clock.monotonic() + 0.1
                     continue
                 self._lose(f"a renewal was refused ({e.reason})")
                 return
             except Unreachable:
-                s.next_renew = loop.time() + 0.05
+                s.next_renew = clock.monotonic() + 0.05
                 continue
             s.renewed(grant, sent)

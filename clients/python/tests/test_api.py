@@ -1,0 +1,149 @@
+"""The lease API against the real binary: calls, problems as exceptions,
+several members, and where a secret may go."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+from typing import ClassVar
+
+import pytest
+from conftest import Servers, advance
+
+import fencegate
+
+
+def test_acquire_renew_show_release(servers: Servers) -> None:
+    fg = servers.fencegate()
+    c = fencegate.Client(fg.url)
+    g = c.acquire("orders", "A", ttl=5.0)
+    assert (g.lease, g.holder, g.token, g.ttl) == ("orders", "A", 1, 5.0)
+    assert len(g.lease_id) >= 32 and g.expires_in == 5.0
+    advance(fg.url, 2000)
+    r = c.renew("orders", g.token, g.lease_id)
+    assert r.expires_in == 5.0 and r.lease_id == g.lease_id
+    shown = c.show("orders")
+    assert shown["state"] == "held" and shown["token"] == 1
+    assert g.lease_id not in json.dumps(shown)
+    assert [x["lease"] for x in c.show()["leases"]] == ["orders"]
+    c.release("orders", g.token, g.lease_id)
+    assert c.show("orders")["state"] == "released"
+
+
+def test_problems_are_exceptions_with_their_reason(servers: Servers) -> None:
+    fg = servers.fencegate()
+    c = fencegate.Client(fg.url)
+    a = c.acquire("orders", "A", ttl=5.0)
+    with pytest.raises(fencegate.ProblemError) as held:
+        c.acquire("orders", "B", ttl=5.0)
+    assert held.value.status == 409 and held.value.reason == "lease-held"
+    assert held.value.retry_after == 5.0 and held.value.body["holder"] == "A"
+    advance(fg.url, 5000)
+    b = c.acquire("orders", "B", ttl=5.0)
+    with pytest.raises(fencegate.ProblemError) as stale:
+        c.renew("orders", a.token, a.lease_id)
+    assert stale.value.reason == "stale-fencing-token" and stale.value.status == 412
+    with pytest.raises(fencegate.ProblemError) as bad:
+        c.acquire("no spaces", "A", ttl=5.0)
+    assert bad.value.reason == "invalid-lease-name"
+    c.release("orders", b.token, b.lease_id)
+
+
+def test_an_acquire_waits_for_the_lease(servers: Servers) -> None:
+    fg = servers.fencegate(manual=False)
+    c = fencegate.Client(fg.url)
+    a = c.acquire("orders", "A", ttl=5.0)
+    releaser = threading.Timer(0.3, c.release, ("orders", a.token, a.lease_id))
+    releaser.start()
+    b = c.acquire("orders", "B", ttl=5.0, wait=10.0)
+    releaser.join()
+    assert b.token == 2
+
+
+def test_a_refused_member_is_skipped(servers: Servers) -> None:
+    fg = servers.fencegate()
+    # Nothing listens on port 1.
+    c = fencegate.Client(f"http://127.0.0.1:1,{fg.url}")
+    assert c.acquire("orders", "A", ttl=5.0).token == 1
+    with pytest.raises(fencegate.Unreachable):
+        fencegate.Client("http://127.0.0.1:1", timeout=2.0).acquire("x", "A", ttl=5.0)
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """A member that is not the primary: answers every call 503
+    not-primary naming `primary`, and a shard map in which `primary`
+    leads every shard; records the headers it was sent."""
+
+    seen: ClassVar[list[dict[str, str]]]
+    primary: ClassVar[str]
+
+    def _answer(self) -> None:
+        type(self).seen.append(dict(self.headers))
+        if self.path == "/_fence/cluster":
+            status, doc = (
+                200,
+                {
+                    "shards": 2,
+                    "leaders": [{"primary": {"url": type(self).primary}}] * 2,
+                },
+            )
+        else:
+            status, doc = (
+                503,
+                {
+                    "type": "urn:fencegate:problem:not-primary",
+                    "title": "Not primary",
+                    "status": 503,
+                    "detail": "a standby",
+                    "reason": "not-primary",
+                    "primary": type(self).primary,
+                },
+            )
+        body = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header(
+            "content-type", "application/json" if status == 200 else "application/problem+json"
+        )
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_DELETE = _answer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def recorder(primary: str) -> Iterator[tuple[str, type[_Recorder]]]:
+    class Member(_Recorder):
+        seen: ClassVar[list[dict[str, str]]] = []
+
+    Member.primary = primary
+    s = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Member)
+    t = threading.Thread(target=s.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{s.server_address[1]}", Member
+    finally:
+        s.shutdown()
+        s.server_close()
+
+
+def test_a_secret_or_lease_id_never_goes_to_a_url_it_was_not_given(servers: Servers) -> None:
+    fg = servers.fencegate()
+    with recorder("http://127.0.0.1:9") as (elsewhere, unlisted):
+        with recorder(elsewhere) as (standby, listed):
+            # The standby names (as primary, and as every shard's leader) a
+            # member nobody listed: calls go on to the listed ones instead.
+            c = fencegate.Client(f"{standby},{fg.url}", token="s3cret")
+            g = c.acquire("orders", "A", ttl=5.0)
+            c.renew("orders", g.token, g.lease_id)
+            c.release("orders", g.token, g.lease_id)
+            assert c.member_for("orders") in (standby, fg.url)
+            assert listed.seen
+            assert all(h.get("Authorization") == "Bearer s3cret" for h in listed.seen)
+        assert unlisted.seen == [], "a member nobody listed was sent a call"

@@ -1,0 +1,166 @@
+"""boto3 and requests fenced under a term, against the real binary in front
+of moto's S3 server, nginx's WebDAV, and its embedded store: the fencing
+headers on every write, LeaseLost instead of sending once lost, the zombie's
+write refused, and the 428 path (read once, send again)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import botocore.config
+import pytest
+from conftest import Server, Servers, advance, raw
+from test_term import ManualClock
+
+import fencegate
+import fencegate.boto3
+import fencegate.requests
+from fencegate.term import Term
+
+S3_CONFIG = """
+upstream = "{upstream}"
+[proxy]
+preserve_host = true
+[[fence.routes]]
+pattern = "/orders-bucket/{{lease}}"
+preconditions = "etag"
+"""
+
+
+def s3_client(url: str) -> Any:
+    return boto3.client(
+        "s3",
+        endpoint_url=url,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        config=botocore.config.Config(
+            s3={"addressing_style": "path"}, retries={"mode": "standard", "max_attempts": 1}
+        ),
+    )
+
+
+def sent(s3: Any) -> list[str]:
+    """Records each request `s3` sends: 'METHOD path'."""
+    log: list[str] = []
+
+    def record(request: Any, **_: Any) -> None:
+        path = request.url.split("://", 1)[1].split("/", 1)[1].split("?", 1)[0]
+        log.append(f"{request.method} /{path}")
+
+    s3.meta.events.register("before-send.s3", record)
+    return log
+
+
+@pytest.fixture
+def s3(servers: Servers) -> Iterator[tuple[Server, Server]]:
+    moto = servers.moto()
+    s3_client(moto.url).create_bucket(Bucket="orders-bucket")
+    fg = servers.fencegate(config=S3_CONFIG.format(upstream=moto.url))
+    yield fg, moto
+
+
+def test_boto3_writes_carry_the_term_and_a_new_key_is_read_once(
+    s3: tuple[Server, Server],
+) -> None:
+    fg, moto = s3
+    client = fencegate.Client(fg.url)
+    with client.hold("orders", holder="w1", ttl=30.0) as term:
+        s3c = fencegate.boto3.fence(s3_client(fg.url), term)
+        log = sent(s3c)
+        s3c.put_object(Bucket="orders-bucket", Key="orders/42", Body=b"shipped")
+        # fencegate had not seen the key: 428, one read, the write again.
+        key = "/orders-bucket/orders/42"
+        assert log == [f"PUT {key}", f"HEAD {key}", f"PUT {key}"]
+        log.clear()
+        s3c.put_object(Bucket="orders-bucket", Key="orders/42", Body=b"delivered")
+        assert log == ["PUT /orders-bucket/orders/42"]
+        s3c.delete_object(Bucket="orders-bucket", Key="orders/42")
+        s3c.put_object(Bucket="orders-bucket", Key="orders/43", Body=b"new")
+    got = s3_client(moto.url).get_object(Bucket="orders-bucket", Key="orders/43")
+    assert got["Body"].read() == b"new"
+    assert client.show("orders")["state"] == "released"
+
+
+def test_the_boto3_zombie_s_put_object_is_refused(s3: tuple[Server, Server]) -> None:
+    fg, moto = s3
+    client = fencegate.Client(fg.url)
+    clock = ManualClock()
+    # A's process has stopped running (its clock does not move); fencegate's
+    # does, past the TTL, and B takes the lease.
+    a = Term._start(client, "orders", "A", 3.0, 0.0, None, None, clock=clock)
+    zombie = fencegate.boto3.fence(s3_client(fg.url), a)
+    zombie.put_object(Bucket="orders-bucket", Key="orders/42", Body=b"A's")
+    advance(fg.url, 3000)
+    with client.hold("orders", holder="B", ttl=30.0) as b:
+        fencegate.boto3.fence(s3_client(fg.url), b).put_object(
+            Bucket="orders-bucket", Key="orders/42", Body=b"B's"
+        )
+        a.check()  # A cannot know yet
+        with pytest.raises(zombie.exceptions.ClientError) as refused:
+            zombie.put_object(Bucket="orders-bucket", Key="orders/42", Body=b"A, late")
+        assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+        # A's renewer wakes and is refused: from now on nothing is sent.
+        clock.advance(1.0, a._thread)
+        assert a.lost.is_set()
+        log = sent(zombie)
+        with pytest.raises(fencegate.LeaseLost):
+            zombie.put_object(Bucket="orders-bucket", Key="orders/42", Body=b"A, later")
+        assert log == []
+    got = s3_client(moto.url).get_object(Bucket="orders-bucket", Key="orders/42")
+    assert got["Body"].read() == b"B's"
+    a.release()
+
+
+DAV_CONFIG = """
+upstream = "{upstream}"
+[[fence.routes]]
+pattern = "/dav/{{lease}}"
+"""
+
+
+def test_requests_writes_are_fenced_reads_are_not(servers: Servers) -> None:
+    nginx = servers.nginx()
+    fg = servers.fencegate(config=DAV_CONFIG.format(upstream=nginx.url))
+    client = fencegate.Client(fg.url)
+    clock = ManualClock()
+    a = Term._start(client, "orders", "A", 3.0, 0.0, None, None, clock=clock)
+    http = fencegate.requests.session(a)
+    assert http.put(f"{fg.url}/dav/orders/42", data=b"from A").status_code == 201
+    assert http.get(f"{fg.url}/dav/orders/42").text == "from A"
+    advance(fg.url, 3000)
+    with client.hold("orders", holder="B", ttl=30.0) as b:
+        put = fencegate.requests.session(b).put(f"{fg.url}/dav/orders/42", data=b"from B")
+        assert put.status_code == 204
+        late = http.put(f"{fg.url}/dav/orders/42", data=b"zombie")
+        assert late.status_code == 412 and late.json()["reason"] == "stale-fencing-token"
+        clock.advance(1.0, a._thread)
+        with pytest.raises(fencegate.LeaseLost):
+            http.put(f"{fg.url}/dav/orders/42", data=b"zombie, later")
+        with pytest.raises(fencegate.LeaseLost):
+            http.delete(f"{fg.url}/dav/orders/42")
+    assert raw("GET", f"{nginx.url}/dav/orders/42")[1] == b"from B"
+    a.release()
+
+
+def test_requests_on_a_route_with_preconditions_reads_a_new_key_once(
+    servers: Servers,
+) -> None:
+    fg = servers.fencegate(
+        config='[[fence.routes]]\npattern = "/kv/{lease}"\npreconditions = "etag"\n'
+    )
+    client = fencegate.Client(fg.url)
+    seen: list[str] = []
+    with client.hold("orders", holder="w1", ttl=30.0) as term:
+        http = fencegate.requests.session(term)
+        http.hooks["response"].append(
+            lambda r, **_: seen.append(f"{r.request.method} {r.status_code}")
+        )
+        assert http.put(f"{fg.url}/kv/orders/42", data=b"v1").status_code == 201
+        assert seen == ["PUT 428", "HEAD 404", "PUT 201"]
+        seen.clear()
+        assert http.put(f"{fg.url}/kv/orders/42", data=b"v2").status_code == 204
+        assert seen == ["PUT 204"]
+    assert raw("GET", f"{fg.url}/kv/orders/42")[1] == b"v2"
