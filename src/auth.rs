@@ -107,7 +107,6 @@ impl Authenticator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::AuthToken;
 
     fn sha(s: &str) -> String {
         Sha256::digest(s.as_bytes())

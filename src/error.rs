@@ -14,17 +14,6 @@ use crate::body::{self, Body};
 use crate::lease::{AcquireError, Reject, RenewError};
 use crate::wire;
 
-/// Who is at fault for an error, for logs and metrics.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Fault {
-    /// The request was wrong or not allowed.
-    Client,
-    /// The backend failed or was too slow.
-    Upstream,
-    /// fencegate itself could not do its job (e.g. persist a grant).
-    Proxy,
-}
-
 /// Every reason fencegate answers with, and its status, slug (the
 /// contract's `reason` member) and title, in one table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -357,15 +346,6 @@ impl Problem {
         self.0.reason
     }
 
-    /// Who is at fault.
-    pub fn fault(&self) -> Fault {
-        match self.0.status.as_u16() {
-            502 | 504 => Fault::Upstream,
-            500..=599 => Fault::Proxy,
-            _ => Fault::Client,
-        }
-    }
-
     // Constructors for the contract's rows that have no typed source error.
 
     pub fn missing_token() -> Self {
@@ -635,6 +615,18 @@ impl Problem {
         }
         res
     }
+}
+
+/// An error and all its causes, for a log line.
+pub(crate) fn cause(err: &dyn std::error::Error) -> String {
+    let mut out = err.to_string();
+    let mut source = err.source();
+    while let Some(e) = source {
+        out.push_str(": ");
+        out.push_str(&e.to_string());
+        source = e.source();
+    }
+    out
 }
 
 #[cfg(test)]

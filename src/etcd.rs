@@ -28,6 +28,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use serde_json::{json, Value};
 
+use crate::error::cause;
+
 /// Longest answer read from etcd: a range of every lease record of a large
 /// store fits well within it.
 const MAX_ANSWER_BYTES: usize = 256 * 1024 * 1024;
@@ -185,7 +187,7 @@ impl EtcdClient {
             .https_or_http()
             .enable_http1()
             .wrap_connector(connector);
-        let client = Client::builder(crate::server::ClientExecutor::here())
+        let client = Client::builder(crate::rt::ClientExecutor::here())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(connector);
         Ok(Self {
@@ -545,18 +547,6 @@ fn unavailable(status: StatusCode, code: i64, message: &str) -> bool {
 /// Whether a refusal says the auth token is no longer valid.
 fn auth_expired(message: &str) -> bool {
     message.contains("invalid auth token") || message.contains("user name is empty")
-}
-
-/// An error and all its causes, for a log line.
-pub(crate) fn cause(err: &dyn std::error::Error) -> String {
-    let mut out = err.to_string();
-    let mut source = err.source();
-    while let Some(e) = source {
-        out.push_str(": ");
-        out.push_str(&e.to_string());
-        source = e.source();
-    }
-    out
 }
 
 /// The first key after every key that starts with `prefix`.

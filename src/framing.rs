@@ -529,7 +529,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
                 continue;
             }
             // SAFETY: the read initialised `n` bytes of the spare capacity.
-            // (One of the crate's two unsafe blocks: reading into spare
+            // (One of the crate's three unsafe blocks: reading into spare
             // capacity spares zeroing 8 KiB before every read.)
             #[allow(unsafe_code)]
             unsafe {

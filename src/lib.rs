@@ -47,28 +47,45 @@
 //!   service (the primary's app, or standby answers), and the lease state
 //!   in etcd behind the `Journal` seam; [`etcd`]: an etcd v3 client over
 //!   etcd's JSON gateway (keys, transactions, leases; TLS, authentication,
-//!   several endpoints).
+//!   several endpoints); [`rt`]: where hyper-util's clients run their
+//!   connections' tasks.
 //! - [`error`]: the one mapping from errors to problem+json (the `Reason`
-//!   table: status, slug and title); [`body`]: the
-//!   body type shared by all services; [`wire`]: header names and markers
+//!   table: status, slug and title, and an error's chain for a log line);
+//!   [`body`]: the body type shared by all services; [`wire`]: header names and markers
 //!   several layers share; [`hex`]: lowercase hex for ids and digests;
 //!   [`config`]: typed settings, read by start-up only.
+//!
+//! # Module graph
 //!
 //! Dependencies point one way. The core and client crates cannot name this
 //! one (the client depends on the core alone, for the header names); the core
 //! does no I/O and reads no clock (its `clippy.toml` denies the std APIs;
 //! `tests/layering.rs` holds its dependency tree to pure-computation crates).
-//! Inside this crate `tests/layering.rs` checks the imports for cycles: the
-//! leaves `clock`, `journal`, `body`, `wire`, `framing` and `tls` import
-//! nothing from the crate (`names` and `hex` come from the core); `auth`
-//! imports only `names` and `hex`, `route` only `names`, `precondition` only
-//! `wire` and `body`, `etcd` only `tls`; `lease` ← `error`, `metrics` ← `fence` ←
-//! `api`; `backend` ← `server`; `app` composes `api`, `fence` and `backend`;
-//! `cluster` builds on `etcd`, `journal` and `lease` and gets the app it
-//! serves from `serve` (it never reads the config);
-//! `config` knows the options of `lease`, `route`, `backend`, `server` and
-//! `auth`, and only `app` and `serve` read it; `serve` is the top, imported
-//! by nothing; `client` (the crate) ← `cli`.
+//! Inside this crate each module uses exactly the modules listed after it,
+//! from the top down, and the list has no cycle: `tests/layering.rs` reads
+//! every `use` and every path of `src/` (tests included) and holds the code
+//! to it.
+//!
+//! - `serve` → `app`, `auth`, `backend`, `clock`, `cluster`, `config`, `etcd`, `fence`, `journal`, `lease`, `metrics`, `precondition`, `server`, `tls`
+//! - `cluster` → `api`, `app`, `auth`, `backend`, `body`, `clock`, `error`, `etcd`, `hex`, `journal`, `lease`, `metrics`, `route`, `rt`, `tls`, `wire`
+//! - `config` → `auth`, `backend`, `clock`, `lease`, `route`, `server`
+//! - `server` → `backend`, `body`, `framing`
+//! - `app` → `api`, `auth`, `backend`, `body`, `config`, `error`, `fence`, `framing`, `lease`, `metrics`, `precondition`, `wire`
+//! - `api` → `auth`, `backend`, `body`, `clock`, `error`, `fence`, `lease`, `metrics`, `names`, `route`, `wire`
+//! - `cli` → `backend`, `client`, `clock`, `fence`, `hex`, `names`, `wire`
+//! - `fence` → `auth`, `backend`, `body`, `error`, `lease`, `metrics`, `names`, `precondition`, `route`, `wire`
+//! - `backend` → `auth`, `body`, `clock`, `error`, `metrics`, `names`, `route`, `rt`, `tls`, `wire`
+//! - `etcd` → `error`, `rt`, `tls`
+//! - `error` → `body`, `lease`, `precondition`, `wire`
+//! - `metrics` → `clock`, `lease`
+//! - `lease` → `clock`, `journal`, `names`
+//! - `precondition` → `body`, `wire`
+//! - `auth` → `hex`, `names`
+//! - `route` → `names`
+//! - `body`, `clock`, `framing`, `journal`, `rt`, `tls`, `wire` → nothing
+//!
+//! (`names` and `hex` are the core's; `client` is the client crate.)
+//!
 
 pub mod api;
 pub mod app;
@@ -91,6 +108,7 @@ pub mod metrics;
 pub use fencegate_core::names;
 pub mod precondition;
 pub mod route;
+pub mod rt;
 pub mod serve;
 pub mod server;
 pub mod tls;

@@ -6,18 +6,25 @@
 //!   exactly the allowed list below (the standard library's file, network,
 //!   process, thread and clock APIs are denied in it by clippy, through
 //!   `crates/fencegate-core/clippy.toml`);
-//! - inside the `fencegate` package, the `use` lines and `crate::` or
-//!   `super::` paths between top-level modules of `src/` form no cycle, and
-//!   the leaves named in `lib.rs` import nothing from the crate.
+//! - inside the `fencegate` package, the modules of `src/` use each other
+//!   exactly as the module graph in `src/lib.rs` says, which has no cycle:
+//!   every `use` and every path (in code, types, patterns, macro
+//!   arguments, visibility), tests included, parsed with `syn`, `crate::`,
+//!   `super::` and `self::` resolved from the module they are written in.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-/// Top-level module → the top-level modules its code (not its tests) names.
-fn imports() -> BTreeMap<String, BTreeSet<String>> {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    let mut stack = vec![src.clone()];
+use proc_macro2::{TokenStream, TokenTree};
+use syn::visit::Visit;
+
+type Graph = BTreeMap<String, BTreeSet<String>>;
+
+/// The top-level modules of `src` (a crate's source directory) and, for
+/// each, the top-level modules its files name.
+fn imports(src: &Path) -> Graph {
+    let mut graph = Graph::new();
+    let mut stack = vec![src.to_path_buf()];
     while let Some(dir) = stack.pop() {
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
@@ -25,57 +32,197 @@ fn imports() -> BTreeMap<String, BTreeSet<String>> {
                 stack.push(path);
                 continue;
             }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
             let rel = path
-                .strip_prefix(&src)
+                .strip_prefix(src)
                 .unwrap()
                 .to_string_lossy()
                 .into_owned();
-            let module = rel
+            // The module the file is: src/a.rs and src/a/mod.rs are `a`,
+            // src/a/b.rs is `a::b`.
+            let mut module: Vec<String> = rel
                 .trim_end_matches(".rs")
                 .split('/')
-                .next()
-                .unwrap()
-                .to_owned();
-            if module == "main" || module == "lib" {
+                .map(str::to_owned)
+                .collect();
+            if module.last().is_some_and(|m| m == "mod") {
+                module.pop();
+            }
+            if module == ["main"] || module == ["lib"] {
                 continue;
             }
             let text = std::fs::read_to_string(&path).unwrap();
-            let code = text.split("#[cfg(test)]").next().unwrap_or_default();
-            let names = graph.entry(module.clone()).or_default();
-            // `super::` from `src/a.rs` or `src/a/mod.rs` is the crate root,
-            // from `src/a/b.rs` it is `a`, and so on down.
-            let depth = rel.split('/').count() - usize::from(rel.ends_with("mod.rs"));
-            let to_root = "super::".repeat(depth);
-            for (at, _) in code.match_indices(&to_root) {
-                let rest = &code[at + to_root.len()..];
-                if rest.starts_with("super::") {
-                    continue;
-                }
-                assert!(
-                    !rest.starts_with('{'),
-                    "{rel}: name each module in its own `use super::…` line, so this check sees it"
-                );
-                let name: String = rest
-                    .chars()
-                    .take_while(|c| c.is_ascii_lowercase() || *c == '_')
-                    .collect();
-                if !name.is_empty() && name != module && rest[name.len()..].starts_with("::") {
-                    names.insert(name);
+            let file = syn::parse_file(&text).unwrap_or_else(|e| panic!("{rel}: {e}"));
+            let mut uses = Uses {
+                module,
+                paths: Vec::new(),
+            };
+            uses.visit_file(&file);
+            let top = uses.module[0].clone();
+            let names = graph.entry(top.clone()).or_default();
+            for path in uses.paths {
+                if let Some(first) = path.first() {
+                    if *first != top {
+                        names.insert(first.clone());
+                    }
                 }
             }
-            for (at, _) in code.match_indices("crate::") {
-                let name: String = code[at + 7..]
-                    .chars()
-                    .take_while(|c| c.is_ascii_lowercase() || *c == '_')
-                    .collect();
-                assert!(
-                    !code[at + 7..].starts_with('{'),
-                    "{rel}: name each module in its own `use crate::…` line, so this check sees it"
-                );
-                if !name.is_empty() && name != module {
-                    names.insert(name);
+        }
+    }
+    graph
+}
+
+/// The absolute paths (from the crate root) a file names.
+struct Uses {
+    /// The module being read: the file's, and the inline modules in it.
+    module: Vec<String>,
+    paths: Vec<Vec<String>>,
+}
+
+impl Uses {
+    /// `segments` (as written) from the crate root, if they start at
+    /// `crate`, `super` or `self`; other paths name extern crates, or
+    /// items brought in by a `use` (itself read).
+    fn resolve(&mut self, segments: &[String]) {
+        let mut at = match segments.first().map(String::as_str) {
+            Some("crate") => Vec::new(),
+            Some("super" | "self") => self.module.clone(),
+            _ => return,
+        };
+        let mut rest = segments;
+        if rest[0] == "crate" {
+            rest = &rest[1..];
+        }
+        while let Some(first) = rest.first() {
+            match first.as_str() {
+                "super" => {
+                    at.pop();
+                }
+                "self" => {}
+                _ => break,
+            }
+            rest = &rest[1..];
+        }
+        at.extend(rest.iter().cloned());
+        self.paths.push(at);
+    }
+
+    fn use_tree(&mut self, prefix: &mut Vec<String>, tree: &syn::UseTree) {
+        match tree {
+            syn::UseTree::Path(p) => {
+                prefix.push(p.ident.to_string());
+                self.use_tree(prefix, &p.tree);
+                prefix.pop();
+            }
+            syn::UseTree::Name(n) => {
+                prefix.push(n.ident.to_string());
+                self.resolve(&prefix.clone());
+                prefix.pop();
+            }
+            syn::UseTree::Rename(r) => {
+                prefix.push(r.ident.to_string());
+                self.resolve(&prefix.clone());
+                prefix.pop();
+            }
+            syn::UseTree::Glob(_) => self.resolve(&prefix.clone()),
+            syn::UseTree::Group(g) => {
+                for tree in &g.items {
+                    self.use_tree(prefix, tree);
                 }
             }
+        }
+    }
+
+    /// Paths in a macro's tokens (`matches!(x, crate::a::B)`, a `select!`
+    /// arm): `crate`, `super` or `self`, then `::`-separated names.
+    fn tokens(&mut self, tokens: TokenStream) {
+        let tokens: Vec<TokenTree> = tokens.into_iter().collect();
+        let mut i = 0;
+        while i < tokens.len() {
+            if let TokenTree::Group(g) = &tokens[i] {
+                self.tokens(g.stream());
+                i += 1;
+                continue;
+            }
+            let mut path = Vec::new();
+            let mut j = i;
+            while let Some(TokenTree::Ident(ident)) = tokens.get(j) {
+                path.push(ident.to_string());
+                let colons = matches!(
+                    (tokens.get(j + 1), tokens.get(j + 2)),
+                    (Some(TokenTree::Punct(a)), Some(TokenTree::Punct(b)))
+                        if a.as_char() == ':' && b.as_char() == ':'
+                );
+                if !colons {
+                    break;
+                }
+                j += 3;
+            }
+            if path.len() > 1 {
+                self.resolve(&path);
+            }
+            i = j.max(i + 1);
+        }
+    }
+}
+
+impl<'ast> Visit<'ast> for Uses {
+    fn visit_item_mod(&mut self, item: &'ast syn::ItemMod) {
+        if item.content.is_some() {
+            self.module.push(item.ident.to_string());
+            syn::visit::visit_item_mod(self, item);
+            self.module.pop();
+        }
+    }
+
+    fn visit_item_use(&mut self, item: &'ast syn::ItemUse) {
+        self.use_tree(&mut Vec::new(), &item.tree);
+    }
+
+    fn visit_path(&mut self, path: &'ast syn::Path) {
+        let segments: Vec<String> = path.segments.iter().map(|s| s.ident.to_string()).collect();
+        if segments.len() > 1 {
+            self.resolve(&segments);
+        }
+        syn::visit::visit_path(self, path);
+    }
+
+    fn visit_macro(&mut self, mac: &'ast syn::Macro) {
+        self.tokens(mac.tokens.clone());
+        syn::visit::visit_macro(self, mac);
+    }
+}
+
+/// The module graph a `lib.rs` draws: the lines ``- `a` → `b`, `c` ``
+/// (or ``- `a`, `b` → nothing``) under its "Module graph" heading.
+fn drawn(lib: &Path) -> Graph {
+    let lib = std::fs::read_to_string(lib).unwrap();
+    let section = lib
+        .split("//! # Module graph")
+        .nth(1)
+        .expect("the lib.rs has a \"Module graph\" section");
+    let mut graph = Graph::new();
+    for line in section.lines().skip(1) {
+        let Some(line) = line.strip_prefix("//!") else {
+            break;
+        };
+        let line = line.trim();
+        if line.starts_with("# ") {
+            break;
+        }
+        let Some((from, to)) = line.strip_prefix("- ").and_then(|l| l.split_once('→')) else {
+            continue;
+        };
+        let names = |s: &str| -> BTreeSet<String> {
+            s.split(',')
+                .map(|n| n.trim().trim_matches('`').to_owned())
+                .filter(|n| !n.is_empty() && n != "nothing")
+                .collect()
+        };
+        for from in names(from) {
+            graph.insert(from, names(to));
         }
     }
     graph
@@ -113,36 +260,103 @@ fn cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
         .find_map(|node| visit(node, graph, &mut Vec::new(), &mut done))
 }
 
-#[test]
-fn modules_import_each_other_in_one_direction_only() {
-    let graph = imports();
-    assert!(graph.len() > 10, "{graph:?}");
+/// Whether the modules of the crate at `dir` (relative to the package) use
+/// each other as its `src/lib.rs` draws, with no cycle: the graph.
+fn as_drawn(dir: &str) -> Graph {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
+    let graph = imports(&root.join("src"));
+    assert!(graph.len() > 5, "{graph:?}");
     if let Some(found) = cycle(&graph) {
         panic!(
-            "the modules import each other in a cycle: {}",
+            "{dir}: the modules use each other in a cycle: {}",
             found.join(" -> ")
         );
     }
-    for leaf in ["body", "clock", "framing", "journal", "tls", "wire"] {
-        assert_eq!(
-            graph[leaf],
-            BTreeSet::new(),
-            "{leaf} imports from the crate"
-        );
+    let drawn = drawn(&root.join("src/lib.rs"));
+    if graph != drawn {
+        let mut diff = String::new();
+        for module in graph.keys().chain(drawn.keys()).collect::<BTreeSet<_>>() {
+            let (is, says) = (graph.get(module), drawn.get(module));
+            if is != says {
+                diff.push_str(&format!("\n  {module}: uses {is:?}, lib.rs says {says:?}"));
+            }
+        }
+        panic!("{dir}src/lib.rs's module graph is not the code's:{diff}");
     }
-    let importers = |target: &str| -> BTreeSet<&str> {
-        graph
-            .iter()
-            .filter(|(_, names)| names.contains(target))
-            .map(|(module, _)| module.as_str())
-            .collect()
-    };
-    assert_eq!(importers("serve"), BTreeSet::new(), "start-up is the top");
-    assert_eq!(
-        importers("config"),
-        BTreeSet::from(["app", "serve"]),
-        "the config is read by start-up only"
+    graph
+}
+
+#[test]
+fn modules_use_each_other_as_lib_rs_draws_and_in_one_direction_only() {
+    let graph = as_drawn("");
+    assert!(
+        graph.values().all(|names| !names.contains("serve")),
+        "start-up is the top"
     );
+}
+
+#[test]
+fn the_core_s_modules_use_each_other_as_its_lib_rs_draws() {
+    as_drawn("crates/fencegate-core/");
+}
+
+/// A source tree of `files` (path, text) in a fresh directory.
+fn tree(tag: &str, files: &[(&str, &str)]) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("fencegate-layering-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    for (path, text) in files {
+        let path = dir.join(path);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    }
+    dir
+}
+
+/// A cycle made only by an inline path in a function body, or only by a
+/// test module's `use`, is found; `super::` counts from the module it is
+/// written in (an inline test module's is one deeper than its file's).
+#[test]
+fn the_check_sees_inline_paths_test_modules_and_macros() {
+    let dir = tree(
+        "planted",
+        &[
+            ("a.rs", "pub fn f() { crate::b::g() }\n"),
+            (
+                "b.rs",
+                "pub fn g() {}\n#[cfg(test)]\nmod tests { use super::super::c::H; }\n",
+            ),
+            ("c/mod.rs", "mod d;\n"),
+            (
+                "c/d.rs",
+                "fn x() -> bool { matches!(1, super::super::e::K) }\n",
+            ),
+            (
+                "e.rs",
+                "pub(crate) fn y() -> u8 { self::z() }\nfn z() -> u8 { 0 }\n",
+            ),
+        ],
+    );
+    let graph = imports(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    let names = |m: &str| graph[m].iter().map(String::as_str).collect::<Vec<_>>();
+    assert_eq!(names("a"), ["b"]);
+    assert_eq!(names("b"), ["c"]);
+    assert_eq!(names("c"), ["e"]);
+    assert_eq!(names("e"), Vec::<&str>::new());
+
+    let dir = tree(
+        "cycle",
+        &[
+            ("server.rs", "use crate::backend::ClientAddr;\n"),
+            (
+                "backend.rs",
+                "fn f() { let _ = crate::server::ClientExecutor::here(); }\n",
+            ),
+        ],
+    );
+    let graph = imports(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(cycle(&graph).unwrap().len(), 3, "{graph:?}");
 }
 
 #[test]

@@ -798,7 +798,7 @@ impl Shared {
         // The whole chain: a pooled client's error says only "client error
         // (Connect)"; the cause (a refused connection, a certificate that
         // cannot be verified) is in its sources.
-        let cause = crate::etcd::cause(err);
+        let cause = crate::error::cause(err);
         tracing::warn!(upstream = %self.authority, error = %cause, "upstream request failed");
         let kind = failure_kind(err);
         self.count_failure(kind);
@@ -984,7 +984,7 @@ fn pooled_client(
         .https_or_http()
         .enable_http1()
         .wrap_connector(connector);
-    Ok(Client::builder(crate::server::ClientExecutor::here())
+    Ok(Client::builder(crate::rt::ClientExecutor::here())
         .http1_max_buf_size(options.read_buffer_bytes.max(MIN_READ_BUFFER))
         .pool_idle_timeout(Duration::from_millis(options.pool_idle_timeout_ms))
         .pool_max_idle_per_host(options.pool_max_idle)

@@ -92,7 +92,7 @@ async fn stop_group(child: &mut Child, pgid: i32, grace_ms: u64) {
 fn signal_group(pgid: i32, sig: libc::c_int) {
     // SAFETY: kill(2) with a negative pid signals a process group; it has no
     // memory-safety preconditions. Errors (ESRCH: the group is gone) are
-    // expected and ignored. (One of the crate's two unsafe blocks.)
+    // expected and ignored. (One of the crate's three unsafe blocks.)
     #[allow(unsafe_code)]
     unsafe {
         libc::kill(-pgid, sig);

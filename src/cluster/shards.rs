@@ -29,8 +29,8 @@ use crate::app::{check_head, is_sane_request_id, RequestIds, RequestLimits, X_RE
 use crate::auth::Authenticator;
 use crate::backend::upstream::strip_hop_by_hop;
 use crate::body::{self, Body};
+use crate::error::cause;
 use crate::error::{Problem, Reason};
-use crate::etcd::cause;
 use crate::metrics::ClusterStats;
 use crate::route::decode_path;
 use crate::wire::{FENCEGATE_FORWARDED, FENCEGATE_SHARD};
@@ -183,7 +183,7 @@ impl Forwarder {
             .enable_http1()
             .wrap_connector(connector);
         Ok(Self {
-            client: Client::builder(crate::server::ClientExecutor::here())
+            client: Client::builder(crate::rt::ClientExecutor::here())
                 .http1_max_buf_size(options.forward_read_buffer_bytes)
                 .build(connector),
             me: HeaderValue::from_str(&options.name)

@@ -33,9 +33,17 @@
 //! - [`wire`]: the header names and path prefix the proxy and its clients
 //!   share.
 //!
-//! Dependencies point one way: `mutant`, `wire`, `hex`, `names` and
-//! `shard` import nothing from the crate; `cluster`, `journal` and
-//! `precondition` import only `mutant`; `lease` imports `journal`, `names`, `hex` and `mutant`.
+//! # Module graph
+//!
+//! Dependencies point one way: each module uses exactly the modules listed
+//! after it, and the list has no cycle (`tests/layering.rs` in the
+//! `fencegate` package reads every `use` and path here and holds the code
+//! to it):
+//!
+//! - `lease` → `hex`, `journal`, `mutant`, `names`
+//! - `cluster`, `journal`, `precondition` → `mutant`
+//! - `hex`, `mutant`, `names`, `shard`, `wire` → nothing
+//!
 
 pub mod cluster;
 pub mod hex;
