@@ -31,6 +31,8 @@
 //! The client measures its deadlines on tokio's monotonic clock: it never
 //! compares wall clocks with the proxy.
 
+#![forbid(unsafe_code)]
+
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;

@@ -45,6 +45,8 @@
 //! - `hex`, `mutant`, `names`, `shard`, `wire` → nothing
 //!
 
+#![forbid(unsafe_code)]
+
 pub mod cluster;
 pub mod hex;
 pub mod journal;

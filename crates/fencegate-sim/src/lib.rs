@@ -84,6 +84,8 @@
 //!
 //! [`run`] plays one seed; the same seed plays the same run, step for step.
 
+#![forbid(unsafe_code)]
+
 pub mod disk;
 pub mod storage;
 pub mod world;
