@@ -13,8 +13,6 @@
 //! reaches the storage.
 
 use std::convert::Infallible;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -30,7 +28,7 @@ use tracing::Instrument;
 use crate::api::{admin_listener_only, Api, Surface, PREFIX};
 use crate::auth::{Authenticator, Caller};
 use crate::backend::Backend;
-use crate::body::{self, Body, BoxError};
+use crate::body::{self, Body, BoxError, ResponseFuture};
 use crate::config::Config;
 use crate::error::Problem;
 use crate::fence::{Fence, FenceLayer, FencePolicy};
@@ -350,8 +348,6 @@ fn with_request_id(mut res: Response<Body>, id: HeaderValue) -> Response<Body> {
     res
 }
 
-type BoxResponseFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
-
 impl<S, B> Service<Request<B>> for App<S>
 where
     S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
@@ -364,7 +360,7 @@ where
 {
     type Response = Response<Body>;
     type Error = Infallible;
-    type Future = BoxResponseFuture;
+    type Future = ResponseFuture;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         self.data.poll_ready(cx)
@@ -400,7 +396,7 @@ where
                 }
             }
         }
-        let response: BoxResponseFuture = match self.limit(req, !to_api) {
+        let response: ResponseFuture = match self.limit(req, !to_api) {
             Err(problem) => Box::pin(std::future::ready(Ok(problem.into_response()))),
             Ok(mut req) => {
                 req.headers_mut()

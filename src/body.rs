@@ -11,6 +11,15 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// upstream client's bodies both fit without copying.
 pub type Body = UnsyncBoxBody<Bytes, BoxError>;
 
+/// The boxed future of a service's answer, for the services that box
+/// theirs (the app, the fence's inner service, the cluster member).
+pub type ResponseFuture = std::pin::Pin<
+    Box<
+        dyn std::future::Future<Output = Result<http::Response<Body>, std::convert::Infallible>>
+            + Send,
+    >,
+>;
+
 /// A body of exactly these bytes.
 pub fn full(bytes: impl Into<Bytes>) -> Body {
     Full::new(bytes.into())

@@ -38,7 +38,7 @@ use tower::{Layer, Service};
 
 use crate::auth::{Caller, Identity};
 use crate::backend::BeforeSend;
-use crate::body::Body;
+use crate::body::{Body, ResponseFuture};
 use crate::error::{Problem, Reason};
 use crate::lease::{Admission, AdmitError, AdmitOptions, LeaseStore, Primacy, WriteGuard};
 use crate::metrics::Metrics;
@@ -462,8 +462,6 @@ pub struct Fence<S> {
     inner: S,
 }
 
-type BoxResponseFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
-
 impl<S> Service<Request<Body>> for Fence<S>
 where
     S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
@@ -552,8 +550,7 @@ where
         let mut inner = std::mem::replace(&mut self.inner, fresh);
         // Boxed outside the async block, so the block holds no generic
         // future type (which keeps it provably Send).
-        let mut forward =
-            move |req: Request<Body>| -> BoxResponseFuture { Box::pin(inner.call(req)) };
+        let mut forward = move |req: Request<Body>| -> ResponseFuture { Box::pin(inner.call(req)) };
         let policy = self.policy.clone();
         FenceFuture::boxed(Box::pin(async move {
             let admitted = policy
@@ -680,7 +677,7 @@ pin_project! {
     pub enum FenceFuture<F> {
         Ready { res: Option<Response<Body>> },
         Forward { #[pin] fut: F, guard: Option<WriteGuard>, observed: Option<Observed> },
-        Boxed { fut: BoxResponseFuture },
+        Boxed { fut: ResponseFuture },
     }
 }
 
@@ -697,7 +694,7 @@ impl<F> FenceFuture<F> {
         }
     }
 
-    fn boxed(fut: BoxResponseFuture) -> Self {
+    fn boxed(fut: ResponseFuture) -> Self {
         Self::Boxed { fut }
     }
 }

@@ -41,8 +41,6 @@ mod presence;
 mod shards;
 
 use std::convert::Infallible;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, RwLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -53,7 +51,7 @@ use http::{Method, Request, Response};
 use serde::{Deserialize, Serialize};
 use tower::{Service, ServiceExt};
 
-use crate::body::{self, Body, BoxError};
+use crate::body::{self, Body, BoxError, ResponseFuture};
 use crate::clock::Clock;
 use crate::error::Problem;
 use crate::etcd::EtcdClient;
@@ -413,8 +411,6 @@ impl<S> Member<S> {
     }
 }
 
-type BoxResponseFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
-
 impl<S, B> Service<Request<B>> for Member<S>
 where
     S: Service<Request<B>, Response = Response<Body>, Error = Infallible>
@@ -430,7 +426,7 @@ where
 {
     type Response = Response<Body>;
     type Error = Infallible;
-    type Future = BoxResponseFuture;
+    type Future = ResponseFuture;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         Poll::Ready(Ok(()))

@@ -28,7 +28,7 @@ use crate::api::{Page, MAX_BATCH_BODY_BYTES, MAX_BATCH_LEASES};
 use crate::app::{check_head, is_sane_request_id, RequestIds, RequestLimits, X_REQUEST_ID};
 use crate::auth::Authenticator;
 use crate::backend::upstream::strip_hop_by_hop;
-use crate::body::{self, Body};
+use crate::body::{self, Body, ResponseFuture};
 use crate::error::cause;
 use crate::error::{Problem, Reason};
 use crate::metrics::ClusterStats;
@@ -304,14 +304,11 @@ fn with_body(req: &http::request::Parts, body: Bytes) -> Request<Body> {
     sub
 }
 
-type BoxResponseFuture =
-    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Response<Body>, Infallible>> + Send>>;
-
 /// `app`'s answer to `req`, through a boxed future: awaited inside
 /// [`Member::dispatch`], the app's own future type would have to be `Send`
 /// for every lifetime of the body's error type, which the compiler cannot
 /// prove.
-fn boxed_call<S>(app: S, req: Request<Body>) -> BoxResponseFuture
+fn boxed_call<S>(app: S, req: Request<Body>) -> ResponseFuture
 where
     S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send + 'static,
     S::Future: Send + 'static,
