@@ -141,7 +141,7 @@ impl Outgoing {
 
 /// Where an idle connection waits for its client connection's next
 /// request.
-pub(crate) type Slot = Mutex<Option<Conn>>;
+pub(crate) type IdleConn = Mutex<Option<Conn>>;
 
 /// The connection to the upstream, plain or TLS.
 pub(crate) enum Stream {
@@ -344,7 +344,7 @@ impl Conn {
     pub(crate) async fn send(
         mut self,
         out: Outgoing,
-        home: &Arc<Slot>,
+        home: &Arc<IdleConn>,
     ) -> Result<Response<Body>, BoxError> {
         let Outgoing {
             parts,
@@ -591,7 +591,7 @@ impl Conn {
         head: Response<()>,
         reading: Reading,
         keep_alive: bool,
-        home: &Arc<Slot>,
+        home: &Arc<IdleConn>,
     ) -> Response<Body> {
         let (parts, ()) = head.into_parts();
         let body = match reading {
@@ -612,7 +612,7 @@ impl Conn {
     }
 
     /// Back to the slot, if nothing unexpected is buffered.
-    fn go_home(mut self, home: &Slot) {
+    fn go_home(mut self, home: &IdleConn) {
         if self.buf.is_empty() {
             self.buf = BytesMut::new();
             self.idle = Some(crate::clock::Stopwatch::start());
@@ -822,7 +822,7 @@ struct Incoming {
     conn: Option<Conn>,
     reading: Reading,
     keep_alive: bool,
-    home: Weak<Slot>,
+    home: Weak<IdleConn>,
 }
 
 impl Incoming {

@@ -229,7 +229,7 @@ struct Peer {
     forwarded: String,
     /// The idle dedicated upstream connection ([`ConnectionMode::PerClient`]);
     /// an answer's body holds it while it streams, and puts it back.
-    upstream: Arc<h1::Slot>,
+    upstream: Arc<h1::IdleConn>,
 }
 
 impl ClientAddr {
@@ -526,7 +526,7 @@ impl Shared {
     /// error or a timeout it is dropped, and closed.
     async fn send_dedicated(
         &self,
-        slot: &Arc<h1::Slot>,
+        slot: &Arc<h1::IdleConn>,
         req: Request<Body>,
         added: &h1::Added,
     ) -> Result<Response<Body>, BoxError> {

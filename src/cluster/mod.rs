@@ -169,7 +169,7 @@ impl Registration {
 }
 
 /// One shard as this member sees it.
-struct Slot<S> {
+struct ShardView<S> {
     /// The shard's app and its primacy while this member leads it.
     serving: Option<(S, Arc<Primacy>)>,
     /// Who leads it, as last seen.
@@ -180,7 +180,7 @@ struct Slot<S> {
     last_primary: Option<String>,
 }
 
-impl<S> Slot<S> {
+impl<S> ShardView<S> {
     /// The app, while this member's primacy of the shard is live.
     fn live_app(&self) -> Option<&S> {
         self.serving
@@ -191,7 +191,7 @@ impl<S> Slot<S> {
 }
 
 struct View<S> {
-    shards: Vec<Slot<S>>,
+    shards: Vec<ShardView<S>>,
     members: Vec<Registration>,
     /// The names of the members whose clocks are trusted, sorted, and the
     /// member the balanced assignment gives each shard to among them:
@@ -486,7 +486,7 @@ where
             options: options.clone(),
             view: RwLock::new(View {
                 shards: (0..shards)
-                    .map(|_| Slot {
+                    .map(|_| ShardView {
                         serving: None,
                         primary: None,
                         vacant_since_ms: None,
