@@ -5,8 +5,12 @@ write refused, and the 428 path (read once, send again)."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import io
+import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import boto3
 import botocore.config
@@ -164,3 +168,68 @@ def test_requests_on_a_route_with_preconditions_reads_a_new_key_once(
         assert http.put(f"{fg.url}/kv/orders/42", data=b"v2").status_code == 204
         assert seen == ["PUT 204"]
     assert raw("GET", f"{fg.url}/kv/orders/42")[1] == b"v2"
+
+
+def test_requests_sends_a_file_body_again_whole_and_a_generator_s_not_at_all(
+    servers: Servers,
+) -> None:
+    fg = servers.fencegate(
+        config='[[fence.routes]]\npattern = "/kv/{lease}"\npreconditions = "etag"\n'
+    )
+    client = fencegate.Client(fg.url)
+    with client.hold("orders", holder="w1", ttl=30.0) as term:
+        http = fencegate.requests.session(term)
+        body = io.BytesIO(b"from a file")
+        assert http.put(f"{fg.url}/kv/orders/1", data=body).status_code == 201
+        assert raw("GET", f"{fg.url}/kv/orders/1")[1] == b"from a file"
+        spent = http.put(f"{fg.url}/kv/orders/2", data=(c for c in [b"from ", b"a generator"]))
+        assert spent.status_code == 428, "a spent body is not sent again"
+        assert raw("GET", f"{fg.url}/kv/orders/2")[0] == 404
+
+
+class _Redirect(http.server.BaseHTTPRequestHandler):
+    to: ClassVar[str]
+    seen: ClassVar[list[dict[str, str]]]
+
+    def do_PUT(self) -> None:
+        type(self).seen.append(dict(self.headers))
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        if type(self).to:
+            self.send_response(307)
+            self.send_header("location", type(self).to + self.path)
+        else:
+            self.send_response(201)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def redirecting(to: str, host: str = "127.0.0.1") -> Iterator[tuple[str, type[_Redirect]]]:
+    class R(_Redirect):
+        seen: ClassVar[list[dict[str, str]]] = []
+
+    R.to = to
+    s = http.server.ThreadingHTTPServer((host, 0), R)
+    threading.Thread(target=s.serve_forever, daemon=True).start()
+    try:
+        yield f"http://{host}:{s.server_address[1]}", R
+    finally:
+        s.shutdown()
+        s.server_close()
+
+
+def test_requests_drops_the_fencing_headers_on_a_redirect_to_another_host(
+    servers: Servers,
+) -> None:
+    fg = servers.fencegate()
+    with fencegate.Client(fg.url).hold("orders", holder="w1", ttl=30.0) as term:
+        http_ = fencegate.requests.session(term)
+        # 127.0.0.2 is another host (loopback all the same).
+        with redirecting("", "127.0.0.2") as (other, elsewhere), redirecting(other) as (url, here):
+            assert http_.put(f"{url}/kv/orders/1", data=b"v").status_code == 201
+    assert here.seen[0]["Fencing-Lease-Id"] == term.lease_id
+    assert "Fencing-Lease-Id" not in elsewhere.seen[0]
+    assert "Fencing-Token" not in elsewhere.seen[0]

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from conftest import Servers, advance, raw
+from test_api import GRANT, member
 
 import fencegate
 from fencegate.client import Grant
@@ -86,7 +87,9 @@ class FakeClient:
     def acquire(self, lease: str, holder: str, ttl: float, wait: float) -> Grant:
         return self.grant()
 
-    def _renew(self, lease: str, token: int, lease_id: str, ttl: Any, timeout: Any) -> Grant:
+    def _renew(
+        self, lease: str, token: int, lease_id: str, ttl: Any, timeout: Any, budget: Any = None
+    ) -> Grant:
         self.renewals.append(self.clock.monotonic())
         if self.answer is not None:
             raise self.answer
@@ -240,6 +243,43 @@ def test_a_renewer_that_returns_is_a_loss() -> None:
     clock.advance(3.0, term._thread)
     term._thread.join(30)
     assert term.lost.is_set() and seen == ["the renewer stopped"]
+
+
+def test_a_term_lost_while_a_renewal_is_in_flight_is_never_renewed_again() -> None:
+    clock = ManualClock()
+    client = FakeClient(clock, ttl=9.0)
+    term = hold(clock, client)
+    entered, answer = threading.Event(), threading.Event()
+
+    def slow(*args: Any) -> Grant:
+        client.renewals.append(clock.monotonic())
+        entered.set()
+        assert answer.wait(30)
+        return client.grant()
+
+    client._renew = slow  # type: ignore[method-assign]
+    clock.advance(3.0)
+    assert entered.wait(30)
+    # The renewal hangs past the deadline; the holder's check finds it.
+    clock.advance(6.0)
+    with pytest.raises(fencegate.LeaseLost, match="deadline"):
+        term.check()
+    answer.set()  # then fencegate renews after all: too late to count
+    term._thread.join(30)
+    assert not term._thread.is_alive() and client.renewals == [3.0]
+    with pytest.raises(fencegate.LeaseLost):
+        term.check()
+    # Lost here, not at fencegate: released, so the next holder need not
+    # wait for it to expire.
+    term.release()
+    assert client.releases == 1
+
+
+def test_a_margin_that_would_outlive_fencegate_s_deadline_is_refused() -> None:
+    client = FakeClient(ManualClock())
+    for margin in (-0.1, 6.0):
+        with pytest.raises(ValueError, match="margin"):
+            Term._start(client, "orders", "w1", 9.0, 0.0, margin, None, clock=ManualClock())
 
 
 def test_released_once_never_twice() -> None:
@@ -452,7 +492,81 @@ def test_async_a_renewer_that_dies_or_is_cancelled_is_a_loss() -> None:
             await asyncio.sleep(0)
             await asyncio.sleep(0)
             assert term.lost.is_set() and seen == ["the renewer stopped"]
-        assert client.releases == 0
+        # Lost here, not refused at fencegate: each released on leaving.
+        assert client.releases == 2
+
+    asyncio.run(run())
+
+
+def test_async_check_works_from_another_thread_and_not_before_entering() -> None:
+    async def run() -> None:
+        client = FakeClient(ManualAsyncClock())
+        term = AsyncTerm(client, "orders", "w1", 9.0, 0.0, None, None)
+        with pytest.raises(fencegate.LeaseLost, match="not held yet"):
+            term.headers()
+        async with term:
+            # As a fenced call run with asyncio.to_thread checks it.
+            headers = await asyncio.to_thread(term.headers)
+            assert headers["Fencing-Token"] == "7"
+
+    asyncio.run(run())
+
+
+def test_async_a_term_granted_after_its_acquire_was_cancelled_is_released() -> None:
+    granting = threading.Event()
+
+    class Slow(FakeClient):
+        def acquire(self, lease: str, holder: str, ttl: float, wait: float) -> Grant:
+            assert granting.wait(30)
+            return self.grant()
+
+    client = Slow(ManualAsyncClock())
+    released = threading.Event()
+    client.release = lambda *args: released.set()  # type: ignore[method-assign]
+
+    async def run() -> None:
+        entering = asyncio.create_task(async_hold(ManualAsyncClock(), client, []).__aenter__())
+        await asyncio.sleep(0.01)
+        entering.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await entering
+        granting.set()  # the acquire was under way: fencegate grants it
+        assert await asyncio.to_thread(released.wait, 30)
+
+    asyncio.run(run())
+
+
+def test_async_a_term_lost_while_a_renewal_is_in_flight_is_never_renewed_again() -> None:
+    answer = threading.Event()
+
+    async def run() -> None:
+        clock = ManualAsyncClock()
+        client = FakeClient(clock, ttl=9.0)
+
+        def slow(*args: Any) -> Grant:
+            client.renewals.append(clock.monotonic())
+            assert answer.wait(30)
+            return client.grant()
+
+        client._renew = slow  # type: ignore[method-assign]
+        async with async_hold(clock, client, []) as term:
+            await clock.advance(0, term)
+            clock.now = 3.0
+            for until, done in clock.sleepers:
+                if until <= 3.0:
+                    done.set_result(None)
+            limit = time.monotonic() + 30
+            while not client.renewals:  # real time, bounded
+                assert time.monotonic() < limit, "no renewal at a third of the TTL"
+                await asyncio.sleep(0.001)
+            clock.now = 9.0  # the renewal hangs past the deadline
+            with pytest.raises(fencegate.LeaseLost, match="deadline"):
+                term.check()
+            answer.set()
+            assert term._task is not None
+            await asyncio.wait_for(asyncio.wait({term._task}), 30)
+            assert client.renewals == [3.0]
+        assert client.releases == 1
 
     asyncio.run(run())
 
@@ -484,3 +598,30 @@ def test_async_a_held_term_against_fencegate(servers: Servers) -> None:
         assert client.show("orders")["state"] == "released"
 
     asyncio.run(run())
+
+
+def test_a_renewal_gives_up_at_the_local_deadline() -> None:
+    # A member that grants, then answers every renewal "not primary" with
+    # no primary named (a cluster between primaries): the renewer tries
+    # again and again, but not past the term's local deadline.
+    def answer(h: Any) -> tuple[int, dict[str, Any]]:
+        if h.path.endswith("/renew"):
+            return 503, {"reason": "not-primary", "status": 503, "primary": None}
+        return 201, {**GRANT, "ttl_ms": 9000, "expires_in_ms": 9000}
+
+    clock = ManualClock()
+    with member(answer) as (url, m):
+        term = Term._start(fencegate.Client(url), "orders", "A", 9.0, 0.0, None, None, clock=clock)
+        clock.advance(0, term._thread)
+        renewals = lambda: sum(1 for hit in m.hits if hit.endswith("/renew"))  # noqa: E731
+        clock.advance(3.0)
+        limit = time.monotonic() + 30
+        while renewals() < 2:  # real time, bounded: the renewer's attempts
+            assert time.monotonic() < limit
+            time.sleep(0.01)
+        clock.advance(5.5)  # past the deadline, 9 - 0.9 s after the acquire
+        tried = renewals()
+        term._thread.join(30)
+        assert not term._thread.is_alive()
+    assert term.lost_reason == "no renewal succeeded before the local deadline"
+    assert renewals() <= tried + 1, "the renewal went on past the deadline"

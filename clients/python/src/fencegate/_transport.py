@@ -2,20 +2,21 @@
 
 Standard library only (``urllib``). Every call has a timeout. A call goes
 only to URLs the caller listed: an answer naming any other URL is not
-followed, so the bearer secret and lease ids never leave for a place the
-caller did not name.
+followed, redirects are not followed, and environment proxies
+(``http_proxy``) are not used, so the bearer secret and lease ids never
+leave for a place the caller did not name.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import socket
 import ssl
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +49,14 @@ class _Refused(Exception):
     """The connection was refused: nothing was sent."""
 
 
-def _no_redirects() -> urllib.request.OpenerDirector:
+def _opener() -> urllib.request.OpenerDirector:
+    """Follows no redirect and uses no proxy."""
+
     class NoRedirect(urllib.request.HTTPRedirectHandler):
         def redirect_request(self, *args: Any, **kwargs: Any) -> None:
             return None
 
-    return urllib.request.build_opener(NoRedirect)
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}), NoRedirect)
 
 
 class Transport:
@@ -77,7 +80,7 @@ class Transport:
         self.timeout = timeout
         self._token = token
         self._ssl = ssl.create_default_context(cafile=cafile)
-        self._opener = _no_redirects()
+        self._opener = _opener()
         self._lock = threading.Lock()
         self._current = self.members[0]
         # The shard map: leaders[k] is the listed URL of shard k's primary.
@@ -115,7 +118,7 @@ class Transport:
             if isinstance(e.reason, ConnectionRefusedError):
                 raise _Refused() from e
             raise Unreachable(f"{base}: {e.reason}") from e
-        except (socket.timeout, TimeoutError) as e:
+        except TimeoutError as e:
             raise Unreachable(f"{base}: no answer within {timeout:.1f} s") from e
         except OSError as e:
             raise Unreachable(f"{base}: {e}") from e
@@ -123,10 +126,10 @@ class Transport:
     # -- where calls go ---------------------------------------------------
 
     def _route(self, lease: str | None) -> str | None:
-        if lease is None or self._shards < 2:
-            return None
-        leader = self._leaders[shard_of(lease, self._shards)]
-        return leader
+        with self._lock:
+            if lease is None or self._shards < 2:
+                return None
+            return self._leaders[shard_of(lease, self._shards)]
 
     def _refresh_map(self) -> None:
         if not self._map_stale or len(self.members) < 2:
@@ -178,23 +181,40 @@ class Transport:
         headers: dict[str, str] | None = None,
         body: bytes | None = None,
         timeout: float | None = None,
+        budget: Callable[[], float] | None = None,
     ) -> Reply:
         """One request, sent to the primary of ``lease``'s shard (or the
         member calls go to now), moved to another listed member only on an
-        answer that proves nothing was done: ``503 not-primary`` or a
-        refused connection. Up to about ten seconds of rounds."""
+        answer that proves nothing was done: ``503 not-primary`` (to the
+        primary it names, if listed) or a refused connection. At most 40
+        attempts; with ``budget`` (the seconds left, asked before each
+        attempt), none once it is spent, and none longer than it."""
         timeout = self.timeout if timeout is None else timeout
         headers = dict(headers or {})
         refused: list[str] = []
         moves = 0
         last: Reply | None = None
+        named: str | None = None
         while True:
+            attempt = timeout
+            if budget is not None:
+                left = budget()
+                if left <= 0:
+                    if last is not None:
+                        return last
+                    raise Unreachable("no member served the call before its deadline")
+                attempt = min(timeout, left)
             self._refresh_map()
             routed = self._route(lease)
-            base = routed if routed is not None and routed not in refused else self.current()
+            if named is not None and named not in refused:
+                base = named
+            elif routed is not None and routed not in refused:
+                base = routed
+            else:
+                base = self.current()
             primary: str | None = None
             try:
-                reply = self._send(base, method, path, headers, body, timeout)
+                reply = self._send(base, method, path, headers, body, attempt)
             except _Refused as e:
                 if base not in refused:
                     refused.append(base)
@@ -223,8 +243,12 @@ class Transport:
                 if last is not None:
                     return last
                 raise Unreachable(f"no member served the call: {self.members}")
-            if primary is None and moves % len(self.members) == 0:
-                time.sleep(0.25)
+            # A round of every member, or a named primary that is not (yet)
+            # one: a pause, so a cluster between primaries is not flooded.
+            if moves % len(self.members) == 0 or (primary is not None and primary == named):
+                pause = 0.25 if budget is None else min(0.25, max(0.0, budget()))
+                time.sleep(pause)
+            named = primary
             self._move_on(base, primary)
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import quote
 
 from ._transport import FENCING_LEASE_ID, FENCING_TOKEN, Transport, problem
@@ -105,6 +106,7 @@ class Client:
         lease_id: str,
         ttl: float | None,
         timeout: float | None,
+        budget: Callable[[], float] | None = None,
     ) -> Grant:
         body = json.dumps({"ttl_ms": _ms(ttl)}).encode() if ttl is not None else None
         headers = {FENCING_TOKEN: str(token), FENCING_LEASE_ID: lease_id}
@@ -117,6 +119,7 @@ class Client:
             headers=headers,
             body=body,
             timeout=timeout,
+            budget=budget,
         )
         if reply.status != 200:
             raise problem(reply)

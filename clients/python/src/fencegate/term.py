@@ -7,12 +7,16 @@ The rules (each has a test):
   (or the acquire) was *sent*, plus the ``expires_in`` fencegate answered,
   minus a margin (default a tenth of the TTL): never wall time, and never
   later than fencegate's own deadline;
+- a renewal gives up at the local deadline, however many members it tries;
 - the term is lost when a renewal is refused, when the local deadline
   passes without a successful renewal, or when the renewer dies: a renew
-  loop that stops is a loss, not silence;
+  loop that stops is a loss, not silence; once lost, it is never renewed
+  again;
 - once lost (or released), :meth:`Term.check` raises
   :class:`~fencegate.LeaseLost`, so nothing more is written under it;
-- it is released once, never twice.
+- it is released once, never twice (a term lost to a refused renewal is
+  over at fencegate and not released; one lost otherwise is, so the next
+  holder need not wait for it to expire).
 """
 
 from __future__ import annotations
@@ -21,13 +25,18 @@ import asyncio
 import contextlib
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._transport import FENCING_LEASE_ID, FENCING_TOKEN
-from .errors import LeaseLost, ProblemError, Unreachable
+from .errors import FencegateError, LeaseLost, ProblemError, Unreachable
 
 if TYPE_CHECKING:
     from .client import Client, Grant
+
+#: What a refused renewal or release says when fencegate already ended the
+#: term: nothing to release.
+_ENDED = ("lease-expired", "lease-released", "stale-fencing-token")
 
 
 class Clock(Protocol):
@@ -60,13 +69,22 @@ class AsyncClock(Protocol):
 
 
 class LoopClock:
-    """The running event loop's clock (monotonic)."""
+    """The monotonic clock asyncio's loops run on, readable from any
+    thread (a fenced call run with ``asyncio.to_thread`` checks the term)."""
 
     def monotonic(self) -> float:
-        return asyncio.get_running_loop().time()
+        return time.monotonic()
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))
+
+
+def _margin(ttl: float, margin: float | None) -> float | None:
+    """``margin``, checked: the local deadline must stay before fencegate's
+    and after the first renewal is due."""
+    if margin is not None and not 0 <= margin < ttl * 2 / 3:
+        raise ValueError(f"margin {margin} s: give 0 <= margin < 2/3 of the TTL ({ttl} s)")
+    return margin
 
 
 class _Schedule:
@@ -84,6 +102,28 @@ class _Schedule:
         self.next_renew = sent + self.ttl / 3
 
 
+class _Loss:
+    """Why a term is lost, recorded once."""
+
+    def __init__(self, on_lost: Callable[[str], None] | None) -> None:
+        self.reason: str | None = None
+        self.refused = False
+        self._on_lost = on_lost
+        self._lock = threading.Lock()
+
+    def lose(self, reason: str, refused: bool = False) -> bool:
+        """Records the loss; whether it was the first."""
+        with self._lock:
+            if self.reason is not None:
+                return False
+            self.reason = reason
+            self.refused = refused
+        if self._on_lost is not None:
+            with contextlib.suppress(Exception):
+                self._on_lost(reason)
+        return True
+
+
 class Term:
     """A held term of a lease. Use it as a context manager::
 
@@ -92,7 +132,8 @@ class Term:
             put(..., headers=term.headers())
 
     ``lost`` is a :class:`threading.Event` set when the term is lost;
-    ``on_lost`` (if given) is called with the reason, from the renewer.
+    ``on_lost`` (if given) is called once with the reason, from the thread
+    that found the loss (the renewer, or one calling :meth:`check`).
     """
 
     def __init__(
@@ -111,8 +152,7 @@ class Term:
         self.lease_id = grant.lease_id
         self.ttl = grant.ttl
         self.lost = threading.Event()
-        self._reason: str | None = None
-        self._on_lost = on_lost
+        self._loss = _Loss(on_lost)
         self._clock = clock
         self._schedule = _Schedule(grant, sent, grant.ttl / 10 if margin is None else margin)
         self._stop = threading.Event()
@@ -134,6 +174,7 @@ class Term:
         on_lost: Callable[[str], None] | None,
         clock: Clock | None = None,
     ) -> Term:
+        margin = _margin(ttl, margin)
         clock = clock or MonotonicClock()
         sent = clock.monotonic()
         grant = client.acquire(lease, holder, ttl, wait)
@@ -156,7 +197,7 @@ class Term:
     @property
     def lost_reason(self) -> str | None:
         """Why the term is lost, or ``None`` while it is held."""
-        return self._reason
+        return self._loss.reason
 
     def check(self) -> None:
         """Raises :class:`~fencegate.LeaseLost` unless the term is held
@@ -165,13 +206,14 @@ class Term:
         and its renewer alive."""
         if self._released:
             raise LeaseLost("the term was released")
-        if self._reason is None:
+        if self._loss.reason is None:
             if self._clock.monotonic() >= self._schedule.deadline:
                 self._lose("no renewal succeeded before the local deadline")
             elif not self._thread.is_alive():
                 self._lose("the renewer stopped")
-        if self._reason is not None:
-            raise LeaseLost(self._reason)
+        reason = self._loss.reason
+        if reason is not None:
+            raise LeaseLost(reason)
 
     def headers(self) -> dict[str, str]:
         """The fencing headers of the term, for any HTTP client. Raises
@@ -180,24 +222,30 @@ class Term:
         return {FENCING_TOKEN: str(self.token), FENCING_LEASE_ID: self.lease_id}
 
     def release(self) -> None:
-        """Stops renewing and releases the term (once: a second call does
-        nothing). A lost term is not released: it is over at fencegate, or
-        will be within the margin."""
+        """Stops renewing and releases the term, once: a second call does
+        nothing. A term lost to a refused renewal is over at fencegate and
+        is not released; one lost otherwise is, at best effort."""
         with self._release_lock:
             if self._released:
                 return
             self._released = True
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=self._client.transport.timeout)
-        if self._reason is None:
-            try:
-                self._client.release(self.lease, self.token, self.lease_id)
-            except ProblemError as e:
-                # Already ended at fencegate (expired, superseded): nothing
-                # to release.
-                if e.reason not in ("lease-expired", "lease-released", "stale-fencing-token"):
-                    raise
+            # A renewal in flight gives up at the local deadline.
+            left = self._schedule.deadline - self._clock.monotonic()
+            self._thread.join(timeout=max(0.0, left) + self._client.transport.timeout)
+        if self._loss.refused:
+            return
+        try:
+            self._client.release(self.lease, self.token, self.lease_id)
+        except ProblemError as e:
+            # Already ended at fencegate (expired, superseded): nothing to
+            # release.
+            if e.reason not in _ENDED and self._loss.reason is None:
+                raise
+        except FencegateError:
+            if self._loss.reason is None:
+                raise
 
     def __enter__(self) -> Term:
         return self
@@ -207,14 +255,9 @@ class Term:
 
     # -- the renewer ------------------------------------------------------
 
-    def _lose(self, reason: str) -> None:
-        if self._reason is not None:
-            return
-        self._reason = reason
-        self.lost.set()
-        if self._on_lost is not None:
-            with contextlib.suppress(Exception):
-                self._on_lost(reason)
+    def _lose(self, reason: str, refused: bool = False) -> None:
+        if self._loss.lose(reason, refused):
+            self.lost.set()
 
     def _run(self) -> None:
         try:
@@ -247,19 +290,22 @@ class Term:
                     self.lease_id,
                     None,
                     max(0.01, s.deadline - sent),
+                    lambda: s.deadline - clock.monotonic(),
                 )
             except ProblemError as e:
+                if self._stop.is_set():
+                    return  # released meanwhile
                 if e.reason == "not-primary":
                     # A cluster between primaries: the deadline decides.
                     s.next_renew = clock.monotonic() + 0.1
                     continue
-                self._lose(f"a renewal was refused ({e.reason})")
+                self._lose(f"a renewal was refused ({e.reason})", refused=True)
                 return
             except Unreachable:
                 s.next_renew = clock.monotonic() + 0.05
                 continue
-            if self._stop.is_set():
-                return
+            if self._stop.is_set() or self._loss.reason is not None:
+                return  # released, or lost meanwhile (check() saw the deadline)
             s.renewed(grant, sent)
 
 
@@ -271,6 +317,8 @@ class AsyncTerm:
 
     The renewer is a task on the running loop (each renewal runs in a
     thread, as the calls are blocking); ``lost`` is an :class:`asyncio.Event`.
+    :meth:`check` and :meth:`headers` may be called from any thread (a
+    fenced call run with :func:`asyncio.to_thread`).
     """
 
     def __init__(
@@ -287,10 +335,10 @@ class AsyncTerm:
         self._client = client
         self._clock: AsyncClock = clock or LoopClock()
         self._args = (lease, holder, ttl, wait)
-        self._margin = margin
-        self._on_lost = on_lost
+        self._margin = _margin(ttl, margin)
+        self._loss = _Loss(on_lost)
         self.lost = asyncio.Event()
-        self._reason: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._released = False
         self._task: asyncio.Task[None] | None = None
         self._schedule: _Schedule | None = None
@@ -299,21 +347,38 @@ class AsyncTerm:
         self.lease_id = ""
 
     async def __aenter__(self) -> AsyncTerm:
+        self._loop = asyncio.get_running_loop()
         clock = self._clock
+        client = self._client
         lease, holder, ttl, wait = self._args
         sent = clock.monotonic()
-        grant = await asyncio.to_thread(self._client.acquire, lease, holder, ttl, wait)
+        acquiring = asyncio.ensure_future(
+            asyncio.to_thread(client.acquire, lease, holder, ttl, wait)
+        )
+        try:
+            grant = await asyncio.shield(acquiring)
+        except asyncio.CancelledError:
+            # Cancelled while acquiring: a term granted anyway is released.
+            def release(done: asyncio.Future[Grant]) -> None:
+                if done.cancelled() or done.exception() is not None:
+                    return
+                g = done.result()
+                threading.Thread(
+                    target=lambda: _quietly(client.release, lease, g.token, g.lease_id),
+                    daemon=True,
+                ).start()
+
+            acquiring.add_done_callback(release)
+            raise
         if clock.monotonic() - sent >= grant.ttl / 10:
             sent = clock.monotonic()
             try:
                 grant = await asyncio.to_thread(
-                    self._client._renew, lease, grant.token, grant.lease_id, None, None
+                    client._renew, lease, grant.token, grant.lease_id, None, None
                 )
             except BaseException:
                 with contextlib.suppress(Exception):
-                    await asyncio.to_thread(
-                        self._client.release, lease, grant.token, grant.lease_id
-                    )
+                    await asyncio.to_thread(client.release, lease, grant.token, grant.lease_id)
                 raise
         self.token, self.lease_id = grant.token, grant.lease_id
         margin = grant.ttl / 10 if self._margin is None else self._margin
@@ -326,29 +391,36 @@ class AsyncTerm:
 
     @property
     def lost_reason(self) -> str | None:
-        return self._reason
+        return self._loss.reason
 
-    def _lose(self, reason: str) -> None:
-        if self._reason is not None:
+    def _lose(self, reason: str, refused: bool = False) -> None:
+        if not self._loss.lose(reason, refused):
             return
-        self._reason = reason
-        self.lost.set()
-        if self._on_lost is not None:
-            with contextlib.suppress(Exception):
-                self._on_lost(reason)
+        loop = self._loop
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if loop is None or here is loop:
+            self.lost.set()
+        else:
+            loop.call_soon_threadsafe(self.lost.set)
 
     def check(self) -> None:
         """As :meth:`Term.check`."""
         if self._released:
             raise LeaseLost("the term was released")
         s = self._schedule
-        if self._reason is None and s is not None:
+        if s is None:
+            raise LeaseLost("the term is not held yet: enter it first (async with)")
+        if self._loss.reason is None:
             if self._clock.monotonic() >= s.deadline:
                 self._lose("no renewal succeeded before the local deadline")
             elif self._task is not None and self._task.done():
                 self._lose("the renewer stopped")
-        if self._reason is not None:
-            raise LeaseLost(self._reason)
+        reason = self._loss.reason
+        if reason is not None:
+            raise LeaseLost(reason)
 
     def headers(self) -> dict[str, str]:
         """As :meth:`Term.headers`."""
@@ -362,14 +434,19 @@ class AsyncTerm:
         self._released = True
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._reason is None:
-            try:
-                await asyncio.to_thread(self._client.release, self.lease, self.token, self.lease_id)
-            except ProblemError as e:
-                if e.reason not in ("lease-expired", "lease-released", "stale-fencing-token"):
-                    raise
+            # Waits for the renewer without taking on its cancellation (a
+            # cancellation of the caller still reaches the caller).
+            await asyncio.wait({self._task})
+        if self._loss.refused or self._schedule is None:
+            return
+        try:
+            await asyncio.to_thread(self._client.release, self.lease, self.token, self.lease_id)
+        except ProblemError as e:
+            if e.reason not in _ENDED and self._loss.reason is None:
+                raise
+        except FencegateError:
+            if self._loss.reason is None:
+                raise
 
     async def _run(self) -> None:
         try:
@@ -403,14 +480,22 @@ class AsyncTerm:
                     self.lease_id,
                     None,
                     max(0.01, s.deadline - sent),
+                    lambda: s.deadline - clock.monotonic(),
                 )
             except ProblemError as e:
                 if e.reason == "not-primary":
                     s.next_renew = clock.monotonic() + 0.1
                     continue
-                self._lose(f"a renewal was refused ({e.reason})")
+                self._lose(f"a renewal was refused ({e.reason})", refused=True)
                 return
             except Unreachable:
                 s.next_renew = clock.monotonic() + 0.05
                 continue
+            if self._loss.reason is not None:
+                return  # lost meanwhile (check() saw the deadline)
             s.renewed(grant, sent)
+
+
+def _quietly(call: Callable[..., Any], *args: Any) -> None:
+    with contextlib.suppress(Exception):
+        call(*args)
