@@ -72,83 +72,6 @@ def test_a_refused_member_is_skipped(servers: Servers) -> None:
         fencegate.Client("http://127.0.0.1:1", timeout=2.0).acquire("x", "A", ttl=5.0)
 
 
-class _Recorder(http.server.BaseHTTPRequestHandler):
-    """A member that is not the primary: answers every call 503
-    not-primary naming `primary`, and a shard map in which `primary`
-    leads every shard; records the headers it was sent."""
-
-    seen: ClassVar[list[dict[str, str]]]
-    primary: ClassVar[str]
-
-    def _answer(self) -> None:
-        type(self).seen.append(dict(self.headers))
-        if self.path == "/_fence/cluster":
-            status, doc = (
-                200,
-                {
-                    "shards": 2,
-                    "leaders": [{"primary": {"url": type(self).primary}}] * 2,
-                },
-            )
-        else:
-            status, doc = (
-                503,
-                {
-                    "type": "urn:fencegate:problem:not-primary",
-                    "title": "Not primary",
-                    "status": 503,
-                    "detail": "a standby",
-                    "reason": "not-primary",
-                    "primary": type(self).primary,
-                },
-            )
-        body = json.dumps(doc).encode()
-        self.send_response(status)
-        self.send_header(
-            "content-type", "application/json" if status == 200 else "application/problem+json"
-        )
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    do_GET = do_POST = do_DELETE = _answer
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def recorder(primary: str) -> Iterator[tuple[str, type[_Recorder]]]:
-    class Member(_Recorder):
-        seen: ClassVar[list[dict[str, str]]] = []
-
-    Member.primary = primary
-    s = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Member)
-    t = threading.Thread(target=s.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{s.server_address[1]}", Member
-    finally:
-        s.shutdown()
-        s.server_close()
-
-
-def test_a_secret_or_lease_id_never_goes_to_a_url_it_was_not_given(servers: Servers) -> None:
-    fg = servers.fencegate()
-    with recorder("http://127.0.0.1:9") as (elsewhere, unlisted):
-        with recorder(elsewhere) as (standby, listed):
-            # The standby names (as primary, and as every shard's leader) a
-            # member nobody listed: calls go on to the listed ones instead.
-            c = fencegate.Client(f"{standby},{fg.url}", token="s3cret")
-            g = c.acquire("orders", "A", ttl=5.0)
-            c.renew("orders", g.token, g.lease_id)
-            c.release("orders", g.token, g.lease_id)
-            assert c.member_for("orders") in (standby, fg.url)
-            assert listed.seen
-            assert all(h.get("Authorization") == "Bearer s3cret" for h in listed.seen)
-        assert unlisted.seen == [], "a member nobody listed was sent a call"
-
-
 class _Member(http.server.BaseHTTPRequestHandler):
     """A programmable member: `answer(handler) -> (status, doc)`; counts
     what it was asked."""
@@ -237,3 +160,36 @@ def test_environment_proxies_are_not_used(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.delenv("NO_PROXY", raising=False)
         fencegate.Client(url, token="s3cret").show()
     assert pm.hits == [] and m.hits == ["GET /_fence/leases"]
+
+
+def test_a_secret_or_lease_id_never_goes_to_a_url_it_was_not_given(servers: Servers) -> None:
+    fg = servers.fencegate()
+
+    # A standby that names (as primary, and as every shard's leader) a
+    # member nobody listed: calls go on to the listed ones instead.
+    def standby_of(elsewhere: str) -> Any:
+        def answer(h: Any) -> tuple[int, dict[str, Any]]:
+            if h.path == "/_fence/cluster":
+                return 200, {"shards": 2, "leaders": [{"primary": {"url": elsewhere}}] * 2}
+            return not_primary(elsewhere)
+
+        return answer
+
+    with member(lambda h: (200, {})) as (elsewhere, unlisted):
+        headers: list[dict[str, str]] = []
+        with member(_recording(headers, standby_of(elsewhere))) as (standby, _):
+            c = fencegate.Client(f"{standby},{fg.url}", token="s3cret")
+            g = c.acquire("orders", "A", ttl=5.0)
+            c.renew("orders", g.token, g.lease_id)
+            c.release("orders", g.token, g.lease_id)
+            assert c.member_for("orders") in (standby, fg.url)
+        assert headers and all(h.get("Authorization") == "Bearer s3cret" for h in headers)
+    assert unlisted.hits == [], "a member nobody listed was sent a call"
+
+
+def _recording(seen: list[dict[str, str]], answer: Any) -> Any:
+    def recorded(h: Any) -> Any:
+        seen.append(dict(h.headers))
+        return answer(h)
+
+    return recorded

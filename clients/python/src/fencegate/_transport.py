@@ -227,9 +227,9 @@ class Transport:
                     last = reply
                     with self._lock:
                         self._map_stale = True
-                    named = (reply.json() or {}).get("primary")
-                    if isinstance(named, str) and named.rstrip("/") in self.members:
-                        primary = named.rstrip("/")
+                    said = (reply.json() or {}).get("primary")
+                    if isinstance(said, str) and said.rstrip("/") in self.members:
+                        primary = said.rstrip("/")
                 else:
                     if "fencegate-forwarded" in reply.headers:
                         with self._lock:

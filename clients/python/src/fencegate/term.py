@@ -234,18 +234,7 @@ class Term:
             # A renewal in flight gives up at the local deadline.
             left = self._schedule.deadline - self._clock.monotonic()
             self._thread.join(timeout=max(0.0, left) + self._client.transport.timeout)
-        if self._loss.refused:
-            return
-        try:
-            self._client.release(self.lease, self.token, self.lease_id)
-        except ProblemError as e:
-            # Already ended at fencegate (expired, superseded): nothing to
-            # release.
-            if e.reason not in _ENDED and self._loss.reason is None:
-                raise
-        except FencegateError:
-            if self._loss.reason is None:
-                raise
+        _release(self._client, self.lease, self.token, self.lease_id, self._loss)
 
     def __enter__(self) -> Term:
         return self
@@ -437,16 +426,10 @@ class AsyncTerm:
             # Waits for the renewer without taking on its cancellation (a
             # cancellation of the caller still reaches the caller).
             await asyncio.wait({self._task})
-        if self._loss.refused or self._schedule is None:
-            return
-        try:
-            await asyncio.to_thread(self._client.release, self.lease, self.token, self.lease_id)
-        except ProblemError as e:
-            if e.reason not in _ENDED and self._loss.reason is None:
-                raise
-        except FencegateError:
-            if self._loss.reason is None:
-                raise
+        if self._schedule is not None:
+            await asyncio.to_thread(
+                _release, self._client, self.lease, self.token, self.lease_id, self._loss
+            )
 
     async def _run(self) -> None:
         try:
@@ -494,6 +477,23 @@ class AsyncTerm:
             if self._loss.reason is not None:
                 return  # lost meanwhile (check() saw the deadline)
             s.renewed(grant, sent)
+
+
+def _release(client: Client, lease: str, token: int, lease_id: str, loss: _Loss) -> None:
+    """Releases a term on leaving it. A term lost to a refused renewal is
+    over at fencegate: nothing is sent. One lost otherwise is released at
+    best effort; a held one's failure to release is raised, unless
+    fencegate had already ended it (expired, superseded)."""
+    if loss.refused:
+        return
+    try:
+        client.release(lease, token, lease_id)
+    except ProblemError as e:
+        if e.reason not in _ENDED and loss.reason is None:
+            raise
+    except FencegateError:
+        if loss.reason is None:
+            raise
 
 
 def _quietly(call: Callable[..., Any], *args: Any) -> None:
