@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from conftest import Servers, raw
+from test_integrations import s3_client
 
 
 def readme_block(marker: str) -> str:
@@ -32,3 +33,44 @@ def test_the_readme_python_example_as_printed(servers: Servers) -> None:
     # The term was released on leaving the block; what it wrote is there.
     assert raw("GET", f"{fg.url}/kv/invoices/7")[1] == b"paid"
     assert b'"state":"released"' in raw("GET", f"{fg.url}/_fence/leases/invoices")[1]
+
+
+S3 = """
+upstream = "{upstream}"
+[proxy]
+preserve_host = true
+[[fence.routes]]
+pattern = "/orders-bucket/{{lease}}"
+preconditions = "etag"
+"""
+
+
+def test_the_client_readme_examples_as_written(servers: Servers) -> None:
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+        text = f.read()
+    blocks = [b.split("\n```", 1)[0] for b in text.split("```python\n")[1:]]
+    assert len(blocks) >= 3, "the README's examples"
+    fg = servers.fencegate(manual=False)
+    moto = servers.moto()
+    aws = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    s3_client(moto.url).create_bucket(Bucket="orders-bucket")
+    s3 = servers.fencegate(config=S3.format(upstream=moto.url), manual=False, name="s3")
+    for block in blocks:
+        script = block.replace("http://127.0.0.1:8080", fg.url).replace(
+            "http://127.0.0.1:8280", s3.url
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, **aws},
+        )
+        assert out.returncode == 0, f"{block}\n{out.stderr}"
+    assert raw("GET", f"{fg.url}/kv/orders/42")[1] == b"shipped"
+    got = s3_client(moto.url).get_object(Bucket="orders-bucket", Key="orders/42")
+    assert got["Body"].read() == b"shipped"
