@@ -84,6 +84,7 @@ use tokio::sync::oneshot;
 use fencegate_core::journal::append::{self, Step};
 use fencegate_core::journal::recovery::{self, Meta, MetaFile, Refusal, Replayed, Start};
 pub use fencegate_core::journal::recovery::{JOURNAL_FILE, META_FILE};
+use fencegate_core::journal::writer::{self, IdentityStep};
 
 use super::record::{Header, LeaseRecord, Record, HEADER_LEN};
 use super::{GrantRecord, Journal, JournalError, JournalFuture};
@@ -268,20 +269,13 @@ fn err(context: &str, path: &Path, e: impl std::fmt::Display) -> JournalError {
     JournalError(format!("{context} {}: {e}", path.display()))
 }
 
-/// A new log identity after `last`: random, never 0 nor `last`.
+/// A new log identity after `last` (see [`writer::next_identity`]).
 fn new_identity(last: u64) -> u64 {
     let mut raw = [0u8; 8];
-    // Without the OS's randomness, a value that differs from the last
-    // still tells this log from the one before.
-    let random = match getrandom::fill(&mut raw) {
-        Ok(()) => u64::from_le_bytes(raw),
-        Err(_) => last.wrapping_add(1),
-    };
-    if random == 0 || random == last {
-        last.wrapping_add(2).max(1)
-    } else {
-        random
-    }
+    let random = getrandom::fill(&mut raw)
+        .ok()
+        .map(|()| u64::from_le_bytes(raw));
+    writer::next_identity(last, random)
 }
 
 fn read_meta(dir: &Path) -> Result<MetaFile, JournalError> {
@@ -1018,16 +1012,12 @@ impl Writer {
                     max_token = max_token.max(token);
                 }
             }
-            // An unhealthy journal syncs every batch, so a probe proves the
-            // disk takes durable writes again. A renewal's wall-clock hint is
-            // synced with its batch too (nobody waits for it): a start may
-            // end a term whose hint it lost, so hints must not wait for the
-            // next grant to reach the disk.
-            let sync = !self.healthy.load(Ordering::Acquire)
-                || batch.iter().any(|c| {
-                    c.ack.is_some()
-                        || matches!(c.record, Record::Renew { wall_ms, .. } if wall_ms != 0)
-                });
+            // Which batches are synced is the core's rule (see
+            // `fencegate_core::journal::writer`).
+            let sync = writer::batch_syncs(
+                self.healthy.load(Ordering::Acquire),
+                batch.iter().map(|c| (&c.record, c.ack.is_some())),
+            );
             match self.append(&buf, sync, max_token) {
                 Ok(()) => {
                     if !self.healthy.swap(true, Ordering::AcqRel) {
@@ -1039,7 +1029,12 @@ impl Writer {
                         }
                     }
                     self.maybe_compact();
-                    if sync && self.len >= self.identity_len + self.options.identity_bytes {
+                    if writer::identity_due(
+                        sync,
+                        self.len,
+                        self.identity_len,
+                        self.options.identity_bytes,
+                    ) {
                         if let Err(e) = self.change_identity() {
                             self.failed(&e);
                         }
@@ -1139,20 +1134,23 @@ impl Writer {
             self.needs_dir_sync = false;
         }
         let next = new_identity(self.log_identity);
-        self.set_meta(Meta {
-            identity: next,
-            previous: self.log_identity,
+        let meta = Meta {
+            identity: self.log_identity,
             ..self.meta
-        })?;
-        let mut frame = Vec::new();
-        Record::Identity { id: next }.encode_frame(&mut frame);
-        self.append(&frame, true, 0)?;
-        self.log_identity = next;
-        self.identity_len = self.len;
-        self.set_meta(Meta {
-            previous: next,
-            ..self.meta
-        })
+        };
+        for step in writer::change_identity(meta, next) {
+            match step {
+                IdentityStep::WriteMeta(meta) => self.set_meta(meta)?,
+                IdentityStep::Append(id) => {
+                    let mut frame = Vec::new();
+                    Record::Identity { id }.encode_frame(&mut frame);
+                    self.append(&frame, true, 0)?;
+                    self.log_identity = id;
+                    self.identity_len = self.len;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// A batch (or a change of identity) failed: the journal is unhealthy
@@ -1189,9 +1187,11 @@ impl Writer {
     }
 
     fn maybe_compact(&mut self) {
-        if self.len < self.options.compact_min_bytes
-            || self.len < self.header.compacted_len.saturating_mul(4)
-        {
+        if !writer::compaction_due(
+            self.len,
+            self.header.compacted_len,
+            self.options.compact_min_bytes,
+        ) {
             return;
         }
         match self.compact() {

@@ -16,7 +16,8 @@
 //! - [`journal`]: the journal's on-disk format ([`journal::record`]: header
 //!   slots, checksummed frames, the records and how they fold into a lease's
 //!   state), the order of a batch's writes and syncs ([`journal::append`]),
-//!   and what a start decides about the log and meta file it finds
+//!   which batches are synced, when the log is compacted and how it takes a
+//!   new identity ([`journal::writer`]), and what a start decides about the log and meta file it finds
 //!   ([`journal::recovery`]: torn tails, lost records, older copies).
 //! - [`mutant`]: planted bugs, switchable only with the `mutants` feature,
 //!   so the simulator and the power-cut tests can prove they catch them.

@@ -62,11 +62,20 @@ pub enum Mutant {
     /// A member that takes over keeps the key states it learned in an
     /// earlier primacy ([`crate::precondition::KeyStates::take_over`]).
     StatesKeptAcrossTakeover,
+    /// A batch whose grant or release someone waits for is not synced
+    /// before they are answered ([`crate::journal::writer::batch_syncs`]):
+    /// a power cut takes an acknowledged term or release.
+    AwaitedNotSynced,
+    /// A change of identity gives the log its new identity before the meta
+    /// file names it ([`crate::journal::writer::change_identity`]): a crash
+    /// between the two leaves a log the meta file does not name, which a
+    /// start must take for one that lost records.
+    IdentityNamedLate,
 }
 
 impl Mutant {
     /// Every mutant, in the order the tests try them.
-    pub const ALL: [Mutant; 15] = [
+    pub const ALL: [Mutant; 17] = [
         Mutant::BarrierOff,
         Mutant::RestartWindowSkipped,
         Mutant::HeaderBeforeSync,
@@ -82,6 +91,8 @@ impl Mutant {
         Mutant::PreconditionDropped,
         Mutant::RefusedWriteTeaches,
         Mutant::StatesKeptAcrossTakeover,
+        Mutant::AwaitedNotSynced,
+        Mutant::IdentityNamedLate,
     ];
 
     /// The mutants the simulator plays: all but `HandoverUndrained` (it has
@@ -102,6 +113,8 @@ impl Mutant {
         Mutant::PreconditionDropped,
         Mutant::RefusedWriteTeaches,
         Mutant::StatesKeptAcrossTakeover,
+        Mutant::AwaitedNotSynced,
+        Mutant::IdentityNamedLate,
     ];
 
     /// The mutant's name on command lines and in `FENCEGATE_TEST_MUTANT`.
@@ -122,6 +135,8 @@ impl Mutant {
             Mutant::PreconditionDropped => "precondition-dropped",
             Mutant::RefusedWriteTeaches => "refused-write-teaches",
             Mutant::StatesKeptAcrossTakeover => "states-kept-across-takeover",
+            Mutant::AwaitedNotSynced => "awaited-not-synced",
+            Mutant::IdentityNamedLate => "identity-named-late",
         }
     }
 

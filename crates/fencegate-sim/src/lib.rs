@@ -14,7 +14,9 @@
 //! - the proxy, its clock restarting at every start, its wall clock off by
 //!   up to the tolerance, and a journal writer that appends, syncs and
 //!   writes headers in the order `fencegate_core::journal::append` gives,
-//!   on a disk ([`disk`]) that keeps only what was synced: a power cut keeps
+//!   syncs the batches `fencegate_core::journal::writer` says must be, and
+//!   gives the log a new identity at each start by that module's steps
+//!   (the process may die between any two), on a disk ([`disk`]) that keeps only what was synced: a power cut keeps
 //!   any subset of the writes since (and may tear one), a kill keeps them
 //!   all, a sync may fail, and the disk may lose or flip its last bytes;
 //! - a backend that answers late, times out, and applies a write before or
@@ -45,7 +47,9 @@
 //! What it leaves out: etcd keeps each lease's state with the etcd
 //! journal's rules (`fencegate_core::journal::stored`), but not its JSON,
 //! snapshots or write queue (`src/cluster/journal.rs`); the file journal's
-//! compaction, forgotten leases and older copies put back are not played. Admission and forwarding are one step here: a proxy paused between its
+//! compaction, its changes of identity after growth and at a clean stop
+//! (the same steps as at a start), forgotten leases and older copies put
+//! back are not played. Admission and forwarding are one step here: a proxy paused between its
 //! last check and its write's first byte (the bound docs/cluster.md gives)
 //! is not modelled, nor a clock slower than the self-fencing margin per
 //! TTL (the clock check's business), nor the settle time shortened by a

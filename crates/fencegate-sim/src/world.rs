@@ -9,6 +9,7 @@ use fencegate_core::journal::append::{self, Step};
 use fencegate_core::journal::record::{Header, LeaseRecord, Record};
 use fencegate_core::journal::recovery::{self, Meta, MetaFile};
 use fencegate_core::journal::stored::{StoredGrant, StoredLease};
+use fencegate_core::journal::writer::{self, IdentityStep};
 use fencegate_core::lease::admission::{self, Decision, WriteCheck};
 use fencegate_core::lease::id::LeaseId;
 use fencegate_core::lease::inflight::Inflight;
@@ -50,6 +51,9 @@ pub struct Config {
     pub damage_per_mille: u32,
     /// Of the syncs, how many in a thousand fail.
     pub sync_failures_per_mille: u32,
+    /// Before each step of a start's change of identity, how many in a
+    /// thousand times the process dies there.
+    pub start_crashes_per_mille: u32,
     /// Of the writes, how many in a thousand the backend applies after the
     /// documented bound (left out of the order check).
     pub rogue_per_mille: u32,
@@ -120,6 +124,7 @@ impl Config {
             power_cuts_per_mille: 500,
             damage_per_mille: 150,
             sync_failures_per_mille: 10,
+            start_crashes_per_mille: 30,
             rogue_per_mille: 5,
             members: 1,
             member_ttl_s: 2,
@@ -163,6 +168,8 @@ pub struct Stats {
     pub barrier_waits: u64,
     pub rogue_writes: u64,
     pub crashes: u64,
+    /// Crashes during a start's change of identity.
+    pub start_crashes: u64,
     pub power_cuts: u64,
     pub torn_writes: u64,
     pub damaged_logs: u64,
@@ -450,6 +457,10 @@ enum Ack {
     Release {
         req: Req,
     },
+    /// Made durable, as the lease store's dropped `persist_release` future
+    /// asks, with nobody to answer.
+    Durable,
+    /// Nobody waits (a renewal's record).
     None,
 }
 
@@ -686,6 +697,10 @@ struct World {
     next_req: u64,
     /// Since the last start: the disk was damaged, the power was cut.
     damaged: bool,
+    /// A start found acknowledged records lost (and why), and died before
+    /// it served: the log it rewrote keeps the loss's effects, which the
+    /// next start's check must allow.
+    loss_unchecked: Option<String>,
     stats: Stats,
     violation: Option<Violation>,
     /// The processes (one standalone): the proxy of the member whose event
@@ -741,6 +756,7 @@ impl World {
             open: BTreeMap::new(),
             next_req: 0,
             damaged: false,
+            loss_unchecked: None,
             stats: Stats::default(),
             violation: None,
             members: Vec::new(),
@@ -1336,12 +1352,18 @@ impl World {
             self.reply(&req, Answer::Refused);
             return;
         };
+        let previous_ttl_ms = slot.state.term().map_or(0, |t| t.ttl_ms);
         match slot
             .state
             .renew(p, req.token, Some(&req.lease_id), None, None)
         {
             Ok(grant) => {
-                let due = restart::wall_hint_due(slot.wall_deadline_ms, wall, grant.ttl_ms);
+                let due = restart::renewal_recorded(
+                    previous_ttl_ms,
+                    grant.ttl_ms,
+                    slot.wall_deadline_ms,
+                    wall,
+                );
                 if due {
                     slot.wall_deadline_ms = wall + grant.ttl_ms;
                 }
@@ -1927,8 +1949,6 @@ impl World {
                 max_token = max_token.max(token);
             }
         }
-        // As the file journal: grants and releases are durable before
-        // their answer, and renewals carry wall-clock hints, synced too.
         if let Some(primacy) = proxy.primacy {
             // One etcd transaction, which holds only while this member's
             // session holds the election.
@@ -1941,10 +1961,14 @@ impl World {
             self.send_etcd(member, op);
             return;
         }
-        let sync = batch.iter().any(|q| {
-            !matches!(q.ack, Ack::None)
-                || matches!(q.record, Record::Renew { .. } | Record::Release { .. })
-        });
+        // The file journal's rule (the simulated disk never fails a write
+        // outright, so the journal is healthy).
+        let sync = writer::batch_syncs(
+            true,
+            batch
+                .iter()
+                .map(|q| (&q.record, !matches!(q.ack, Ack::None))),
+        );
         let log = append::Log {
             header: proxy.header,
             len: proxy.len,
@@ -2049,7 +2073,7 @@ impl World {
                         self.reply(&req, Answer::Failed);
                     }
                 }
-                Ack::None => {}
+                Ack::Durable | Ack::None => {}
             }
         }
         let proxy = self
@@ -2130,15 +2154,7 @@ impl World {
         self.abandon(proxy.inc);
         if self.chance(self.cfg.power_cuts_per_mille) {
             self.stats.power_cuts += 1;
-            let rng = &mut self.rng;
-            let mut tear_rng = rng.fork();
-            let cut = self.log.power_cut(
-                |_| rng.bool(),
-                |len| (tear_rng.u32(0..5) == 0).then(|| tear_rng.usize(0..len.max(1))),
-            );
-            if cut.torn {
-                self.stats.torn_writes += 1;
-            }
+            self.power_cut();
         }
         if self.chance(self.cfg.damage_per_mille) {
             self.damage();
@@ -2147,51 +2163,78 @@ impl World {
         self.after(down, Ev::Restart(0));
     }
 
-    /// The file journal's change of identity at a start (see `start`).
+    /// The file journal's change of identity at a start, step by step as
+    /// the core plans it (`fencegate_core::journal::writer`). The process
+    /// may die before any step: `None`.
     fn change_identity(
         &mut self,
         mut header: Header,
         mut len: u64,
-        meta: Meta,
-    ) -> (Header, u64, Meta) {
-        let mut next = self.rng.u64(1..);
-        if next == meta.identity {
-            next = next.wrapping_add(1).max(1);
-        }
-        let named = Meta {
-            identity: next,
-            previous: meta.identity,
-            ..meta
-        };
-        self.meta_file = Some(named.encode());
-        let mut frame = Vec::new();
-        Record::Identity { id: next }.encode_frame(&mut frame);
-        let log = append::Log {
-            header,
-            len,
-            reserved: meta.reserved,
-            floor_block: FLOOR_BLOCK,
-        };
-        for step in append::plan(&log, frame.len() as u64, true, 0) {
+        mut meta: Meta,
+    ) -> Option<(Header, u64, Meta)> {
+        let random = self.rng.u64(..);
+        let next = writer::next_identity(meta.identity, Some(random));
+        for step in writer::change_identity(meta, next) {
+            if self.chance(self.cfg.start_crashes_per_mille) {
+                return None;
+            }
             match step {
-                Step::RaiseReserved(_) => {}
-                Step::WriteBatch => {
-                    self.log.write(len, &frame);
-                    len += frame.len() as u64;
+                IdentityStep::WriteMeta(m) => {
+                    meta = m;
+                    self.meta_file = Some(meta.encode());
                 }
-                Step::Sync => self.log.sync(),
-                Step::WriteHeader(h) => {
-                    self.log.write(h.offset(), &h.encode());
-                    header = h;
+                IdentityStep::Append(id) => {
+                    let mut frame = Vec::new();
+                    Record::Identity { id }.encode_frame(&mut frame);
+                    let log = append::Log {
+                        header,
+                        len,
+                        reserved: meta.reserved,
+                        floor_block: FLOOR_BLOCK,
+                    };
+                    for step in append::plan(&log, frame.len() as u64, true, 0) {
+                        match step {
+                            Step::RaiseReserved(_) => {}
+                            Step::WriteBatch => {
+                                self.log.write(len, &frame);
+                                len += frame.len() as u64;
+                            }
+                            Step::Sync => self.log.sync(),
+                            Step::WriteHeader(h) => {
+                                self.log.write(h.offset(), &h.encode());
+                                header = h;
+                            }
+                        }
+                    }
                 }
             }
         }
-        let meta = Meta {
-            previous: next,
-            ..named
-        };
-        self.meta_file = Some(meta.encode());
-        (header, len, meta)
+        Some((header, len, meta))
+    }
+
+    /// The power goes: what was not synced may be lost or torn.
+    fn power_cut(&mut self) {
+        let rng = &mut self.rng;
+        let mut tear_rng = rng.fork();
+        let cut = self.log.power_cut(
+            |_| rng.bool(),
+            |len| (tear_rng.u32(0..5) == 0).then(|| tear_rng.usize(0..len.max(1))),
+        );
+        if cut.torn {
+            self.stats.torn_writes += 1;
+        }
+    }
+
+    /// The process died during a start, before it served: it may take
+    /// the power with it, and it starts again later.
+    fn crash_at_start(&mut self) {
+        self.stats.start_crashes += 1;
+        if self.chance(self.cfg.power_cuts_per_mille) {
+            self.stats.power_cuts += 1;
+            self.power_cut();
+        }
+        let down = self.rng.u64(1..=300);
+        self.after(down, Ev::Restart(0));
     }
 
     /// A proxy is gone (its process died, or a new term of primacy replaced
@@ -2367,7 +2410,13 @@ impl World {
         // Each start gives the log a new identity, as the file journal
         // does: named in the meta file first, then carried by the log
         // (durably), then the old one dropped from the meta file.
-        let (header, len, meta) = self.change_identity(header, len, meta);
+        let lost = lost.or_else(|| self.loss_unchecked.take());
+        let Some((header, len, meta)) = self.change_identity(header, len, meta) else {
+            self.loss_unchecked = lost;
+            self.inc_member.push(0);
+            self.crash_at_start();
+            return;
+        };
         let now_ms = self.now + clock_offset_ms;
         let wall_ms = (WALL_BASE_MS + self.now).saturating_add_signed(wall_error_ms);
         self.inc_member.push(0);
@@ -2617,7 +2666,7 @@ impl World {
                 token,
                 quiet: false,
             };
-            self.queue(record, Ack::None);
+            self.queue(record, Ack::Durable);
         }
     }
 

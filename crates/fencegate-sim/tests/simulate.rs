@@ -41,8 +41,8 @@ fn seeds_hold_every_guarantee() {
     }
     let secs = started.elapsed().as_secs_f64();
     eprintln!(
-        "simulator: {seeds} seeds, {steps} steps in {secs:.0} s ({:.0} steps/s); {} crashes, \
-         {} of them power cuts ({} torn writes), {} damaged logs, {} failed syncs, {} grants, \
+        "simulator: {seeds} seeds, {steps} steps in {secs:.0} s ({:.0} steps/s); {} crashes \
+         ({} during a start), {} of them power cuts ({} torn writes), {} damaged logs, {} failed syncs, {} grants, \
          {} writes applied, {} stale or late writes refused, {} barrier waits, {} rogue \
          writes left out; cluster mode: {} takeovers, {} pauses, {} members cut off from \
          etcd, {} step-downs; preconditions: {} writes answered 428, {} key reads, {} \
@@ -50,6 +50,7 @@ fn seeds_hold_every_guarantee() {
          through",
         steps as f64 / secs,
         totals.crashes,
+        totals.start_crashes,
         totals.power_cuts,
         totals.torn_writes,
         totals.damaged_logs,
@@ -71,6 +72,7 @@ fn seeds_hold_every_guarantee() {
     );
     // The world did go wrong: a run that never crashed would prove little.
     assert!(totals.power_cuts > 0 && totals.damaged_logs > 0 && totals.failed_syncs > 0);
+    assert!(totals.start_crashes > 0);
     assert!(totals.barrier_waits > 0 && totals.rogue_writes > 0);
     assert!(totals.takeovers > 0 && totals.pauses > 0 && totals.partitions > 0);
     // The storage refused late writes of old terms, and both kinds of tag
@@ -86,6 +88,7 @@ fn add(totals: &mut fencegate_sim::Stats, s: &fencegate_sim::Stats) {
     totals.barrier_waits += s.barrier_waits;
     totals.rogue_writes += s.rogue_writes;
     totals.crashes += s.crashes;
+    totals.start_crashes += s.start_crashes;
     totals.power_cuts += s.power_cuts;
     totals.torn_writes += s.torn_writes;
     totals.damaged_logs += s.damaged_logs;

@@ -34,7 +34,7 @@ use super::admission;
 use super::id::LeaseId;
 use super::inflight::Inflight;
 use super::machine::{AcquireRefused, Grant, Held, LeaseState, Reject, Term, View};
-use super::restart::{self, wall_hint_due, RestartRule, SETTLED};
+use super::restart::{self, RestartRule, SETTLED};
 use crate::clock::Clock;
 use crate::journal::{GrantRecord, Journal, JournalFuture, LeaseRecord};
 use crate::names::{Holder, LeaseName};
@@ -140,7 +140,7 @@ struct Slot {
     /// write of a later term waits for the restart window.
     unsettled_from: u64,
     /// The current term's end on the wall clock as the journal last heard
-    /// it (Unix ms; 0: unknown): see [`wall_hint_due`].
+    /// it (Unix ms; 0: unknown): see [`restart::wall_hint_due`].
     wall_deadline_ms: u64,
     /// Shared with the guards of the lease's writes in flight, so finishing a
     /// write touches only this cell, not the map. Made on the lease's first
@@ -736,7 +736,7 @@ impl LeaseStore {
             .get_mut(name)
             .ok_or(RenewError::Rejected(Reject::UnknownToken { current: 0 }))?;
         slot.touch(now_ms);
-        let previous_ttl_ms = slot.state.term().map(|t| t.ttl_ms);
+        let previous_ttl_ms = slot.state.term().map_or(0, |t| t.ttl_ms);
         let before = live_deadline(&slot.state);
         let grant = slot
             .state
@@ -754,17 +754,20 @@ impl LeaseStore {
             expires_in_ms: grant.deadline_ms - now_ms,
         };
         // After a restart the term is held for a full TTL, or less if the
-        // wall-clock hint says it had ended: a new TTL is recorded, and a
-        // plain renewal only when the hint falls half a TTL behind. Queued
+        // wall-clock hint says it had ended: which renewals are recorded is
+        // the core's rule (`restart::renewal_recorded`). Queued
         // under the guard, like every record of a lease, so records keep
         // the order of events.
         let wall_ms = self.shared.clock.wall_ms();
-        if (previous_ttl_ms != Some(grant.ttl_ms)
-            || wall_hint_due(slot.wall_deadline_ms, wall_ms, grant.ttl_ms))
-            && self
-                .shared
-                .journal
-                .record_renew(name, token, renewed.ttl_ms, wall_ms)
+        if restart::renewal_recorded(
+            previous_ttl_ms,
+            grant.ttl_ms,
+            slot.wall_deadline_ms,
+            wall_ms,
+        ) && self
+            .shared
+            .journal
+            .record_renew(name, token, renewed.ttl_ms, wall_ms)
         {
             // Only a hint the journal took: a dropped one is due again at
             // the next renewal.

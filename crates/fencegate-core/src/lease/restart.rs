@@ -40,6 +40,15 @@ pub struct RestartRule {
     pub forgotten_above: u64,
 }
 
+/// Whether a renewal is recorded in the journal: when it changes the term's
+/// TTL (a start holds a recovered term for its recorded TTL), or when its
+/// wall-clock hint is due ([`wall_hint_due`]). A term whose record the
+/// journal dropped (a full queue) keeps its old hint, and is due again at
+/// its next renewal.
+pub fn renewal_recorded(previous_ttl_ms: u64, ttl_ms: u64, recorded_ms: u64, wall_ms: u64) -> bool {
+    previous_ttl_ms != ttl_ms || wall_hint_due(recorded_ms, wall_ms, ttl_ms)
+}
+
 /// Whether a renewal at `wall_ms` (the wall clock) for `ttl_ms` must tell
 /// the journal, whose last hint of the term's end was `recorded_ms`: once
 /// the term's end would be more than half a TTL past it. So the true end
@@ -186,6 +195,16 @@ pub fn new_lease(rule: &RestartRule) -> (LeaseState, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_renewal_is_recorded_when_its_ttl_changes_or_its_hint_is_due() {
+        // Same TTL, hint recorded a moment ago: nothing to tell.
+        assert!(!renewal_recorded(1000, 1000, 10_000 + 1000, 10_000));
+        // A new TTL always is, however fresh the hint.
+        assert!(renewal_recorded(1000, 2000, 10_000 + 1000, 10_000));
+        // Half a TTL later the hint is due.
+        assert!(renewal_recorded(1000, 1000, 10_000 + 1000, 10_501));
+    }
     use crate::journal::record::TermRecord;
 
     fn record(term: TermRecord) -> LeaseRecord {
