@@ -638,32 +638,47 @@ async fn without_self_fencing_a_woken_member_writes_stale() {
 
 /// Two shards, led by member 0 alone; a term of a lease in the shard member
 /// 1 will be given has a slow write held at the storage when member 1
-/// joins and the shard is handed over to it. Through member 1, as soon as
-/// it leads the shard, the holder releases and a newer term writes; then
-/// the storage finishes the slow write. How many writes of an older term
-/// the storage finished after one of a newer term.
-async fn a_write_in_flight_across_a_handover(mutant: Option<&'static str>) -> usize {
+/// joins and the shard is handed over to it (`unknown`: fencegate stopped
+/// waiting for it first, so its outcome is unknown and it is settling).
+/// Through member 1, as soon as it leads the shard, the holder releases and
+/// a newer term writes; then the storage finishes the slow write. How many
+/// writes of an older term the storage finished after one of a newer term.
+async fn a_write_in_flight_across_a_handover(unknown: bool, mutant: Option<&'static str>) -> usize {
     let backend = HoldingBackend::default();
     let limits = fencegate::app::RequestLimits {
         max_body_bytes: 1 << 20,
         max_header_bytes: 64 << 10,
     };
     let storage = spawn(fencegate::app::App::new(None, backend.clone(), limits)).await;
-    // The slow write stays in flight well past the handover's wait for
-    // it (2 s): the upstream deadline, and so the takeover window, is 10 s.
+    // In flight: the slow write stays in flight well past the handover's
+    // wait for it (2 s): the upstream deadline, and so the takeover window,
+    // is 10 s. Unknown: fencegate gives up on it after 1 s, and it settles
+    // for 10 s, long enough on a loaded machine for member 1 to join and
+    // take the shard over meanwhile (a few seconds here).
+    let (timeout, settle) = if unknown {
+        ("1000", "10000")
+    } else {
+        ("10000", "500")
+    };
     let mut env = vec![
         ("FENCEGATE_CLUSTER__SHARDS", "2"),
-        ("FENCEGATE_PROXY__TIMEOUT_MS", "10000"),
-        ("FENCEGATE_FENCE__SETTLE_MS", "500"),
+        ("FENCEGATE_PROXY__TIMEOUT_MS", timeout),
+        ("FENCEGATE_FENCE__SETTLE_MS", settle),
     ];
     if let Some(mutant) = mutant {
         env.push(("FENCEGATE_TEST_MUTANT", mutant));
     }
-    let mut m = Members::start_on(1, &env, Some(storage.url())).await;
+    let m = Members::start_on(1, &env, Some(storage.url())).await;
     let alone = Stopwatch::start();
     while leaders_of(&m.client(0)).await != [Some("m0".to_owned()), Some("m0".to_owned())] {
         assert!(alone.elapsed_ms() < 30_000, "{}", m.logs());
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    if unknown {
+        // Member 0's own takeover window (11 s from its election, real
+        // time: the member runs on the real clock) must be over, or its
+        // handover is not clean whatever its writes do.
+        tokio::time::sleep(Duration::from_millis(11_500)).await;
     }
     // The shard the balanced assignment gives member 1, and a lease in it.
     let moving = fencegate_core::shard::assign(2, &["m0", "m1"])
@@ -690,9 +705,25 @@ async fn a_write_in_flight_across_a_handover(mutant: Option<&'static str>) -> us
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(backend.arrived("slow"));
+    if unknown {
+        // Answered, the write still held at the storage: settling.
+        let answer = slow.await.unwrap().expect("an answer");
+        assert_eq!(answer.reason(), "upstream-timeout", "{}", answer.text());
+        return handed_over_after(m, &backend, &name, &a, tokio::spawn(async {})).await;
+    }
+    handed_over_after(m, &backend, &name, &a, slow).await
+}
 
-    // Member 1 joins (real time: its clock check); member 0 stops admitting
-    // for the shard it hands over.
+/// Member 1 joins (real time: its clock check) and member 0 hands over the
+/// shard of lease `name`, whose term `a` has the slow write; then as in
+/// [`a_write_in_flight_across_a_handover`].
+async fn handed_over_after<T>(
+    mut m: Members,
+    backend: &HoldingBackend,
+    name: &str,
+    a: &Held,
+    slow: tokio::task::JoinHandle<T>,
+) -> usize {
     m.members.push(Some(m.spawn(1)));
     let inspect = format!("/_fence/leases/{name}");
     let joined = Stopwatch::start();
@@ -705,7 +736,7 @@ async fn a_write_in_flight_across_a_handover(mutant: Option<&'static str>) -> us
     let c = m.client(1);
     let moved = Stopwatch::start();
     while c
-        .send(Req::new("DELETE", &format!("/_fence/leases/{name}")).held(&a))
+        .send(Req::new("DELETE", &format!("/_fence/leases/{name}")).held(a))
         .await
         .status
         != 204
@@ -713,13 +744,13 @@ async fn a_write_in_flight_across_a_handover(mutant: Option<&'static str>) -> us
         assert!(moved.elapsed_ms() < 30_000, "{}", m.logs());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let r = c.send(acquire(&name, "b")).await;
+    let r = c.send(acquire(name, "b")).await;
     let b = held_from(&r);
-    let b_req = put(&name, &b, "b1").header("x-write-id", "b1");
+    let b_req = put(name, &b, "b1").header("x-write-id", "b1");
     let newer = tokio::spawn(async move { c.send(b_req).await });
     // Term 1's write is let go once term 2's has reached the backend, waits
     // at the takeover window (counted in the metrics), or was refused.
-    let (r, violations) = let_the_slow_write_finish(&backend, &m.client(1), newer, slow).await;
+    let (r, violations) = let_the_slow_write_finish(backend, &m.client(1), newer, slow).await;
     assert!(
         r.status.is_success() || r.reason() == "upstream-timeout",
         "{}",
@@ -734,7 +765,7 @@ async fn a_write_in_flight_across_a_handover(mutant: Option<&'static str>) -> us
 /// term back until the write finished.
 #[tokio::test]
 async fn a_handover_keeps_an_older_terms_write_first() {
-    assert_eq!(a_write_in_flight_across_a_handover(None).await, 0);
+    assert_eq!(a_write_in_flight_across_a_handover(false, None).await, 0);
 }
 
 /// With the handover recorded as clean without waiting (a planted bug,
@@ -742,7 +773,23 @@ async fn a_handover_keeps_an_older_terms_write_first() {
 /// above would catch.
 #[tokio::test]
 async fn a_handover_that_does_not_wait_lets_a_newer_term_overtake() {
-    assert!(a_write_in_flight_across_a_handover(Some("handover-undrained")).await > 0);
+    assert!(a_write_in_flight_across_a_handover(false, Some("handover-undrained")).await > 0);
+}
+
+/// The same with a write fencegate stopped waiting for (an upstream
+/// timeout): it is no longer in flight, but it settles, and the handover
+/// is not recorded as clean until it has.
+#[tokio::test]
+async fn a_handover_waits_for_a_write_of_unknown_outcome_to_settle() {
+    assert_eq!(a_write_in_flight_across_a_handover(true, None).await, 0);
+}
+
+/// With the settling write not counted (`handover-ignores-settling`, what
+/// the handover did before the simulator found it), the newer term's
+/// write overtakes it.
+#[tokio::test]
+async fn a_handover_that_ignores_settling_writes_lets_a_newer_term_overtake() {
+    assert!(a_write_in_flight_across_a_handover(true, Some("handover-ignores-settling")).await > 0);
 }
 
 /// Member 0 leads both shards and learns a key's state (a route with

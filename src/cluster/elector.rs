@@ -27,7 +27,9 @@ use std::time::Duration;
 use crate::clock::Clock;
 use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
 use crate::lease::{LeaseStore, Primacy, RestartRule};
-use fencegate_core::cluster::{handover_drained, primacy_deadline};
+use fencegate_core::cluster::{
+    handover_drained, primacy_deadline, takeover_clean, takeover_window_ms,
+};
 
 use super::journal::{self, Election, EtcdJournal, Limits};
 use super::{ClusterOptions, MakeApp, Member, Peer, Takeover};
@@ -338,8 +340,8 @@ impl<S: Send + Sync + 'static> Elector<S> {
             journal: journal.clone(),
             primacy: primacy.clone(),
             rule: RestartRule {
-                // The previous primary saw its last writes finish.
-                unsettled_ms: if clean { 0 } else { self.options.unsettled_ms },
+                // None if the previous primary saw its last writes finish.
+                unsettled_ms: takeover_window_ms(clean, self.options.unsettled_ms),
                 hashed_ids: true,
                 forgotten_above,
                 ..RestartRule::default()
@@ -404,13 +406,17 @@ impl<S: Send + Sync + 'static> Elector<S> {
     }
 
     /// Waits, after primacy was revoked, until the shard's admitted writes
-    /// have finished at the backend (a write whose outcome is unknown
-    /// counts until it has settled) and its own takeover window is over,
+    /// have finished at the backend, none whose outcome is unknown is still
+    /// settling, and its own takeover window is over,
     /// for at most `bound_ms`; whether both happened.
     async fn drain(&self, store: &LeaseStore, bound_ms: u64) -> bool {
         let bound = self.clock.now_ms() + bound_ms;
         loop {
-            if handover_drained(store.inflight_count(), store.window_left_ms()) {
+            if handover_drained(
+                store.inflight_count(),
+                store.settling_left_ms(),
+                store.window_left_ms(),
+            ) {
                 return true;
             }
             if self.clock.now_ms() >= bound {
@@ -435,10 +441,10 @@ impl<S: Send + Sync + 'static> Elector<S> {
         };
         let elected = read("elected").await?;
         let handed_over = read("handed-over").await?;
-        let clean = match (elected, handed_over) {
-            (Some(e), Some(h)) => e.value == h.value,
-            _ => false,
-        };
+        let clean = takeover_clean(
+            elected.as_ref().map(|kv| kv.value.as_slice()),
+            handed_over.as_ref().map(|kv| kv.value.as_slice()),
+        );
         self.put_if_elected(election, "elected").await?;
         Ok(clean)
     }

@@ -1,6 +1,6 @@
 //! Cluster mode's rules, on the member's clock: how long a primary may
 //! admit after etcd last confirmed its primacy (self-fencing), when a
-//! handover may be recorded as clean, and what a member's check of its
+//! handover may be recorded as clean and when a takeover may trust it, and what a member's check of its
 //! clock against etcd's concludes. The member's shell
 //! (`fencegate::cluster`) talks to etcd and calls these.
 
@@ -22,15 +22,47 @@ pub fn primacy_deadline(sent_ms: u64, ttl_s: i64, margin_ms: u64) -> u64 {
     sent_ms.saturating_add(ttl_ms).saturating_sub(margin_ms)
 }
 
-/// Whether a primary handing a shard over, its primacy revoked, with
-/// `in_flight` admitted writes still unfinished (one whose outcome is
-/// unknown counts until it has settled) and its own takeover window open
-/// for `window_left_ms` more, may record the handover as clean: only once
-/// no write is left and its window is over (a write of the primary before
-/// it may still be on its way), since the next primary then admits newer
+/// Whether a primary handing a shard over (or stopping), its primacy
+/// revoked, may record the handover as clean: only once none of its
+/// admitted writes is unfinished (`in_flight`: awaiting or streaming its
+/// answer), none whose outcome became unknown is still settling (for
+/// `settling_left_ms` more: the storage may still apply it), and its own
+/// takeover window is over (`window_left_ms`: a write of the primary
+/// before it may still be on its way). The next primary then admits newer
 /// terms at once instead of waiting out a takeover window of its own.
-pub fn handover_drained(in_flight: u64, window_left_ms: u64) -> bool {
-    (in_flight == 0 && window_left_ms == 0) || planted(Mutant::HandoverUndrained)
+pub fn handover_drained(in_flight: u64, settling_left_ms: u64, window_left_ms: u64) -> bool {
+    let settling_left_ms = if planted(Mutant::HandoverIgnoresSettling) {
+        0
+    } else {
+        settling_left_ms
+    };
+    (in_flight == 0 && settling_left_ms == 0 && window_left_ms == 0)
+        || planted(Mutant::HandoverUndrained)
+}
+
+/// At takeover: whether the previous primary handed the shard over
+/// cleanly, so that no write of its can still reach the storage. It did
+/// if it recorded, while it still held the election, that its writes had
+/// all finished (`handed_over`, from [`handover_drained`]) for the very
+/// election recorded when it won (`elected`): a record left by an earlier
+/// primary says nothing of the last one.
+pub fn takeover_clean(elected: Option<&[u8]>, handed_over: Option<&[u8]>) -> bool {
+    match (elected, handed_over) {
+        (Some(e), Some(h)) => e == h || planted(Mutant::HandoverAssumedClean),
+        _ => false,
+    }
+}
+
+/// The takeover window of a new primary, in milliseconds: none after a
+/// clean handover ([`takeover_clean`]), else the time an unfinished write
+/// of the previous primary may still take to reach the storage
+/// (`unsettled_ms`: the upstream timeout and the settle time).
+pub fn takeover_window_ms(clean: bool, unsettled_ms: u64) -> u64 {
+    if clean {
+        0
+    } else {
+        unsettled_ms
+    }
 }
 
 /// Whether a primary confirmed until `until_ms` may admit at `now_ms`:
@@ -115,6 +147,27 @@ mod tests {
         assert!(!primacy_admits(3_500, 3_500, false, true));
         assert!(primacy_admits(9_999, 3_500, false, false));
         assert!(!primacy_admits(0, 3_500, true, false));
+    }
+
+    #[test]
+    fn a_handover_is_clean_only_with_nothing_unfinished_or_settling() {
+        assert!(handover_drained(0, 0, 0));
+        assert!(!handover_drained(1, 0, 0), "a write in flight");
+        assert!(
+            !handover_drained(0, 1, 0),
+            "a write of unknown outcome settling"
+        );
+        assert!(!handover_drained(0, 0, 1), "the takeover window open");
+    }
+
+    #[test]
+    fn a_takeover_trusts_only_its_predecessors_record() {
+        assert!(takeover_clean(Some(b"7"), Some(b"7")));
+        assert!(!takeover_clean(Some(b"8"), Some(b"7")), "an older record");
+        assert!(!takeover_clean(Some(b"7"), None));
+        assert!(!takeover_clean(None, None), "the first election");
+        assert_eq!(takeover_window_ms(true, 31_000), 0);
+        assert_eq!(takeover_window_ms(false, 31_000), 31_000);
     }
 
     /// A probe of 60 s granted between 0 and 10 ms on this member's clock.

@@ -22,7 +22,8 @@
 //! - [`mutant`]: planted bugs, switchable only with the `mutants` feature,
 //!   so the simulator and the power-cut tests can prove they catch them.
 //! - [`cluster`]: cluster mode's rules on the member's clock: the
-//!   self-fencing deadline and the clock check's verdict.
+//!   self-fencing deadline, when a handover may be recorded as clean and
+//!   when a takeover may trust it, and the clock check's verdict.
 //! - [`shard`]: which shard a lease belongs to, and which member should
 //!   lead each shard, for sharding leases over cluster members.
 //! - [`precondition`]: storage-side preconditions (SPEC §10): which

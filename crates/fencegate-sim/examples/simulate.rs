@@ -46,13 +46,9 @@ fn main() -> ExitCode {
             "--seconds" => seconds = Some(number(value())),
             "--mutant" => {
                 let name = value();
-                let simulated = Mutant::from_name(&name).filter(|m| Mutant::SIMULATED.contains(m));
-                mutant = Some(simulated.unwrap_or_else(|| {
-                    let names: Vec<&str> = Mutant::SIMULATED.iter().map(|m| m.name()).collect();
-                    usage(&format!(
-                        "no simulated mutant {name:?}; one of: {}",
-                        names.join(", ")
-                    ))
+                mutant = Some(Mutant::from_name(&name).unwrap_or_else(|| {
+                    let names: Vec<&str> = Mutant::ALL.iter().map(|m| m.name()).collect();
+                    usage(&format!("no mutant {name:?}; one of: {}", names.join(", ")))
                 }));
             }
             "--trace" => trace = true,

@@ -40,16 +40,25 @@
 //!   election key, transactions that commit only for the session holding
 //!   it), each member on a clock a little fast or slow, paused (SIGSTOP)
 //!   or cut off from etcd for up to two TTLs while clients still reach it,
-//!   and killed; a member that wins loads the lease state and serves under
-//!   the core's restart rule, and admits only while the core's self-fencing
-//!   deadline (`fencegate_core::cluster`) has not passed on its own clock.
+//!   and killed or stopped (SIGTERM); a member that wins loads the lease
+//!   state and serves under the core's restart rule, and admits only while
+//!   the core's self-fencing deadline (`fencegate_core::cluster`) has not
+//!   passed on its own clock. A stopped primary stops admitting, waits a
+//!   while for its writes (`cluster::handover_drained`) and, if they all
+//!   finished and settled, records the handover as clean before it gives
+//!   its session back; the next primary then keeps no takeover window if
+//!   `cluster::takeover_clean` says so. The settle time is longer than a
+//!   member's poll here, so a write of unknown outcome may still land
+//!   after another member took over.
 //!
 //! What it leaves out: etcd keeps each lease's state with the etcd
 //! journal's rules (`fencegate_core::journal::stored`), but not its JSON,
 //! snapshots or write queue (`src/cluster/journal.rs`); the file journal's
 //! compaction, its changes of identity after growth and at a clean stop
 //! (the same steps as at a start), forgotten leases and older copies put
-//! back are not played. Admission and forwarding are one step here: a proxy paused between its
+//! back are not played; nor are shards: a clean handover happens here when a
+//! primary is stopped, not when the assignment moves its shard (the same
+//! rules either way). Admission and forwarding are one step here: a proxy paused between its
 //! last check and its write's first byte (the bound docs/cluster.md gives)
 //! is not modelled, nor a clock slower than the self-fencing margin per
 //! TTL (the clock check's business), nor the settle time shortened by a

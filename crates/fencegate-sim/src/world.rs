@@ -24,6 +24,10 @@ use crate::storage::{KeyWrite, Keys, Outcome, State, TagKind};
 const WALL_BASE_MS: u64 = 1_800_000_000_000;
 /// Tokens reserved at a time in the meta file (the proxy's default).
 const FLOOR_BLOCK: u64 = 4096;
+/// How long a stopping primary waits for its writes: shorter than the
+/// upstream timeout, as the shell's 2 s is beside its upstream deadlines,
+/// so that some stops end with writes unfinished and record nothing.
+const DRAIN_MS: u64 = 100;
 
 /// One run's settings. [`Config::new`] gives the defaults the tests use.
 #[derive(Clone, Debug)]
@@ -69,6 +73,13 @@ pub struct Config {
     /// million slow or fast: within what the clock check lets serve, the
     /// margin per TTL.
     pub member_skew_ppm: i64,
+    /// Cluster mode: of a member's process ends, how many in a thousand
+    /// are stops (SIGTERM) rather than crashes: a primary stops admitting,
+    /// waits for its writes (`cluster::handover_drained`), records the
+    /// handover as clean if they all finished and gives its session back,
+    /// so that the next primary may skip its takeover window
+    /// (`cluster::takeover_clean`).
+    pub stops_per_mille: u32,
     /// Cluster mode: mean time between pauses (SIGSTOP) of a member, each
     /// up to two TTLs of its etcd lease.
     pub pause_every_ms: u64,
@@ -100,10 +111,14 @@ impl Config {
         }
     }
 
-    /// Three members sharing their lease state through etcd.
+    /// Three members sharing their lease state through etcd. The settle
+    /// time is longer than a member's poll, as the defaults are (1 s and
+    /// 500 ms): a write of unknown outcome may still land after another
+    /// member took over.
     pub fn cluster(seed: u64, steps: u64) -> Self {
         Self {
             members: 3,
+            settle_ms: 400,
             ..Self::standalone(seed, steps)
         }
     }
@@ -129,6 +144,7 @@ impl Config {
             members: 1,
             member_ttl_s: 2,
             margin_ms: 100,
+            stops_per_mille: 800,
             member_skew_ppm: 5_000,
             pause_every_ms: 3_000,
             precondition_leases: 2,
@@ -185,6 +201,10 @@ pub struct Stats {
     /// Cluster mode: primaries that stepped down (their etcd lease gone, a
     /// write of lease state refused).
     pub step_downs: u64,
+    /// Cluster mode: primaries stopped (SIGTERM) that recorded a clean
+    /// handover, and takeovers that found one (and kept no window).
+    pub clean_handovers: u64,
+    pub clean_takeovers: u64,
     /// Routes with preconditions: writes answered 428 (no state known).
     pub preconditions_required: u64,
     /// Reads of a key through the proxy.
@@ -329,6 +349,14 @@ enum Ev {
     },
     /// Cluster mode: a member is paused.
     Pause(usize),
+    /// Cluster mode: a stopping primary looks whether its writes are done
+    /// (it gives up at `bound_ms`, its clock).
+    Drain {
+        member: usize,
+        generation: u64,
+        session: u64,
+        bound_ms: u64,
+    },
     /// Cluster mode: a member asks etcd for a session again (the last ask
     /// was lost).
     Regrant {
@@ -356,6 +384,13 @@ enum EtcdOp {
     Grant,
     KeepAlive(u64),
     Campaign(u64),
+    /// A stopping primary: if `clean`, the handover is recorded for the
+    /// election `session` holds (if it still does); then the session is
+    /// given back (the election with it).
+    Resign {
+        session: u64,
+        clean: bool,
+    },
     /// A transaction that appends lease records if `session` holds the
     /// election.
     Commit {
@@ -378,6 +413,9 @@ enum EtcdReply {
     },
     Won {
         session: u64,
+        /// The previous primary handed over cleanly (`cluster::takeover_clean`
+        /// of the records as the campaign found them).
+        clean: bool,
     },
     Lost,
     Committed {
@@ -485,6 +523,9 @@ struct Proxy {
     wall_error_ms: i64,
     slots: BTreeMap<usize, Slot>,
     unsettled_until_ms: u64,
+    /// When its last write of unknown outcome settles (the store's
+    /// `settling_left_ms`).
+    settling_until_ms: u64,
     rule: RestartRule,
     header: Header,
     len: u64,
@@ -541,6 +582,12 @@ struct Etcd {
     sessions: BTreeMap<u64, (usize, u64, bool)>,
     /// The session holding the election key.
     leader: Option<u64>,
+    /// The election last won (its session), as the winner records it, and
+    /// the one whose primary recorded a clean handover; whether the
+    /// current leader found its predecessor's handover clean.
+    elected: Option<u64>,
+    handed_over: Option<u64>,
+    won_clean: bool,
     /// Every lease's state as the etcd journal keeps it, changed by each
     /// committed record with the core's rules (`journal::stored`).
     leases: BTreeMap<String, StoredLease>,
@@ -861,7 +908,8 @@ impl World {
             Ev::Beat { member, .. }
             | Ev::Poll { member, .. }
             | Ev::FromEtcd { member, .. }
-            | Ev::Regrant { member, .. } => Some(*member),
+            | Ev::Regrant { member, .. }
+            | Ev::Drain { member, .. } => Some(*member),
             _ => None,
         }
     }
@@ -914,7 +962,19 @@ impl World {
             Ev::ReadAnswered(r) => self.read_answered(r),
             Ev::BodyDone(w) => self.body_done(w),
             Ev::Timeout(w) => self.timeout(w),
-            Ev::Crash(m) if self.cluster() => self.member_crash(m),
+            Ev::Crash(m) if self.cluster() => {
+                if self.chance(self.cfg.stops_per_mille) {
+                    self.member_stop(m);
+                } else {
+                    self.member_crash(m);
+                }
+            }
+            Ev::Drain {
+                member,
+                generation,
+                session,
+                bound_ms,
+            } => self.drain(member, generation, session, bound_ms),
             Ev::Crash(_) => self.crash(),
             Ev::Restart(_) => self.start(),
             Ev::MemberStart(m) => self.member_start(m),
@@ -1697,8 +1757,11 @@ impl World {
             let write = &self.writes[w];
             (write.lease, write.token, write.client, write.req)
         };
-        if let Some(slot) = self.proxy.as_mut().and_then(|px| px.slots.get_mut(&lease)) {
-            slot.inflight.remove(token, false, p + settle);
+        if let Some(px) = self.proxy.as_mut() {
+            px.settling_until_ms = px.settling_until_ms.max(p + settle);
+            if let Some(slot) = px.slots.get_mut(&lease) {
+                slot.inflight.remove(token, false, p + settle);
+            }
         }
         self.connection_gone(w);
         self.reply_to(client, req, Answer::Failed);
@@ -2428,6 +2491,7 @@ impl World {
             wall_error_ms,
             slots: BTreeMap::new(),
             unsettled_until_ms: now_ms + rule.unsettled_ms,
+            settling_until_ms: 0,
             rule,
             header,
             len,
@@ -2773,6 +2837,72 @@ impl World {
         self.after(down, Ev::MemberStart(m));
     }
 
+    /// A member's process is stopped (SIGTERM). Serving, it stops
+    /// admitting and waits for its writes, as the shell's `lead` and
+    /// `drain` do; otherwise it gives its session back and exits.
+    fn member_stop(&mut self, m: usize) {
+        if !self.members[m].alive {
+            return;
+        }
+        let Some(session) = self.members[m].session.map(|s| s.id) else {
+            return self.member_crash(m);
+        };
+        if !self.serving(session) {
+            self.send_etcd(
+                m,
+                EtcdOp::Resign {
+                    session,
+                    clean: false,
+                },
+            );
+            return self.member_crash(m);
+        }
+        if let Some(p) = self.proxy.as_mut().and_then(|p| p.primacy.as_mut()) {
+            p.revoked = true;
+        }
+        // No more keepalives: the session lives on until its TTL at most.
+        self.members[m].session = None;
+        let generation = self.members[m].generation;
+        let bound_ms = self.member_ms(m) + DRAIN_MS;
+        self.drain(m, generation, session, bound_ms);
+    }
+
+    /// A stopping primary's wait for its writes (the shell's `drain`, every
+    /// 10 ms up to `DRAIN_MS`): once the core's rule says they are done,
+    /// the handover is recorded as clean; either way the session is given
+    /// back and the process exits.
+    fn drain(&mut self, m: usize, generation: u64, session: u64, bound_ms: u64) {
+        let member = &self.members[m];
+        if !member.alive || member.generation != generation {
+            return;
+        }
+        let now_ms = self.member_ms(m);
+        let Some(proxy) = self.proxy.as_mut() else {
+            return;
+        };
+        let in_flight: u64 = proxy.slots.values().map(|s| s.inflight.len()).sum();
+        let clean = fencegate_core::cluster::handover_drained(
+            in_flight,
+            proxy.settling_until_ms.saturating_sub(now_ms),
+            proxy.unsettled_until_ms.saturating_sub(now_ms),
+        );
+        if !clean && now_ms < bound_ms {
+            self.after(
+                10,
+                Ev::Drain {
+                    member: m,
+                    generation,
+                    session,
+                    bound_ms,
+                },
+            );
+            return;
+        }
+        self.stats.clean_handovers += u64::from(clean);
+        self.send_etcd(m, EtcdOp::Resign { session, clean });
+        self.member_crash(m);
+    }
+
     fn schedule_pause(&mut self, m: usize) {
         let at = self.rng.u64(1..2 * self.cfg.pause_every_ms.max(2));
         self.after(at, Ev::Pause(m));
@@ -2866,14 +2996,40 @@ impl World {
             EtcdOp::KeepAlive(id) => EtcdReply::Gone { session: id },
             EtcdOp::Campaign(id) if !live(&self.etcd, id) => EtcdReply::Gone { session: id },
             EtcdOp::Campaign(id) => {
-                if self.etcd.leader.is_none() {
-                    self.etcd.leader = Some(id);
+                let etcd = &mut self.etcd;
+                if etcd.leader.is_none() {
+                    // The winner reads the records of the election before
+                    // and records its own (the shell's `record_election`).
+                    etcd.leader = Some(id);
+                    let bytes = |e: Option<u64>| e.map(u64::to_be_bytes);
+                    let (elected, handed_over) = (bytes(etcd.elected), bytes(etcd.handed_over));
+                    etcd.won_clean = fencegate_core::cluster::takeover_clean(
+                        elected.as_ref().map(|b| &b[..]),
+                        handed_over.as_ref().map(|b| &b[..]),
+                    );
+                    etcd.elected = Some(id);
                 }
-                if self.etcd.leader == Some(id) {
-                    EtcdReply::Won { session: id }
+                if etcd.leader == Some(id) {
+                    EtcdReply::Won {
+                        session: id,
+                        clean: etcd.won_clean,
+                    }
                 } else {
                     EtcdReply::Lost
                 }
+            }
+            EtcdOp::Resign { session, clean } => {
+                let etcd = &mut self.etcd;
+                if etcd.leader == Some(session) && live(etcd, session) {
+                    if clean {
+                        etcd.handed_over = etcd.elected;
+                    }
+                    etcd.leader = None;
+                }
+                if let Some(s) = etcd.sessions.get_mut(&session) {
+                    s.2 = true;
+                }
+                return;
             }
             EtcdOp::Commit {
                 session,
@@ -2955,9 +3111,11 @@ impl World {
                 }
             }
             EtcdReply::Gone { session } if current == Some(session) => self.step_down(m),
-            EtcdReply::Won { session } if current == Some(session) && !self.serving(session) => {
+            EtcdReply::Won { session, clean }
+                if current == Some(session) && !self.serving(session) =>
+            {
                 let confirmed = self.members[m].session.map_or(0, |s| s.sent_ms);
-                self.take_over(m, session, confirmed);
+                self.take_over(m, session, confirmed, clean);
             }
             EtcdReply::Committed { inc, batch, ok }
                 if self.proxy.as_ref().is_some_and(|p| p.inc == inc) =>
@@ -3030,11 +3188,12 @@ impl World {
     /// message it sent at `confirmed_ms`: it loads the lease state from
     /// etcd and serves it under the restart rule (ids as digests, terms
     /// held, the takeover window for the writes of the previous primary).
-    fn take_over(&mut self, m: usize, session: u64, confirmed_ms: u64) {
+    fn take_over(&mut self, m: usize, session: u64, confirmed_ms: u64, clean: bool) {
         if let Some(old) = self.proxy.take() {
             self.abandon(old.inc);
         }
         self.stats.takeovers += 1;
+        self.stats.clean_takeovers += u64::from(clean);
         // What the member loads: every lease etcd holds, as the etcd
         // journal's records (ids as digests).
         let records: Vec<LeaseRecord> = self
@@ -3060,7 +3219,10 @@ impl World {
         let now_ms = self.member_ms(m);
         let wall_ms = (WALL_BASE_MS + self.now).saturating_add_signed(wall_error_ms);
         let rule = RestartRule {
-            unsettled_ms: self.cfg.upstream_timeout_ms + self.cfg.settle_ms,
+            unsettled_ms: fencegate_core::cluster::takeover_window_ms(
+                clean,
+                self.cfg.upstream_timeout_ms + self.cfg.settle_ms,
+            ),
             hashed_ids: true,
             ..RestartRule::default()
         };
@@ -3081,6 +3243,7 @@ impl World {
             wall_error_ms,
             slots: BTreeMap::new(),
             unsettled_until_ms: now_ms + rule.unsettled_ms,
+            settling_until_ms: 0,
             rule,
             header: Header {
                 seq: 0,

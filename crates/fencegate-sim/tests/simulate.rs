@@ -45,7 +45,8 @@ fn seeds_hold_every_guarantee() {
          ({} during a start), {} of them power cuts ({} torn writes), {} damaged logs, {} failed syncs, {} grants, \
          {} writes applied, {} stale or late writes refused, {} barrier waits, {} rogue \
          writes left out; cluster mode: {} takeovers, {} pauses, {} members cut off from \
-         etcd, {} step-downs; preconditions: {} writes answered 428, {} key reads, {} \
+         etcd, {} step-downs, {} clean handovers ({} found clean by the next primary); \
+         preconditions: {} writes answered 428, {} key reads, {} \
          preconditions refused, {} of them late writes of an old term, {} returned states let \
          through",
         steps as f64 / secs,
@@ -64,6 +65,8 @@ fn seeds_hold_every_guarantee() {
         totals.pauses,
         totals.partitions,
         totals.step_downs,
+        totals.clean_handovers,
+        totals.clean_takeovers,
         totals.preconditions_required,
         totals.key_reads,
         totals.preconditions_refused,
@@ -75,6 +78,7 @@ fn seeds_hold_every_guarantee() {
     assert!(totals.start_crashes > 0);
     assert!(totals.barrier_waits > 0 && totals.rogue_writes > 0);
     assert!(totals.takeovers > 0 && totals.pauses > 0 && totals.partitions > 0);
+    assert!(totals.clean_takeovers > 0 && totals.clean_takeovers < totals.takeovers);
     // The storage refused late writes of old terms, and both kinds of tag
     // were played.
     assert!(totals.late_stale_refused > 0 && totals.preconditions_required > 0);
@@ -97,6 +101,8 @@ fn add(totals: &mut fencegate_sim::Stats, s: &fencegate_sim::Stats) {
     totals.pauses += s.pauses;
     totals.partitions += s.partitions;
     totals.step_downs += s.step_downs;
+    totals.clean_handovers += s.clean_handovers;
+    totals.clean_takeovers += s.clean_takeovers;
     totals.preconditions_required += s.preconditions_required;
     totals.key_reads += s.key_reads;
     totals.preconditions_refused += s.preconditions_refused;

@@ -172,7 +172,7 @@ impl WriteGuard {
             .cell
             .inflight()
             .remove(self.token, streaming, linger_until_ms);
-        self.store.count_inflight(&self.cell, false);
+        self.store.count_ended(&self.cell, linger_until_ms);
         if removed {
             self.cell.changed.notify_waiters();
         }
@@ -253,7 +253,7 @@ impl LeaseStore {
         }
         inflight.add(token);
         drop(inflight);
-        self.count_inflight(cell, true);
+        self.count_admitted(cell);
         Admission::Admitted(WriteGuard {
             store: self.clone(),
             cell: cell.clone(),

@@ -142,8 +142,10 @@ impl InflightCount {
         self.cell(key).fetch_add(1, Ordering::SeqCst);
     }
 
+    /// Release: what the finishing write stored before (when it settles)
+    /// is seen by whoever sees it gone from the count.
     pub(super) fn remove(&self, key: usize) {
-        self.cell(key).fetch_sub(1, Ordering::Relaxed);
+        self.cell(key).fetch_sub(1, Ordering::Release);
     }
 
     pub(super) fn count(&self) -> u64 {

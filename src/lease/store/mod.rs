@@ -283,6 +283,9 @@ struct Shared {
     live_terms: LiveTerms,
     /// Writes in flight, kept on each admission and finish.
     inflight_writes: InflightCount,
+    /// When the last write whose outcome became unknown has settled (the
+    /// storage may apply it until then).
+    settling_until_ms: AtomicU64,
     /// Leases not in the store (never granted, or forgotten) continue above
     /// this: the highest token of any lease forgotten, here or before a
     /// restart (the journal keeps it).
@@ -325,6 +328,7 @@ impl LeaseStore {
                 lost_records: false,
                 live_terms: LiveTerms::new(limits.max_ttl_ms),
                 inflight_writes: InflightCount::default(),
+                settling_until_ms: AtomicU64::new(0),
                 forgotten_above: AtomicU64::new(0),
                 sweep_cursor: Mutex::new(None),
             }),
@@ -1045,6 +1049,17 @@ impl LeaseStore {
         self.shared.inflight_writes.count()
     }
 
+    /// How long a write whose outcome became unknown (see
+    /// [`LeaseStore::inflight_count`], which no longer counts it) may still
+    /// be applied by the storage, in milliseconds: 0 once the last has
+    /// settled.
+    pub fn settling_left_ms(&self) -> u64 {
+        self.shared
+            .settling_until_ms
+            .load(Ordering::Acquire)
+            .saturating_sub(self.shared.clock.now_ms())
+    }
+
     /// How long this store's restart (or takeover) window still holds back
     /// later terms of leases whose earlier writes may be unfinished, in
     /// milliseconds: 0 once it is over.
@@ -1070,15 +1085,22 @@ impl LeaseStore {
 }
 
 impl LeaseStore {
-    /// Counts a write of the lease whose cell is `cell` into (`true`) or out
-    /// of the writes in flight.
-    fn count_inflight(&self, cell: &Arc<LeaseCell>, admitted: bool) {
-        let key = Arc::as_ptr(cell) as usize;
-        if admitted {
-            self.shared.inflight_writes.add(key);
-        } else {
-            self.shared.inflight_writes.remove(key);
-        }
+    /// Counts a write of the lease whose cell is `cell` into the writes in
+    /// flight.
+    fn count_admitted(&self, cell: &Arc<LeaseCell>) {
+        self.shared.inflight_writes.add(Arc::as_ptr(cell) as usize);
+    }
+
+    /// Counts a write of the lease whose cell is `cell` out of the writes in
+    /// flight; with `linger_until_ms` its outcome is unknown and it settles
+    /// then.
+    fn count_ended(&self, cell: &Arc<LeaseCell>, linger_until_ms: u64) {
+        self.shared
+            .settling_until_ms
+            .fetch_max(linger_until_ms, Ordering::AcqRel);
+        self.shared
+            .inflight_writes
+            .remove(Arc::as_ptr(cell) as usize);
     }
 }
 
