@@ -2,10 +2,11 @@
 //! and, in cluster mode, the member's right to admit ([`primacy`]), around
 //! the core's decisions (from `fencegate-core`, re-exported here): the
 //! state machine ([`machine`]), lease ids ([`id`]), writes in flight by
-//! term ([`inflight`]), the admission decision ([`admission`]) and the
-//! restart rule ([`restart`]).
+//! term ([`inflight`]), the admission decision ([`admission`]), the
+//! restart rule ([`restart`]) and when a lease may be forgotten
+//! ([`retention`]).
 
-pub use fencegate_core::lease::{admission, id, inflight, machine, restart};
+pub use fencegate_core::lease::{admission, id, inflight, machine, restart, retention};
 pub mod primacy;
 pub mod store;
 

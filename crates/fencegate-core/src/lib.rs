@@ -11,8 +11,9 @@
 //! - [`lease`]: the lease state machine ([`lease::machine`]: acquire, renew,
 //!   release, the write check, all on the caller's `now_ms`), lease ids
 //!   ([`lease::id`]), writes in flight by term ([`lease::inflight`]), the
-//!   admission decision with the handover barrier ([`lease::admission`])
-//!   and the restart rule and window ([`lease::restart`]).
+//!   admission decision with the handover barrier ([`lease::admission`]),
+//!   the restart rule and window ([`lease::restart`]), and when a lease may
+//!   be forgotten ([`lease::retention`]).
 //! - [`journal`]: the journal's on-disk format ([`journal::record`]: header
 //!   slots, checksummed frames, the records and how they fold into a lease's
 //!   state), the order of a batch's writes and syncs ([`journal::append`]),

@@ -80,11 +80,15 @@ pub enum Mutant {
     /// one left by an earlier primary than the last
     /// ([`crate::cluster::takeover_clean`]).
     HandoverAssumedClean,
+    /// A lease is forgotten while a write of it is in flight or of unknown
+    /// outcome still settling ([`crate::lease::retention::Sweep::may_forget`]):
+    /// its next term starts with nothing holding it back.
+    ForgottenWhileSettling,
 }
 
 impl Mutant {
     /// Every mutant, in the order the tests try them.
-    pub const ALL: [Mutant; 19] = [
+    pub const ALL: [Mutant; 20] = [
         Mutant::BarrierOff,
         Mutant::RestartWindowSkipped,
         Mutant::HeaderBeforeSync,
@@ -104,6 +108,7 @@ impl Mutant {
         Mutant::IdentityNamedLate,
         Mutant::HandoverIgnoresSettling,
         Mutant::HandoverAssumedClean,
+        Mutant::ForgottenWhileSettling,
     ];
 
     /// The mutant's name on command lines and in `FENCEGATE_TEST_MUTANT`.
@@ -128,6 +133,7 @@ impl Mutant {
             Mutant::IdentityNamedLate => "identity-named-late",
             Mutant::HandoverIgnoresSettling => "handover-ignores-settling",
             Mutant::HandoverAssumedClean => "handover-assumed-clean",
+            Mutant::ForgottenWhileSettling => "forgotten-while-settling",
         }
     }
 

@@ -35,6 +35,10 @@
 //!   primacy, and answers 428 (the client then reads the key) where it
 //!   knows nothing;
 //! - crashes and power cuts at any step, and restarts;
+//! - the lease store's sweep, forgetting by the core's rule
+//!   (`fencegate_core::lease::retention`) leases quiet for the retention
+//!   time, or for none as when it makes room, each journaled, its tokens
+//!   kept by the mark new names start above;
 //! - in cluster mode (even seeds), three members sharing the lease state
 //!   through a simulated etcd (sessions that expire on etcd's clock, one
 //!   election key, transactions that commit only for the session holding
@@ -55,8 +59,8 @@
 //! journal's rules (`fencegate_core::journal::stored`), but not its JSON,
 //! snapshots or write queue (`src/cluster/journal.rs`); the file journal's
 //! compaction, its changes of identity after growth and at a clean stop
-//! (the same steps as at a start), forgotten leases and older copies put
-//! back are not played; nor are shards: a clean handover happens here when a
+//! (the same steps as at a start) and older copies put back are not
+//! played; nor are shards: a clean handover happens here when a
 //! primary is stopped, not when the assignment moves its shard (the same
 //! rules either way). Admission and forwarding are one step here: a proxy paused between its
 //! last check and its write's first byte (the bound docs/cluster.md gives)

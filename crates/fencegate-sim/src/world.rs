@@ -73,6 +73,11 @@ pub struct Config {
     /// million slow or fast: within what the clock check lets serve, the
     /// margin per TTL.
     pub member_skew_ppm: i64,
+    /// Leases quiet for this long are forgotten (`leases.retention_ms`:
+    /// more than the upstream timeout plus the settle time, as the config
+    /// requires); some sweeps forget with none, as the store does to make
+    /// room for a new name when it is full.
+    pub retention_ms: u64,
     /// Cluster mode: of a member's process ends, how many in a thousand
     /// are stops (SIGTERM) rather than crashes: a primary stops admitting,
     /// waits for its writes (`cluster::handover_drained`), records the
@@ -145,6 +150,7 @@ impl Config {
             member_ttl_s: 2,
             margin_ms: 100,
             stops_per_mille: 800,
+            retention_ms: 600,
             member_skew_ppm: 5_000,
             pause_every_ms: 3_000,
             precondition_leases: 2,
@@ -205,6 +211,8 @@ pub struct Stats {
     /// handover, and takeovers that found one (and kept no window).
     pub clean_handovers: u64,
     pub clean_takeovers: u64,
+    /// Leases forgotten (retention, or room made).
+    pub forgotten: u64,
     /// Routes with preconditions: writes answered 428 (no state known).
     pub preconditions_required: u64,
     /// Reads of a key through the proxy.
@@ -320,6 +328,8 @@ enum Ev {
         req: Req,
     },
     Flush(u64),
+    /// The lease store's retention sweep (on the proxy of incarnation .0).
+    Sweep(u64),
     Synced {
         inc: u64,
         rest: Vec<Step>,
@@ -481,6 +491,8 @@ struct Slot {
     inflight: Inflight,
     unsettled_from: u64,
     wall_deadline_ms: u64,
+    /// When a request last named the lease (the proxy's clock).
+    touched_ms: u64,
 }
 
 #[derive(Debug)]
@@ -588,6 +600,8 @@ struct Etcd {
     elected: Option<u64>,
     handed_over: Option<u64>,
     won_clean: bool,
+    /// Leases not loaded continue above this (the journal's mark).
+    forgotten_above: u64,
     /// Every lease's state as the etcd journal keeps it, changed by each
     /// committed record with the core's rules (`journal::stored`).
     leases: BTreeMap<String, StoredLease>,
@@ -897,7 +911,7 @@ impl World {
     fn target(&self, ev: &Ev) -> Option<usize> {
         match ev {
             Ev::Arrive(req) => Some(req.member),
-            Ev::Retry { inc, .. } | Ev::Flush(inc) | Ev::Synced { inc, .. } => {
+            Ev::Retry { inc, .. } | Ev::Flush(inc) | Ev::Sweep(inc) | Ev::Synced { inc, .. } => {
                 Some(self.inc_member[*inc as usize])
             }
             Ev::Answered(w) | Ev::BodyDone(w) | Ev::Timeout(w) => {
@@ -947,6 +961,7 @@ impl World {
                 }
             }
             Ev::Flush(inc) => self.flush(inc),
+            Ev::Sweep(inc) => self.sweep(inc),
             Ev::Synced {
                 inc,
                 rest,
@@ -1297,6 +1312,13 @@ impl World {
             return;
         }
         self.open.insert(req.id, (req.client, inc));
+        if !matches!(req.op, Op::Read { .. }) {
+            let p = self.proxy_now();
+            let proxy = self.proxy.as_mut().expect("checked above");
+            if let Some(slot) = proxy.slots.get_mut(&req.lease) {
+                slot.touched_ms = slot.touched_ms.max(p);
+            }
+        }
         match req.op {
             Op::Acquire { ttl_ms } => self.acquire(req, ttl_ms),
             Op::Renew => self.renew(req),
@@ -1321,6 +1343,7 @@ impl World {
                 inflight: Inflight::default(),
                 unsettled_from,
                 wall_deadline_ms: 0,
+                touched_ms: p,
             }
         });
         let previous = slot.state.term().cloned();
@@ -1971,6 +1994,63 @@ impl World {
 
     // -- the journal ----------------------------------------------------------
 
+    /// The lease store's sweep: forgets, by the core's rule, the leases
+    /// quiet for the retention time (or, making room, for none), raising
+    /// the mark new terms of a name not in the store start above, and
+    /// journals each (as the shell's `forget`).
+    fn sweep(&mut self, inc: u64) {
+        if self.proxy.as_ref().is_none_or(|p| p.inc != inc) {
+            return;
+        }
+        let every = self.rng.u64(20..=200);
+        self.after(every, Ev::Sweep(inc));
+        if !self.primary_now() {
+            return;
+        }
+        let retention_ms = if self.rng.u32(0..10) < 3 {
+            0
+        } else {
+            self.cfg.retention_ms
+        };
+        let now_ms = self.proxy_now();
+        let proxy = self.proxy.as_mut().expect("checked above");
+        let sweep = fencegate_core::lease::retention::Sweep {
+            now_ms,
+            retention_ms,
+            unsettled_until_ms: proxy.unsettled_until_ms,
+        };
+        let gone: Vec<usize> = proxy
+            .slots
+            .iter_mut()
+            .filter_map(|(&lease, slot)| {
+                let Slot {
+                    state,
+                    inflight,
+                    unsettled_from,
+                    touched_ms,
+                    ..
+                } = slot;
+                sweep
+                    .may_forget(state, *touched_ms, *unsettled_from, false, Some(inflight))
+                    .then_some(lease)
+            })
+            .collect();
+        for lease in gone {
+            let proxy = self.proxy.as_mut().expect("checked above");
+            let Some(slot) = proxy.slots.remove(&lease) else {
+                continue;
+            };
+            let last_token = slot.state.last_token();
+            proxy.rule.forgotten_above = proxy.rule.forgotten_above.max(last_token);
+            self.stats.forgotten += 1;
+            let record = Record::Forget {
+                lease: lease_name(lease),
+                last_token,
+            };
+            self.queue(record, Ack::None);
+        }
+    }
+
     fn queue(&mut self, record: Record, ack: Ack) {
         if let Record::Renew { token, .. } = record {
             if let Some(lease) = record.lease().and_then(lease_index) {
@@ -2163,9 +2243,12 @@ impl World {
     ) {
         let p = self.proxy_now();
         let proxy = self.proxy.as_mut().expect("checked");
-        let slot = proxy.slots.get_mut(&req.lease).expect("granted here");
         if !ok {
-            slot.state.abandon(token, previous);
+            // A term that ran out while it was persisted may have been
+            // forgotten meanwhile (the mark is above its token already).
+            if let Some(slot) = proxy.slots.get_mut(&req.lease) {
+                slot.state.abandon(token, previous);
+            }
             self.reply(&req, Answer::Failed);
             return;
         }
@@ -2714,6 +2797,7 @@ impl World {
                     inflight: Inflight::default(),
                     unsettled_from: restored.unsettled_from,
                     wall_deadline_ms: restored.wall_deadline_ms,
+                    touched_ms: 0,
                 },
             );
         }
@@ -2723,7 +2807,10 @@ impl World {
     /// `proxy` serves from now on; a term its hint ended is recorded as
     /// ended.
     fn serve(&mut self, proxy: Proxy, ended_by_hint: Vec<(usize, u64)>) {
+        let inc = proxy.inc;
         self.proxy = Some(proxy);
+        let every = self.rng.u64(20..=200);
+        self.after(every, Ev::Sweep(inc));
         for (lease, token) in ended_by_hint {
             let record = Record::Release {
                 lease: lease_name(lease),
@@ -3137,6 +3224,11 @@ impl World {
                 continue;
             };
             let state = self.etcd.leases.entry(lease.to_owned()).or_default();
+            if state.forgotten {
+                // The journal dropped it from its state (the mark keeps
+                // its tokens): a later change starts afresh.
+                *state = StoredLease::default();
+            }
             match &q.record {
                 Record::Grant {
                     token,
@@ -3164,6 +3256,10 @@ impl World {
                 }
                 Record::Release { token, quiet, .. } => {
                     state.release(*token, *quiet);
+                }
+                Record::Forget { last_token, .. } => {
+                    state.forget(*last_token);
+                    self.etcd.forgotten_above = self.etcd.forgotten_above.max(*last_token);
                 }
                 _ => {}
             }
@@ -3224,6 +3320,7 @@ impl World {
                 self.cfg.upstream_timeout_ms + self.cfg.settle_ms,
             ),
             hashed_ids: true,
+            forgotten_above: self.etcd.forgotten_above,
             ..RestartRule::default()
         };
         let until_ms = fencegate_core::cluster::primacy_deadline(

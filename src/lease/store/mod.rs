@@ -35,6 +35,7 @@ use super::id::LeaseId;
 use super::inflight::Inflight;
 use super::machine::{AcquireRefused, Grant, Held, LeaseState, Reject, Term, View};
 use super::restart::{self, RestartRule, SETTLED};
+use super::retention;
 use crate::clock::Clock;
 use crate::journal::{GrantRecord, Journal, JournalFuture, LeaseRecord};
 use crate::names::{Holder, LeaseName};
@@ -170,24 +171,23 @@ impl Slot {
         self.touched_ms.fetch_max(now_ms, Ordering::Relaxed);
     }
 
-    /// Whether the lease may be forgotten at `now_ms`: no live term, no
-    /// request naming it and no term ending for `retention_ms`, and nobody
-    /// holding its cell (a waiting acquire or write, a write in flight)
-    /// nor any write of it still settling.
-    fn is_idle(&self, now_ms: u64, retention_ms: u64, unsettled_until_ms: u64) -> bool {
-        if self.state.is_held(now_ms)
-            || (self.unsettled_from != SETTLED && now_ms < unsettled_until_ms)
-        {
-            return false;
-        }
-        let ended_ms = self.state.term().map_or(0, |t| t.deadline_ms);
-        let quiet_since_ms = ended_ms.max(self.touched_ms.load(Ordering::Relaxed));
-        if now_ms < quiet_since_ms.saturating_add(retention_ms) {
-            return false;
-        }
-        self.cell
-            .get()
-            .is_none_or(|cell| Arc::strong_count(cell) == 1 && cell.inflight().is_settled(now_ms))
+    /// Whether the lease may be forgotten in `sweep` (the core's rule): its
+    /// cell, if it has one, held by nobody else (a waiting acquire or
+    /// write) and its writes looked at under their lock.
+    fn may_forget(&self, sweep: &retention::Sweep) -> bool {
+        let touched_ms = self.touched_ms.load(Ordering::Relaxed);
+        let (in_use, mut writes) = match self.cell.get() {
+            Some(cell) if Arc::strong_count(cell) != 1 => (true, None),
+            Some(cell) => (false, Some(cell.inflight())),
+            None => (false, None),
+        };
+        sweep.may_forget(
+            &self.state,
+            touched_ms,
+            self.unsettled_from,
+            in_use,
+            writes.as_deref_mut(),
+        )
     }
 
     /// Whether no write with a token below `token` may still be unfinished
@@ -894,11 +894,15 @@ impl LeaseStore {
             };
             names
         };
-        let now_ms = shared.clock.now_ms();
+        let sweep = retention::Sweep {
+            now_ms: shared.clock.now_ms(),
+            retention_ms,
+            unsettled_until_ms: shared.unsettled_until_ms,
+        };
         let mut forgotten = 0;
         for name in names {
             let removed = shared.leases.remove_if(name.as_str(), |_, slot| {
-                if !slot.is_idle(now_ms, retention_ms, shared.unsettled_until_ms) {
+                if !slot.may_forget(&sweep) {
                     return false;
                 }
                 // Under the lease's lock: no grant of this name can come

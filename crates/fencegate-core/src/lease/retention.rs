@@ -1,0 +1,103 @@
+//! When the lease store may forget a lease (`leases.retention_ms`, and
+//! room made for a new name when the store is full): the rule the shell's
+//! sweep runs under each lease's lock, and the simulator plays. What a
+//! forgotten lease leaves behind is a mark its tokens continue above
+//! ([`crate::lease::restart::RestartRule::forgotten_above`]).
+
+use crate::lease::inflight::Inflight;
+use crate::lease::machine::LeaseState;
+use crate::lease::restart::SETTLED;
+use crate::mutant::{planted, Mutant};
+
+/// One pass of the sweep, at `now_ms` on the store's clock.
+#[derive(Clone, Copy, Debug)]
+pub struct Sweep {
+    pub now_ms: u64,
+    /// How long a lease must have been quiet (0: making room, where only
+    /// the courtesy is cut short, never the safety).
+    pub retention_ms: u64,
+    /// The end of the store's restart (or takeover) window.
+    pub unsettled_until_ms: u64,
+}
+
+impl Sweep {
+    /// Whether a lease may be forgotten now: no live term; no request
+    /// naming it (`touched_ms`) and no term ending for the retention time;
+    /// no write of it from before the restart that may still be unfinished
+    /// (`unsettled_from`, see [`crate::lease::restart::restart_holds_back`]);
+    /// nobody holding it (`in_use`: a waiting acquire or write); and none of
+    /// its writes (`writes`, if any was ever admitted) in flight or of
+    /// unknown outcome still settling: once forgotten, nothing would hold a
+    /// newer term's writes back behind them.
+    pub fn may_forget(
+        &self,
+        state: &LeaseState,
+        touched_ms: u64,
+        unsettled_from: u64,
+        in_use: bool,
+        writes: Option<&mut Inflight>,
+    ) -> bool {
+        let now_ms = self.now_ms;
+        if in_use
+            || state.is_held(now_ms)
+            || (unsettled_from != SETTLED && now_ms < self.unsettled_until_ms)
+        {
+            return false;
+        }
+        let ended_ms = state.term().map_or(0, |t| t.deadline_ms);
+        let quiet_since_ms = ended_ms.max(touched_ms);
+        if now_ms < quiet_since_ms.saturating_add(self.retention_ms) {
+            return false;
+        }
+        planted(Mutant::ForgottenWhileSettling) || writes.is_none_or(|w| w.is_settled(now_ms))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lease::id::LeaseId;
+
+    #[test]
+    fn a_lease_is_forgotten_only_once_quiet_and_settled() {
+        let mut state = LeaseState::default();
+        let grant = state
+            .acquire(0, "a", 100, LeaseId::from_bytes([1; 16]))
+            .unwrap();
+        let sweep = |now_ms, retention_ms| Sweep {
+            now_ms,
+            retention_ms,
+            unsettled_until_ms: 500,
+        };
+        assert!(
+            !sweep(50, 0).may_forget(&state, 0, SETTLED, false, None),
+            "held"
+        );
+        assert!(
+            !sweep(150, 100).may_forget(&state, 0, SETTLED, false, None),
+            "quiet 50 ms"
+        );
+        assert!(
+            !sweep(250, 100).may_forget(&state, 160, SETTLED, false, None),
+            "named at 160"
+        );
+        assert!(sweep(250, 100).may_forget(&state, 0, SETTLED, false, None));
+        assert!(
+            !sweep(250, 100).may_forget(&state, 0, SETTLED, true, None),
+            "in use"
+        );
+        assert!(
+            !sweep(250, 100).may_forget(&state, 0, 1, false, None),
+            "restart window"
+        );
+        assert!(
+            sweep(600, 100).may_forget(&state, 0, 1, false, None),
+            "window over"
+        );
+        let mut writes = Inflight::default();
+        writes.add(grant.token);
+        writes.remove(grant.token, false, 300);
+        assert!(!sweep(250, 100).may_forget(&state, 0, SETTLED, false, Some(&mut writes)));
+        assert!(sweep(300, 100).may_forget(&state, 0, SETTLED, false, Some(&mut writes)));
+    }
+}
