@@ -26,13 +26,11 @@ use std::time::Duration;
 
 use crate::clock::Clock;
 use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
-use crate::lease::{LeaseStore, Primacy, RestartRule};
-use fencegate_core::cluster::{
-    handover_drained, primacy_deadline, takeover_clean, takeover_window_ms,
-};
+use crate::lease::{LeaseStore, Primacy};
+use fencegate_core::cluster::{handover_drained, primacy_deadline, takeover_clean, takeover_rule};
 
 use super::journal::{self, Election, EtcdJournal, Limits};
-use super::{ClusterOptions, MakeApp, Member, Peer, Takeover};
+use super::{in_session, ClusterOptions, MakeApp, Member, Peer, Takeover};
 
 /// An etcd lease as this member last confirmed it.
 #[derive(Clone, Copy, Debug)]
@@ -179,12 +177,10 @@ impl<S: Send + Sync + 'static> Elector<S> {
     /// One etcd session: campaign until won or the session is lost, serve
     /// while primary.
     async fn session(&self) -> Result<(), String> {
-        let ttl_s = i64::try_from(self.options.ttl_ms.div_ceil(1000)).unwrap_or(i64::MAX);
         let sent_ms = self.clock.now_ms();
-        let (id, ttl_s) = self.client.grant(ttl_s).await.map_err(|e| e.to_string())?;
-        let mut session = Session { id, sent_ms, ttl_s };
-        let me = serde_json::to_vec(&self.member.shared.me).unwrap_or_default();
-        let result = async {
+        in_session(&self.client, &self.options, |id, ttl_s| async move {
+            let mut session = Session { id, sent_ms, ttl_s };
+            let me = serde_json::to_vec(&self.member.shared.me).unwrap_or_default();
             loop {
                 if self.member.is_stopping() {
                     return Ok(());
@@ -246,11 +242,8 @@ impl<S: Send + Sync + 'static> Elector<S> {
                         .ok_or("this member's etcd lease expired")?;
                 }
             }
-        }
-        .await;
-        // Best effort: the keys go at once instead of at the TTL's end.
-        let _ = tokio::time::timeout(self.options.beat(), self.client.revoke(id)).await;
-        result
+        })
+        .await
     }
 
     /// Renews the session's etcd lease once: the renewed session, or
@@ -339,13 +332,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
             leases,
             journal: journal.clone(),
             primacy: primacy.clone(),
-            rule: RestartRule {
-                // None if the previous primary saw its last writes finish.
-                unsettled_ms: takeover_window_ms(clean, self.options.unsettled_ms),
-                hashed_ids: true,
-                forgotten_above,
-                ..RestartRule::default()
-            },
+            rule: takeover_rule(clean, self.options.unsettled_ms, forgotten_above),
         })?;
         {
             let mut view = self.member.view_mut();

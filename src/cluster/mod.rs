@@ -123,6 +123,35 @@ impl ClusterOptions {
     }
 }
 
+/// Runs `body` in an etcd session of its own: a fresh etcd lease of the
+/// member's TTL (`body` gets its id and the TTL etcd granted), given back
+/// when `body` ends, whatever its outcome (best effort, within a beat: the
+/// keys on it go at once instead of at the TTL's end).
+async fn in_session<T, F>(
+    client: &EtcdClient,
+    options: &ClusterOptions,
+    body: impl FnOnce(i64, i64) -> F,
+) -> Result<T, String>
+where
+    F: std::future::Future<Output = Result<T, String>>,
+{
+    let ttl_s = i64::try_from(options.ttl_ms.div_ceil(1000)).unwrap_or(i64::MAX);
+    let (id, ttl_s) = client.grant(ttl_s).await.map_err(|e| e.to_string())?;
+    let result = body(id, ttl_s).await;
+    let _ = tokio::time::timeout(options.beat(), client.revoke(id)).await;
+    result
+}
+
+/// Renews etcd lease `id` once: the TTL etcd granted, or why the session
+/// is over.
+async fn renew_session(client: &EtcdClient, id: i64) -> Result<i64, String> {
+    client
+        .keep_alive(id)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| "this member's etcd lease expired".to_owned())
+}
+
 /// What a member gets when it wins a shard: the lease state to serve from.
 pub struct Takeover {
     /// The shard won.

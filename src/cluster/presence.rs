@@ -10,7 +10,7 @@ use crate::clock::Clock;
 use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
 use fencegate_core::cluster::{ClockProbe, ClockVerdict};
 
-use super::{ClusterOptions, Member, Registration};
+use super::{in_session, renew_session, ClusterOptions, Member, Registration};
 
 /// The state of this member's clock check, kept across its sessions.
 #[derive(Debug, Default)]
@@ -114,9 +114,7 @@ impl<S: Send + Sync + 'static> Presence<S> {
     /// One etcd session: register, then keep the registration alive, the
     /// clock checked and the member list fresh, a beat at a time.
     async fn session(&self, check: &mut ClockCheck) -> Result<(), String> {
-        let ttl_s = i64::try_from(self.options.ttl_ms.div_ceil(1000)).unwrap_or(i64::MAX);
-        let (id, _) = self.client.grant(ttl_s).await.map_err(|e| e.to_string())?;
-        let result = async {
+        in_session(&self.client, &self.options, |id, _| async move {
             let mut registered = None;
             loop {
                 if self.member.is_stopping() {
@@ -157,17 +155,10 @@ impl<S: Send + Sync + 'static> Presence<S> {
                         () = self.member.stopped() => return Ok(()),
                     }
                 }
-                self.client
-                    .keep_alive(id)
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .ok_or("this member's etcd lease expired")?;
+                renew_session(&self.client, id).await?;
             }
-        }
-        .await;
-        // Best effort: the key goes at once instead of at the TTL's end.
-        let _ = tokio::time::timeout(self.options.beat(), self.client.revoke(id)).await;
-        result
+        })
+        .await
     }
 
     async fn refresh_members(&self) {

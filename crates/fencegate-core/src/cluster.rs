@@ -4,6 +4,7 @@
 //! clock against etcd's concludes. The member's shell
 //! (`fencegate::cluster`) talks to etcd and calls these.
 
+use crate::lease::restart::RestartRule;
 use crate::mutant::{planted, Mutant};
 
 /// Until when a primary may admit, after etcd confirmed its election lease
@@ -53,15 +54,18 @@ pub fn takeover_clean(elected: Option<&[u8]>, handed_over: Option<&[u8]>) -> boo
     }
 }
 
-/// The takeover window of a new primary, in milliseconds: none after a
-/// clean handover ([`takeover_clean`]), else the time an unfinished write
-/// of the previous primary may still take to reach the storage
-/// (`unsettled_ms`: the upstream timeout and the settle time).
-pub fn takeover_window_ms(clean: bool, unsettled_ms: u64) -> u64 {
-    if clean {
-        0
-    } else {
-        unsettled_ms
+/// The restart rule a new primary serves under: lease ids as their
+/// digests (etcd keeps no id), tokens of leases it does not load above
+/// `forgotten_above` (the etcd journal's mark), and a takeover window of
+/// `unsettled_ms` (the time an unfinished write of the previous primary may
+/// still take to reach the storage: the upstream timeout and the settle
+/// time), none after a clean handover ([`takeover_clean`]).
+pub fn takeover_rule(clean: bool, unsettled_ms: u64, forgotten_above: u64) -> RestartRule {
+    RestartRule {
+        unsettled_ms: if clean { 0 } else { unsettled_ms },
+        hashed_ids: true,
+        forgotten_above,
+        ..RestartRule::default()
     }
 }
 
@@ -166,8 +170,10 @@ mod tests {
         assert!(!takeover_clean(Some(b"8"), Some(b"7")), "an older record");
         assert!(!takeover_clean(Some(b"7"), None));
         assert!(!takeover_clean(None, None), "the first election");
-        assert_eq!(takeover_window_ms(true, 31_000), 0);
-        assert_eq!(takeover_window_ms(false, 31_000), 31_000);
+        assert_eq!(takeover_rule(true, 31_000, 9).unsettled_ms, 0);
+        let rule = takeover_rule(false, 31_000, 9);
+        assert_eq!((rule.unsettled_ms, rule.forgotten_above), (31_000, 9));
+        assert!(rule.hashed_ids && !rule.lost_records);
     }
 
     /// A probe of 60 s granted between 0 and 10 ms on this member's clock.

@@ -43,8 +43,9 @@
 //! `fencegate` package reads every `use` and path here and holds the code
 //! to it):
 //!
+//! - `cluster` → `lease`, `mutant`
 //! - `lease` → `hex`, `journal`, `mutant`, `names`
-//! - `cluster`, `journal`, `precondition` → `mutant`
+//! - `journal`, `precondition` → `mutant`
 //! - `hex`, `mutant`, `names`, `shard`, `wire` → nothing
 //!
 

@@ -3314,15 +3314,11 @@ impl World {
         let (clock_offset_ms, skew_ppm) = (member.clock_offset_ms, member.skew_ppm);
         let now_ms = self.member_ms(m);
         let wall_ms = (WALL_BASE_MS + self.now).saturating_add_signed(wall_error_ms);
-        let rule = RestartRule {
-            unsettled_ms: fencegate_core::cluster::takeover_window_ms(
-                clean,
-                self.cfg.upstream_timeout_ms + self.cfg.settle_ms,
-            ),
-            hashed_ids: true,
-            forgotten_above: self.etcd.forgotten_above,
-            ..RestartRule::default()
-        };
+        let rule = fencegate_core::cluster::takeover_rule(
+            clean,
+            self.cfg.upstream_timeout_ms + self.cfg.settle_ms,
+            self.etcd.forgotten_above,
+        );
         let until_ms = fencegate_core::cluster::primacy_deadline(
             confirmed_ms,
             self.cfg.member_ttl_s as i64,
