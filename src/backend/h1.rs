@@ -225,6 +225,9 @@ pub(crate) struct Conn {
     max_buf: usize,
     /// Since when it has been idle, back in its slot.
     idle: Option<crate::clock::Stopwatch>,
+    /// Whether [`Conn::begin`] put the body's first piece in `out` with
+    /// the head.
+    coalesced: bool,
 }
 
 impl std::fmt::Debug for Conn {
@@ -285,6 +288,7 @@ impl Conn {
             out: Vec::new(),
             max_buf,
             idle: None,
+            coalesced: false,
         }
     }
 
@@ -315,11 +319,12 @@ impl Conn {
             .is_pending()
     }
 
-    /// Writes the first byte of `out`'s head (its `added` lines with it):
-    /// `Err` if that write fails outright, and then nothing of the request
-    /// reached the upstream (the connection had been closed or reset as it
-    /// sat idle), so it may go on another connection. Over TLS the head is
-    /// only encoded here (a TLS write's failure proves nothing).
+    /// Writes `out`'s head (its `added` lines with it) and, if small, the
+    /// body's first piece, in one write: `Err` if that write fails
+    /// outright, and then nothing of the request reached the upstream (the
+    /// connection had been closed or reset as it sat idle), so it may go
+    /// on another connection. Over TLS the bytes are only encoded here (a
+    /// TLS write's failure proves nothing).
     pub(crate) fn begin(
         &mut self,
         out: &Outgoing,
@@ -327,12 +332,24 @@ impl Conn {
     ) -> impl Future<Output = io::Result<()>> + Send + '_ {
         self.out.clear();
         encode_head(&mut self.out, &out.parts, added, out.http10);
+        let fits = |data: &Bytes| {
+            data.len() <= COALESCE
+                && !matches!(out.sending, Sending::Length(n) if data.len() as u64 > n)
+        };
+        self.coalesced = out.first.as_ref().is_some_and(fits);
+        if let Some(data) = out.first.as_ref().filter(|_| self.coalesced) {
+            put_data(&mut self.out, out.sending, data);
+        }
+        let whole = out.first.is_none() || self.coalesced;
+        if whole && out.ended && out.sending == Sending::Chunked {
+            self.out.extend_from_slice(b"0\r\n\r\n");
+        }
         self.write_first()
     }
 
     async fn write_first(&mut self) -> io::Result<()> {
         if let Stream::Tcp(tcp) = &mut self.io {
-            let n = tcp.write(&self.out[..1]).await?;
+            let n = tcp.write(&self.out).await?;
             self.out.drain(..n);
         }
         Ok(())
@@ -362,16 +379,10 @@ impl Conn {
             if matches!(sending, Sending::Length(n) if sent > n) {
                 return Err(Box::new(Broken("request body longer than its length")));
             }
-            if data.len() <= COALESCE {
-                put_data(&mut self.out, sending, &data);
-                if ended && sending == Sending::Chunked {
-                    self.out.extend_from_slice(b"0\r\n\r\n");
-                }
-            } else {
+            // Unless it went with the head (see `begin`).
+            if !self.coalesced {
                 first = Some(data);
             }
-        } else if ended && sending == Sending::Chunked {
-            self.out.extend_from_slice(b"0\r\n\r\n");
         }
         let mut written = self.io.write_all(&self.out).await;
         if written.is_ok() {
