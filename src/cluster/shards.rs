@@ -9,7 +9,6 @@
 //! the shard either, it answers `not-primary` naming the member it believes
 //! does.
 
-use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -35,7 +34,7 @@ use crate::metrics::ClusterStats;
 use crate::route::decode_path;
 use crate::wire::{FENCEGATE_FORWARDED, FENCEGATE_SHARD};
 use fencegate_core::names::LeaseName;
-use fencegate_core::shard::shard_of;
+use fencegate_core::shard::{shard_of, Split};
 
 use super::{ClusterOptions, Member, Peer};
 
@@ -550,25 +549,20 @@ where
             // Not a batch the lease API takes: it says what is wrong.
             _ => return self.to_reader(with_body(&parts, bytes)).await,
         };
-        let mut groups: BTreeMap<Option<u32>, Vec<usize>> = BTreeMap::new();
-        for (i, item) in items.iter().enumerate() {
-            let shard = item["lease"]
-                .as_str()
-                .and_then(|name| LeaseName::new(name).ok())
-                .map(|name| shard_of(name.as_str(), shards));
-            groups.entry(shard).or_default().push(i);
-        }
+        let split = Split::new(items.iter().map(|item| item["lease"].as_str()), shards);
         let forward = self.shared.options.forward;
-        if groups.len() <= 1 {
+        if split.parts().len() <= 1 {
             let whole = with_body(&parts, bytes);
-            return match groups.into_keys().next().flatten() {
+            return match split.parts().first().and_then(|(shard, _)| *shard) {
                 Some(shard) => self.to_shard(shard, whole, forward).await,
                 None => self.to_reader(whole).await,
             };
         }
-        let asked: Vec<_> = groups
-            .into_iter()
+        let asked: Vec<_> = split
+            .parts()
+            .iter()
             .map(|(shard, indices)| {
+                let shard = *shard;
                 let mut part = serde_json::Map::new();
                 part.insert(
                     "leases".to_owned(),
@@ -582,15 +576,21 @@ where
                 // Without forwarding, another member's leases are answered
                 // `not-primary`, each.
                 let sub_shard = shard.filter(|_| forward || self.leads(shard));
-                let asked = match (shard, sub_shard) {
-                    (Some(_), None) => None,
-                    _ => Some(self.part(sub_shard, sub)),
-                };
-                (shard, indices, asked)
+                match (shard, sub_shard) {
+                    (Some(_), None) => (shard, None),
+                    _ => (shard, Some(self.part(sub_shard, sub))),
+                }
             })
             .collect();
-        let mut results = vec![serde_json::Value::Null; items.len()];
-        for (shard, indices, asked) in asked {
+        let unreadable = || {
+            Problem::new(
+                Reason::UpstreamError,
+                "this lease's shard gave no readable answer",
+            )
+            .to_json()
+        };
+        let mut answers = Vec::with_capacity(asked.len());
+        for ((shard, asked), (_, indices)) in asked.into_iter().zip(split.parts()) {
             let res = match asked {
                 Some(asked) => asked.await.ok(),
                 None => Some(self.not_primary(shard.unwrap_or(0), "/_fence/renew")),
@@ -600,26 +600,22 @@ where
                 Some(res) => read_answer(res).await,
                 None => None,
             };
-            let part_results = answer
+            let results = answer
                 .as_ref()
                 .filter(|_| ok)
                 .and_then(|a| a.get("results"))
                 .and_then(|r| r.as_array())
-                .filter(|r| r.len() == indices.len());
-            for (n, &i) in indices.iter().enumerate() {
-                results[i] = match (part_results, &answer) {
-                    (Some(r), _) => r[n].clone(),
-                    // The shard refused the whole part: its problem, for
-                    // each of the part's leases.
-                    (None, Some(problem)) => serde_json::Value::Object(problem.clone()),
-                    (None, None) => Problem::new(
-                        Reason::UpstreamError,
-                        "this lease's shard gave no readable answer",
-                    )
-                    .to_json(),
-                };
-            }
+                .filter(|r| r.len() == indices.len())
+                .cloned();
+            answers.push(match (results, answer) {
+                (Some(results), _) => Ok(results),
+                // The shard refused the whole part: its problem, for each
+                // of the part's leases.
+                (None, Some(problem)) => Err(serde_json::Value::Object(problem)),
+                (None, None) => Err(unreadable()),
+            });
         }
+        let results = split.merge(answers, unreadable());
         json_response(StatusCode::OK, &serde_json::json!({ "results": results }))
     }
 

@@ -25,8 +25,9 @@
 //! - [`cluster`]: cluster mode's rules on the member's clock: the
 //!   self-fencing deadline, when a handover may be recorded as clean and
 //!   when a takeover may trust it, and the clock check's verdict.
-//! - [`shard`]: which shard a lease belongs to, and which member should
-//!   lead each shard, for sharding leases over cluster members.
+//! - [`shard`]: which shard a lease belongs to, which member should lead
+//!   each shard, and a batch split by shard and merged back, for sharding
+//!   leases over cluster members.
 //! - [`precondition`]: storage-side preconditions (SPEC §10): which
 //!   precondition a fenced write carries, what the storage's answers teach
 //!   about a key's state, what is forgotten when, in a table bounded in
@@ -46,7 +47,8 @@
 //! - `cluster` → `lease`, `mutant`
 //! - `lease` → `hex`, `journal`, `mutant`, `names`
 //! - `journal`, `precondition` → `mutant`
-//! - `hex`, `mutant`, `names`, `shard`, `wire` → nothing
+//! - `shard` → `names`
+//! - `hex`, `mutant`, `names`, `wire` → nothing
 //!
 
 #![forbid(unsafe_code)]

@@ -1,5 +1,7 @@
 //! Shards, for spreading leases over cluster members: which of `N` shards
-//! a lease belongs to, and which live member should lead each shard.
+//! a lease belongs to, which live member should lead each shard, and how a
+//! batch naming leases of several shards is split into one part per shard
+//! and its answers merged back ([`Split`]).
 //!
 //! A lease's shard is `h(name) mod N`, where `h(name)` is the first eight
 //! bytes of the SHA-256 digest of the name's bytes, read as a big-endian
@@ -14,6 +16,8 @@
 //! and no member leads more than its share.
 
 use sha2::{Digest, Sha256};
+
+use crate::names::LeaseName;
 
 /// The first eight bytes of SHA-256 of `bytes`, big-endian.
 fn h64(bytes: &[u8]) -> u64 {
@@ -55,9 +59,116 @@ pub fn assign(shards: u32, members: &[&str]) -> Vec<Option<usize>> {
         .collect()
 }
 
+/// A batch (a renewal naming several leases) split by shard: each part's
+/// shard (`None`: items that name no lease, which the lease API answers
+/// one by one) and the positions of its items in the batch, parts in shard
+/// order, items in batch order.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Split {
+    parts: Vec<(Option<u32>, Vec<usize>)>,
+    len: usize,
+}
+
+impl Split {
+    /// Splits a batch whose items name `names` (`None`: an item without a
+    /// name) among `shards` shards.
+    pub fn new<'a>(names: impl IntoIterator<Item = Option<&'a str>>, shards: u32) -> Self {
+        let mut groups: std::collections::BTreeMap<Option<u32>, Vec<usize>> = Default::default();
+        let mut len = 0;
+        for (i, name) in names.into_iter().enumerate() {
+            let shard = name
+                .and_then(|name| LeaseName::new(name).ok())
+                .map(|name| shard_of(name.as_str(), shards));
+            groups.entry(shard).or_default().push(i);
+            len = i + 1;
+        }
+        Self {
+            parts: groups.into_iter().collect(),
+            len,
+        }
+    }
+
+    /// The parts: each one's shard and its items' positions in the batch.
+    pub fn parts(&self) -> &[(Option<u32>, Vec<usize>)] {
+        &self.parts
+    }
+
+    /// Puts the parts' answers back in the batch's order: `answers` in the
+    /// order of [`Split::parts`], each with one result per item of its part
+    /// (`Ok`) or one answer for all of them (`Err`: the part was refused
+    /// whole, or its answer could not be read). An `Ok` with another number
+    /// of results than its part has items, or a part with no answer, counts
+    /// as `missing` for each of its items.
+    pub fn merge<T: Clone>(
+        &self,
+        answers: impl IntoIterator<Item = Result<Vec<T>, T>>,
+        missing: T,
+    ) -> Vec<T> {
+        let mut merged = vec![missing.clone(); self.len];
+        let mut answers = answers.into_iter();
+        for (_, items) in &self.parts {
+            match answers.next() {
+                Some(Ok(results)) if results.len() == items.len() => {
+                    for (&i, result) in items.iter().zip(results) {
+                        merged[i] = result;
+                    }
+                }
+                Some(Err(whole)) => {
+                    for &i in items {
+                        merged[i] = whole.clone();
+                    }
+                }
+                _ => {}
+            }
+        }
+        merged
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batch_is_split_by_shard_and_merged_back_in_order() {
+        let names = [
+            Some("orders"),
+            Some("a"),
+            None,
+            Some("lease-42"),
+            Some("orders"),
+            Some("../x"),
+        ];
+        let split = Split::new(names, 12);
+        // orders: 4, a: 10, lease-42: 1; no name and a bad name: None.
+        assert_eq!(
+            split.parts(),
+            [
+                (None, vec![2, 5]),
+                (Some(1), vec![3]),
+                (Some(4), vec![0, 4]),
+                (Some(10), vec![1])
+            ]
+        );
+        let answers = vec![
+            Err("bad"),
+            Ok(vec!["r3"]),
+            Ok(vec!["r0", "r4"]),
+            Ok(vec!["r1", "extra"]),
+        ];
+        assert_eq!(
+            split.merge(answers, "lost"),
+            ["r0", "lost", "bad", "r3", "r4", "bad"]
+        );
+        assert_eq!(
+            Split::new([Some("a"), Some("a")], 1).parts(),
+            [(Some(0), vec![0, 1])]
+        );
+        assert_eq!(
+            Split::new([], 4).merge(Vec::<Result<Vec<u8>, u8>>::new(), 0),
+            []
+        );
+    }
 
     /// Fixed vectors, checked against Python's hashlib:
     /// `int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") % n`.
