@@ -15,8 +15,9 @@
 //! (nothing more reaches the backend), its app is dropped, and a new
 //! session starts from what etcd holds. A primary whose shard the balanced
 //! assignment gives to another member hands it over: primacy revoked, its
-//! writes in flight given up to 2 s to finish (if they did, and its own
-//! takeover window is over, the handover is recorded as clean in etcd),
+//! writes in flight given up to 2 s to finish (if they did, none whose
+//! outcome is unknown is still settling, and its own takeover window is
+//! over, the handover is recorded as clean in etcd),
 //! then its etcd lease revoked so the key goes at once. Losers poll the
 //! key and campaign again when it is gone.
 
@@ -394,11 +395,13 @@ impl<S: Send + Sync + 'static> Elector<S> {
 
     /// Waits, after primacy was revoked, until the shard's admitted writes
     /// have finished at the backend, none whose outcome is unknown is still
-    /// settling, and its own takeover window is over,
-    /// for at most `bound_ms`; whether both happened.
+    /// settling, and its own takeover window is over, for at most
+    /// `bound_ms`; whether all three happened.
     async fn drain(&self, store: &LeaseStore, bound_ms: u64) -> bool {
         let bound = self.clock.now_ms() + bound_ms;
         loop {
+            // The count first: a write that leaves it has set how long it
+            // settles before (see the store's `count_ended`).
             if handover_drained(
                 store.inflight_count(),
                 store.settling_left_ms(),

@@ -211,6 +211,8 @@ pub struct Stats {
     /// handover, and takeovers that found one (and kept no window).
     pub clean_handovers: u64,
     pub clean_takeovers: u64,
+    /// Cluster mode: members stopped (SIGTERM; not counted in `crashes`).
+    pub stops: u64,
     /// Leases forgotten (retention, or room made).
     pub forgotten: u64,
     /// Routes with preconditions: writes answered 428 (no state known).
@@ -575,6 +577,8 @@ struct Member {
     key_states: Option<KeyStates>,
     /// When its current term of primacy (standalone: its process) began.
     primacy_since_ms: u64,
+    /// Stopped (SIGTERM), waiting for its writes before it exits.
+    stopping: bool,
 }
 
 /// A member's etcd lease as it last confirmed it.
@@ -2031,7 +2035,9 @@ impl World {
                     ..
                 } = slot;
                 sweep
-                    .may_forget(state, *touched_ms, *unsettled_from, false, Some(inflight))
+                    .may_forget(state, *touched_ms, *unsettled_from, false, || {
+                        Some(inflight)
+                    })
                     .then_some(lease)
             })
             .collect();
@@ -2896,6 +2902,7 @@ impl World {
         let clock_offset_ms = self.rng.u64(0..1_000_000);
         let member = &mut self.members[m];
         member.alive = true;
+        member.stopping = false;
         member.generation += 1;
         member.clock_offset_ms = clock_offset_ms;
         member.session = None;
@@ -2913,6 +2920,12 @@ impl World {
             return;
         }
         self.stats.crashes += 1;
+        self.member_exit(m);
+    }
+
+    /// A member's process is gone (crashed or stopped); it starts again a
+    /// while later.
+    fn member_exit(&mut self, m: usize) {
         if let Some(proxy) = self.proxy.take() {
             self.abandon(proxy.inc);
         }
@@ -2931,8 +2944,9 @@ impl World {
         if !self.members[m].alive {
             return;
         }
+        self.stats.stops += 1;
         let Some(session) = self.members[m].session.map(|s| s.id) else {
-            return self.member_crash(m);
+            return self.member_exit(m);
         };
         if !self.serving(session) {
             self.send_etcd(
@@ -2942,13 +2956,15 @@ impl World {
                     clean: false,
                 },
             );
-            return self.member_crash(m);
+            return self.member_exit(m);
         }
         if let Some(p) = self.proxy.as_mut().and_then(|p| p.primacy.as_mut()) {
             p.revoked = true;
         }
-        // No more keepalives: the session lives on until its TTL at most.
+        // No more keepalives: the session lives on until its TTL at most;
+        // and no new one (a refused commit meanwhile does not start one).
         self.members[m].session = None;
+        self.members[m].stopping = true;
         let generation = self.members[m].generation;
         let bound_ms = self.member_ms(m) + DRAIN_MS;
         self.drain(m, generation, session, bound_ms);
@@ -2965,7 +2981,7 @@ impl World {
         }
         let now_ms = self.member_ms(m);
         let Some(proxy) = self.proxy.as_mut() else {
-            return;
+            return self.member_exit(m);
         };
         let in_flight: u64 = proxy.slots.values().map(|s| s.inflight.len()).sum();
         let clean = fencegate_core::cluster::handover_drained(
@@ -2987,7 +3003,7 @@ impl World {
         }
         self.stats.clean_handovers += u64::from(clean);
         self.send_etcd(m, EtcdOp::Resign { session, clean });
-        self.member_crash(m);
+        self.member_exit(m);
     }
 
     fn schedule_pause(&mut self, m: usize) {
@@ -3270,6 +3286,9 @@ impl World {
     /// (writes in flight finish), and, as the member does, a new session
     /// starts from what etcd holds; the old one expires in etcd.
     fn step_down(&mut self, m: usize) {
+        if self.members[m].stopping {
+            return;
+        }
         if let Some(p) = self.proxy.as_mut().and_then(|p| p.primacy.as_mut()) {
             if !p.revoked {
                 p.revoked = true;

@@ -44,7 +44,7 @@ fn seeds_hold_every_guarantee() {
         "simulator: {seeds} seeds, {steps} steps in {secs:.0} s ({:.0} steps/s); {} crashes \
          ({} during a start), {} of them power cuts ({} torn writes), {} damaged logs, {} failed syncs, {} grants, \
          {} writes applied, {} leases forgotten, {} stale or late writes refused, {} barrier waits, {} rogue \
-         writes left out; cluster mode: {} takeovers, {} pauses, {} members cut off from \
+         writes left out; cluster mode: {} takeovers, {} stops, {} pauses, {} members cut off from \
          etcd, {} step-downs, {} clean handovers ({} found clean by the next primary); \
          preconditions: {} writes answered 428, {} key reads, {} \
          preconditions refused, {} of them late writes of an old term, {} returned states let \
@@ -63,6 +63,7 @@ fn seeds_hold_every_guarantee() {
         totals.barrier_waits,
         totals.rogue_writes,
         totals.takeovers,
+        totals.stops,
         totals.pauses,
         totals.partitions,
         totals.step_downs,
@@ -103,6 +104,7 @@ fn add(totals: &mut fencegate_sim::Stats, s: &fencegate_sim::Stats) {
     totals.pauses += s.pauses;
     totals.partitions += s.partitions;
     totals.step_downs += s.step_downs;
+    totals.stops += s.stops;
     totals.clean_handovers += s.clean_handovers;
     totals.clean_takeovers += s.clean_takeovers;
     totals.preconditions_required += s.preconditions_required;

@@ -175,18 +175,13 @@ impl Slot {
     /// cell, if it has one, held by nobody else (a waiting acquire or
     /// write) and its writes looked at under their lock.
     fn may_forget(&self, sweep: &retention::Sweep) -> bool {
-        let touched_ms = self.touched_ms.load(Ordering::Relaxed);
-        let (in_use, mut writes) = match self.cell.get() {
-            Some(cell) if Arc::strong_count(cell) != 1 => (true, None),
-            Some(cell) => (false, Some(cell.inflight())),
-            None => (false, None),
-        };
+        let cell = self.cell.get();
         sweep.may_forget(
             &self.state,
-            touched_ms,
+            self.touched_ms.load(Ordering::Relaxed),
             self.unsettled_from,
-            in_use,
-            writes.as_deref_mut(),
+            cell.is_some_and(|cell| Arc::strong_count(cell) != 1),
+            || cell.map(|cell| cell.inflight()),
         )
     }
 
@@ -1099,9 +1094,14 @@ impl LeaseStore {
     /// flight; with `linger_until_ms` its outcome is unknown and it settles
     /// then.
     fn count_ended(&self, cell: &Arc<LeaseCell>, linger_until_ms: u64) {
-        self.shared
-            .settling_until_ms
-            .fetch_max(linger_until_ms, Ordering::AcqRel);
+        // Only a write of unknown outcome touches this shared line: one
+        // that finished (the usual case) costs the counter alone. Before
+        // the count (Release): a drain that sees it gone sees this too.
+        if linger_until_ms != 0 {
+            self.shared
+                .settling_until_ms
+                .fetch_max(linger_until_ms, Ordering::Release);
+        }
         self.shared
             .inflight_writes
             .remove(Arc::as_ptr(cell) as usize);

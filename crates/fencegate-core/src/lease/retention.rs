@@ -4,6 +4,8 @@
 //! forgotten lease leaves behind is a mark its tokens continue above
 //! ([`crate::lease::restart::RestartRule::forgotten_above`]).
 
+use std::ops::DerefMut;
+
 use crate::lease::inflight::Inflight;
 use crate::lease::machine::LeaseState;
 use crate::lease::restart::SETTLED;
@@ -26,16 +28,17 @@ impl Sweep {
     /// no write of it from before the restart that may still be unfinished
     /// (`unsettled_from`, see [`crate::lease::restart::restart_holds_back`]);
     /// nobody holding it (`in_use`: a waiting acquire or write); and none of
-    /// its writes (`writes`, if any was ever admitted) in flight or of
-    /// unknown outcome still settling: once forgotten, nothing would hold a
-    /// newer term's writes back behind them.
-    pub fn may_forget(
+    /// its writes (`writes`, if any was ever admitted; asked for last, as
+    /// the shell locks them) in flight or of unknown outcome still
+    /// settling: once forgotten, nothing would hold a newer term's writes
+    /// back behind them.
+    pub fn may_forget<W: DerefMut<Target = Inflight>>(
         &self,
         state: &LeaseState,
         touched_ms: u64,
         unsettled_from: u64,
         in_use: bool,
-        writes: Option<&mut Inflight>,
+        writes: impl FnOnce() -> Option<W>,
     ) -> bool {
         let now_ms = self.now_ms;
         if in_use
@@ -49,7 +52,7 @@ impl Sweep {
         if now_ms < quiet_since_ms.saturating_add(self.retention_ms) {
             return false;
         }
-        planted(Mutant::ForgottenWhileSettling) || writes.is_none_or(|w| w.is_settled(now_ms))
+        planted(Mutant::ForgottenWhileSettling) || writes().is_none_or(|mut w| w.is_settled(now_ms))
     }
 }
 
@@ -64,40 +67,41 @@ mod tests {
         let grant = state
             .acquire(0, "a", 100, LeaseId::from_bytes([1; 16]))
             .unwrap();
+        let none = || None::<&mut Inflight>;
         let sweep = |now_ms, retention_ms| Sweep {
             now_ms,
             retention_ms,
             unsettled_until_ms: 500,
         };
         assert!(
-            !sweep(50, 0).may_forget(&state, 0, SETTLED, false, None),
+            !sweep(50, 0).may_forget(&state, 0, SETTLED, false, none),
             "held"
         );
         assert!(
-            !sweep(150, 100).may_forget(&state, 0, SETTLED, false, None),
+            !sweep(150, 100).may_forget(&state, 0, SETTLED, false, none),
             "quiet 50 ms"
         );
         assert!(
-            !sweep(250, 100).may_forget(&state, 160, SETTLED, false, None),
+            !sweep(250, 100).may_forget(&state, 160, SETTLED, false, none),
             "named at 160"
         );
-        assert!(sweep(250, 100).may_forget(&state, 0, SETTLED, false, None));
+        assert!(sweep(250, 100).may_forget(&state, 0, SETTLED, false, none));
         assert!(
-            !sweep(250, 100).may_forget(&state, 0, SETTLED, true, None),
+            !sweep(250, 100).may_forget(&state, 0, SETTLED, true, none),
             "in use"
         );
         assert!(
-            !sweep(250, 100).may_forget(&state, 0, 1, false, None),
+            !sweep(250, 100).may_forget(&state, 0, 1, false, none),
             "restart window"
         );
         assert!(
-            sweep(600, 100).may_forget(&state, 0, 1, false, None),
+            sweep(600, 100).may_forget(&state, 0, 1, false, none),
             "window over"
         );
         let mut writes = Inflight::default();
         writes.add(grant.token);
         writes.remove(grant.token, false, 300);
-        assert!(!sweep(250, 100).may_forget(&state, 0, SETTLED, false, Some(&mut writes)));
-        assert!(sweep(300, 100).may_forget(&state, 0, SETTLED, false, Some(&mut writes)));
+        assert!(!sweep(250, 100).may_forget(&state, 0, SETTLED, false, || Some(&mut writes)));
+        assert!(sweep(300, 100).may_forget(&state, 0, SETTLED, false, || Some(&mut writes)));
     }
 }
