@@ -174,7 +174,8 @@ impl EtcdClient {
         if options.ca_file.is_some() && !https {
             return Err("cluster.ca_file is set, but no etcd endpoint is https://".into());
         }
-        let tls = crate::tls::client_config(options.ca_file.as_deref(), "cluster.ca_file")?;
+        let tls = crate::tls::client_config(options.ca_file.as_deref(), "cluster.ca_file")
+            .map_err(|e| e.to_string())?;
         let mut config = tokio_rustls::rustls::ClientConfig::clone(&tls);
         // The builder sets ALPN itself (and refuses a config that has it).
         config.alpn_protocols.clear();

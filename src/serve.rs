@@ -28,7 +28,7 @@ use crate::lease::{LeaseStore, Primacy, RestartRule};
 use crate::metrics::{ClusterStats, Metrics};
 use crate::precondition::KeyStateTable;
 use crate::server::{self, ServerOptions};
-use crate::tls::Certificates;
+use crate::tls::{Certificates, TlsError};
 
 /// `fencegate serve` options.
 #[derive(clap::Args, Debug)]
@@ -131,7 +131,7 @@ pub enum StartError {
     /// The lease store could not be opened or recovered.
     Journal(JournalError),
     /// The TLS certificate or key is unusable.
-    Tls(String),
+    Tls(TlsError),
     /// A listener could not be bound: (setting, address, cause).
     Listen(&'static str, String, std::io::Error),
     /// Serving failed.
@@ -141,7 +141,8 @@ pub enum StartError {
 impl std::fmt::Display for StartError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            StartError::Config(e) | StartError::Tls(e) => f.write_str(e),
+            StartError::Config(e) => f.write_str(e),
+            StartError::Tls(e) => write!(f, "{e}"),
             StartError::Journal(e) => write!(f, "{e}"),
             StartError::Listen(setting, addr, e) => {
                 write!(f, "cannot listen on {addr} ({setting}): {e}")
@@ -205,7 +206,7 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
         Some(recover(&config, options)?)
     };
     let draining = Arc::new(AtomicBool::new(false));
-    let tls = match config.tls.files().map_err(StartError::Tls)? {
+    let tls = match config.tls.files().map_err(StartError::Config)? {
         Some((cert, key)) => {
             let certs = Arc::new(Certificates::load(&cert, &key).map_err(StartError::Tls)?);
             reload_on_sighup(certs.clone());

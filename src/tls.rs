@@ -23,6 +23,59 @@ use tokio_rustls::rustls::sign::CertifiedKey;
 use tokio_rustls::rustls::{ClientConfig, RootCertStore, ServerConfig};
 use tokio_rustls::TlsAcceptor;
 
+/// Why a certificate, key or CA file could not be used.
+#[derive(Debug)]
+pub enum TlsError {
+    /// A PEM file, named by its setting, could not be read or holds
+    /// nothing usable.
+    File {
+        setting: String,
+        path: PathBuf,
+        why: String,
+    },
+    /// The private key does not belong to the certificate.
+    Mismatch {
+        key_file: PathBuf,
+        cert_file: PathBuf,
+        why: String,
+    },
+    /// rustls refused the configuration built from them.
+    Config(tokio_rustls::rustls::Error),
+}
+
+impl TlsError {
+    fn file(setting: &str, path: &Path, why: impl std::fmt::Display) -> Self {
+        TlsError::File {
+            setting: setting.to_owned(),
+            path: path.to_owned(),
+            why: why.to_string(),
+        }
+    }
+}
+
+impl std::fmt::Display for TlsError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TlsError::File { setting, path, why } => {
+                write!(f, "{setting} {}: {why}", path.display())
+            }
+            TlsError::Mismatch {
+                key_file,
+                cert_file,
+                why,
+            } => write!(
+                f,
+                "tls: the key in {} does not belong to the certificate in {}: {why}",
+                key_file.display(),
+                cert_file.display()
+            ),
+            TlsError::Config(e) => write!(f, "tls: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for TlsError {}
+
 /// The certificate and key of a TLS listener, reloadable in place.
 #[derive(Debug)]
 pub struct Certificates {
@@ -35,7 +88,7 @@ pub struct Certificates {
 impl Certificates {
     /// Loads `cert_file` (PEM, leaf first, then intermediates) and `key_file`
     /// (PEM, PKCS#8, PKCS#1 or SEC1), checking that they belong together.
-    pub fn load(cert_file: &Path, key_file: &Path) -> Result<Self, String> {
+    pub fn load(cert_file: &Path, key_file: &Path) -> Result<Self, TlsError> {
         let provider = Arc::new(ring::default_provider());
         let current = load_pair(&provider, cert_file, key_file)?;
         Ok(Self {
@@ -47,17 +100,17 @@ impl Certificates {
     }
 
     /// Reads the files again; on any error the pair in force stays.
-    pub fn reload(&self) -> Result<(), String> {
+    pub fn reload(&self) -> Result<(), TlsError> {
         let fresh = load_pair(&self.provider, &self.cert_file, &self.key_file)?;
         *self.current.write().unwrap_or_else(|p| p.into_inner()) = fresh;
         Ok(())
     }
 
     /// An acceptor that serves whatever pair is current at each handshake.
-    pub fn acceptor(self: &Arc<Self>) -> Result<TlsAcceptor, String> {
+    pub fn acceptor(self: &Arc<Self>) -> Result<TlsAcceptor, TlsError> {
         let mut config = ServerConfig::builder_with_provider(self.provider.clone())
             .with_safe_default_protocol_versions()
-            .map_err(|e| format!("tls: {e}"))?
+            .map_err(TlsError::Config)?
             .with_no_client_auth()
             .with_cert_resolver(self.clone());
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
@@ -80,29 +133,28 @@ fn load_pair(
     provider: &CryptoProvider,
     cert_file: &Path,
     key_file: &Path,
-) -> Result<Arc<CertifiedKey>, String> {
+) -> Result<Arc<CertifiedKey>, TlsError> {
     let certs = CertificateDer::pem_file_iter(cert_file)
         .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| format!("tls.cert_file {}: {e}", cert_file.display()))?;
+        .map_err(|e| TlsError::file("tls.cert_file", cert_file, e))?;
     if certs.is_empty() {
-        return Err(format!(
-            "tls.cert_file {}: no CERTIFICATE in the file",
-            cert_file.display()
+        return Err(TlsError::file(
+            "tls.cert_file",
+            cert_file,
+            "no CERTIFICATE in the file",
         ));
     }
     let key = PrivateKeyDer::from_pem_file(key_file)
-        .map_err(|e| format!("tls.key_file {}: {e}", key_file.display()))?;
+        .map_err(|e| TlsError::file("tls.key_file", key_file, e))?;
     let key = provider
         .key_provider
         .load_private_key(key)
-        .map_err(|e| format!("tls.key_file {}: {e}", key_file.display()))?;
+        .map_err(|e| TlsError::file("tls.key_file", key_file, e))?;
     let pair = CertifiedKey::new(certs, key);
-    pair.keys_match().map_err(|e| {
-        format!(
-            "tls: the key in {} does not belong to the certificate in {}: {e}",
-            key_file.display(),
-            cert_file.display()
-        )
+    pair.keys_match().map_err(|e| TlsError::Mismatch {
+        key_file: key_file.to_owned(),
+        cert_file: cert_file.to_owned(),
+        why: e.to_string(),
     })?;
     Ok(Arc::new(pair))
 }
@@ -110,7 +162,7 @@ fn load_pair(
 /// A client configuration that trusts the system's CA certificates plus
 /// those (PEM) in `ca_file`, for reaching an upstream over HTTPS. Offers
 /// ALPN `http/1.1` only. `what` names the setting in errors.
-pub fn client_config(ca_file: Option<&Path>, what: &str) -> Result<Arc<ClientConfig>, String> {
+pub fn client_config(ca_file: Option<&Path>, what: &str) -> Result<Arc<ClientConfig>, TlsError> {
     let mut roots = RootCertStore::empty();
     let native = rustls_native_certs::load_native_certs();
     for err in &native.errors {
@@ -120,22 +172,17 @@ pub fn client_config(ca_file: Option<&Path>, what: &str) -> Result<Arc<ClientCon
     if let Some(path) = ca_file {
         let extra = CertificateDer::pem_file_iter(path)
             .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
-            .map_err(|e| format!("{what} {}: {e}", path.display()))?;
+            .map_err(|e| TlsError::file(what, path, e))?;
         if extra.is_empty() {
-            return Err(format!(
-                "{what} {}: no CERTIFICATE in the file",
-                path.display()
-            ));
+            return Err(TlsError::file(what, path, "no CERTIFICATE in the file"));
         }
         for cert in extra {
-            roots
-                .add(cert)
-                .map_err(|e| format!("{what} {}: {e}", path.display()))?;
+            roots.add(cert).map_err(|e| TlsError::file(what, path, e))?;
         }
     }
     let mut config = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
         .with_safe_default_protocol_versions()
-        .map_err(|e| format!("tls: {e}"))?
+        .map_err(TlsError::Config)?
         .with_root_certificates(roots)
         .with_no_client_auth();
     config.alpn_protocols = vec![b"http/1.1".to_vec()];

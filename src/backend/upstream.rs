@@ -337,10 +337,10 @@ impl Upstream {
         let ca_file =
             Some(options.upstream_ca_file.as_path()).filter(|f| !f.as_os_str().is_empty());
         let tls_config = match (https, ca_file) {
-            (true, ca_file) => Some(crate::tls::client_config(
-                ca_file,
-                "proxy.upstream_ca_file",
-            )?),
+            (true, ca_file) => Some(
+                crate::tls::client_config(ca_file, "proxy.upstream_ca_file")
+                    .map_err(|e| e.to_string())?,
+            ),
             (false, Some(_)) => {
                 return Err(format!(
                     "proxy.upstream_ca_file is set, but upstream {base} is not an https:// URL"

@@ -109,7 +109,9 @@ pub fn client(args: &ServerArgs) -> Result<LeaseClient, u8> {
             .map_err(|e| usage(format!("--cacert {e}")))?,
     };
     match bearer_secret(args.token_file.as_ref()).map_err(usage)? {
-        Some(secret) => client.with_bearer(&secret).map_err(usage),
+        Some(secret) => client
+            .with_bearer(&secret)
+            .map_err(|e| usage(e.to_string())),
         None => Ok(client),
     }
 }

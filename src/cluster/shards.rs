@@ -173,7 +173,8 @@ impl Forwarder {
         connector.set_connect_timeout(Some(Duration::from_millis(
             options.forward_timeout_ms.min(5_000),
         )));
-        let tls = crate::tls::client_config(None, "forwarding to cluster members")?;
+        let tls = crate::tls::client_config(None, "forwarding to cluster members")
+            .map_err(|e| e.to_string())?;
         let mut tls = tokio_rustls::rustls::ClientConfig::clone(&tls);
         tls.alpn_protocols.clear();
         let connector = hyper_rustls::HttpsConnectorBuilder::new()

@@ -33,7 +33,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -130,6 +130,30 @@ impl std::fmt::Display for ClientError {
 }
 
 impl std::error::Error for ClientError {}
+
+/// Why a client could not be set up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SetupError {
+    /// The CA file could not be read, or holds no certificate a client
+    /// can trust.
+    CaFile { path: PathBuf, why: String },
+    /// The bearer secret has characters an HTTP header cannot carry (the
+    /// error names no part of it).
+    BadSecret,
+}
+
+impl std::fmt::Display for SetupError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SetupError::CaFile { path, why } => write!(f, "{}: {why}", path.display()),
+            SetupError::BadSecret => {
+                f.write_str("the bearer secret has characters a header cannot carry")
+            }
+        }
+    }
+}
+
+impl std::error::Error for SetupError {}
 
 /// The members a client knows (a comma-separated list of base URLs) and
 /// the one it talks to now.
@@ -431,19 +455,23 @@ pub type HttpsClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 /// An HTTP/1.1 client for `http://` and `https://` URLs: for `https://` it
 /// trusts the system's roots (read only when one of `urls`, comma-separated,
 /// is `https://`) and the CA certificates (PEM) in `ca_file`.
-pub fn http_client(urls: &str, ca_file: Option<&Path>) -> Result<HttpsClient, String> {
+pub fn http_client(urls: &str, ca_file: Option<&Path>) -> Result<HttpsClient, SetupError> {
     let mut extra = Vec::new();
     if let Some(ca_file) = ca_file {
+        let bad = |why: String| SetupError::CaFile {
+            path: ca_file.to_owned(),
+            why,
+        };
         extra = CertificateDer::pem_file_iter(ca_file)
             .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
-            .map_err(|e| format!("{}: {e}", ca_file.display()))?;
+            .map_err(|e| bad(e.to_string()))?;
         if extra.is_empty() {
-            return Err(format!("{}: no CERTIFICATE in the file", ca_file.display()));
+            return Err(bad("no CERTIFICATE in the file".to_owned()));
         }
         for cert in &extra {
             RootCertStore::empty()
                 .add(cert.clone())
-                .map_err(|e| format!("{}: {e}", ca_file.display()))?;
+                .map_err(|e| bad(e.to_string()))?;
         }
     }
     Ok(build_http(trusted_roots(urls, &extra)))
@@ -499,7 +527,7 @@ impl LeaseClient {
 
     /// A client that also trusts the CA certificates (PEM) in `ca_file`, for
     /// an `https://` fencegate with a private CA or a self-signed certificate.
-    pub fn with_ca_file(base: &str, ca_file: &Path) -> Result<Self, String> {
+    pub fn with_ca_file(base: &str, ca_file: &Path) -> Result<Self, SetupError> {
         let http = http_client(base, Some(ca_file))?;
         Ok(Self::build(base, http))
     }
@@ -516,9 +544,9 @@ impl LeaseClient {
     /// The same client, sending the bearer `secret` with every call (for a
     /// fencegate with authentication on). The secret is never logged or
     /// shown; an error names no part of it.
-    pub fn with_bearer(mut self, secret: &str) -> Result<Self, String> {
+    pub fn with_bearer(mut self, secret: &str) -> Result<Self, SetupError> {
         let mut value = http::HeaderValue::from_str(&format!("Bearer {secret}"))
-            .map_err(|_| "the bearer secret has characters a header cannot carry".to_owned())?;
+            .map_err(|_| SetupError::BadSecret)?;
         value.set_sensitive(true);
         self.bearer = Some(value);
         Ok(self)

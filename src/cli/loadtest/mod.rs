@@ -1238,7 +1238,7 @@ fn prepare(args: &LoadtestArgs, total: Option<u64>) -> Result<Arc<Shared>, Strin
     .map(String::as_str)
     .collect::<Vec<_>>()
     .join(",");
-    let client = http_client(&urls, args.cacert.as_deref())?;
+    let client = http_client(&urls, args.cacert.as_deref()).map_err(|e| e.to_string())?;
     let bearer = match super::bearer_secret(args.token_file.as_ref())? {
         Some(secret) => {
             let mut value = http::HeaderValue::from_str(&format!("Bearer {secret}"))
@@ -1336,7 +1336,7 @@ async fn start_relay(args: &LoadtestArgs, seed: u64) -> Result<Option<relay::Rel
         .relay_listen
         .parse()
         .map_err(|_| format!("--relay-listen {:?} is not an address", args.relay_listen))?;
-    let client = http_client(to, args.cacert.as_deref())?;
+    let client = http_client(to, args.cacert.as_deref()).map_err(|e| e.to_string())?;
     let late_by = Duration::from_millis(args.late_by);
     let rng = Mutex::new(Rng(seed ^ 0x6c61_7465));
     // Only the writers' writes (the probe and the cleanup go through).
