@@ -704,13 +704,14 @@ impl FenceConfig {
                         r.pattern
                     ));
                 }
-                Route::new(&r.pattern, r.lease.as_deref(), r.fence_reads)?
-                    .with_upstream_prefix(r.upstream_prefix.as_deref())
+                Route::new(&r.pattern, r.lease.as_deref(), r.fence_reads)
+                    .and_then(|route| route.with_upstream_prefix(r.upstream_prefix.as_deref()))
                     .map(|route| {
                         route
                             .with_timeout_ms(r.timeout_ms)
                             .with_preconditions(r.preconditions)
                     })
+                    .map_err(|e| e.to_string())
             })
             .collect::<Result<Vec<_>, _>>()
             .map(|routes| {

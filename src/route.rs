@@ -48,7 +48,7 @@ use std::borrow::Cow;
 use smallvec::SmallVec;
 use unicode_normalization::UnicodeNormalization;
 
-use crate::names::LeaseName;
+use crate::names::{InvalidName, LeaseName};
 
 /// One segment of a pattern.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -197,12 +197,80 @@ struct Seg<'a> {
 
 type Segs<'a> = SmallVec<[Seg<'a>; 8]>;
 
+/// Why a route's pattern, lease or upstream prefix was refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RouteError {
+    /// The route's pattern, as configured.
+    pub pattern: String,
+    pub fault: RouteFault,
+}
+
+/// What is wrong with a route (see [`RouteError`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RouteFault {
+    /// The pattern does not start with `/`.
+    NotAbsolute,
+    /// A segment is neither a literal, `*` nor `{lease}`.
+    NotASegment(String),
+    /// A literal segment no request path could match.
+    Unmatchable(String),
+    /// The fixed lease is not a lease name.
+    BadLease(String, InvalidName),
+    /// Neither a `{lease}` segment nor a fixed lease.
+    NoLease,
+    /// The lease is named more than once.
+    LeaseTwice,
+    /// The upstream prefix is not a path starting with `/`.
+    PrefixNotAPath(String),
+    /// A segment of the upstream prefix is not a plain path segment.
+    PrefixSegment(String, String),
+}
+
+impl std::fmt::Display for RouteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = &self.pattern;
+        match &self.fault {
+            RouteFault::NotAbsolute => write!(f, "route pattern {p:?} must start with '/'"),
+            RouteFault::NotASegment(lit) => write!(
+                f,
+                "route pattern {p:?}: segment {lit:?} is not a literal, '*' or '{{lease}}'"
+            ),
+            RouteFault::Unmatchable(lit) => write!(
+                f,
+                "route pattern {p:?}: segment {lit:?} is not a path segment a request can match (see \"what a path must not contain\")"
+            ),
+            RouteFault::BadLease(name, e) => write!(f, "route {p:?}: {name:?}: {e}"),
+            RouteFault::NoLease => {
+                write!(f, "route {p:?} has no {{lease}} segment and no fixed lease")
+            }
+            RouteFault::LeaseTwice => write!(
+                f,
+                "route {p:?} must name its lease exactly once ({{lease}} or lease = \"…\")"
+            ),
+            RouteFault::PrefixNotAPath(prefix) => write!(
+                f,
+                "route {p:?}: upstream_prefix {prefix:?} must be a path starting with '/'"
+            ),
+            RouteFault::PrefixSegment(prefix, lit) => write!(
+                f,
+                "route {p:?}: upstream_prefix {prefix:?}: segment {lit:?} is not a plain path segment"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for RouteError {}
+
 impl Route {
     /// Compiles `pattern`; `lease` names a fixed lease for patterns without
     /// `{lease}`.
-    pub fn new(pattern: &str, lease: Option<&str>, fence_reads: bool) -> Result<Self, String> {
+    pub fn new(pattern: &str, lease: Option<&str>, fence_reads: bool) -> Result<Self, RouteError> {
+        let refused = |fault| RouteError {
+            pattern: pattern.to_owned(),
+            fault,
+        };
         let Some(rest) = pattern.strip_prefix('/') else {
-            return Err(format!("route pattern {pattern:?} must start with '/'"));
+            return Err(refused(RouteFault::NotAbsolute));
         };
         let segments: Vec<Segment> = rest
             .split('/')
@@ -215,19 +283,13 @@ impl Route {
         for s in &segments {
             if let Segment::Literal(lit) = s {
                 if lit.is_empty() || lit.contains(['{', '}']) {
-                    return Err(format!(
-                        "route pattern {pattern:?}: segment {lit:?} is not a literal, '*' or '{{lease}}'"
-                    ));
+                    return Err(refused(RouteFault::NotASegment(lit.clone())));
                 }
                 // A literal no request could match would be a route that
                 // silently never applies.
                 match normalise(Cow::Borrowed(lit.as_str()), false, PathRules::default()) {
                     Ok(seg) if seg.exact => {}
-                    _ => {
-                        return Err(format!(
-                            "route pattern {pattern:?}: segment {lit:?} is not a path segment a request can match (see \"what a path must not contain\")"
-                        ))
-                    }
+                    _ => return Err(refused(RouteFault::Unmatchable(lit.clone()))),
                 }
             }
         }
@@ -241,19 +303,11 @@ impl Route {
             ([i], None) => LeaseSource::Segment(*i),
             ([], Some(name)) => {
                 let name = LeaseName::new(name)
-                    .map_err(|e| format!("route {pattern:?}: {name:?}: {e}"))?;
+                    .map_err(|e| refused(RouteFault::BadLease(name.to_owned(), e)))?;
                 LeaseSource::Fixed(name)
             }
-            ([], None) => {
-                return Err(format!(
-                    "route {pattern:?} has no {{lease}} segment and no fixed lease"
-                ))
-            }
-            (_, _) => {
-                return Err(format!(
-                "route {pattern:?} must name its lease exactly once ({{lease}} or lease = \"…\")"
-            ))
-            }
+            ([], None) => return Err(refused(RouteFault::NoLease)),
+            (_, _) => return Err(refused(RouteFault::LeaseTwice)),
         };
         Ok(Self {
             pattern: pattern.to_owned(),
@@ -271,15 +325,16 @@ impl Route {
     /// Makes the route rewrite its leading literal segments to `prefix` on
     /// the way upstream (`/keys/{lease}` with `/v2/keys`: `/keys/a/b` goes
     /// upstream as `/v2/keys/a/b`).
-    pub fn with_upstream_prefix(mut self, prefix: Option<&str>) -> Result<Self, String> {
+    pub fn with_upstream_prefix(mut self, prefix: Option<&str>) -> Result<Self, RouteError> {
         let Some(p) = prefix else {
             return Ok(self);
         };
+        let refused = |fault| RouteError {
+            pattern: self.pattern.clone(),
+            fault,
+        };
         if !p.starts_with('/') || p.contains(['?', '#']) {
-            return Err(format!(
-                "route {:?}: upstream_prefix {p:?} must be a path starting with '/'",
-                self.pattern
-            ));
+            return Err(refused(RouteFault::PrefixNotAPath(p.to_owned())));
         }
         let trimmed = p.trim_end_matches('/');
         let mut upstream = Vec::new();
@@ -289,10 +344,10 @@ impl Route {
                     upstream.push(Segment::Literal(lit.to_owned()));
                 }
                 _ => {
-                    return Err(format!(
-                        "route {:?}: upstream_prefix {p:?}: segment {lit:?} is not a plain path segment",
-                        self.pattern
-                    ))
+                    return Err(refused(RouteFault::PrefixSegment(
+                        p.to_owned(),
+                        lit.to_owned(),
+                    )))
                 }
             }
         }
