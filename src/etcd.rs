@@ -56,6 +56,35 @@ pub enum EtcdError {
     Refused(String),
 }
 
+/// Why an etcd client could not be set up from `cluster.etcd` and
+/// `cluster.ca_file`.
+#[derive(Debug)]
+pub enum SetupError {
+    /// No endpoint at all.
+    NoEndpoint,
+    /// An endpoint that is not an `http://` or `https://` URL with a host.
+    BadEndpoint { url: String, why: &'static str },
+    /// A CA file, but no `https://` endpoint to use it for.
+    CaWithoutHttps,
+    /// The CA file is unusable.
+    Tls(crate::tls::TlsError),
+}
+
+impl std::fmt::Display for SetupError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SetupError::NoEndpoint => f.write_str("cluster.etcd: no endpoint"),
+            SetupError::BadEndpoint { url, why } => write!(f, "cluster.etcd: {url:?} {why}"),
+            SetupError::CaWithoutHttps => {
+                f.write_str("cluster.ca_file is set, but no etcd endpoint is https://")
+            }
+            SetupError::Tls(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for SetupError {}
+
 impl std::fmt::Display for EtcdError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -147,35 +176,33 @@ impl std::fmt::Debug for EtcdClient {
 impl EtcdClient {
     /// A client of the etcd cluster at `endpoints` (`http://` or `https://`
     /// URLs of its members).
-    pub fn new(endpoints: &[String], options: &EtcdOptions) -> Result<Self, String> {
+    pub fn new(endpoints: &[String], options: &EtcdOptions) -> Result<Self, SetupError> {
         if endpoints.is_empty() {
-            return Err("cluster.etcd: no endpoint".into());
+            return Err(SetupError::NoEndpoint);
         }
         let mut https = false;
         let mut clean = Vec::with_capacity(endpoints.len());
         for url in endpoints {
-            let uri: http::Uri = url
-                .parse()
-                .map_err(|_| format!("cluster.etcd: {url:?} is not a URL"))?;
+            let bad = |why| SetupError::BadEndpoint {
+                url: url.clone(),
+                why,
+            };
+            let uri: http::Uri = url.parse().map_err(|_| bad("is not a URL"))?;
             match uri.scheme_str() {
                 Some("https") => https = true,
                 Some("http") => {}
-                _ => {
-                    return Err(format!(
-                        "cluster.etcd: {url:?} must be an http:// or https:// URL"
-                    ))
-                }
+                _ => return Err(bad("must be an http:// or https:// URL")),
             }
             if uri.authority().is_none() {
-                return Err(format!("cluster.etcd: {url:?} has no host"));
+                return Err(bad("has no host"));
             }
             clean.push(url.trim_end_matches('/').to_owned());
         }
         if options.ca_file.is_some() && !https {
-            return Err("cluster.ca_file is set, but no etcd endpoint is https://".into());
+            return Err(SetupError::CaWithoutHttps);
         }
         let tls = crate::tls::client_config(options.ca_file.as_deref(), "cluster.ca_file")
-            .map_err(|e| e.to_string())?;
+            .map_err(SetupError::Tls)?;
         let mut config = tokio_rustls::rustls::ClientConfig::clone(&tls);
         // The builder sets ALPN itself (and refuses a config that has it).
         config.alpn_protocols.clear();

@@ -313,7 +313,8 @@ async fn join(
         // A call must end well within the TTL, so a primary notices in time.
         timeout_ms: (c.ttl_ms / 4).clamp(500, 5_000),
     };
-    let etcd = EtcdClient::new(&c.etcd, &etcd_options).map_err(StartError::Config)?;
+    let etcd =
+        EtcdClient::new(&c.etcd, &etcd_options).map_err(|e| StartError::Config(e.to_string()))?;
     let clock = Clock::new(config.clock);
     let unsettled_ms = config.restart_rule().unsettled_ms;
     let options = ClusterOptions {

@@ -163,7 +163,8 @@ async fn tls_with_a_private_ca() {
             ..EtcdOptions::default()
         },
     )
-    .unwrap_err();
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("https"), "{err}");
 }
 
