@@ -653,10 +653,12 @@ async fn a_write_in_flight_across_a_handover(unknown: bool, mutant: Option<&'sta
     // In flight: the slow write stays in flight well past the handover's
     // wait for it (2 s): the upstream deadline, and so the takeover window,
     // is 10 s. Unknown: fencegate gives up on it after 1 s, and it settles
-    // for 10 s, long enough on a loaded machine for member 1 to join and
-    // take the shard over meanwhile (a few seconds here).
+    // for 20 s. Member 1 must join and take the shard over within them
+    // (a few seconds here), or the write is past the documented bound and
+    // may land after the newer term's whatever the handover does: 20 s
+    // leaves that wide margin on a loaded machine.
     let (timeout, settle) = if unknown {
-        ("1000", "10000")
+        ("1000", "20000")
     } else {
         ("10000", "500")
     };
@@ -675,10 +677,11 @@ async fn a_write_in_flight_across_a_handover(unknown: bool, mutant: Option<&'sta
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     if unknown {
-        // Member 0's own takeover window (11 s from its election, real
-        // time: the member runs on the real clock) must be over, or its
-        // handover is not clean whatever its writes do.
-        tokio::time::sleep(Duration::from_millis(11_500)).await;
+        // Member 0's own takeover window (21 s from its election, which
+        // came before it was seen leading: real time, as the member runs
+        // on the real clock) must be over, or its handover is not clean
+        // whatever its writes do. Waiting longer is always safe.
+        tokio::time::sleep(Duration::from_millis(21_500)).await;
     }
     // The shard the balanced assignment gives member 1, and a lease in it.
     let moving = fencegate_core::shard::assign(2, &["m0", "m1"])

@@ -578,8 +578,8 @@ where
                 // `not-primary`, each.
                 let sub_shard = shard.filter(|_| forward || self.leads(shard));
                 match (shard, sub_shard) {
-                    (Some(_), None) => (shard, None),
-                    _ => (shard, Some(self.part(sub_shard, sub))),
+                    (Some(_), None) => None,
+                    _ => Some(self.part(sub_shard, sub)),
                 }
             })
             .collect();
@@ -591,7 +591,7 @@ where
             .to_json()
         };
         let mut answers = Vec::with_capacity(asked.len());
-        for ((shard, asked), (_, indices)) in asked.into_iter().zip(split.parts()) {
+        for (asked, (shard, indices)) in asked.into_iter().zip(split.parts()) {
             let res = match asked {
                 Some(asked) => asked.await.ok(),
                 None => Some(self.not_primary(shard.unwrap_or(0), "/_fence/renew")),

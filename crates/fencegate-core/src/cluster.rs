@@ -1,8 +1,8 @@
 //! Cluster mode's rules, on the member's clock: how long a primary may
 //! admit after etcd last confirmed its primacy (self-fencing), when a
-//! handover may be recorded as clean and when a takeover may trust it, and what a member's check of its
-//! clock against etcd's concludes. The member's shell
-//! (`fencegate::cluster`) talks to etcd and calls these.
+//! handover may be recorded as clean and when a takeover may trust it, and
+//! what a member's check of its clock against etcd's concludes. The
+//! member's shell (`fencegate::cluster`) talks to etcd and calls these.
 
 use crate::lease::restart::RestartRule;
 use crate::mutant::{planted, Mutant};
@@ -32,13 +32,8 @@ pub fn primacy_deadline(sent_ms: u64, ttl_s: i64, margin_ms: u64) -> u64 {
 /// before it may still be on its way). The next primary then admits newer
 /// terms at once instead of waiting out a takeover window of its own.
 pub fn handover_drained(in_flight: u64, settling_left_ms: u64, window_left_ms: u64) -> bool {
-    let settling_left_ms = if planted(Mutant::HandoverIgnoresSettling) {
-        0
-    } else {
-        settling_left_ms
-    };
-    (in_flight == 0 && settling_left_ms == 0 && window_left_ms == 0)
-        || planted(Mutant::HandoverUndrained)
+    let settled = settling_left_ms == 0 || planted(Mutant::HandoverIgnoresSettling);
+    (in_flight == 0 && settled && window_left_ms == 0) || planted(Mutant::HandoverUndrained)
 }
 
 /// At takeover: whether the previous primary handed the shard over

@@ -18,8 +18,9 @@
 //!   slots, checksummed frames, the records and how they fold into a lease's
 //!   state), the order of a batch's writes and syncs ([`journal::append`]),
 //!   which batches are synced, when the log is compacted and how it takes a
-//!   new identity ([`journal::writer`]), and what a start decides about the log and meta file it finds
-//!   ([`journal::recovery`]: torn tails, lost records, older copies).
+//!   new identity ([`journal::writer`]), and what a start decides about the
+//!   log and meta file it finds ([`journal::recovery`]: torn tails, lost
+//!   records, older copies).
 //! - [`mutant`]: planted bugs, switchable only with the `mutants` feature,
 //!   so the simulator and the power-cut tests can prove they catch them.
 //! - [`cluster`]: cluster mode's rules on the member's clock: the

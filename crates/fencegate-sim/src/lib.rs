@@ -16,9 +16,10 @@
 //!   writes headers in the order `fencegate_core::journal::append` gives,
 //!   syncs the batches `fencegate_core::journal::writer` says must be, and
 //!   gives the log a new identity at each start by that module's steps
-//!   (the process may die between any two), on a disk ([`disk`]) that keeps only what was synced: a power cut keeps
-//!   any subset of the writes since (and may tear one), a kill keeps them
-//!   all, a sync may fail, and the disk may lose or flip its last bytes;
+//!   (the process may die between any two), on a disk ([`disk`]) that
+//!   keeps only what was synced: a power cut keeps any subset of the
+//!   writes since (and may tear one), a kill keeps them all, a sync may
+//!   fail, and the disk may lose or flip its last bytes;
 //! - a backend that answers late, times out, and applies a write before or
 //!   after it answers, up to the settle time after the connection is gone:
 //!   the documented bound. Writes applied later than that ("rogue" writes)
@@ -60,10 +61,10 @@
 //! snapshots or write queue (`src/cluster/journal.rs`); the file journal's
 //! compaction, its changes of identity after growth and at a clean stop
 //! (the same steps as at a start) and older copies put back are not
-//! played; nor are shards: a clean handover happens here when a
-//! primary is stopped, not when the assignment moves its shard (the same
-//! rules either way). Admission and forwarding are one step here: a proxy paused between its
-//! last check and its write's first byte (the bound docs/cluster.md gives)
+//! played; nor are shards: a clean handover happens here when a primary is
+//! stopped, not when the assignment moves its shard (the same rules either
+//! way). Admission and forwarding are one step here: a proxy paused between
+//! its last check and its write's first byte (the bound docs/cluster.md gives)
 //! is not modelled, nor a clock slower than the self-fencing margin per
 //! TTL (the clock check's business), nor the settle time shortened by a
 //! proxy clock that runs fast (it is measured on the proxy's clock).

@@ -195,6 +195,7 @@ pub fn new_lease(rule: &RestartRule) -> (LeaseState, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::journal::record::TermRecord;
 
     #[test]
     fn a_renewal_is_recorded_when_its_ttl_changes_or_its_hint_is_due() {
@@ -205,7 +206,6 @@ mod tests {
         // Half a TTL later the hint is due.
         assert!(renewal_recorded(1000, 1000, 10_000 + 1000, 10_501));
     }
-    use crate::journal::record::TermRecord;
 
     fn record(term: TermRecord) -> LeaseRecord {
         LeaseRecord {
