@@ -15,11 +15,12 @@
 //! To see the stream as hyper sees it, the guard uses hyper's own head parser
 //! (httparse, with hyper's default configuration and header-count limit),
 //! applies hyper's rules for `Content-Length` and `Transfer-Encoding`, and
-//! follows chunked bodies with a copy of hyper's chunked decoder (strict
-//! CRLFs, the same extension limit). Where hyper refuses the input (a
-//! malformed head or chunk, a head over the connection's buffer), the guard
-//! stops watching and passes the bytes on: hyper then refuses them and closes
-//! the connection, so nothing after them is ever parsed. A request with an
+//! follows chunked bodies with the codec's decoder ([`crate::h1`], which
+//! takes each byte as hyper's does: strict CRLFs, the same extension and
+//! trailer limits). Where hyper refuses the input (a malformed head or
+//! chunk, a head over the connection's buffer), the guard stops watching
+//! and passes the bytes on: hyper then refuses them and closes the
+//! connection, so nothing after them is ever parsed. A request with an
 //! `Upgrade` header, or a `CONNECT`, is framed like any other: fencegate
 //! never switches protocols (a 101 or a 2xx to `CONNECT` ends the
 //! connection), so hyper goes on parsing requests after it. A differential
@@ -44,16 +45,11 @@ use std::future::Future;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+use crate::h1::{self, Chunked};
+
 /// The name `Content-Length` is renamed to in a head that also carries
 /// `Transfer-Encoding`.
 pub const CONFLICT_HEADER: &str = "x-conflict-len";
-
-/// The most header lines hyper accepts in a request (its default): the guard
-/// must parse every head hyper parses.
-const MAX_HEADERS: usize = 100;
-
-/// hyper's limit on chunk-extension bytes in one message.
-const CHUNKED_EXTENSIONS_LIMIT: u64 = 16 * 1024;
 
 /// The smallest read buffer hyper accepts.
 const MIN_HEAD_BUFFER: usize = 8 * 1024;
@@ -68,25 +64,6 @@ pub fn head_buffer_bytes(max_header_bytes: usize) -> usize {
         .max(MIN_HEAD_BUFFER)
 }
 
-/// Where in a chunked body the scanner is, as in hyper's decoder.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Chunk {
-    Start,
-    Size(u64),
-    SizeLws(u64),
-    Extension(u64),
-    SizeLf(u64),
-    Data(u64),
-    DataCr,
-    DataLf,
-    Trailer,
-    TrailerLf,
-    EndCr,
-    EndLf,
-    /// The body is over.
-    End,
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     /// Collecting a request head.
@@ -94,7 +71,7 @@ enum State {
     /// Passing `n` more body bytes.
     Fixed(u64),
     /// Following a chunked body.
-    Chunked(Chunk),
+    Chunked(Chunked),
     /// hyper refuses what comes next and closes the connection: everything
     /// passes through to it unchanged.
     Refused,
@@ -109,8 +86,6 @@ pub struct Scanner {
     /// How far into the incomplete head the search for its end has got, so a
     /// head that trickles in byte by byte is searched once.
     searched: usize,
-    /// Chunk-extension bytes seen in the current message.
-    extensions: u64,
     /// The largest incomplete head held (hyper's buffer size).
     max_head_bytes: usize,
 }
@@ -122,7 +97,6 @@ impl Scanner {
         Self {
             state: State::Head,
             searched: 0,
-            extensions: 0,
             max_head_bytes,
         }
     }
@@ -154,25 +128,18 @@ impl Scanner {
                         State::Fixed(rest)
                     };
                 }
-                State::Chunked(Chunk::Data(n)) => {
-                    let take = usize::try_from(n)
-                        .unwrap_or(usize::MAX)
-                        .min(data.len() - pos);
-                    pos += take;
-                    let rest = n - take as u64;
-                    self.state = State::Chunked(if rest == 0 {
-                        Chunk::DataCr
-                    } else {
-                        Chunk::Data(rest)
-                    });
-                }
-                State::Chunked(chunk) => {
-                    self.state = match self.chunk_step(chunk, data[pos]) {
-                        Some(Chunk::End) => State::Head,
-                        Some(next) => State::Chunked(next),
-                        None => State::Refused,
+                State::Chunked(mut body) => {
+                    self.state = match body.decode(&data[pos..]) {
+                        Ok((n, _)) => {
+                            pos += n;
+                            if body.is_done() {
+                                State::Head
+                            } else {
+                                State::Chunked(body)
+                            }
+                        }
+                        Err(_) => State::Refused,
                     };
-                    pos += 1;
                 }
                 State::Head => {
                     let head = &mut data[pos..];
@@ -188,7 +155,6 @@ impl Scanner {
                     match inspect_head(head) {
                         Parsed::Complete(len, next) => {
                             self.searched = 0;
-                            self.extensions = 0;
                             self.state = next;
                             pos += len;
                         }
@@ -208,40 +174,6 @@ impl Scanner {
             }
         }
         pos
-    }
-
-    /// One byte of a chunked body outside chunk data, as hyper's decoder
-    /// takes it; `None` where hyper fails.
-    fn chunk_step(&mut self, chunk: Chunk, b: u8) -> Option<Chunk> {
-        let hex = |b: u8| (b as char).to_digit(16).map(u64::from);
-        Some(match (chunk, b) {
-            (Chunk::Start, b) => Chunk::Size(hex(b)?),
-            (Chunk::Size(n), b) if hex(b).is_some() => {
-                Chunk::Size(n.checked_mul(16)?.checked_add(hex(b)?)?)
-            }
-            (Chunk::Size(n) | Chunk::SizeLws(n), b'\t' | b' ') => Chunk::SizeLws(n),
-            (Chunk::Size(n) | Chunk::SizeLws(n), b';') => Chunk::Extension(n),
-            (Chunk::Size(n) | Chunk::SizeLws(n) | Chunk::Extension(n), b'\r') => Chunk::SizeLf(n),
-            (Chunk::Extension(_), b'\n') => return None,
-            (Chunk::Extension(n), _) => {
-                self.extensions += 1;
-                if self.extensions >= CHUNKED_EXTENSIONS_LIMIT {
-                    return None;
-                }
-                Chunk::Extension(n)
-            }
-            (Chunk::SizeLf(0), b'\n') => Chunk::EndCr,
-            (Chunk::SizeLf(n), b'\n') => Chunk::Data(n),
-            (Chunk::DataCr, b'\r') => Chunk::DataLf,
-            (Chunk::DataLf, b'\n') => Chunk::Start,
-            (Chunk::Trailer, b'\r') => Chunk::TrailerLf,
-            (Chunk::Trailer, _) => Chunk::Trailer,
-            (Chunk::TrailerLf, b'\n') => Chunk::EndCr,
-            (Chunk::EndCr, b'\r') => Chunk::EndLf,
-            (Chunk::EndCr, _) => Chunk::Trailer,
-            (Chunk::EndLf, b'\n') => Chunk::End,
-            _ => return None,
-        })
     }
 
     /// The stream ended: whatever is held goes to the parser unchanged.
@@ -290,7 +222,8 @@ enum Parsed {
 /// follows is framed (hyper's rules, `proto/h1/role.rs`).
 fn inspect_head(buf: &mut [u8]) -> Parsed {
     let (len, framing, lengths) = {
-        let mut headers = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+        let mut headers =
+            [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; h1::MAX_HEADERS];
         let mut req = httparse::Request::new(&mut []);
         let len = match req.parse_with_uninit_headers(buf, &mut headers) {
             Ok(httparse::Status::Complete(len)) => len,
@@ -307,14 +240,14 @@ fn inspect_head(buf: &mut [u8]) -> Parsed {
                 if !http11 {
                     return Parsed::Refused;
                 }
-                chunked = Some(is_chunked(h.value));
+                chunked = Some(h1::is_chunked(h.value));
             } else if h.name.eq_ignore_ascii_case("content-length") {
                 lengths.push(h.name.as_ptr() as usize - buf.as_ptr() as usize);
                 if chunked.is_some() {
                     // hyper ignores a length after a transfer coding.
                     continue;
                 }
-                let Some(n) = from_digits(h.value) else {
+                let Some(n) = h1::length(h.value) else {
                     return Parsed::Refused;
                 };
                 if length.is_some_and(|prev| prev != n) {
@@ -324,7 +257,7 @@ fn inspect_head(buf: &mut [u8]) -> Parsed {
             }
         }
         let framing = match (chunked, length) {
-            (Some(true), _) => State::Chunked(Chunk::Start),
+            (Some(true), _) => State::Chunked(Chunked::new()),
             (Some(false), _) => return Parsed::Refused,
             (None, Some(n)) if n > 0 => State::Fixed(n),
             (None, _) => State::Head,
@@ -337,30 +270,6 @@ fn inspect_head(buf: &mut [u8]) -> Parsed {
         }
     }
     Parsed::Complete(len, framing)
-}
-
-/// hyper's test for a chunked message: `chunked` is the last coding of the
-/// header line (a value that is not visible ASCII never is).
-fn is_chunked(value: &[u8]) -> bool {
-    let visible = value
-        .iter()
-        .all(|&b| b == b'\t' || (0x20..0x7f).contains(&b));
-    visible
-        && value
-            .rsplit(|&b| b == b',')
-            .next()
-            .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"))
-}
-
-/// hyper's `Content-Length` parse: ASCII digits only, no sign, no overflow.
-fn from_digits(bytes: &[u8]) -> Option<u64> {
-    if bytes.is_empty() {
-        return None;
-    }
-    bytes.iter().try_fold(0u64, |n, &b| match b {
-        b'0'..=b'9' => n.checked_mul(10)?.checked_add(u64::from(b - b'0')),
-        _ => None,
-    })
 }
 
 /// A connection whose incoming bytes pass through a [`Scanner`], and whose
@@ -730,25 +639,5 @@ mod tests {
             held.advance(done);
         }
         assert!(held.is_empty(), "everything is passed on once refused");
-    }
-
-    #[test]
-    fn lengths_follow_hyper() {
-        assert_eq!(from_digits(b"42"), Some(42));
-        for bad in [
-            &b""[..],
-            b"+1",
-            b"-1",
-            b" 1",
-            b"1 ",
-            b"5, 5",
-            b"18446744073709551616",
-        ] {
-            assert_eq!(from_digits(bad), None, "{:?}", String::from_utf8_lossy(bad));
-        }
-        assert!(is_chunked(b"gzip, chunked"));
-        assert!(is_chunked(b"CHUNKED "));
-        assert!(!is_chunked(b"chunked, gzip"));
-        assert!(!is_chunked(b"chunked\xff"));
     }
 }

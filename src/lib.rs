@@ -17,7 +17,9 @@
 //!   it in process with [`serve::start`]).
 //! - [`server`]: accept loop (plain or TLS, see [`tls`]), connection limits,
 //!   graceful shutdown; [`framing`] guards each connection's bytes against
-//!   ambiguous framing, reading them as hyper does.
+//!   ambiguous framing, reading them as hyper does with [`h1`], the
+//!   HTTP/1.1 codec (heads' lengths and codings, chunked bodies) it shares
+//!   with the backend's upstream client.
 //! - [`app`]: composes everything into one service: request ids and limits,
 //!   then the lease API or the fenced data path.
 //! - [`auth`]: bearer-token callers (off by default).
@@ -74,7 +76,7 @@
 //! - `api` → `auth`, `backend`, `body`, `clock`, `error`, `fence`, `lease`, `metrics`, `names`, `route`, `wire`
 //! - `cli` → `backend`, `client`, `clock`, `fence`, `hex`, `names`, `wire`
 //! - `fence` → `auth`, `backend`, `body`, `error`, `lease`, `metrics`, `names`, `precondition`, `route`, `wire`
-//! - `backend` → `auth`, `body`, `clock`, `error`, `metrics`, `names`, `route`, `rt`, `tls`, `wire`
+//! - `backend` → `auth`, `body`, `clock`, `error`, `h1`, `metrics`, `names`, `route`, `rt`, `tls`, `wire`
 //! - `etcd` → `error`, `rt`, `tls`
 //! - `error` → `body`, `lease`, `precondition`, `wire`
 //! - `metrics` → `clock`, `lease`
@@ -82,7 +84,8 @@
 //! - `precondition` → `body`, `wire`
 //! - `auth` → `hex`, `names`
 //! - `route` → `names`
-//! - `body`, `clock`, `framing`, `journal`, `rt`, `tls`, `wire` → nothing
+//! - `framing` → `h1`
+//! - `body`, `clock`, `h1`, `journal`, `rt`, `tls`, `wire` → nothing
 //!
 //! (`names` and `hex` are the core's; `client` is the client crate.)
 //!
@@ -101,6 +104,7 @@ pub mod error;
 pub mod etcd;
 pub mod fence;
 pub mod framing;
+pub mod h1;
 pub use fencegate_core::hex;
 pub mod journal;
 pub mod lease;

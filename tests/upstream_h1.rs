@@ -357,6 +357,7 @@ const ANSWERS: &[(&str, &[u8])] = &[
     ("bare LF", b"HTTP/1.1 200 OK\nX-Backend: 1\nContent-Length: 2\n\nok"),
     ("bad chunk size", b"HTTP/1.1 200 OK\r\nX-Backend: 1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n"),
     ("chunk without CRLF", b"HTTP/1.1 200 OK\r\nX-Backend: 1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcd0\r\n\r\n"),
+    ("chunk data then a bare LF", b"HTTP/1.1 200 OK\r\nX-Backend: 1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\n\n0\r\n\r\n"),
     ("chunked cut off", b"HTTP/1.1 200 OK\r\nX-Backend: 1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel"),
     ("length cut off", b"HTTP/1.1 200 OK\r\nX-Backend: 1\r\nContent-Length: 10\r\n\r\nhello"),
     ("head cut off", b"HTTP/1.1 200 OK\r\nContent-Le"),

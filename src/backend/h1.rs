@@ -7,10 +7,12 @@
 //! written from those parts in one write together with the first piece of
 //! its body, and the answer's head is parsed with `httparse` and relayed,
 //! its body streamed to the client as it comes, the connection going back
-//! to its client connection's slot once the body ended. The rules are
-//! hyper's client's (`hyper::proto::h1::role::Client`), which the pooled
-//! mode still uses; `tests/upstream_h1.rs` sends both the same corpus of
-//! answers and compares what each relays and what the backend received:
+//! to its client connection's slot once the body ended. Lengths, codings
+//! and chunked bodies are read with the codec the framing guard uses
+//! ([`crate::h1`]). The rules are hyper's client's
+//! (`hyper::proto::h1::role::Client`), which the pooled mode still uses;
+//! `tests/upstream_h1.rs` sends both the same corpus of answers and
+//! compares what each relays and what the backend received:
 //! - the request: `Content-Length` as the client sent it, else the body's
 //!   exact size, else chunked (no body for a `GET`, `HEAD` or `CONNECT` of
 //!   unknown length); an HTTP/1.0 request never chunks and never keeps the
@@ -53,14 +55,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
 use crate::body::{Body, BoxError};
-
-/// The most header lines an answer or its trailers may have (hyper's
-/// limit).
-const MAX_HEADERS: usize = 100;
-
-/// The most bytes of a chunk-size line, and of a chunked body's trailers
-/// (hyper's limit for each).
-const CHUNK_LINE_LIMIT: usize = 16 * 1024;
+use crate::h1::{self as codec, Chunked, Piece, MAX_HEADERS};
 
 /// A first body piece up to this size goes in the same write as the head.
 const COALESCE: usize = 16 * 1024;
@@ -261,23 +256,10 @@ enum Sending {
 #[derive(Debug)]
 enum Reading {
     Length(u64),
-    Chunked(Chunk),
+    Chunked(Chunked),
     /// To the end of the connection.
     Close,
     Done,
-}
-
-/// Where a chunked body is.
-#[derive(Debug, Clone, Copy)]
-enum Chunk {
-    /// Before a chunk-size line.
-    Size,
-    /// Inside a chunk's data, this many bytes left.
-    Data(u64),
-    /// After a chunk's data, before its CRLF.
-    DataEnd,
-    /// After the last chunk: trailers and the final CRLF.
-    Trailers,
 }
 
 impl Conn {
@@ -465,7 +447,7 @@ impl Conn {
         if data.len() > COALESCE {
             if sending == Sending::Chunked {
                 self.out.clear();
-                chunk_line(&mut self.out, data.len());
+                codec::chunk_size_line(&mut self.out, data.len());
                 self.io.write_all(&self.out).await?;
                 self.io.write_all(data).await?;
                 self.out.clear();
@@ -615,6 +597,7 @@ impl Conn {
             reading => crate::body::boxed(Incoming {
                 conn: Some(self),
                 reading,
+                trailers: BytesMut::new(),
                 keep_alive,
                 home: Arc::downgrade(home),
             }),
@@ -640,7 +623,7 @@ fn framing(method: &Method, headers: &mut HeaderMap, body: &Body, http10: bool) 
     if http10 {
         headers.remove(TRANSFER_ENCODING);
         return match (stated, exact) {
-            (Some(Ok(n)), _) => Sending::Length(n),
+            (Some(Some(n)), _) => Sending::Length(n),
             (_, Some(n)) => {
                 headers.insert(CONTENT_LENGTH, HeaderValue::from(n));
                 Sending::Length(n)
@@ -648,7 +631,7 @@ fn framing(method: &Method, headers: &mut HeaderMap, body: &Body, http10: bool) 
             _ => Sending::Length(0),
         };
     }
-    if let Some(Ok(n)) = stated {
+    if let Some(Some(n)) = stated {
         return Sending::Length(n);
     }
     match exact {
@@ -706,21 +689,12 @@ fn put_data(out: &mut Vec<u8>, sending: Sending, data: &[u8]) {
         return;
     }
     if sending == Sending::Chunked {
-        chunk_line(out, data.len());
+        codec::chunk_size_line(out, data.len());
         out.extend_from_slice(data);
         out.extend_from_slice(b"\r\n");
     } else {
         out.extend_from_slice(data);
     }
-}
-
-/// Appends a chunk-size line for `len` bytes.
-fn chunk_line(out: &mut Vec<u8>, len: usize) {
-    let digits = (usize::BITS - len.leading_zeros()).div_ceil(4).max(1);
-    for i in (0..digits).rev() {
-        out.push(b"0123456789ABCDEF"[(len >> (4 * i)) & 0xF]);
-    }
-    out.extend_from_slice(b"\r\n");
 }
 
 /// The next non-empty data of a request body (trailers are dropped, as
@@ -741,35 +715,10 @@ async fn next_data(body: &mut Body) -> Result<Option<Bytes>, BoxError> {
     }
 }
 
-/// `Content-Length`: `None` if absent, `Some(Err)` if invalid (values that
-/// are not all the same number).
-fn content_length(headers: &HeaderMap) -> Option<Result<u64, ()>> {
-    let mut found: Option<u64> = None;
-    let mut any = false;
-    for value in headers.get_all(CONTENT_LENGTH) {
-        any = true;
-        let Ok(line) = value.to_str() else {
-            return Some(Err(()));
-        };
-        for part in line.split(',') {
-            let part = part.trim();
-            if part.is_empty() || !part.bytes().all(|b| b.is_ascii_digit()) {
-                return Some(Err(()));
-            }
-            let Ok(n) = part.parse::<u64>() else {
-                return Some(Err(()));
-            };
-            match found {
-                Some(m) if m != n => return Some(Err(())),
-                _ => found = Some(n),
-            }
-        }
-    }
-    match found {
-        Some(n) => Some(Ok(n)),
-        None if any => Some(Err(())),
-        None => None,
-    }
+/// `Content-Length`: `None` if absent, `Some(None)` if invalid (values
+/// that are not all the same number).
+fn content_length(headers: &HeaderMap) -> Option<Option<u64>> {
+    codec::lengths(headers.get_all(CONTENT_LENGTH).iter().map(|v| v.as_bytes()))
 }
 
 /// Whether a `Connection` value lists `token`.
@@ -808,12 +757,10 @@ fn decoder(
             .get_all(TRANSFER_ENCODING)
             .iter()
             .next_back()
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.rsplit(',').next())
-            .is_some_and(|last| last.trim().eq_ignore_ascii_case("chunked"));
+            .is_some_and(|v| codec::is_chunked(v.as_bytes()));
         return Ok((
             if chunked {
-                Reading::Chunked(Chunk::Size)
+                Reading::Chunked(Chunked::new())
             } else {
                 Reading::Close
             },
@@ -821,8 +768,8 @@ fn decoder(
         ));
     }
     match content_length(headers) {
-        Some(Ok(n)) => Ok((Reading::Length(n), false)),
-        Some(Err(())) => Err(Box::new(Broken("invalid content-length parsed"))),
+        Some(Some(n)) => Ok((Reading::Length(n), false)),
+        Some(None) => Err(Box::new(Broken("invalid content-length parsed"))),
         None => Ok((Reading::Close, false)),
     }
 }
@@ -832,6 +779,9 @@ struct Incoming {
     /// `None` once the body ended.
     conn: Option<Conn>,
     reading: Reading,
+    /// The trailer section of a chunked body, as it arrives (the codec
+    /// bounds it).
+    trailers: BytesMut,
     keep_alive: bool,
     home: Weak<IdleConn>,
 }
@@ -887,119 +837,52 @@ impl Incoming {
             .buf
     }
 
-    /// The next frame of a chunked body: `Ready(None)` to read more first.
-    fn chunked(&mut self, state: Chunk) -> Result<Option<Option<Frame<Bytes>>>, BoxError> {
-        match state {
-            Chunk::Size => {
-                let buf = self.buf();
-                let Some(end) = memchr::memchr(b'\n', buf) else {
-                    if buf.len() > CHUNK_LINE_LIMIT {
-                        return Err(Box::new(Broken("chunk size line too long")));
-                    }
-                    return Ok(None);
-                };
-                let size = chunk_size(&buf[..=end])?;
-                buf.advance(end + 1);
-                self.reading = Reading::Chunked(if size == 0 {
-                    Chunk::Trailers
-                } else {
-                    Chunk::Data(size)
-                });
-                Ok(Some(None))
-            }
-            Chunk::Data(left) => {
-                let buf = self.buf();
-                if buf.is_empty() {
-                    return Ok(None);
-                }
-                let n = (buf.len() as u64).min(left) as usize;
-                let data = buf.split_to(n).freeze();
-                self.reading = Reading::Chunked(if left == n as u64 {
-                    Chunk::DataEnd
-                } else {
-                    Chunk::Data(left - n as u64)
-                });
-                Ok(Some(Some(Frame::data(data))))
-            }
-            Chunk::DataEnd => {
-                let buf = self.buf();
-                if buf.len() < 2 {
-                    return Ok(None);
-                }
-                if &buf[..2] != b"\r\n" {
-                    return Err(Box::new(Broken(
-                        "invalid chunk body: no CRLF after the data",
-                    )));
-                }
-                buf.advance(2);
-                self.reading = Reading::Chunked(Chunk::Size);
-                Ok(Some(None))
-            }
-            Chunk::Trailers => {
-                let buf = self.buf();
-                if buf.starts_with(b"\r\n") {
-                    buf.advance(2);
-                    self.end();
-                    return Ok(Some(None));
-                }
-                let Some(at) = memchr::memmem::find(buf, b"\r\n\r\n") else {
-                    if buf.len() > CHUNK_LINE_LIMIT {
-                        return Err(Box::new(Broken("chunk trailers too large")));
-                    }
-                    return Ok(None);
-                };
-                if at + 4 > CHUNK_LINE_LIMIT {
-                    return Err(Box::new(Broken("chunk trailers too large")));
-                }
-                let block = buf.split_to(at + 4).freeze();
-                let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS];
-                let trailers = match httparse::parse_headers(&block, &mut lines) {
-                    Ok(httparse::Status::Complete((_, lines))) => {
-                        let mut map = HeaderMap::with_capacity(lines.len());
-                        for line in lines {
-                            let name = HeaderName::from_bytes(line.name.as_bytes())
-                                .map_err(|_| Broken("invalid trailer name"))?;
-                            let value = HeaderValue::from_maybe_shared(block.slice_ref(line.value))
-                                .map_err(|_| Broken("invalid trailer value"))?;
-                            map.append(name, value);
-                        }
-                        map
-                    }
-                    _ => return Err(Box::new(Broken("invalid chunk trailers"))),
-                };
-                self.end();
-                Ok(Some(Some(Frame::trailers(trailers))))
-            }
+    /// The next frame of a chunked body: `Ok(None)` to read more first,
+    /// `Ok(Some(None))` to go on.
+    fn chunked(&mut self, mut body: Chunked) -> Result<Option<Option<Frame<Bytes>>>, BoxError> {
+        let buf = self.buf();
+        if buf.is_empty() {
+            return Ok(None);
         }
+        let (n, piece) = body.decode(buf)?;
+        let frame = match piece {
+            Piece::Data => Some(Frame::data(buf.split_to(n).freeze())),
+            Piece::Framing => {
+                buf.advance(n);
+                None
+            }
+            Piece::Trailers => {
+                let section = buf.split_to(n);
+                self.trailers.extend_from_slice(&section);
+                None
+            }
+        };
+        self.reading = Reading::Chunked(body);
+        if !body.is_done() {
+            return Ok(Some(frame));
+        }
+        if self.trailers.is_empty() {
+            self.end();
+            return Ok(Some(None));
+        }
+        let block = std::mem::take(&mut self.trailers).freeze();
+        let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let Ok(httparse::Status::Complete((_, lines))) =
+            httparse::parse_headers(&block, &mut lines)
+        else {
+            return Err(Box::new(Broken("invalid chunk trailers")));
+        };
+        let mut map = HeaderMap::with_capacity(lines.len());
+        for line in lines {
+            let name = HeaderName::from_bytes(line.name.as_bytes())
+                .map_err(|_| Broken("invalid trailer name"))?;
+            let value = HeaderValue::from_maybe_shared(block.slice_ref(line.value))
+                .map_err(|_| Broken("invalid trailer value"))?;
+            map.append(name, value);
+        }
+        self.end();
+        Ok(Some(Some(Frame::trailers(map))))
     }
-}
-
-/// The size of a chunk from its line (with its CRLF): hex digits, then
-/// optional whitespace and extensions, which are ignored.
-fn chunk_size(line: &[u8]) -> Result<u64, BoxError> {
-    let bad = || -> BoxError { Box::new(Broken("invalid chunk size line")) };
-    let line = line.strip_suffix(b"\r\n").ok_or_else(bad)?;
-    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
-    if digits == 0 {
-        return Err(bad());
-    }
-    let mut size: u64 = 0;
-    for &b in &line[..digits] {
-        let d = (b as char).to_digit(16).ok_or_else(bad)?;
-        size = size
-            .checked_mul(16)
-            .and_then(|s| s.checked_add(u64::from(d)))
-            .ok_or_else(|| -> BoxError { Box::new(Broken("invalid chunk size: overflow")) })?;
-    }
-    let rest = &line[digits..];
-    let rest = &rest[rest
-        .iter()
-        .take_while(|b| matches!(b, b' ' | b'\t'))
-        .count()..];
-    if !(rest.is_empty() || rest[0] == b';') || rest.contains(&b'\r') || rest.contains(&b'\n') {
-        return Err(bad());
-    }
-    Ok(size)
 }
 
 impl http_body::Body for Incoming {
@@ -1051,9 +934,9 @@ impl http_body::Body for Incoming {
                     Ok(Some(Some(frame))) => return Poll::Ready(Some(Ok(frame))),
                     Ok(Some(None)) => {}
                     Ok(None) => {
-                        let want = match state {
-                            Chunk::Data(left) => left,
-                            _ => 8192,
+                        let want = match state.data_left() {
+                            0 => 8192,
+                            left => left,
                         };
                         if let Err(e) = std::task::ready!(this.poll_more(cx, want)) {
                             return this.fail(e);
