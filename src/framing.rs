@@ -153,12 +153,12 @@ impl Scanner {
                         return pos;
                     };
                     match inspect_head(head) {
-                        Parsed::Complete(len, next) => {
+                        Inspected::Complete(len, next) => {
                             self.searched = 0;
                             self.state = next;
                             pos += len;
                         }
-                        Parsed::Partial => {
+                        Inspected::Partial => {
                             // A blank line that does not end the head for
                             // httparse: keep reading after it.
                             self.searched = end;
@@ -168,7 +168,7 @@ impl Scanner {
                             }
                             return pos;
                         }
-                        Parsed::Refused => self.state = State::Refused,
+                        Inspected::Refused => self.state = State::Refused,
                     }
                 }
             }
@@ -208,7 +208,7 @@ fn find_head_end(buf: &[u8], from: usize) -> Option<usize> {
 }
 
 /// What the head parser made of a buffer.
-enum Parsed {
+enum Inspected {
     /// A head of this many bytes, followed by a body framed as the state says.
     Complete(usize, State),
     /// Not a complete head yet.
@@ -220,15 +220,15 @@ enum Parsed {
 /// Parses the head at the start of `buf` as hyper does, marks a
 /// `Content-Length` beside `Transfer-Encoding`, and says how the body that
 /// follows is framed (hyper's rules, `proto/h1/role.rs`).
-fn inspect_head(buf: &mut [u8]) -> Parsed {
+fn inspect_head(buf: &mut [u8]) -> Inspected {
     let (len, framing, lengths) = {
         let mut headers =
             [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; h1::MAX_HEADERS];
         let mut req = httparse::Request::new(&mut []);
         let len = match req.parse_with_uninit_headers(buf, &mut headers) {
             Ok(httparse::Status::Complete(len)) => len,
-            Ok(httparse::Status::Partial) => return Parsed::Partial,
-            Err(_) => return Parsed::Refused,
+            Ok(httparse::Status::Partial) => return Inspected::Partial,
+            Err(_) => return Inspected::Refused,
         };
         let http11 = req.version == Some(1);
         // Offsets of the Content-Length names, to mark them.
@@ -238,7 +238,7 @@ fn inspect_head(buf: &mut [u8]) -> Parsed {
         for h in req.headers.iter() {
             if h.name.eq_ignore_ascii_case("transfer-encoding") {
                 if !http11 {
-                    return Parsed::Refused;
+                    return Inspected::Refused;
                 }
                 chunked = Some(h1::is_chunked(h.value));
             } else if h.name.eq_ignore_ascii_case("content-length") {
@@ -248,17 +248,17 @@ fn inspect_head(buf: &mut [u8]) -> Parsed {
                     continue;
                 }
                 let Some(n) = h1::length(h.value) else {
-                    return Parsed::Refused;
+                    return Inspected::Refused;
                 };
                 if length.is_some_and(|prev| prev != n) {
-                    return Parsed::Refused;
+                    return Inspected::Refused;
                 }
                 length = Some(n);
             }
         }
         let framing = match (chunked, length) {
             (Some(true), _) => State::Chunked(Chunked::new()),
-            (Some(false), _) => return Parsed::Refused,
+            (Some(false), _) => return Inspected::Refused,
             (None, Some(n)) if n > 0 => State::Fixed(n),
             (None, _) => State::Head,
         };
@@ -269,7 +269,7 @@ fn inspect_head(buf: &mut [u8]) -> Parsed {
             buf[at..at + CONFLICT_HEADER.len()].copy_from_slice(CONFLICT_HEADER.as_bytes());
         }
     }
-    Parsed::Complete(len, framing)
+    Inspected::Complete(len, framing)
 }
 
 /// A connection whose incoming bytes pass through a [`Scanner`], and whose

@@ -234,7 +234,7 @@ impl std::fmt::Debug for Conn {
 }
 
 /// What the buffer holds of an answer's head.
-enum Parsed {
+enum Answer {
     /// A whole final head, how its body is read, and whether the
     /// connection may be reused after it.
     Head(Response<()>, Reading, bool),
@@ -473,9 +473,9 @@ impl Conn {
     ) -> Result<(Response<()>, Reading, bool), BoxError> {
         loop {
             match self.parse_head(method)? {
-                Parsed::Head(head, reading, keep_alive) => return Ok((head, reading, keep_alive)),
-                Parsed::Interim => continue,
-                Parsed::Partial => {}
+                Answer::Head(head, reading, keep_alive) => return Ok((head, reading, keep_alive)),
+                Answer::Interim => continue,
+                Answer::Partial => {}
             }
             if self.buf.len() >= self.max_buf {
                 return Err(Box::new(Broken("message head is too large")));
@@ -505,9 +505,9 @@ impl Conn {
     }
 
     /// Parses one head from the buffer.
-    fn parse_head(&mut self, method: &Method) -> Result<Parsed, BoxError> {
+    fn parse_head(&mut self, method: &Method) -> Result<Answer, BoxError> {
         if self.buf.is_empty() {
-            return Ok(Parsed::Partial);
+            return Ok(Answer::Partial);
         }
         let mut lines = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
         let mut res = httparse::Response::new(&mut []);
@@ -516,7 +516,7 @@ impl Conn {
             .parse_response_with_uninit_headers(&mut res, &self.buf, &mut lines)
         {
             Ok(httparse::Status::Complete(len)) => len,
-            Ok(httparse::Status::Partial) => return Ok(Parsed::Partial),
+            Ok(httparse::Status::Partial) => return Ok(Answer::Partial),
             Err(e) => return Err(Box::new(e)),
         };
         let code = res.code.unwrap_or(0);
@@ -545,7 +545,7 @@ impl Conn {
         }
         let head = self.buf.split_to(len).freeze();
         if matches!(code, 100 | 102..=199) {
-            return Ok(Parsed::Interim);
+            return Ok(Answer::Interim);
         }
         // Room for the lines fencegate adds to an answer (its request id).
         let mut headers = HeaderMap::with_capacity(spans.len() + 2);
@@ -574,7 +574,7 @@ impl Conn {
         if let Some(Ok(phrase)) = reason.map(hyper::ext::ReasonPhrase::try_from) {
             res.extensions_mut().insert(phrase);
         }
-        Ok(Parsed::Head(res, reading, keep_alive && !upgrade))
+        Ok(Answer::Head(res, reading, keep_alive && !upgrade))
     }
 
     /// The answer with its body; the connection goes home now if the
