@@ -35,16 +35,17 @@ impl fmt::Display for Malformed {
 
 impl std::error::Error for Malformed {}
 
-/// Where in a chunked body the decoder is (hyper's `ChunkedState`).
+/// Where in a chunked body the decoder is (hyper's `ChunkedState`); the
+/// chunk's size, where there is one, is beside it in [`Chunked`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Start,
-    Size(u64),
-    SizeLws(u64),
-    Extension(u64),
-    SizeLf(u64),
-    /// Inside a chunk's data, this many bytes left.
-    Data(u64),
+    Size,
+    SizeLws,
+    Extension,
+    SizeLf,
+    /// Inside a chunk's data.
+    Data,
     DataCr,
     DataLf,
     Trailer,
@@ -69,15 +70,22 @@ pub enum Piece {
 
 /// A chunked body's decoder, fed the bytes that follow the head in any
 /// pieces: it says what each run of bytes is and where the body ends. It
-/// holds no bytes, only a few words of state.
+/// holds no bytes, only 16 bytes of state (small, as it lives in every
+/// answer body's state and every connection's guard).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Chunked {
+    /// The chunk size being read, or the data left of the chunk.
+    size: u64,
     state: State,
-    /// Chunk-extension bytes seen in the message.
-    extensions: u64,
-    /// Trailer bytes seen (`None`: no trailers yet), and trailer lines.
-    trailer_bytes: Option<usize>,
-    trailer_lines: usize,
+    /// Whether the body has trailers (hyper keeps them from their first
+    /// byte).
+    trailers: bool,
+    /// Trailer lines seen, at most [`MAX_HEADERS`].
+    trailer_lines: u8,
+    /// Chunk-extension bytes seen in the message, under [`EXTENSIONS_LIMIT`].
+    extensions: u16,
+    /// Trailer bytes kept, under [`TRAILERS_LIMIT`].
+    trailer_bytes: u16,
 }
 
 impl Default for Chunked {
@@ -90,10 +98,12 @@ impl Chunked {
     /// A decoder at the start of a body.
     pub fn new() -> Self {
         Self {
+            size: 0,
             state: State::Start,
-            extensions: 0,
-            trailer_bytes: None,
+            trailers: false,
             trailer_lines: 0,
+            extensions: 0,
+            trailer_bytes: 0,
         }
     }
 
@@ -105,7 +115,7 @@ impl Chunked {
     /// The bytes of chunk data that come next (0 outside a chunk's data).
     pub fn data_left(&self) -> u64 {
         match self.state {
-            State::Data(n) => n,
+            State::Data => self.size,
             _ => 0,
         }
     }
@@ -115,14 +125,14 @@ impl Chunked {
     /// non-empty input unless the body is over, and never a byte past its
     /// end.
     pub fn decode(&mut self, input: &[u8]) -> Result<(usize, Piece), Malformed> {
-        if let State::Data(left) = self.state {
-            let take = usize::try_from(left).unwrap_or(usize::MAX).min(input.len());
-            let rest = left - take as u64;
-            self.state = if rest == 0 {
-                State::DataCr
-            } else {
-                State::Data(rest)
-            };
+        if self.state == State::Data {
+            let take = usize::try_from(self.size)
+                .unwrap_or(usize::MAX)
+                .min(input.len());
+            self.size -= take as u64;
+            if self.size == 0 {
+                self.state = State::DataCr;
+            }
             return Ok((take, Piece::Data));
         }
         let Some(&first) = input.first() else {
@@ -131,10 +141,10 @@ impl Chunked {
         let piece = self.piece_of(first);
         let mut used = 0;
         while let Some(&b) = input.get(used) {
-            if self.is_done() || matches!(self.state, State::Data(_)) || self.piece_of(b) != piece {
+            if matches!(self.state, State::End | State::Data) || self.piece_of(b) != piece {
                 break;
             }
-            self.state = self.step(b)?;
+            self.step(b)?;
             used += 1;
         }
         Ok((used, piece))
@@ -144,55 +154,59 @@ impl Chunked {
     /// its first byte to the blank line that ends it.
     fn piece_of(&self, b: u8) -> Piece {
         match self.state {
-            State::Data(_) => Piece::Data,
+            State::Data => Piece::Data,
             State::Trailer | State::TrailerLf => Piece::Trailers,
             State::EndCr if b != b'\r' => Piece::Trailers,
-            State::EndCr | State::EndLf if self.trailer_bytes.is_some() => Piece::Trailers,
+            State::EndCr | State::EndLf if self.trailers => Piece::Trailers,
             _ => Piece::Framing,
         }
     }
 
-    /// One byte outside chunk data, as hyper's decoder takes it.
-    fn step(&mut self, b: u8) -> Result<State, Malformed> {
-        let hex = |b: u8| (b as char).to_digit(16).map(u64::from);
-        let overflow = Malformed("invalid chunk size: overflow");
+    /// Takes one byte outside chunk data, as hyper's decoder takes it.
+    fn step(&mut self, b: u8) -> Result<(), Malformed> {
         if self.piece_of(b) == Piece::Trailers {
             // hyper's limit, counted as it counts: not on the first byte.
-            if let Some(kept) = self.trailer_bytes {
-                if kept + 1 >= TRAILERS_LIMIT {
+            if self.trailers {
+                self.trailer_bytes += 1;
+                if usize::from(self.trailer_bytes) >= TRAILERS_LIMIT {
                     return Err(Malformed("chunk trailers bytes over limit"));
                 }
+            } else {
+                self.trailers = true;
+                self.trailer_bytes = 1;
             }
-            self.trailer_bytes = Some(self.trailer_bytes.map_or(1, |n| n + 1));
         }
-        Ok(match (self.state, b) {
-            (State::Start, b) => {
-                State::Size(hex(b).ok_or(Malformed("invalid chunk size line: no digit"))?)
+        let hex = (b as char).to_digit(16).map(u64::from);
+        self.state = match (self.state, b) {
+            (State::Start, _) => {
+                self.size = hex.ok_or(Malformed("invalid chunk size line: no digit"))?;
+                State::Size
             }
-            (State::Size(n), b) if hex(b).is_some() => State::Size(
-                n.checked_mul(16)
-                    .and_then(|n| n.checked_add(hex(b)?))
-                    .ok_or(overflow)?,
-            ),
-            (State::Size(n) | State::SizeLws(n), b'\t' | b' ') => State::SizeLws(n),
-            (State::Size(n) | State::SizeLws(n), b';') => State::Extension(n),
-            (State::Size(n) | State::SizeLws(n) | State::Extension(n), b'\r') => State::SizeLf(n),
-            (State::Size(_) | State::SizeLws(_), _) => {
-                return Err(Malformed("invalid chunk size line"))
+            (State::Size, _) if hex.is_some() => {
+                self.size = self
+                    .size
+                    .checked_mul(16)
+                    .and_then(|n| n.checked_add(hex?))
+                    .ok_or(Malformed("invalid chunk size: overflow"))?;
+                State::Size
             }
-            (State::Extension(_), b'\n') => {
+            (State::Size | State::SizeLws, b'\t' | b' ') => State::SizeLws,
+            (State::Size | State::SizeLws, b';') => State::Extension,
+            (State::Size | State::SizeLws | State::Extension, b'\r') => State::SizeLf,
+            (State::Size | State::SizeLws, _) => return Err(Malformed("invalid chunk size line")),
+            (State::Extension, b'\n') => {
                 return Err(Malformed("invalid chunk extension: contains a newline"))
             }
-            (State::Extension(n), _) => {
+            (State::Extension, _) => {
                 self.extensions += 1;
-                if self.extensions >= EXTENSIONS_LIMIT {
+                if u64::from(self.extensions) >= EXTENSIONS_LIMIT {
                     return Err(Malformed("chunk extensions over limit"));
                 }
-                State::Extension(n)
+                State::Extension
             }
-            (State::SizeLf(0), b'\n') => State::EndCr,
-            (State::SizeLf(n), b'\n') => State::Data(n),
-            (State::SizeLf(_), _) => return Err(Malformed("invalid chunk size LF")),
+            (State::SizeLf, b'\n') if self.size == 0 => State::EndCr,
+            (State::SizeLf, b'\n') => State::Data,
+            (State::SizeLf, _) => return Err(Malformed("invalid chunk size LF")),
             (State::DataCr, b'\r') => State::DataLf,
             (State::DataCr, _) => return Err(Malformed("invalid chunk body CR")),
             (State::DataLf, b'\n') => State::Start,
@@ -200,10 +214,10 @@ impl Chunked {
             (State::Trailer, b'\r') => State::TrailerLf,
             (State::Trailer, _) => State::Trailer,
             (State::TrailerLf, b'\n') => {
-                self.trailer_lines += 1;
-                if self.trailer_lines > MAX_HEADERS {
+                if usize::from(self.trailer_lines) >= MAX_HEADERS {
                     return Err(Malformed("chunk trailers count overflow"));
                 }
+                self.trailer_lines += 1;
                 State::EndCr
             }
             (State::TrailerLf, _) => return Err(Malformed("invalid trailer end LF")),
@@ -211,8 +225,9 @@ impl Chunked {
             (State::EndCr, _) => State::Trailer,
             (State::EndLf, b'\n') => State::End,
             (State::EndLf, _) => return Err(Malformed("invalid chunk end LF")),
-            (State::Data(_) | State::End, _) => unreachable!("not a framing byte"),
-        })
+            (State::Data | State::End, _) => unreachable!("not a framing byte"),
+        };
+        Ok(())
     }
 }
 
@@ -335,6 +350,11 @@ mod tests {
             };
             assert!(failed, "{:?} was accepted", String::from_utf8_lossy(bad));
         }
+    }
+
+    #[test]
+    fn the_state_stays_small() {
+        assert_eq!(std::mem::size_of::<Chunked>(), 16);
     }
 
     #[test]
