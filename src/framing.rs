@@ -143,32 +143,39 @@ impl Scanner {
                 }
                 State::Head => {
                     let head = &mut data[pos..];
-                    let Some(end) = find_head_end(head, self.searched) else {
-                        if head.len() > self.max_head_bytes {
-                            // hyper's buffer fills before the head ends.
-                            self.state = State::Refused;
-                            return data.len();
+                    // A head that arrived whole (the common case) is read in
+                    // one pass; one that trickles in is searched for its end
+                    // as it grows, then read once.
+                    let read = if self.searched == 0 {
+                        read_head(head)
+                    } else {
+                        match find_head_end(head, self.searched) {
+                            Some(end) => read_head(&head[..end]),
+                            None => Head::Incomplete,
                         }
-                        self.searched = head.len();
-                        return pos;
                     };
-                    match inspect_head(head) {
-                        Inspected::Complete(len, next) => {
-                            self.searched = 0;
-                            self.state = next;
-                            pos += len;
-                        }
-                        Inspected::Partial => {
-                            // A blank line that does not end the head for
-                            // httparse: keep reading after it.
-                            self.searched = end;
+                    match read {
+                        Head::Whole { end, rules } => match rules.framing() {
+                            Some(next) => {
+                                if matches!(next, State::Chunked(_)) {
+                                    mark_lengths(head, &rules.lengths);
+                                }
+                                self.searched = 0;
+                                self.state = next;
+                                pos += end;
+                            }
+                            None => self.state = State::Refused,
+                        },
+                        Head::Refused => self.state = State::Refused,
+                        Head::Incomplete => {
                             if head.len() > self.max_head_bytes {
+                                // hyper's buffer fills before the head ends.
                                 self.state = State::Refused;
                                 return data.len();
                             }
+                            self.searched = head.len();
                             return pos;
                         }
-                        Inspected::Refused => self.state = State::Refused,
                     }
                 }
             }
@@ -184,13 +191,10 @@ impl Scanner {
 
 /// The end of a head (after its blank line), accepting bare LF as httparse
 /// does and skipping the empty lines it skips before a request line; the
-/// search starts at `from`, where an earlier search gave up. Only a hint:
-/// httparse decides.
+/// search starts at `from`, where an earlier search gave up. For a head
+/// httparse accepts, where httparse ends it.
 fn find_head_end(buf: &[u8], from: usize) -> Option<usize> {
-    let lead = buf
-        .iter()
-        .take_while(|&&b| b == b'\r' || b == b'\n')
-        .count();
+    let lead = leading_empty_lines(buf);
     // Back up over a line break the earlier search saw without its follower.
     let mut i = from.saturating_sub(2).max(lead);
     while let Some(rel) = memchr::memchr(b'\n', &buf[i..]) {
@@ -207,69 +211,196 @@ fn find_head_end(buf: &[u8], from: usize) -> Option<usize> {
     None
 }
 
-/// What the head parser made of a buffer.
-enum Inspected {
-    /// A head of this many bytes, followed by a body framed as the state says.
-    Complete(usize, State),
-    /// Not a complete head yet.
-    Partial,
-    /// hyper refuses this head.
-    Refused,
+/// The bytes of the empty lines before a request line.
+fn leading_empty_lines(buf: &[u8]) -> usize {
+    buf.iter()
+        .take_while(|&&b| b == b'\r' || b == b'\n')
+        .count()
 }
 
-/// Parses the head at the start of `buf` as hyper does, marks a
-/// `Content-Length` beside `Transfer-Encoding`, and says how the body that
-/// follows is framed (hyper's rules, `proto/h1/role.rs`).
-fn inspect_head(buf: &mut [u8]) -> Inspected {
-    let (len, framing, lengths) = {
-        let mut headers =
-            [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; h1::MAX_HEADERS];
-        let mut req = httparse::Request::new(&mut []);
-        let len = match req.parse_with_uninit_headers(buf, &mut headers) {
-            Ok(httparse::Status::Complete(len)) => len,
-            Ok(httparse::Status::Partial) => return Inspected::Partial,
-            Err(_) => return Inspected::Refused,
-        };
-        let http11 = req.version == Some(1);
-        // Offsets of the Content-Length names, to mark them.
-        let mut lengths: SmallVec<[usize; 2]> = SmallVec::new();
-        let mut chunked = None;
-        let mut length: Option<u64> = None;
-        for h in req.headers.iter() {
-            if h.name.eq_ignore_ascii_case("transfer-encoding") {
-                if !http11 {
-                    return Inspected::Refused;
-                }
-                chunked = Some(h1::is_chunked(h.value));
-            } else if h.name.eq_ignore_ascii_case("content-length") {
-                lengths.push(h.name.as_ptr() as usize - buf.as_ptr() as usize);
-                if chunked.is_some() {
-                    // hyper ignores a length after a transfer coding.
-                    continue;
-                }
-                let Some(n) = h1::length(h.value) else {
-                    return Inspected::Refused;
-                };
-                if length.is_some_and(|prev| prev != n) {
-                    return Inspected::Refused;
-                }
-                length = Some(n);
+/// The two header names that frame a request's body.
+const TRANSFER_ENCODING: &[u8] = b"transfer-encoding";
+const CONTENT_LENGTH: &[u8] = b"content-length";
+
+/// What the guard made of the bytes at the start of a head.
+enum Head {
+    /// Not a whole head yet.
+    Incomplete,
+    /// A head hyper refuses.
+    Refused,
+    /// A whole head of `end` bytes, read by hyper's rules.
+    Whole { end: usize, rules: Rules },
+}
+
+/// Reads the head at the start of `buf` as hyper does, to say how the body
+/// that follows is framed (hyper's rules, `proto/h1/role.rs`).
+///
+/// hyper parses each head with httparse; the guard does not parse it a
+/// second time, it only splits it into lines, and names and values at each
+/// line's first colon, trimmed as httparse trims them. For every head
+/// httparse accepts that gives httparse's header lines (debug builds,
+/// which run the tests, check each whole head against httparse); for a head
+/// it refuses, what the guard makes of it is never seen: hyper answers
+/// `400` and closes the connection. A head is refused as soon as a line
+/// shows httparse will refuse it (a request line without an HTTP/1.x
+/// version, more lines than hyper takes) or hyper's rules do.
+fn read_head(buf: &[u8]) -> Head {
+    let read = read_lines(buf);
+    #[cfg(debug_assertions)]
+    match &read {
+        Head::Whole { end, rules } => check_against_httparse(&buf[..*end], Some(rules)),
+        Head::Refused => {
+            if let Some(end) = find_head_end(buf, 0) {
+                check_against_httparse(&buf[..end], None);
             }
         }
-        let framing = match (chunked, length) {
+        Head::Incomplete => {}
+    }
+    read
+}
+
+/// [`read_head`]'s pass over the lines.
+fn read_lines(buf: &[u8]) -> Head {
+    let mut rules = Rules::default();
+    let mut at = leading_empty_lines(buf);
+    let mut count = 0;
+    let mut first = true;
+    while let Some(rel) = memchr::memchr(b'\n', &buf[at..]) {
+        let line = &buf[at..at + rel];
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if first {
+            first = false;
+            rules.http11 = line.ends_with(b" HTTP/1.1");
+            if !rules.http11 && !line.ends_with(b" HTTP/1.0") {
+                return Head::Refused;
+            }
+        } else if line.is_empty() {
+            return Head::Whole {
+                end: at + rel + 1,
+                rules,
+            };
+        } else {
+            count += 1;
+            if count > h1::MAX_HEADERS {
+                return Head::Refused;
+            }
+            // Only two names matter, and a name ends at the line's first
+            // colon: the colon right after either is the whole test.
+            for len in [TRANSFER_ENCODING.len(), CONTENT_LENGTH.len()] {
+                if line.get(len) != Some(&b':') {
+                    continue;
+                }
+                // httparse drops the spaces and tabs around a value.
+                let ows = |b: &u8| *b == b' ' || *b == b'\t';
+                let mut value = &line[len + 1..];
+                while let [b, rest @ ..] = value {
+                    if !ows(b) {
+                        break;
+                    }
+                    value = rest;
+                }
+                while let [rest @ .., b] = value {
+                    if !ows(b) {
+                        break;
+                    }
+                    value = rest;
+                }
+                if rules.line(at, &line[..len], value).is_none() {
+                    return Head::Refused;
+                }
+            }
+        }
+        at += rel + 1;
+    }
+    Head::Incomplete
+}
+
+/// Renames the `Content-Length` names at these offsets of a head to
+/// [`CONFLICT_HEADER`].
+fn mark_lengths(head: &mut [u8], at: &[usize]) {
+    for &at in at {
+        head[at..at + CONFLICT_HEADER.len()].copy_from_slice(CONFLICT_HEADER.as_bytes());
+    }
+}
+
+/// hyper's rules for a request's body, fed its header lines in order.
+#[derive(Debug, Default, PartialEq)]
+struct Rules {
+    http11: bool,
+    /// Whether the last `Transfer-Encoding` ends in `chunked`, if any.
+    chunked: Option<bool>,
+    length: Option<u64>,
+    /// Offsets of the `Content-Length` names, to mark them.
+    lengths: SmallVec<[usize; 2]>,
+}
+
+impl Rules {
+    /// One header line at offset `at`; `None` where hyper refuses it.
+    fn line(&mut self, at: usize, name: &[u8], value: &[u8]) -> Option<()> {
+        if name.eq_ignore_ascii_case(TRANSFER_ENCODING) {
+            if !self.http11 {
+                return None;
+            }
+            self.chunked = Some(h1::is_chunked(value));
+        } else if name.eq_ignore_ascii_case(CONTENT_LENGTH) {
+            self.lengths.push(at);
+            if self.chunked.is_some() {
+                // hyper ignores a length after a transfer coding.
+                return Some(());
+            }
+            let n = h1::length(value)?;
+            if self.length.is_some_and(|prev| prev != n) {
+                return None;
+            }
+            self.length = Some(n);
+        }
+        Some(())
+    }
+
+    /// How the body that follows is framed.
+    fn framing(&self) -> Option<State> {
+        Some(match (self.chunked, self.length) {
             (Some(true), _) => State::Chunked(Chunked::new()),
-            (Some(false), _) => return Inspected::Refused,
+            (Some(false), _) => return None,
             (None, Some(n)) if n > 0 => State::Fixed(n),
             (None, _) => State::Head,
-        };
-        (len, framing, lengths)
+        })
+    }
+}
+
+/// Panics unless `read` (the guard's reading of a whole head) agrees with
+/// httparse's wherever httparse accepts the head: the same lines, so the
+/// same decisions.
+#[cfg(debug_assertions)]
+fn check_against_httparse(head: &[u8], read: Option<&Rules>) {
+    let mut headers = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; h1::MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut []);
+    let Ok(httparse::Status::Complete(len)) = req.parse_with_uninit_headers(head, &mut headers)
+    else {
+        return;
     };
-    if matches!(framing, State::Chunked(_)) {
-        for at in lengths {
-            buf[at..at + CONFLICT_HEADER.len()].copy_from_slice(CONFLICT_HEADER.as_bytes());
+    assert_eq!(len, head.len(), "the head ends where httparse ends it");
+    let mut rules = Rules {
+        http11: req.version == Some(1),
+        ..Rules::default()
+    };
+    let mut refused = false;
+    for h in req.headers.iter() {
+        let at = h.name.as_ptr() as usize - head.as_ptr() as usize;
+        if rules.line(at, h.name.as_bytes(), h.value).is_none() {
+            refused = true;
+            break;
         }
     }
-    Inspected::Complete(len, framing)
+    match read {
+        Some(read) if !refused => assert_eq!(read, &rules, "{:?}", String::from_utf8_lossy(head)),
+        // Both refuse, or the guard stopped short of a line httparse takes.
+        None if refused => {}
+        _ => panic!(
+            "the guard and httparse disagree on {:?}",
+            String::from_utf8_lossy(head)
+        ),
+    }
 }
 
 /// A connection whose incoming bytes pass through a [`Scanner`], and whose
