@@ -12,15 +12,17 @@
 //! moves). hyper then frames by the transfer coding as before, and the app
 //! refuses the request with a 400 problem because it sees the marker.
 //!
-//! To see the stream as hyper sees it, the guard uses hyper's own head parser
-//! (httparse, with hyper's default configuration and header-count limit),
-//! applies hyper's rules for `Content-Length` and `Transfer-Encoding`, and
-//! follows chunked bodies with the codec's decoder ([`crate::h1`], which
-//! takes each byte as hyper's does: strict CRLFs, the same extension and
-//! trailer limits). Where hyper refuses the input (a malformed head or
-//! chunk, a head over the connection's buffer), the guard stops watching
-//! and passes the bytes on: hyper then refuses them and closes the
-//! connection, so nothing after them is ever parsed. A request with an
+//! To see the stream as hyper sees it without parsing each head twice, the
+//! guard splits a whole head into lines and reads the two framing headers
+//! as httparse (hyper's parser) gives them for every head it accepts (see
+//! `read_head`; debug builds check each head against httparse), applies
+//! hyper's rules for `Content-Length` and `Transfer-Encoding`, and follows
+//! chunked bodies with the codec's decoder ([`crate::h1`], which takes each
+//! byte as hyper's does: strict CRLFs, the same extension and trailer
+//! limits). Where hyper refuses the input (a malformed head or chunk, a
+//! head over the connection's buffer), the guard stops watching and passes
+//! the bytes on: hyper then refuses them and closes the connection, so
+//! nothing after them is ever parsed. A request with an
 //! `Upgrade` header, or a `CONNECT`, is framed like any other: fencegate
 //! never switches protocols (a 101 or a 2xx to `CONNECT` ends the
 //! connection), so hyper goes on parsing requests after it. A differential

@@ -26,7 +26,7 @@ use crate::wire::OutcomeUnknown;
 const PARTS: usize = 16;
 
 /// The key states of one term of primacy: at most `capacity` keys, split
-/// over [`PARTS`] independently locked parts by a keyed hash of the key
+/// over `PARTS` (16) independently locked parts by a keyed hash of the key
 /// (so a client cannot pile its keys onto one part).
 #[derive(Debug)]
 pub struct KeyStateTable {
