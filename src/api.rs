@@ -787,7 +787,7 @@ impl Api {
         }
         if let Some(upstream) = &self.upstream {
             if let Err(why) = upstream.readiness().await {
-                return Problem::new(Reason::UpstreamError, why).into_response();
+                return Problem::new(Reason::UpstreamError, why.to_string()).into_response();
             }
         }
         json_response(StatusCode::OK, &json!({"status": "ready"}))

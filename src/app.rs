@@ -29,7 +29,7 @@ use crate::api::{admin_listener_only, Api, Surface, PREFIX};
 use crate::auth::{Authenticator, Caller};
 use crate::backend::Backend;
 use crate::body::{self, Body, BoxError, ResponseFuture};
-use crate::config::Config;
+use crate::config::{Config, ConfigError};
 use crate::error::Problem;
 use crate::fence::{Fence, FenceLayer, FencePolicy};
 use crate::lease::{LeaseStore, Primacy};
@@ -212,7 +212,7 @@ pub struct Parts {
 }
 
 /// Composes `fencegate serve`: limits → (lease API | fence → backend).
-pub fn build(config: &Config, parts: Parts) -> Result<FencegateApp, String> {
+pub fn build(config: &Config, parts: Parts) -> Result<FencegateApp, ConfigError> {
     let recording = match &parts.backend {
         Backend::Embedded(store) if store.is_recording() => Some(store.clone()),
         _ => None,
@@ -253,7 +253,7 @@ pub fn build_with<S>(
     leases: LeaseStore,
     draining: Arc<AtomicBool>,
     backend: S,
-) -> Result<App<Fence<S>>, String> {
+) -> Result<App<Fence<S>>, ConfigError> {
     let metrics = Metrics::new(&leases);
     compose(config, leases, draining, (backend, None), metrics, None)
 }
@@ -267,7 +267,7 @@ fn compose<S>(
     (backend, primacy): (S, Option<Arc<Primacy>>),
     metrics: Metrics,
     key_states: Option<Arc<KeyStateTable>>,
-) -> Result<App<Fence<S>>, String> {
+) -> Result<App<Fence<S>>, ConfigError> {
     let policy = FencePolicy {
         metrics: metrics.clone(),
         routes: config.fence.compile_routes()?,

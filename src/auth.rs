@@ -56,6 +56,38 @@ pub struct Identity {
 #[derive(Clone, Debug)]
 pub struct Caller(pub Arc<Identity>);
 
+/// Why the configured tokens cannot be used.
+#[derive(Debug)]
+pub enum AuthError {
+    /// Authentication is on with no token.
+    NoTokens,
+    /// A token's name is not a valid holder name.
+    Name { name: String, why: String },
+    /// A token's digest is not 64 hex digits.
+    Digest { name: String },
+    /// Two tokens have the same secret.
+    SameSecret { name: String },
+}
+
+impl std::fmt::Display for AuthError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AuthError::NoTokens => {
+                f.write_str("auth.enabled needs at least one [[auth.tokens]] entry")
+            }
+            AuthError::Name { name, why } => write!(f, "auth token name {name:?}: {why}"),
+            AuthError::Digest { name } => {
+                write!(f, "auth token {name:?}: sha256 must be 64 hex digits")
+            }
+            AuthError::SameSecret { name } => {
+                write!(f, "auth token {name:?}: the same secret is listed twice")
+            }
+        }
+    }
+}
+
+impl std::error::Error for AuthError {}
+
 /// Checks bearer tokens against the configured digests.
 #[derive(Debug)]
 pub struct Authenticator {
@@ -64,28 +96,30 @@ pub struct Authenticator {
 
 impl Authenticator {
     /// The authenticator the config asks for (`None` when auth is off).
-    pub fn from_config(config: &AuthConfig) -> Result<Option<Self>, String> {
+    pub fn from_config(config: &AuthConfig) -> Result<Option<Self>, AuthError> {
         if !config.enabled {
             return Ok(None);
         }
         if config.tokens.is_empty() {
-            return Err("auth.enabled needs at least one [[auth.tokens]] entry".into());
+            return Err(AuthError::NoTokens);
         }
         let mut by_digest = HashMap::new();
         for t in &config.tokens {
-            let name = Holder::new(t.name.as_str())
-                .map_err(|e| format!("auth token name {:?}: {e}", t.name))?;
-            let digest = hex::decode32(&t.sha256)
-                .ok_or_else(|| format!("auth token {:?}: sha256 must be 64 hex digits", t.name))?;
+            let name = Holder::new(t.name.as_str()).map_err(|e| AuthError::Name {
+                name: t.name.clone(),
+                why: e.to_string(),
+            })?;
+            let digest = hex::decode32(&t.sha256).ok_or_else(|| AuthError::Digest {
+                name: t.name.clone(),
+            })?;
             let identity = Arc::new(Identity {
                 name,
                 admin: t.admin,
             });
             if by_digest.insert(digest, identity).is_some() {
-                return Err(format!(
-                    "auth token {:?}: the same secret is listed twice",
-                    t.name
-                ));
+                return Err(AuthError::SameSecret {
+                    name: t.name.clone(),
+                });
             }
         }
         Ok(Some(Self { by_digest }))

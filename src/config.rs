@@ -13,12 +13,63 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::auth::AuthError;
 pub use crate::auth::{AuthConfig, AuthToken};
 use crate::backend::UpstreamOptions;
 use crate::clock::ClockKind;
 use crate::lease::{AdmitOptions, LeaseLimits, RestartRule};
-use crate::route::{PathRules, Preconditions, Route, Routes};
+use crate::route::{PathRules, Preconditions, Route, RouteError, Routes};
 use crate::server::ServerOptions;
+
+/// Why a configuration cannot be used. Its message names the settings
+/// involved; `fencegate serve` prints it and stops.
+#[derive(Debug)]
+pub enum ConfigError {
+    /// A setting's value, a combination of settings, or the file that
+    /// holds them, that cannot work.
+    Setting(String),
+    /// An `[[auth.tokens]]` entry that cannot be used.
+    Auth(AuthError),
+    /// A route that cannot be compiled.
+    Route(RouteError),
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConfigError::Setting(why) => f.write_str(why),
+            ConfigError::Auth(e) => write!(f, "{e}"),
+            ConfigError::Route(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl From<&str> for ConfigError {
+    fn from(why: &str) -> Self {
+        ConfigError::Setting(why.to_owned())
+    }
+}
+
+impl From<AuthError> for ConfigError {
+    fn from(e: AuthError) -> Self {
+        ConfigError::Auth(e)
+    }
+}
+
+impl From<RouteError> for ConfigError {
+    fn from(e: RouteError) -> Self {
+        ConfigError::Route(e)
+    }
+}
+
+/// A [`ConfigError::Setting`] with a formatted message.
+macro_rules! setting {
+    ($($arg:tt)*) => {
+        ConfigError::Setting(format!($($arg)*))
+    };
+}
 
 /// Environment variables with the `FENCEGATE_` prefix that are not config keys.
 const NON_CONFIG_ENV: [&str; 7] = [
@@ -129,7 +180,7 @@ impl ClusterConfig {
         !self.etcd.is_empty()
     }
 
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), ConfigError> {
         if !self.enabled() {
             return Ok(());
         }
@@ -140,7 +191,7 @@ impl ClusterConfig {
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
         {
-            return Err(format!(
+            return Err(setting!(
                 "cluster.name: {:?} must be 1-64 letters, digits, '-', '_' or '.'",
                 self.name
             ));
@@ -150,27 +201,28 @@ impl ClusterConfig {
             .iter()
             .find(|u| !(u.starts_with("http://") || u.starts_with("https://")))
         {
-            return Err(format!(
+            return Err(setting!(
                 "cluster.etcd: {bad:?} is not an http:// or https:// URL"
             ));
         }
         if !self.prefix.starts_with('/') || !self.prefix.ends_with('/') {
-            return Err(format!(
+            return Err(setting!(
                 "cluster.prefix: {:?} must start and end with '/'",
                 self.prefix
             ));
         }
         if self.ttl_ms < 2_000 || self.margin_ms == 0 || self.margin_ms > self.ttl_ms / 2 {
-            return Err(format!(
+            return Err(setting!(
                 "cluster: need ttl_ms >= 2000 and 0 < margin_ms <= ttl_ms / 2 (got {} and {})",
-                self.ttl_ms, self.margin_ms
+                self.ttl_ms,
+                self.margin_ms
             ));
         }
         if self.user.is_empty() != self.password.is_empty() {
             return Err("cluster: set both user and password, or neither".into());
         }
         if !(1..=MAX_SHARDS).contains(&self.shards) {
-            return Err(format!(
+            return Err(setting!(
                 "cluster.shards: {} must be 1 to {MAX_SHARDS}",
                 self.shards
             ));
@@ -227,7 +279,7 @@ pub struct TlsConfig {
 
 impl TlsConfig {
     /// The certificate and key paths when TLS is on.
-    pub fn files(&self) -> Result<Option<(PathBuf, PathBuf)>, String> {
+    pub fn files(&self) -> Result<Option<(PathBuf, PathBuf)>, ConfigError> {
         match (self.cert_file.is_empty(), self.key_file.is_empty()) {
             (true, true) => Ok(None),
             (false, false) => Ok(Some((
@@ -416,20 +468,20 @@ impl Config {
         file: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
         flags: &Overrides,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, ConfigError> {
         let mut table = match file {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
-                    .map_err(|e| format!("cannot read config {}: {e}", path.display()))?;
+                    .map_err(|e| setting!("cannot read config {}: {e}", path.display()))?;
                 text.parse::<toml::Table>()
-                    .map_err(|e| format!("config {}: {e}", path.display()))?
+                    .map_err(|e| setting!("config {}: {e}", path.display()))?
             }
             None => toml::Table::new(),
         };
         apply_env(&mut table, env)?;
         // The error names the key: `limits.max_body_bytes: invalid type…`.
         let mut config: Config = serde_path_to_error::deserialize(toml::Value::Table(table))
-            .map_err(|e| format!("config: {}: {}", e.path(), e.inner().message()))?;
+            .map_err(|e| setting!("config: {}: {}", e.path(), e.inner().message()))?;
         if let Some(listen) = &flags.listen {
             config.listen.clone_from(listen);
         }
@@ -465,7 +517,7 @@ impl Config {
     }
 
     /// Checks every value, so a bad setting stops the start with a message.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         let addr = self.listen_addr()?;
         crate::auth::Authenticator::from_config(&self.auth)?;
         let admin = self.admin_addr()?;
@@ -474,7 +526,7 @@ impl Config {
                 && !addr.ip().is_loopback()
                 && !self.auth.allow_unauthenticated_non_loopback
             {
-                return Err(format!(
+                return Err(setting!(
                     "refusing to listen on {addr} without authentication: turn on [auth], or \
                      set auth.allow_unauthenticated_non_loopback if the network is trusted"
                 ));
@@ -485,14 +537,14 @@ impl Config {
                 .chain(admin)
                 .find(|a| !a.ip().is_loopback())
             {
-                return Err(format!(
+                return Err(setting!(
                     "refusing to listen on {open} with the manual clock: its time moves only \
                      when told, so it is for tests and demos on loopback addresses"
                 ));
             }
         }
         if admin.is_some_and(|a| a == addr && addr.port() != 0) {
-            return Err(format!(
+            return Err(setting!(
                 "admin.listen: {addr} is the main listener's address too"
             ));
         }
@@ -518,7 +570,7 @@ impl Config {
                 );
             }
             if self.cluster.advertise.is_empty() && addr.ip().is_unspecified() {
-                return Err(format!(
+                return Err(setting!(
                     "cluster.advertise: listening on {addr}, so say which URL clients reach \
                      this member at (--advertise)"
                 ));
@@ -536,7 +588,7 @@ impl Config {
         .filter_map(|(on, name)| on.then_some(name))
         .collect();
         if !unsafe_settings.is_empty() && !self.allow_unsafe_settings {
-            return Err(format!(
+            return Err(setting!(
                 "{} voids a guarantee (a stale write can reach the storage); it exists to show \
                  what the guarantee prevents: set allow_unsafe_settings = true to use it anyway",
                 unsafe_settings.join(" and ")
@@ -547,9 +599,10 @@ impl Config {
         self.fence.compile_routes()?;
         let l = &self.leases;
         if l.min_ttl_ms == 0 || l.min_ttl_ms > l.max_ttl_ms {
-            return Err(format!(
+            return Err(setting!(
                 "leases: need 0 < min_ttl_ms <= max_ttl_ms (got {} and {})",
-                l.min_ttl_ms, l.max_ttl_ms
+                l.min_ttl_ms,
+                l.max_ttl_ms
             ));
         }
         // A lease is forgotten only when nothing can still be waiting on it
@@ -561,7 +614,7 @@ impl Config {
             .max(self.upstream_timeouts_ms().max().unwrap_or(0))
             .saturating_add(self.fence.settle_ms);
         if l.retention_ms != 0 && l.retention_ms <= busy_ms {
-            return Err(format!(
+            return Err(setting!(
                 "leases.retention_ms must be 0 (keep every lease) or more than {busy_ms} \
                  (the longest acquire wait or upstream deadline, plus fence.settle_ms)"
             ));
@@ -582,11 +635,11 @@ impl Config {
             ),
         ] {
             if value == 0 {
-                return Err(format!("{name} must be greater than 0"));
+                return Err(setting!("{name} must be greater than 0"));
             }
         }
         if self.proxy.read_buffer_bytes < crate::backend::MIN_READ_BUFFER {
-            return Err(format!(
+            return Err(setting!(
                 "proxy.read_buffer_bytes must be at least {}",
                 crate::backend::MIN_READ_BUFFER
             ));
@@ -595,9 +648,9 @@ impl Config {
     }
 
     /// The listener address.
-    pub fn listen_addr(&self) -> Result<SocketAddr, String> {
+    pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
         self.listen.parse().map_err(|_| {
-            format!(
+            setting!(
                 "listen: {:?} is not an address like 127.0.0.1:8080",
                 self.listen
             )
@@ -605,12 +658,12 @@ impl Config {
     }
 
     /// The admin listener's address, if there is one.
-    pub fn admin_addr(&self) -> Result<Option<SocketAddr>, String> {
+    pub fn admin_addr(&self) -> Result<Option<SocketAddr>, ConfigError> {
         if self.admin.listen.is_empty() {
             return Ok(None);
         }
         self.admin.listen.parse().map(Some).map_err(|_| {
-            format!(
+            setting!(
                 "admin.listen: {:?} is not an address like 127.0.0.1:9090",
                 self.admin.listen
             )
@@ -618,16 +671,16 @@ impl Config {
     }
 
     /// The backend the upstream setting names.
-    pub fn upstream_target(&self) -> Result<UpstreamTarget, String> {
+    pub fn upstream_target(&self) -> Result<UpstreamTarget, ConfigError> {
         if self.upstream == "embedded" {
             return Ok(UpstreamTarget::Embedded);
         }
         let uri: http::Uri = self
             .upstream
             .parse()
-            .map_err(|_| format!("upstream: {:?} is not a URL", self.upstream))?;
+            .map_err(|_| setting!("upstream: {:?} is not a URL", self.upstream))?;
         if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
-            return Err(format!(
+            return Err(setting!(
                 "upstream: {:?} must be `embedded` or an http:// or https://host:port URL",
                 self.upstream
             ));
@@ -694,12 +747,12 @@ impl Config {
 
 impl FenceConfig {
     /// The compiled route table.
-    pub fn compile_routes(&self) -> Result<Routes, String> {
+    pub fn compile_routes(&self) -> Result<Routes, ConfigError> {
         self.routes
             .iter()
             .map(|r| {
                 if r.timeout_ms == Some(0) {
-                    return Err(format!(
+                    return Err(setting!(
                         "route {:?}: timeout_ms must be greater than 0",
                         r.pattern
                     ));
@@ -711,7 +764,7 @@ impl FenceConfig {
                             .with_timeout_ms(r.timeout_ms)
                             .with_preconditions(r.preconditions)
                     })
-                    .map_err(|e| e.to_string())
+                    .map_err(ConfigError::Route)
             })
             .collect::<Result<Vec<_>, _>>()
             .map(|routes| {
@@ -728,8 +781,9 @@ impl FenceConfig {
 fn apply_env(
     table: &mut toml::Table,
     env: impl IntoIterator<Item = (String, String)>,
-) -> Result<(), String> {
-    let defaults = toml::Table::try_from(Config::default()).map_err(|e| e.to_string())?;
+) -> Result<(), ConfigError> {
+    let defaults = toml::Table::try_from(Config::default())
+        .map_err(|e| ConfigError::Setting(e.to_string()))?;
     let mut vars: Vec<(String, String)> = env
         .into_iter()
         .filter(|(k, _)| k.starts_with("FENCEGATE_") && !NON_CONFIG_ENV.contains(&k.as_str()))
@@ -759,16 +813,16 @@ fn apply_env(
                 .entry(section.clone())
                 .or_insert_with(|| toml::Value::Table(toml::Table::new()))
                 .as_table_mut()
-                .ok_or_else(|| format!("{var}: {section} is not a section in the config file"))?;
+                .ok_or_else(|| setting!("{var}: {section} is not a section in the config file"))?;
         }
         let value = match default_value {
             toml::Value::Integer(_) => toml::Value::Integer(
                 raw.parse()
-                    .map_err(|_| format!("{var}: {raw:?} is not an integer"))?,
+                    .map_err(|_| setting!("{var}: {raw:?} is not an integer"))?,
             ),
             toml::Value::Boolean(_) => toml::Value::Boolean(
                 raw.parse()
-                    .map_err(|_| format!("{var}: {raw:?} is not true or false"))?,
+                    .map_err(|_| setting!("{var}: {raw:?} is not true or false"))?,
             ),
             toml::Value::String(_) => toml::Value::String(raw),
             // A comma list: FENCEGATE_CLUSTER__ETCD=http://a:2379,http://b:2379
@@ -782,7 +836,7 @@ fn apply_env(
                 )
             }
             _ => {
-                return Err(format!(
+                return Err(setting!(
                     "{var}: this setting can only be set in the config file"
                 ))
             }
@@ -950,7 +1004,7 @@ mod tests {
             ("FENCEGATE_FENCE__SETTLE_MS", "0"),
         ] {
             let err = load(&[switch]).unwrap_err();
-            assert!(err.contains("allow_unsafe_settings"), "{err}");
+            assert!(err.to_string().contains("allow_unsafe_settings"), "{err}");
             assert!(load(&[switch, ("FENCEGATE_ALLOW_UNSAFE_SETTINGS", "true")]).is_ok());
         }
     }
@@ -964,7 +1018,7 @@ mod tests {
             ("FENCEGATE_AUTH__ALLOW_UNAUTHENTICATED_NON_LOOPBACK", "true"),
         ];
         let err = load(&open).unwrap_err();
-        assert!(err.contains("manual clock"), "{err}");
+        assert!(err.to_string().contains("manual clock"), "{err}");
         assert!(
             load(&open[1..]).is_ok(),
             "the system clock may listen anywhere"
@@ -987,7 +1041,7 @@ mod tests {
         let file = dir.join("bad.toml");
         std::fs::write(&file, "[limits]\nmax_body_bytes = \"lots\"\n").unwrap();
         let err = Config::load(Some(&file), env(&[]), &Overrides::default()).unwrap_err();
-        assert!(err.contains("limits.max_body_bytes"), "{err}");
+        assert!(err.to_string().contains("limits.max_body_bytes"), "{err}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -82,7 +82,7 @@ fn main() -> ExitCode {
             Ok((config, options)) => block_on(serve::runtime(&config.runtime), async move {
                 stopped(serve::run(config, options, shutdown_signal()).await)
             }),
-            Err(e) => failed(&e),
+            Err(e) => failed(&e.to_string()),
         },
         Command::Backend(args) => block_on(serve::runtime(&CLIENT_RUNTIME), async move {
             stopped(serve::backend(&args.listen, args.record, shutdown_signal()).await)

@@ -17,10 +17,10 @@ use tokio::net::TcpListener;
 
 use crate::app::{self, App, Parts};
 use crate::auth::Authenticator;
-use crate::backend::{Backend, EmbeddedStore, Upstream};
+use crate::backend::{Backend, EmbeddedStore, Upstream, UpstreamError};
 use crate::clock::{Clock, ClockKind};
 use crate::cluster::{self, Classify, ClusterOptions, MakeApp, Member, Sharding, Takeover};
-use crate::config::{Config, Overrides, RuntimeConfig, Scheduler, UpstreamTarget};
+use crate::config::{Config, ConfigError, Overrides, RuntimeConfig, Scheduler, UpstreamTarget};
 use crate::etcd::{EtcdClient, EtcdOptions};
 use crate::fence::is_write;
 use crate::journal::{FileJournal, FileJournalOptions, JournalError, MemoryJournal};
@@ -82,7 +82,7 @@ impl ServeArgs {
     pub fn load(
         &self,
         env: impl IntoIterator<Item = (String, String)>,
-    ) -> Result<(Config, StartOptions), String> {
+    ) -> Result<(Config, StartOptions), ConfigError> {
         let flags = Overrides {
             listen: self.listen.clone(),
             upstream: self.upstream.clone(),
@@ -127,7 +127,13 @@ pub struct StartOptions {
 #[derive(Debug)]
 pub enum StartError {
     /// A setting is wrong.
-    Config(String),
+    Config(ConfigError),
+    /// The upstream cannot be used as configured.
+    Upstream(UpstreamError),
+    /// etcd's endpoints or CA file cannot be used.
+    Etcd(crate::etcd::SetupError),
+    /// Cluster mode cannot start, or a member stopped serving: why.
+    Cluster(String),
     /// The lease store could not be opened or recovered.
     Journal(JournalError),
     /// The TLS certificate or key is unusable.
@@ -141,7 +147,10 @@ pub enum StartError {
 impl std::fmt::Display for StartError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            StartError::Config(e) => f.write_str(e),
+            StartError::Config(e) => write!(f, "{e}"),
+            StartError::Upstream(e) => write!(f, "{e}"),
+            StartError::Etcd(e) => write!(f, "{e}"),
+            StartError::Cluster(why) => f.write_str(why),
             StartError::Tls(e) => write!(f, "{e}"),
             StartError::Journal(e) => write!(f, "{e}"),
             StartError::Listen(setting, addr, e) => {
@@ -194,11 +203,11 @@ enum Served {
 /// listeners.
 pub async fn start(config: Config, options: StartOptions) -> Result<Bound, StartError> {
     if config.cluster.enabled() && options.restored_from_backup.is_some() {
-        return Err(StartError::Config(
+        return Err(StartError::Config(ConfigError::Setting(
             "--restored-from-backup is for a standalone store's data directory: a cluster's \
              lease state lives in etcd, not in the data directory"
                 .into(),
-        ));
+        )));
     }
     let leases = if config.cluster.enabled() {
         None
@@ -227,7 +236,7 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
             leases.start_sweeper();
             let parts = Parts {
                 leases,
-                backend: build_backend(&config).map_err(StartError::Config)?,
+                backend: build_backend(&config)?,
                 draining: draining.clone(),
                 primacy: None,
                 metrics: None,
@@ -271,20 +280,22 @@ pub async fn start(config: Config, options: StartOptions) -> Result<Bound, Start
 }
 
 /// The storage `config.upstream` names.
-fn build_backend(config: &Config) -> Result<Backend, String> {
+fn build_backend(config: &Config) -> Result<Backend, StartError> {
     let body_timeout = Duration::from_millis(config.limits.body_read_timeout_ms);
-    Ok(match config.upstream_target()? {
-        UpstreamTarget::Embedded if config.embedded.record => Backend::Embedded(
-            EmbeddedStore::recording(config.embedded.history_max_entries)
-                .with_body_read_timeout(body_timeout),
-        ),
-        UpstreamTarget::Embedded => {
-            Backend::Embedded(EmbeddedStore::new().with_body_read_timeout(body_timeout))
-        }
-        UpstreamTarget::Http(uri) => {
-            Backend::Upstream(Upstream::new(&uri, &config.upstream_options())?)
-        }
-    })
+    Ok(
+        match config.upstream_target().map_err(StartError::Config)? {
+            UpstreamTarget::Embedded if config.embedded.record => Backend::Embedded(
+                EmbeddedStore::recording(config.embedded.history_max_entries)
+                    .with_body_read_timeout(body_timeout),
+            ),
+            UpstreamTarget::Embedded => {
+                Backend::Embedded(EmbeddedStore::new().with_body_read_timeout(body_timeout))
+            }
+            UpstreamTarget::Http(uri) => Backend::Upstream(
+                Upstream::new(&uri, &config.upstream_options()).map_err(StartError::Upstream)?,
+            ),
+        },
+    )
 }
 
 /// Joins the cluster `config.cluster` names: the member's service, whose
@@ -313,8 +324,7 @@ async fn join(
         // A call must end well within the TTL, so a primary notices in time.
         timeout_ms: (c.ttl_ms / 4).clamp(500, 5_000),
     };
-    let etcd =
-        EtcdClient::new(&c.etcd, &etcd_options).map_err(|e| StartError::Config(e.to_string()))?;
+    let etcd = EtcdClient::new(&c.etcd, &etcd_options).map_err(StartError::Etcd)?;
     let clock = Clock::new(config.clock);
     let unsettled_ms = config.restart_rule().unsettled_ms;
     let options = ClusterOptions {
@@ -345,7 +355,7 @@ async fn join(
     // With several shards, the member's apps share one backend and one set
     // of metrics; with one, each term of primacy has its own (as before).
     let shared = if c.shards > 1 {
-        let backend = build_backend(config).map_err(StartError::Config)?;
+        let backend = build_backend(config)?;
         Some((backend, Metrics::for_shards(stats.clone())))
     } else {
         None
@@ -383,7 +393,7 @@ async fn join(
             // stays pinned.
             let (backend, metrics) = match &shared {
                 Some((backend, metrics)) => (backend.clone(), Some(metrics.clone())),
-                None => (build_backend(&config)?, None),
+                None => (build_backend(&config).map_err(|e| e.to_string())?, None),
             };
             let parts = Parts {
                 leases: leases.clone(),
@@ -393,7 +403,7 @@ async fn join(
                 metrics: metrics.clone(),
                 key_states: Some(states),
             };
-            let app = app::build(&config, parts)?;
+            let app = app::build(&config, parts).map_err(|e| e.to_string())?;
             if let Some(metrics) = metrics {
                 metrics.add_shard(&leases, &takeover.primacy);
             }
@@ -435,20 +445,20 @@ async fn join(
                 body_read_timeout: Duration::from_millis(config.limits.body_read_timeout_ms),
                 limits: app::RequestLimits::from_config(&config),
                 auth: Authenticator::from_config(&config.auth)
-                    .map_err(StartError::Config)?
+                    .map_err(|e| StartError::Config(e.into()))?
                     .map(Arc::new),
             })
         }
         None => None,
     };
     let member = cluster::start(etcd, options, clock, make_app, sharding, stats)
-        .map_err(StartError::Config)?;
+        .map_err(StartError::Cluster)?;
     // A member etcd refuses (another number of shards) does not start. An
     // etcd out of reach leaves the check to the background: the member
     // campaigns for nothing until it is done.
     if let Ok(Err(why)) = tokio::time::timeout(Duration::from_secs(3), member.checked()).await {
         member.stop();
-        return Err(StartError::Config(why));
+        return Err(StartError::Cluster(why));
     }
     Ok(member)
 }
@@ -615,7 +625,7 @@ impl Bound {
             let _ = tokio::time::timeout(std::time::Duration::from_secs(5), member.left()).await;
         }
         if let Some(why) = fatal.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            return Err(StartError::Config(why));
+            return Err(StartError::Cluster(why));
         }
         served.map_err(StartError::Io)
     }
@@ -636,7 +646,9 @@ pub async fn backend(
     };
     let app = App::new(None, store, app::RequestLimits::from_config(&defaults));
     let addr: std::net::SocketAddr = listen.parse().map_err(|_| {
-        StartError::Config(format!("{listen:?} is not an address like 127.0.0.1:9000"))
+        StartError::Config(ConfigError::Setting(format!(
+            "{listen:?} is not an address like 127.0.0.1:9000"
+        )))
     })?;
     let listener = TcpListener::bind(addr)
         .await

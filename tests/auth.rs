@@ -260,7 +260,7 @@ fn listening_beyond_loopback_needs_auth_or_an_explicit_flag() {
         )
     };
     let err = load(&[("FENCEGATE_LISTEN", "0.0.0.0:8080")]).unwrap_err();
-    assert!(err.contains("without authentication"), "{err}");
+    assert!(err.to_string().contains("without authentication"), "{err}");
     assert!(load(&[
         ("FENCEGATE_LISTEN", "0.0.0.0:8080"),
         ("FENCEGATE_AUTH__ALLOW_UNAUTHENTICATED_NON_LOOPBACK", "true")

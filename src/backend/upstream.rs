@@ -14,6 +14,7 @@
 //! difference). Requests that come without a client connection (in-process
 //! tests) use the pool.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
@@ -314,37 +315,101 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// Why an upstream cannot be used as configured.
+#[derive(Debug)]
+pub enum UpstreamError {
+    /// The URL is not one fencegate forwards to: the URL and what is wrong.
+    Url {
+        base: String,
+        why: Cow<'static, str>,
+    },
+    /// `proxy.upstream_ca_file` is set for an `http://` upstream.
+    CaWithoutHttps { base: String },
+    /// The CA file is unusable.
+    Tls(crate::tls::TlsError),
+    /// rustls refuses the client configuration.
+    Rustls(String),
+}
+
+impl UpstreamError {
+    fn url(base: &Uri, why: impl Into<Cow<'static, str>>) -> Self {
+        UpstreamError::Url {
+            base: base.to_string(),
+            why: why.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for UpstreamError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            UpstreamError::Url { base, why } => write!(f, "upstream {base} {why}"),
+            UpstreamError::CaWithoutHttps { base } => write!(
+                f,
+                "proxy.upstream_ca_file is set, but upstream {base} is not an https:// URL"
+            ),
+            UpstreamError::Tls(e) => write!(f, "{e}"),
+            UpstreamError::Rustls(e) => write!(f, "tls: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for UpstreamError {}
+
+/// Why the upstream does not count as ready: how many exchanges in a row
+/// got no answer, how the last one failed, and how the probe did.
+#[derive(Debug)]
+pub struct Unready {
+    pub failed: u32,
+    pub last: &'static str,
+    pub probe: &'static str,
+}
+
+impl std::fmt::Display for Unready {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the last {} requests to the backend got no answer ({}), and neither did a HEAD \
+             request just now ({})",
+            self.failed, self.last, self.probe
+        )
+    }
+}
+
+impl std::error::Error for Unready {}
+
 impl Upstream {
     /// A client for `base` (an `http://` or `https://host:port[/prefix]`
     /// URL).
-    pub fn new(base: &Uri, options: &UpstreamOptions) -> Result<Self, String> {
+    pub fn new(base: &Uri, options: &UpstreamOptions) -> Result<Self, UpstreamError> {
         let https = match base.scheme_str() {
             Some("http") => false,
             Some("https") => true,
             _ => {
-                return Err(format!(
-                    "upstream {base} must be an http:// or https:// URL"
+                return Err(UpstreamError::url(
+                    base,
+                    "must be an http:// or https:// URL",
                 ))
             }
         };
         let authority = base
             .authority()
             .cloned()
-            .ok_or_else(|| format!("upstream {base} has no host"))?;
+            .ok_or_else(|| UpstreamError::url(base, "has no host"))?;
         if base.query().is_some() {
-            return Err(format!("upstream {base} must not have a query"));
+            return Err(UpstreamError::url(base, "must not have a query"));
         }
         let ca_file =
             Some(options.upstream_ca_file.as_path()).filter(|f| !f.as_os_str().is_empty());
         let tls_config = match (https, ca_file) {
             (true, ca_file) => Some(
                 crate::tls::client_config(ca_file, "proxy.upstream_ca_file")
-                    .map_err(|e| e.to_string())?,
+                    .map_err(UpstreamError::Tls)?,
             ),
             (false, Some(_)) => {
-                return Err(format!(
-                    "proxy.upstream_ca_file is set, but upstream {base} is not an https:// URL"
-                ))
+                return Err(UpstreamError::CaWithoutHttps {
+                    base: base.to_string(),
+                })
             }
             (false, None) => None,
         };
@@ -359,7 +424,7 @@ impl Upstream {
             Some(config) => Some(UpstreamTls {
                 connector: tokio_rustls::TlsConnector::from(config),
                 server_name: rustls_pki_types::ServerName::try_from(host.to_owned())
-                    .map_err(|e| format!("upstream {base}: {e}"))?,
+                    .map_err(|e| UpstreamError::url(base, format!("names no TLS server: {e}")))?,
             }),
             None => None,
         };
@@ -369,7 +434,7 @@ impl Upstream {
             None => format!("{}:{default_port}", authority.as_str()),
         };
         let host = HeaderValue::from_str(authority.as_str())
-            .map_err(|_| format!("upstream {base} has an unusable host"))?;
+            .map_err(|_| UpstreamError::url(base, "has an unusable host"))?;
         let origin = format!(
             "{}://{authority}{}",
             if https { "https" } else { "http" },
@@ -410,7 +475,7 @@ impl Upstream {
     /// probe tried now fails too: a `HEAD` of the base path on a connection
     /// of its own, any HTTP answer a success (it clears the count). One
     /// probe at a time: concurrent checks wait for it and share its result.
-    pub async fn readiness(&self) -> Result<(), String> {
+    pub async fn readiness(&self) -> Result<(), Unready> {
         let threshold = self.0.unready_after_failures;
         let failing = || {
             let failed = self.0.failures.load(Ordering::Relaxed);
@@ -435,10 +500,11 @@ impl Upstream {
                     .last_failure
                     .lock()
                     .unwrap_or_else(|p| p.into_inner());
-                Err(format!(
-                    "the last {failed} requests to the backend got no answer ({last}), and \
-                     neither did a HEAD request just now ({kind})"
-                ))
+                Err(Unready {
+                    failed,
+                    last,
+                    probe: kind,
+                })
             }
         }
     }
@@ -961,7 +1027,7 @@ impl std::fmt::Debug for Pools {
 fn pooled_client(
     tls_config: Option<&Arc<ClientConfig>>,
     options: &UpstreamOptions,
-) -> Result<Client<HttpsConnector<HttpConnector>, Body>, String> {
+) -> Result<Client<HttpsConnector<HttpConnector>, Body>, UpstreamError> {
     let mut connector = HttpConnector::new();
     connector.set_connect_timeout(Some(Duration::from_millis(options.connect_timeout_ms)));
     connector.set_nodelay(true);
@@ -973,7 +1039,7 @@ fn pooled_client(
             tokio_rustls::rustls::crypto::ring::default_provider(),
         ))
         .with_safe_default_protocol_versions()
-        .map_err(|e| format!("tls: {e}"))?
+        .map_err(|e| UpstreamError::Rustls(e.to_string()))?
         .with_root_certificates(tokio_rustls::rustls::RootCertStore::empty())
         .with_no_client_auth(),
     };
