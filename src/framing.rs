@@ -36,7 +36,6 @@
 //! a few bytes of state.
 
 use std::io;
-use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
@@ -375,7 +374,8 @@ impl Rules {
 /// same decisions.
 #[cfg(debug_assertions)]
 fn check_against_httparse(head: &[u8], read: Option<&Rules>) {
-    let mut headers = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; h1::MAX_HEADERS];
+    let mut headers =
+        [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; h1::MAX_HEADERS];
     let mut req = httparse::Request::new(&mut []);
     let Ok(httparse::Status::Complete(len)) = req.parse_with_uninit_headers(head, &mut headers)
     else {
