@@ -385,7 +385,8 @@ async fn join(
                 takeover.journal,
                 takeover.leases,
                 takeover.rule,
-            )?;
+            )
+            .map_err(|e| e.to_string())?;
             // It ends with this term of primacy's store.
             leases.start_sweeper();
             // With one shard, a backend per term: its upstream metrics
@@ -515,7 +516,7 @@ fn recover(config: &Config, options: StartOptions) -> Result<LeaseStore, StartEr
         recovered.leases,
         rule,
     )
-    .map_err(|e| StartError::Journal(JournalError(e)))?;
+    .map_err(StartError::Journal)?;
     tracing::info!(
         data_dir = %config.data_dir.display(),
         leases = recovered_leases,

@@ -37,7 +37,7 @@ use super::machine::{AcquireRefused, Grant, Held, LeaseState, Reject, Term, View
 use super::restart::{self, RestartRule, SETTLED};
 use super::retention;
 use crate::clock::Clock;
-use crate::journal::{GrantRecord, Journal, JournalFuture, LeaseRecord};
+use crate::journal::{GrantRecord, Journal, JournalError, JournalFuture, LeaseRecord};
 use crate::names::{Holder, LeaseName};
 
 /// Bounds the store enforces on every acquire and renew (the config's
@@ -342,7 +342,7 @@ impl LeaseStore {
         journal: Arc<dyn Journal>,
         recovered: Vec<LeaseRecord>,
         rule: RestartRule,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, JournalError> {
         let mut store = Self::new(clock, limits, journal);
         let now_ms = store.shared.clock.now_ms();
         let wall_ms = store.shared.clock.wall_ms();
@@ -375,7 +375,8 @@ impl LeaseStore {
                 now_ms,
                 wall_ms,
                 limits.wall_clock_tolerance_ms,
-            )?;
+            )
+            .map_err(JournalError)?;
             if ended {
                 // Recorded as ended (not quiet: its writes may be unfinished),
                 // so a later start whose wall clock went back keeps it ended.
