@@ -24,8 +24,8 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 use smallvec::SmallVec;
 
-use crate::auth::{Caller, Identity};
-use crate::backend::{ClientAddr, EmbeddedStore, Upstream};
+use crate::auth::Identity;
+use crate::backend::{ClientAddr, EmbeddedStore, RequestContext, Upstream};
 use crate::body::{self, Body};
 use crate::clock::ClockKind;
 use crate::error::{Problem, Reason};
@@ -122,7 +122,9 @@ struct AdvanceBody {
 
 /// The authenticated caller, when authentication is on.
 fn caller(req: &Request<Body>) -> Option<&Arc<Identity>> {
-    req.extensions().get::<Caller>().map(|c| &c.0)
+    RequestContext::of(req)
+        .and_then(|c| c.caller.as_ref())
+        .map(|c| &c.0)
 }
 
 /// Reads a TTL within the store's bounds: any JSON number that is not a
@@ -526,7 +528,9 @@ impl Api {
         let lease = self.name(name)?;
         let name = lease.as_str();
         let caller = caller(&req).cloned();
-        let client_ip = req.extensions().get::<ClientAddr>().map(ClientAddr::ip);
+        let client_ip = RequestContext::of(&req)
+            .and_then(|c| c.client.as_ref())
+            .map(ClientAddr::ip);
         let body: AcquireBody = read_json(req.into_body(), false, self.body_read_timeout)
             .await?
             .expect("required body");

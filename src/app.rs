@@ -27,7 +27,7 @@ use tracing::Instrument;
 
 use crate::api::{admin_listener_only, Api, Surface, PREFIX};
 use crate::auth::{Authenticator, Caller};
-use crate::backend::Backend;
+use crate::backend::{Backend, RequestContext};
 use crate::body::{self, Body, BoxError, ResponseFuture};
 use crate::config::{Config, ConfigError};
 use crate::error::Problem;
@@ -387,7 +387,7 @@ where
             );
             match auth.authenticate(req.headers()) {
                 Some(identity) => {
-                    req.extensions_mut().insert(Caller(identity));
+                    RequestContext::of_mut(&mut req).caller = Some(Caller(identity));
                 }
                 None if health => {}
                 None => {

@@ -52,7 +52,8 @@ pub struct Identity {
     pub admin: bool,
 }
 
-/// A request extension: the authenticated caller.
+/// The authenticated caller (in the request's context, see
+/// `backend::RequestContext`).
 #[derive(Clone, Debug)]
 pub struct Caller(pub Arc<Identity>);
 

@@ -37,14 +37,14 @@ use pin_project_lite::pin_project;
 use tower::{Layer, Service};
 
 use crate::auth::{Caller, Identity};
-use crate::backend::BeforeSend;
+use crate::backend::{BeforeSend, RequestContext};
 use crate::body::{Body, ResponseFuture};
 use crate::error::{Problem, Reason};
 use crate::lease::{Admission, AdmitError, AdmitOptions, LeaseStore, Primacy, WriteGuard};
 use crate::metrics::Metrics;
 use crate::names::LeaseName;
 use crate::precondition::{self, Key, KeyStateTable, Observed, Plan};
-use crate::route::{Preconditions, RouteTimeout, Routes};
+use crate::route::{Preconditions, Routes};
 
 pub use crate::wire::{OutcomeUnknown, FENCING_LEASE_ID, FENCING_TOKEN};
 
@@ -207,7 +207,7 @@ impl FencePolicy {
     /// deadline on the request.
     fn decide(&self, req: &mut Request<Body>) -> Decision {
         // fencegate's own bearer secret is never forwarded.
-        let caller = req.extensions().get::<Caller>().cloned();
+        let caller = RequestContext::of(req).and_then(|c| c.caller.clone());
         if caller.is_some() {
             req.headers_mut().remove(http::header::AUTHORIZATION);
         }
@@ -241,9 +241,8 @@ impl FencePolicy {
                 }
             }
         }
-        // Only routes with their own deadline pay for a request extension.
         if let Some(timeout_ms) = route.timeout_ms {
-            req.extensions_mut().insert(RouteTimeout(timeout_ms));
+            RequestContext::of_mut(req).timeout_ms = Some(timeout_ms);
         }
         let timeout_ms = route.timeout_ms.unwrap_or(self.upstream_timeout_ms);
         let conditioned = match route.preconditions {
@@ -513,8 +512,8 @@ where
                         return FenceFuture::ready(problem.into_response());
                     }
                 };
-                req.extensions_mut()
-                    .insert(self.policy.before_send(&fenced));
+                RequestContext::of_mut(&mut req).before_send =
+                    Some(self.policy.before_send(&fenced));
                 self.policy.metrics.write_forwarded();
                 tracing::debug!(lease = fenced.lease.as_str(), token = fenced.token, method = %req.method(), "write admitted");
                 FenceFuture::forward(self.inner.call(req), Some(guard), observed)
@@ -599,7 +598,7 @@ where
                     return Ok(problem.into_response());
                 }
             };
-            req.extensions_mut().insert(policy.before_send(&fenced));
+            RequestContext::of_mut(&mut req).before_send = Some(policy.before_send(&fenced));
             policy.metrics.write_forwarded();
             tracing::debug!(lease = fenced.lease.as_str(), token = fenced.token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted after the handover barrier");
             let res = forward(req).await?;

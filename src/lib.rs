@@ -76,7 +76,7 @@
 //! - `api` → `auth`, `backend`, `body`, `clock`, `error`, `fence`, `lease`, `metrics`, `names`, `route`, `wire`
 //! - `cli` → `backend`, `client`, `clock`, `fence`, `hex`, `names`, `wire`
 //! - `fence` → `auth`, `backend`, `body`, `error`, `lease`, `metrics`, `names`, `precondition`, `route`, `wire`
-//! - `backend` → `auth`, `body`, `clock`, `error`, `h1`, `metrics`, `names`, `route`, `rt`, `tls`, `wire`
+//! - `backend` → `auth`, `body`, `clock`, `error`, `h1`, `metrics`, `names`, `rt`, `tls`, `wire`
 //! - `etcd` → `error`, `rt`, `tls`
 //! - `error` → `body`, `lease`, `precondition`, `wire`
 //! - `metrics` → `clock`, `lease`

@@ -156,11 +156,6 @@ impl Preconditions {
     }
 }
 
-/// A request extension: the upstream deadline of the request's route, in
-/// milliseconds. The upstream client answers 504 when it passes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RouteTimeout(pub u64);
-
 /// A path fencegate refuses to route.
 #[derive(Debug, PartialEq, Eq)]
 pub struct BadPath(pub Cow<'static, str>);

@@ -22,7 +22,7 @@ use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 use tower::{Service, ServiceExt};
 
-use crate::backend::ClientAddr;
+use crate::backend::{ClientAddr, RequestContext};
 use crate::body::Body;
 use crate::framing::{head_buffer_bytes, Guarded};
 
@@ -295,7 +295,8 @@ where
         let app = app.clone();
         let client = ClientAddr::new(peer, tls.is_some());
         let service = service_fn(move |mut req: Request<Incoming>| {
-            req.extensions_mut().insert(client.clone());
+            req.extensions_mut()
+                .insert(RequestContext::from_client(client.clone()));
             app.clone().oneshot(req)
         });
         let (tls, builder, watcher) = (tls.clone(), builder.clone(), graceful.watcher());

@@ -17,7 +17,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use fencegate::backend::upstream::{ClientAddr, ConnectionMode, Upstream, UpstreamOptions};
+use fencegate::backend::upstream::{
+    ClientAddr, ConnectionMode, RequestContext, Upstream, UpstreamOptions,
+};
 use fencegate::body::{self, Body};
 use http::{Method, Request, Response, Version};
 use http_body_util::BodyExt;
@@ -232,7 +234,10 @@ fn build(ask: &Ask) -> Request<Body> {
     };
     let mut req = b.body(body).unwrap();
     req.extensions_mut()
-        .insert(ClientAddr::new("192.0.2.9:4000".parse().unwrap(), false));
+        .insert(RequestContext::from_client(ClientAddr::new(
+            "192.0.2.9:4000".parse().unwrap(),
+            false,
+        )));
     req
 }
 
@@ -656,7 +661,8 @@ async fn connections_are_reused_when_the_answer_allows_and_never_once_closed() {
         let mut up = Upstream::new(&url.parse().unwrap(), &UpstreamOptions::default()).unwrap();
         for _ in 0..3 {
             let mut req = build(&put(BODY));
-            req.extensions_mut().insert(client.clone());
+            req.extensions_mut()
+                .insert(RequestContext::from_client(client.clone()));
             let relayed = relayed(up.call(req).await.unwrap()).await;
             assert!(
                 matches!(relayed, Relayed::Answer { .. }),
@@ -678,7 +684,9 @@ async fn connections_are_reused_when_the_answer_allows_and_never_once_closed() {
     let mut up = Upstream::new(&url.parse().unwrap(), &UpstreamOptions::default()).unwrap();
     let client = ClientAddr::new("192.0.2.9:4000".parse().unwrap(), false);
     let mut first = build(&put(BODY));
-    first.extensions_mut().insert(client.clone());
+    first
+        .extensions_mut()
+        .insert(RequestContext::from_client(client.clone()));
     assert!(matches!(
         relayed(up.call(first).await.unwrap()).await,
         Relayed::Answer { .. }
@@ -687,7 +695,9 @@ async fn connections_are_reused_when_the_answer_allows_and_never_once_closed() {
         Duration::from_millis(600),
     )))));
     let mut second = Request::put("/kv/a/2").body(late).unwrap();
-    second.extensions_mut().insert(client.clone());
+    second
+        .extensions_mut()
+        .insert(RequestContext::from_client(client.clone()));
     let answer = relayed(up.call(second).await.unwrap()).await;
     assert!(
         matches!(answer, Relayed::Answer { status: 200, .. }),

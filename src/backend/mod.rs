@@ -18,8 +18,8 @@ use tower::Service;
 use crate::body::Body;
 pub use embedded::EmbeddedStore;
 pub use upstream::{
-    BeforeSend, ClientAddr, ConnectionMode, Unready, Upstream, UpstreamError, UpstreamOptions,
-    MIN_READ_BUFFER,
+    BeforeSend, ClientAddr, ConnectionMode, RequestContext, Unready, Upstream, UpstreamError,
+    UpstreamOptions, MIN_READ_BUFFER,
 };
 
 /// The storage behind the fence.

@@ -43,7 +43,6 @@ use crate::body::{self, Body, BoxError};
 use crate::clock::Stopwatch;
 use crate::error::{Problem, Reason};
 use crate::metrics::Metrics;
-use crate::route::RouteTimeout;
 use crate::wire::OutcomeUnknown;
 
 /// How the upstream client behaves.
@@ -85,7 +84,7 @@ pub struct UpstreamOptions {
     pub unready_after_failures: u32,
 }
 
-/// A request extension: a check the upstream client makes right before the
+/// In a [`RequestContext`]: a check the upstream client makes right before the
 /// request's first byte leaves, after any connect (which may take up to
 /// `connect_timeout_ms`): the fence puts one on each admitted write, so a
 /// member that stopped being primary, or a term that ended, meanwhile
@@ -214,7 +213,46 @@ impl std::fmt::Debug for UpstreamTls {
     }
 }
 
-/// A request extension: the client connection, with the forwarding header
+/// A request's context, carried from accept to answer as its one request
+/// extension, instead of an extension per fact: the server puts the client
+/// connection in it, the app the authenticated caller, the fence the
+/// route's upstream deadline and the check right before sending; the
+/// upstream client and the lease API read it. A request made in process
+/// (tests, a cluster member's forwarding) may have none: it then has no
+/// client address, no caller, the default deadline and no check.
+#[derive(Clone, Debug, Default)]
+pub struct RequestContext {
+    /// The client connection.
+    pub client: Option<ClientAddr>,
+    /// The authenticated caller (authentication on).
+    pub caller: Option<crate::auth::Caller>,
+    /// The route's own upstream deadline, in milliseconds.
+    pub timeout_ms: Option<u64>,
+    /// Checked right before the first byte goes upstream.
+    pub before_send: Option<BeforeSend>,
+}
+
+impl RequestContext {
+    /// The context of `req`, if it has one.
+    pub fn of<B>(req: &Request<B>) -> Option<&Self> {
+        req.extensions().get()
+    }
+
+    /// The context of `req`, made (empty) if it had none.
+    pub fn of_mut<B>(req: &mut Request<B>) -> &mut Self {
+        req.extensions_mut().get_or_insert_default()
+    }
+
+    /// The context of a request from the client at `client`.
+    pub fn from_client(client: ClientAddr) -> Self {
+        Self {
+            client: Some(client),
+            ..Self::default()
+        }
+    }
+}
+
+/// A request's client connection, with the forwarding header
 /// values rendered once per connection rather than once per request, and
 /// its dedicated upstream connection, if any.
 #[derive(Clone, Debug)]
@@ -542,7 +580,7 @@ impl Shared {
     /// add. An existing `X-Forwarded-For` is extended, as the header's
     /// convention is.
     fn forwarding(&self, req: &Request<Body>, added: &mut h1::Added) {
-        let Some(peer) = req.extensions().get::<ClientAddr>() else {
+        let Some(peer) = RequestContext::of(req).and_then(|c| c.client.as_ref()) else {
             return;
         };
         let peer = &*peer.0;
@@ -596,7 +634,7 @@ impl Shared {
         req: Request<Body>,
         added: &h1::Added,
     ) -> Result<Response<Body>, BoxError> {
-        let before = req.extensions().get::<BeforeSend>().cloned();
+        let before = RequestContext::of(&req).and_then(|c| c.before_send.clone());
         // The client's first body piece before a connection is taken: an
         // idle one checked open now is written to at once, not after the
         // client took its time (and the upstream perhaps closed it).
@@ -685,7 +723,7 @@ impl Shared {
         // A request with no client address (one made in process) goes
         // through the pool in either mode.
         let peer = match self.mode {
-            ConnectionMode::PerClient => req.extensions().get::<ClientAddr>().cloned(),
+            ConnectionMode::PerClient => RequestContext::of(&req).and_then(|c| c.client.clone()),
             ConnectionMode::Pooled => None,
         };
         let via = match peer {
@@ -696,17 +734,17 @@ impl Shared {
             Ok(prepared) => prepared,
             Err(problem) => return problem.into_response(),
         };
-        let timeout_ms = req
-            .extensions()
-            .get::<RouteTimeout>()
-            .map_or(self.timeout_ms, |t| t.0);
+        let timeout_ms = RequestContext::of(&req)
+            .and_then(|c| c.timeout_ms)
+            .unwrap_or(self.timeout_ms);
         let watch = Stopwatch::start();
         let send = async {
             match via {
                 Via::Dedicated(peer) => self.send_dedicated(&peer.0.upstream, req, &added).await,
                 // The pool connects inside: checked before it is asked.
                 Via::Pool(pool) => {
-                    match req.extensions().get::<BeforeSend>().map(BeforeSend::check) {
+                    let before = RequestContext::of(&req).and_then(|c| c.before_send.as_ref());
+                    match before.map(BeforeSend::check) {
                         Some(Err(problem)) => Err(Box::new(Withheld(problem)) as BoxError),
                         _ => match pool.request(req).await {
                             Ok(res) => Ok(res.map(body::boxed)),
@@ -769,9 +807,8 @@ impl Shared {
         // over TLS), for translating absolute URLs both ways. A cheap clone;
         // the origin string is made only when a header needs it.
         let client = req.headers().get(HOST).cloned().map(|host| {
-            let https = req
-                .extensions()
-                .get::<ClientAddr>()
+            let https = RequestContext::of(req)
+                .and_then(|c| c.client.as_ref())
                 .is_some_and(|c| c.0.https);
             (host, https)
         });
@@ -986,11 +1023,11 @@ impl Pools {
     /// a map lookup (and, for a new client, building its pool), never
     /// across an await.
     fn of(&self, req: &Request<Body>) -> PooledClient {
+        let context = RequestContext::of(req);
         let key = PoolKey {
-            ip: req.extensions().get::<ClientAddr>().map(ClientAddr::ip),
-            caller: req
-                .extensions()
-                .get::<crate::auth::Caller>()
+            ip: context.and_then(|c| c.client.as_ref()).map(ClientAddr::ip),
+            caller: context
+                .and_then(|c| c.caller.as_ref())
                 .map(|c| c.0.name.clone()),
         };
         let now = self.uses.fetch_add(1, Ordering::Relaxed);
@@ -1168,7 +1205,10 @@ mod tests {
             let mut req = Request::new(body::empty());
             req.headers_mut().insert(HOST, "svc".parse().unwrap());
             req.extensions_mut()
-                .insert(ClientAddr::new("10.0.0.7:5000".parse().unwrap(), https));
+                .insert(RequestContext::from_client(ClientAddr::new(
+                    "10.0.0.7:5000".parse().unwrap(),
+                    https,
+                )));
             up.0.add_forwarded(&mut req);
             let h = req.headers();
             assert_eq!(h["x-forwarded-for"], "10.0.0.7");
@@ -1181,7 +1221,10 @@ mod tests {
         req.headers_mut()
             .insert("x-forwarded-for", "192.0.2.1".parse().unwrap());
         req.extensions_mut()
-            .insert(ClientAddr::new("[::1]:5000".parse().unwrap(), false));
+            .insert(RequestContext::from_client(ClientAddr::new(
+                "[::1]:5000".parse().unwrap(),
+                false,
+            )));
         up.0.add_forwarded(&mut req);
         assert_eq!(req.headers()["x-forwarded-for"], "192.0.2.1, ::1");
         assert_eq!(req.headers()["forwarded"], "for=\"[::1]\";proto=http");
