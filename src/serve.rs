@@ -132,8 +132,8 @@ pub enum StartError {
     Upstream(UpstreamError),
     /// etcd's endpoints or CA file cannot be used.
     Etcd(crate::etcd::SetupError),
-    /// Cluster mode cannot start, or a member stopped serving: why.
-    Cluster(String),
+    /// This member cannot take part in the cluster.
+    Cluster(cluster::ClusterError),
     /// The lease store could not be opened or recovered.
     Journal(JournalError),
     /// The TLS certificate or key is unusable.
@@ -150,7 +150,7 @@ impl std::fmt::Display for StartError {
             StartError::Config(e) => write!(f, "{e}"),
             StartError::Upstream(e) => write!(f, "{e}"),
             StartError::Etcd(e) => write!(f, "{e}"),
-            StartError::Cluster(why) => f.write_str(why),
+            StartError::Cluster(e) => write!(f, "{e}"),
             StartError::Tls(e) => write!(f, "{e}"),
             StartError::Journal(e) => write!(f, "{e}"),
             StartError::Listen(setting, addr, e) => {
@@ -385,8 +385,7 @@ async fn join(
                 takeover.journal,
                 takeover.leases,
                 takeover.rule,
-            )
-            .map_err(|e| e.to_string())?;
+            )?;
             // It ends with this term of primacy's store.
             leases.start_sweeper();
             // With one shard, a backend per term: its upstream metrics
@@ -394,7 +393,7 @@ async fn join(
             // stays pinned.
             let (backend, metrics) = match &shared {
                 Some((backend, metrics)) => (backend.clone(), Some(metrics.clone())),
-                None => (build_backend(&config).map_err(|e| e.to_string())?, None),
+                None => (build_backend(&config)?, None),
             };
             let parts = Parts {
                 leases: leases.clone(),
@@ -404,7 +403,7 @@ async fn join(
                 metrics: metrics.clone(),
                 key_states: Some(states),
             };
-            let app = app::build(&config, parts).map_err(|e| e.to_string())?;
+            let app = app::build(&config, parts)?;
             if let Some(metrics) = metrics {
                 metrics.add_shard(&leases, &takeover.primacy);
             }
@@ -574,7 +573,7 @@ impl Bound {
         };
         let leaving = member.clone();
         // Set if the member finds it cannot take part in the cluster.
-        let fatal = Arc::new(std::sync::Mutex::new(None::<String>));
+        let fatal = Arc::new(std::sync::Mutex::new(None::<cluster::ClusterError>));
         let failed = fatal.clone();
         tokio::spawn(async move {
             match &leaving {

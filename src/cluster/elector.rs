@@ -334,7 +334,8 @@ impl<S: Send + Sync + 'static> Elector<S> {
             journal: journal.clone(),
             primacy: primacy.clone(),
             rule: takeover_rule(clean, self.options.unsettled_ms, forgotten_above),
-        })?;
+        })
+        .map_err(|e| e.to_string())?;
         {
             let mut view = self.member.view_mut();
             let slot = &mut view.shards[self.shard as usize];

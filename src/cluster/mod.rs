@@ -168,7 +168,26 @@ pub struct Takeover {
 
 /// Builds the app of one shard for one term of primacy, and gives its
 /// lease store (a handover waits for its writes in flight).
-pub type MakeApp<S> = Arc<dyn Fn(Takeover) -> Result<(S, LeaseStore), String> + Send + Sync>;
+pub type MakeApp<S> = Arc<dyn Fn(Takeover) -> Result<(S, LeaseStore), BoxError> + Send + Sync>;
+
+/// Why a member cannot take part in the cluster.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClusterError {
+    /// Its options cannot work: why.
+    Options(String),
+    /// etcd keeps another number of shards for the prefix: why.
+    Refused(String),
+}
+
+impl std::fmt::Display for ClusterError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ClusterError::Options(why) | ClusterError::Refused(why) => f.write_str(why),
+        }
+    }
+}
+
+impl std::error::Error for ClusterError {}
 
 /// A member as others see it.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -305,7 +324,7 @@ struct Shared<S> {
     left: tokio::sync::watch::Sender<usize>,
     /// What etcd said of the number of shards, once it answered: `Err`
     /// with why the member cannot take part.
-    checked: tokio::sync::watch::Sender<Option<Result<(), String>>>,
+    checked: tokio::sync::watch::Sender<Option<Result<(), ClusterError>>>,
     stats: Arc<ClusterStats>,
     /// With several shards: where requests go.
     sharded: Option<shards::Sharded<S>>,
@@ -353,7 +372,7 @@ impl<S> Member<S> {
     /// Completes once etcd answered the check of the number of shards:
     /// `Err` with why if the member cannot take part in the cluster (etcd
     /// keeps another number for its prefix).
-    pub async fn checked(&self) -> Result<(), String> {
+    pub async fn checked(&self) -> Result<(), ClusterError> {
         let mut rx = self.shared.checked.subscribe();
         let checked = rx.wait_for(Option::is_some).await.map(|r| r.clone());
         match checked {
@@ -364,7 +383,7 @@ impl<S> Member<S> {
     }
 
     /// Completes, with why, if the member cannot take part in the cluster.
-    pub async fn failed(&self) -> String {
+    pub async fn failed(&self) -> ClusterError {
         match self.checked().await {
             Err(why) => why,
             Ok(()) => std::future::pending().await,
@@ -494,16 +513,21 @@ pub fn start<S>(
     make_app: MakeApp<S>,
     sharding: Option<Sharding<S>>,
     stats: Arc<ClusterStats>,
-) -> Result<Member<S>, String>
+) -> Result<Member<S>, ClusterError>
 where
     S: Send + Sync + 'static,
 {
     let shards = options.shards;
     let sharded = match sharding {
-        Some(sharding) if shards > 1 => {
-            Some(shards::Sharded::new(&options, sharding, stats.clone())?)
+        Some(sharding) if shards > 1 => Some(
+            shards::Sharded::new(&options, sharding, stats.clone())
+                .map_err(ClusterError::Options)?,
+        ),
+        None if shards > 1 => {
+            return Err(ClusterError::Options(
+                "several shards need a way to route requests".into(),
+            ))
         }
-        None if shards > 1 => return Err("several shards need a way to route requests".into()),
         _ => None,
     };
     let member = Member {

@@ -10,7 +10,7 @@ use crate::clock::Clock;
 use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
 use fencegate_core::cluster::{ClockProbe, ClockVerdict};
 
-use super::{in_session, renew_session, ClusterOptions, Member, Registration};
+use super::{in_session, renew_session, ClusterError, ClusterOptions, Member, Registration};
 
 /// The state of this member's clock check, kept across its sessions.
 #[derive(Debug, Default)]
@@ -93,7 +93,10 @@ impl<S: Send + Sync + 'static> Presence<S> {
                 }
                 Ok(ShardCount::Refused(why)) => {
                     tracing::error!(reason = %why, "this member cannot join the cluster");
-                    self.member.shared.checked.send_replace(Some(Err(why)));
+                    self.member
+                        .shared
+                        .checked
+                        .send_replace(Some(Err(ClusterError::Refused(why))));
                     return false;
                 }
                 Err(error) => {
