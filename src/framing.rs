@@ -350,7 +350,7 @@ impl Rules {
                 return Some(());
             }
             let n = h1::length(value)?;
-            if self.length.is_some_and(|prev| prev != n) {
+            if self.length.is_some_and(|prev| prev != n) || n > h1::MAX_LENGTH {
                 return None;
             }
             self.length = Some(n);

@@ -17,6 +17,10 @@ use std::fmt;
 /// default).
 pub const MAX_HEADERS: usize = 100;
 
+/// The longest body hyper frames by `Content-Length`: a longer one fails
+/// the message.
+pub const MAX_LENGTH: u64 = u64::MAX - 2;
+
 /// hyper's limit on chunk-extension bytes in one message.
 const EXTENSIONS_LIMIT: u64 = 16 * 1024;
 
@@ -64,7 +68,8 @@ pub enum Piece {
     /// Chunk data: the body's content.
     Data,
     /// Trailer lines, with the blank line that ends them (when there are
-    /// any): parse them with `httparse::parse_headers` once the body ends.
+    /// any): parse them once the body ends, as hyper does, with
+    /// `httparse::parse_headers` and [`Chunked::trailer_lines`] slots.
     Trailers,
 }
 
@@ -110,6 +115,12 @@ impl Chunked {
     /// Whether the body is over (its last byte was decoded).
     pub fn is_done(&self) -> bool {
         self.state == State::End
+    }
+
+    /// The trailer lines seen that end in CRLF: hyper parses the trailers
+    /// into this many slots (so a line that ends in a bare LF fails them).
+    pub fn trailer_lines(&self) -> usize {
+        usize::from(self.trailer_lines)
     }
 
     /// The bytes of chunk data that come next (0 outside a chunk's data).

@@ -20,7 +20,8 @@
 //! - the answer's body (RFC 9112 §6.3): none for `HEAD`, 1xx, 204 and 304;
 //!   chunked when `Transfer-Encoding` ends in `chunked`, to the close when
 //!   it does not; else `Content-Length` (several equal values are one; an
-//!   invalid one fails the exchange); else to the close;
+//!   invalid one, or one over hyper's maximum, fails the exchange); else to
+//!   the close;
 //! - interim answers (100, 102-199) are skipped; 101 (and a 2xx to
 //!   `CONNECT`) ends the exchange with no body and the connection;
 //! - the connection is reused after an HTTP/1.1 answer without
@@ -768,7 +769,8 @@ fn decoder(
         ));
     }
     match content_length(headers) {
-        Some(Some(n)) => Ok((Reading::Length(n), false)),
+        Some(Some(n)) if n <= codec::MAX_LENGTH => Ok((Reading::Length(n), false)),
+        Some(Some(_)) => Err(Box::new(Broken("content-length bigger than maximum"))),
         Some(None) => Err(Box::new(Broken("invalid content-length parsed"))),
         None => Ok((Reading::Close, false)),
     }
@@ -867,8 +869,8 @@ impl Incoming {
         }
         let block = std::mem::take(&mut self.trailers).freeze();
         let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let Ok(httparse::Status::Complete((_, lines))) =
-            httparse::parse_headers(&block, &mut lines)
+        let slots = &mut lines[..body.trailer_lines()];
+        let Ok(httparse::Status::Complete((_, lines))) = httparse::parse_headers(&block, slots)
         else {
             return Err(Box::new(Broken("invalid chunk trailers")));
         };

@@ -216,10 +216,11 @@ impl std::fmt::Debug for UpstreamTls {
 /// A request's context, carried from accept to answer as its one request
 /// extension, instead of an extension per fact: the server puts the client
 /// connection in it, the app the authenticated caller, the fence the
-/// route's upstream deadline and the check right before sending; the
-/// upstream client and the lease API read it. A request made in process
-/// (tests, a cluster member's forwarding) may have none: it then has no
-/// client address, no caller, the default deadline and no check.
+/// route's upstream deadline and the check right before sending; the fence
+/// (the caller), the upstream client and the lease API read it. A request
+/// made in process (tests, a cluster member's requests to each shard of a
+/// batch) may have none: it then has no client address, no caller, the
+/// default deadline and no check.
 #[derive(Clone, Debug, Default)]
 pub struct RequestContext {
     /// The client connection.
