@@ -19,9 +19,10 @@
 //! hyper's rules for `Content-Length` and `Transfer-Encoding`, and follows
 //! chunked bodies with the codec's decoder ([`crate::h1`], which takes each
 //! byte as hyper's does: strict CRLFs, the same extension and trailer
-//! limits). Where hyper refuses the input (a malformed head or chunk, a
-//! head over the connection's buffer), the guard stops watching and passes
-//! the bytes on: hyper then refuses them and closes the connection, so
+//! limits). Where hyper refuses the input (a malformed chunk, a head over
+//! the connection's buffer, some malformed heads), the guard stops watching
+//! and passes the bytes on; other heads hyper refuses it reads like any
+//! other. Either way hyper refuses them and closes the connection, so
 //! nothing after them is ever parsed. A request with an
 //! `Upgrade` header, or a `CONNECT`, is framed like any other: fencegate
 //! never switches protocols (a 101 or a 2xx to `CONNECT` ends the
@@ -85,8 +86,12 @@ enum State {
 pub struct Scanner {
     state: State,
     /// How far into the incomplete head the search for its end has got, so a
-    /// head that trickles in byte by byte is searched once.
+    /// head that trickles in byte by byte is searched once (and read once,
+    /// when whole).
     searched: usize,
+    /// How many bytes at the start of the incomplete head are known to be
+    /// empty lines before its request line, so they are counted once too.
+    lead: usize,
     /// The largest incomplete head held (hyper's buffer size).
     max_head_bytes: usize,
 }
@@ -98,6 +103,7 @@ impl Scanner {
         Self {
             state: State::Head,
             searched: 0,
+            lead: 0,
             max_head_bytes,
         }
     }
@@ -150,7 +156,7 @@ impl Scanner {
                     let read = if self.searched == 0 {
                         read_head(head)
                     } else {
-                        match find_head_end(head, self.searched) {
+                        match find_head_end(head, self.searched, &mut self.lead) {
                             Some(end) => read_head(&head[..end]),
                             None => Head::Incomplete,
                         }
@@ -162,6 +168,7 @@ impl Scanner {
                                     mark_lengths(head, &rules.lengths);
                                 }
                                 self.searched = 0;
+                                self.lead = 0;
                                 self.state = next;
                                 pos += end;
                             }
@@ -192,12 +199,14 @@ impl Scanner {
 
 /// The end of a head (after its blank line), accepting bare LF as httparse
 /// does and skipping the empty lines it skips before a request line; the
-/// search starts at `from`, where an earlier search gave up. For a head
-/// httparse accepts, where httparse ends it.
-fn find_head_end(buf: &[u8], from: usize) -> Option<usize> {
-    let lead = leading_empty_lines(buf);
+/// search starts at `from`, where an earlier search gave up, and the count
+/// of those empty lines at `lead`, where an earlier count stopped (the
+/// bytes before it are all line breaks). For a head httparse accepts, where
+/// httparse ends it.
+fn find_head_end(buf: &[u8], from: usize, lead: &mut usize) -> Option<usize> {
+    *lead += leading_empty_lines(&buf[*lead..]);
     // Back up over a line break the earlier search saw without its follower.
-    let mut i = from.saturating_sub(2).max(lead);
+    let mut i = from.saturating_sub(2).max(*lead);
     while let Some(rel) = memchr::memchr(b'\n', &buf[i..]) {
         let nl = i + rel;
         let rest = &buf[nl + 1..];
@@ -237,21 +246,25 @@ enum Head {
 /// that follows is framed (hyper's rules, `proto/h1/role.rs`).
 ///
 /// hyper parses each head with httparse; the guard does not parse it a
-/// second time, it only splits it into lines, and names and values at each
-/// line's first colon, trimmed as httparse trims them. For every head
+/// second time, it only splits it into lines and reads the lines named
+/// `transfer-encoding` or `content-length` (a name ends at its line's first
+/// colon, so the colon right after either is the whole test), their values
+/// trimmed as httparse trims them. For every head
 /// httparse accepts that gives httparse's header lines (debug builds,
 /// which run the tests, check each whole head against httparse); for a head
 /// it refuses, what the guard makes of it is never seen: hyper answers
-/// `400` and closes the connection. A head is refused as soon as a line
-/// shows httparse will refuse it (a request line without an HTTP/1.x
-/// version, more lines than hyper takes) or hyper's rules do.
+/// `400` and closes the connection. Some heads are refused early, where a
+/// line shows httparse will refuse them (a request line without an
+/// HTTP/1.x version, more lines than hyper takes) or hyper's rules do; the
+/// guard then stops watching. Other heads httparse refuses are read like
+/// any other, and the guard watches on: hyper has closed the connection.
 fn read_head(buf: &[u8]) -> Head {
     let read = read_lines(buf);
     #[cfg(debug_assertions)]
     match &read {
         Head::Whole { end, rules } => check_against_httparse(&buf[..*end], Some(rules)),
         Head::Refused => {
-            if let Some(end) = find_head_end(buf, 0) {
+            if let Some(end) = find_head_end(buf, 0, &mut 0) {
                 check_against_httparse(&buf[..end], None);
             }
         }
