@@ -305,20 +305,12 @@ fn read_lines(buf: &[u8]) -> Head {
                     continue;
                 }
                 // httparse drops the spaces and tabs around a value.
-                let ows = |b: &u8| *b == b' ' || *b == b'\t';
-                let mut value = &line[len + 1..];
-                while let [b, rest @ ..] = value {
-                    if !ows(b) {
-                        break;
-                    }
-                    value = rest;
-                }
-                while let [rest @ .., b] = value {
-                    if !ows(b) {
-                        break;
-                    }
-                    value = rest;
-                }
+                let value = &line[len + 1..];
+                let visible = |b: &u8| *b != b' ' && *b != b'\t';
+                let value = match value.iter().position(visible) {
+                    Some(start) => &value[start..=value.iter().rposition(visible).unwrap_or(start)],
+                    None => &[],
+                };
                 if rules.line(at, &line[..len], value).is_none() {
                     return Head::Refused;
                 }

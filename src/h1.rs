@@ -155,7 +155,7 @@ impl Chunked {
             if matches!(self.state, State::End | State::Data) || self.piece_of(b) != piece {
                 break;
             }
-            self.step(b)?;
+            self.step(b, piece)?;
             used += 1;
         }
         Ok((used, piece))
@@ -174,8 +174,9 @@ impl Chunked {
     }
 
     /// Takes one byte outside chunk data, as hyper's decoder takes it.
-    fn step(&mut self, b: u8) -> Result<(), Malformed> {
-        if self.piece_of(b) == Piece::Trailers {
+    /// `piece` is what the byte is ([`Self::piece_of`]).
+    fn step(&mut self, b: u8, piece: Piece) -> Result<(), Malformed> {
+        if piece == Piece::Trailers {
             // hyper's limit, counted as it counts: not on the first byte.
             if self.trailers {
                 self.trailer_bytes += 1;
