@@ -27,7 +27,7 @@ use tracing::Instrument;
 
 use crate::api::{admin_listener_only, Api, Surface, PREFIX};
 use crate::auth::{Authenticator, Caller};
-use crate::backend::{Backend, RequestContext};
+use crate::backend::{Backend, RequestContext, Unstaged};
 use crate::body::{self, Body, BoxError, ResponseFuture};
 use crate::config::{Config, ConfigError};
 use crate::error::Problem;
@@ -247,15 +247,23 @@ pub fn build(config: &Config, parts: Parts) -> Result<FencegateApp, ConfigError>
     Ok(app)
 }
 
-/// [`build`] with any backend service (tests put instrumented backends here).
+/// [`build`] with any backend service, which gets each admitted write in
+/// one step (tests put instrumented backends here).
 pub fn build_with<S>(
     config: &Config,
     leases: LeaseStore,
     draining: Arc<AtomicBool>,
     backend: S,
-) -> Result<App<Fence<S>>, ConfigError> {
+) -> Result<App<Fence<Unstaged<S>>>, ConfigError> {
     let metrics = Metrics::new(&leases);
-    compose(config, leases, draining, (backend, None), metrics, None)
+    compose(
+        config,
+        leases,
+        draining,
+        (Unstaged(backend), None),
+        metrics,
+        None,
+    )
 }
 
 /// The fence (with this member's primacy in cluster mode) around

@@ -262,8 +262,8 @@ pub fn unix_now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// A monotonic stopwatch with microsecond resolution, for clients measuring
-/// latency (the proxy itself uses [`Clock`]).
+/// A monotonic stopwatch with microsecond resolution, for measuring latency
+/// and setting I/O deadlines (leases are measured on [`Clock`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Stopwatch(Instant);
 
@@ -281,6 +281,12 @@ impl Stopwatch {
     /// Milliseconds since the start.
     pub fn elapsed_ms(&self) -> u64 {
         self.elapsed_us() / 1000
+    }
+
+    /// The tokio instant `ms` milliseconds after the start: an I/O deadline
+    /// (for `tokio::time::timeout_at`).
+    pub fn deadline_after_ms(&self, ms: u64) -> Instant {
+        self.0 + std::time::Duration::from_millis(ms)
     }
 }
 

@@ -37,7 +37,7 @@ use pin_project_lite::pin_project;
 use tower::{Layer, Service};
 
 use crate::auth::{Caller, Identity};
-use crate::backend::{BeforeSend, RequestContext};
+use crate::backend::{Exchange, RequestContext};
 use crate::body::{Body, ResponseFuture};
 use crate::error::{Problem, Reason};
 use crate::lease::{Admission, AdmitError, AdmitOptions, LeaseStore, Primacy, WriteGuard};
@@ -400,25 +400,20 @@ impl FencePolicy {
         Some(problem.into_response())
     }
 
-    /// The check the upstream client makes right before an admitted
-    /// write's first byte leaves (after any connect): this member still
-    /// provably primary, the term still current and live.
-    fn before_send(&self, fenced: &Fenced) -> BeforeSend {
-        let primacy = self.primacy.clone();
-        let leases = self.leases.clone();
-        let lease = fenced.lease.clone();
-        let (token, margin_ms) = (fenced.token, self.admit.margin_ms);
-        BeforeSend::new(move || {
-            if primacy.as_ref().is_some_and(|p| !p.is_live()) {
-                return Err(Problem::not_primary(
-                    "this member could not confirm in time that it is the primary; nothing was sent to the backend",
-                    None,
-                ));
-            }
-            leases
-                .check_live(&lease, token, margin_ms)
-                .map_err(|reject| Problem::rejected(&lease, reject))
-        })
+    /// The fence's last check of an admitted write, between the two steps
+    /// of its exchange (after any connect, right before its first byte
+    /// leaves): this member still provably primary, the term still current
+    /// and live.
+    fn still_admitted(&self, lease: &str, token: u64) -> Result<(), Problem> {
+        if self.primacy.as_ref().is_some_and(|p| !p.is_live()) {
+            return Err(Problem::not_primary(
+                "this member could not confirm in time that it is the primary; nothing was sent to the backend",
+                None,
+            ));
+        }
+        self.leases
+            .check_live(lease, token, self.admit.margin_ms)
+            .map_err(|reject| Problem::rejected(lease, reject))
     }
 
     fn admit_options(&self, max_wait_ms: u64) -> AdmitOptions {
@@ -454,7 +449,9 @@ impl<S> Layer<S> for FenceLayer {
 }
 
 /// A service that forwards only admitted requests to `S`, and keeps each
-/// admitted write counted as in flight until its response is complete.
+/// admitted write counted as in flight until its response is complete. It
+/// hands an admitted write to `S` in the two steps of an [`Exchange`] and
+/// checks the write again between them.
 #[derive(Clone, Debug)]
 pub struct Fence<S> {
     policy: Arc<FencePolicy>,
@@ -463,10 +460,7 @@ pub struct Fence<S> {
 
 impl<S> Service<Request<Body>> for Fence<S>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
+    S: Exchange + Clone + Send + 'static,
     S::Future: Send + 'static,
 {
     type Response = Response<Body>;
@@ -483,7 +477,7 @@ where
                 if let Some(refused) = self.policy.not_primary() {
                     return FenceFuture::ready(refused);
                 }
-                return FenceFuture::forward(self.inner.call(req), None, observed);
+                return FenceFuture::forward(self.inner.call(req), observed);
             }
             Decision::Reject(problem) => {
                 self.policy.metrics.write_rejected(problem.reason().slug());
@@ -512,11 +506,14 @@ where
                         return FenceFuture::ready(problem.into_response());
                     }
                 };
-                RequestContext::of_mut(&mut req).before_send =
-                    Some(self.policy.before_send(&fenced));
                 self.policy.metrics.write_forwarded();
                 tracing::debug!(lease = fenced.lease.as_str(), token = fenced.token, method = %req.method(), "write admitted");
-                FenceFuture::forward(self.inner.call(req), Some(guard), observed)
+                // The instance that was polled ready goes; a clone stays
+                // for the next call.
+                let fresh = self.inner.clone();
+                let inner = std::mem::replace(&mut self.inner, fresh);
+                let write = (fenced.lease, fenced.token, guard, observed);
+                FenceFuture::boxed(Box::pin(exchange(inner, self.policy.clone(), req, write)))
             }
             Admission::Refused(reject) => {
                 FenceFuture::ready(reject_write(&self.policy, &fenced, &req, reject))
@@ -528,10 +525,7 @@ where
 
 impl<S> Fence<S>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
+    S: Exchange + Clone + Send + 'static,
     S::Future: Send + 'static,
 {
     /// A newer term's first write while older writes are in flight: it
@@ -546,10 +540,7 @@ where
         // Call the instance that was polled ready later, and keep a clone
         // for the next call.
         let fresh = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, fresh);
-        // Boxed outside the async block, so the block holds no generic
-        // future type (which keeps it provably Send).
-        let mut forward = move |req: Request<Body>| -> ResponseFuture { Box::pin(inner.call(req)) };
+        let inner = std::mem::replace(&mut self.inner, fresh);
         let policy = self.policy.clone();
         FenceFuture::boxed(Box::pin(async move {
             let admitted = policy
@@ -598,16 +589,40 @@ where
                     return Ok(problem.into_response());
                 }
             };
-            RequestContext::of_mut(&mut req).before_send = Some(policy.before_send(&fenced));
             policy.metrics.write_forwarded();
             tracing::debug!(lease = fenced.lease.as_str(), token = fenced.token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted after the handover barrier");
-            let res = forward(req).await?;
-            if let Some(observed) = &observed {
-                observed.learn(&res);
-            }
-            Ok(attach_guard(res, Some(admitted.guard)))
+            let write = (fenced.lease, fenced.token, admitted.guard, observed);
+            exchange(inner, policy, req, write).await
         }))
     }
+}
+
+/// An admitted write's exchange with the backend, as the fence drives it:
+/// step one (nothing sent), the fence's check, then step two; the write's
+/// guard goes with the answer (see [`attach_guard`]).
+async fn exchange<S: Exchange>(
+    mut inner: S,
+    policy: Arc<FencePolicy>,
+    req: Request<Body>,
+    (lease, token, guard, observed): (LeaseName, u64, WriteGuard, Option<Observed>),
+) -> Result<Response<Body>, Infallible> {
+    let res = match inner.stage(req).await {
+        Ok(staged) => {
+            if let Err(problem) = policy.still_admitted(&lease, token) {
+                inner.withdraw(staged);
+                // Nothing was sent: the write holds nothing back.
+                guard.finish();
+                return Ok(problem.into_response());
+            }
+            inner.send(staged).await?
+        }
+        // Nothing was sent.
+        Err(res) => res,
+    };
+    if let Some(observed) = &observed {
+        observed.learn(&res);
+    }
+    Ok(attach_guard(res, Some(guard)))
 }
 
 fn reject_write(
@@ -669,13 +684,12 @@ fn attach_guard(res: Response<Body>, guard: Option<WriteGuard>) -> Response<Body
 }
 
 pin_project! {
-    /// The future of a [`Fence`] call: an answer the fence made itself, the
-    /// backend's answer (with the write's guard attached), or a write that
-    /// waited at the handover barrier.
+    /// The future of a [`Fence`] call: an answer the fence made itself, a
+    /// request passed through, or an admitted write's exchange.
     #[project = FenceFutureProj]
     pub enum FenceFuture<F> {
         Ready { res: Option<Response<Body>> },
-        Forward { #[pin] fut: F, guard: Option<WriteGuard>, observed: Option<Observed> },
+        Forward { #[pin] fut: F, observed: Option<Observed> },
         Boxed { fut: ResponseFuture },
     }
 }
@@ -685,12 +699,8 @@ impl<F> FenceFuture<F> {
         Self::Ready { res: Some(res) }
     }
 
-    fn forward(fut: F, guard: Option<WriteGuard>, observed: Option<Observed>) -> Self {
-        Self::Forward {
-            fut,
-            guard,
-            observed,
-        }
+    fn forward(fut: F, observed: Option<Observed>) -> Self {
+        Self::Forward { fut, observed }
     }
 
     fn boxed(fut: ResponseFuture) -> Self {
@@ -709,16 +719,12 @@ where
             FenceFutureProj::Ready { res } => {
                 Poll::Ready(Ok(res.take().expect("polled after completion")))
             }
-            FenceFutureProj::Forward {
-                fut,
-                guard,
-                observed,
-            } => {
+            FenceFutureProj::Forward { fut, observed } => {
                 let res = std::task::ready!(fut.poll(cx))?;
                 if let Some(observed) = observed.take() {
                     observed.learn(&res);
                 }
-                Poll::Ready(Ok(attach_guard(res, guard.take())))
+                Poll::Ready(Ok(res))
             }
             FenceFutureProj::Boxed { fut } => fut.as_mut().poll(cx),
         }

@@ -28,7 +28,9 @@
 //!   state machine in [`lease::machine`] and the journal's format in
 //!   [`journal::record`]).
 //! - [`api`]: the lease API under `/_fence/` (acquire, renew, release, inspect).
-//! - [`fence`]: the tower layer that admits or rejects a write; [`route`] maps
+//! - [`fence`]: the tower layer that admits or rejects a write, and hands an
+//!   admitted one to the backend in the two steps of a
+//!   [`backend::Exchange`], checking it again between them; [`route`] maps
 //!   paths to the leases that guard them; [`precondition`] keeps the key
 //!   states of routes with storage-side preconditions (SPEC §10) and adds
 //!   the precondition the core plans for each write.

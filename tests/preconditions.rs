@@ -20,7 +20,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use fencegate::app;
-use fencegate::backend::EmbeddedStore;
+use fencegate::backend::{EmbeddedStore, Unstaged};
 use fencegate::body::{self, Body};
 use fencegate::clock::{Clock, ClockKind};
 use fencegate::config::{Config, RouteConfig};
@@ -119,7 +119,9 @@ fn config(preconditions: Preconditions) -> Config {
     c
 }
 
-fn harness(preconditions: Preconditions) -> (Harness<fencegate::fence::Fence<Holding>>, Holding) {
+fn harness(
+    preconditions: Preconditions,
+) -> (Harness<fencegate::fence::Fence<Unstaged<Holding>>>, Holding) {
     let config = config(preconditions);
     config.validate().unwrap();
     let clock = Clock::new(config.clock);

@@ -328,7 +328,7 @@ impl EmbeddedStore {
         self.values.is_empty()
     }
 
-    async fn handle(self, req: Request<Body>) -> Response<Body> {
+    pub(super) async fn handle(self, req: Request<Body>) -> Response<Body> {
         let path = req.uri().path().to_owned();
         if path == HISTORY_PATH && req.method() == Method::GET {
             return self.history_response(req.uri().query());

@@ -102,6 +102,11 @@ pub(crate) struct Outgoing {
 }
 
 impl Outgoing {
+    /// The request's head.
+    pub(crate) fn parts(&self) -> &http::request::Parts {
+        &self.parts
+    }
+
     /// Waits for the first piece of `req`'s body (none for a body it
     /// sends empty). `Err`: the client's body failed.
     pub(crate) async fn new(req: Request<Body>) -> Result<Self, BoxError> {

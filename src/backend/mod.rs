@@ -1,7 +1,10 @@
 //! Backends: where admitted requests go.
 //!
 //! [`Backend`] is the storage fencegate fronts: the [`embedded`] in-memory
-//! key-value store (the default) or an HTTP [`upstream`].
+//! key-value store (the default) or an HTTP [`upstream`]. Besides serving
+//! requests as a tower service, a backend takes an admitted write in the
+//! two steps of an [`Exchange`], so that the fence can check the write
+//! once more between them.
 
 pub mod embedded;
 mod h1;
@@ -18,8 +21,8 @@ use tower::Service;
 use crate::body::Body;
 pub use embedded::EmbeddedStore;
 pub use upstream::{
-    BeforeSend, ClientAddr, ConnectionMode, RequestContext, Unready, Upstream, UpstreamError,
-    UpstreamOptions, MIN_READ_BUFFER,
+    ClientAddr, ConnectionMode, RequestContext, Unready, Upstream, UpstreamError, UpstreamOptions,
+    MIN_READ_BUFFER,
 };
 
 /// The storage behind the fence.
@@ -43,5 +46,168 @@ impl Service<Request<Body>> for Backend {
             Backend::Embedded(store) => store.call(req),
             Backend::Upstream(upstream) => upstream.call(req),
         }
+    }
+}
+
+/// The two steps in which the fence hands an admitted write to a backend,
+/// so that it can check the write once more right before its first byte
+/// leaves, after whatever had to come first (reading the first piece of
+/// its body, opening a connection) and may have taken time: step one,
+/// [`Exchange::stage`], sends nothing; the fence then checks, and either
+/// sends ([`Exchange::send`]) or withdraws ([`Exchange::withdraw`]). The
+/// backend never calls back into the fence or the lease store.
+pub trait Exchange: Service<Request<Body>, Response = Response<Body>, Error = Infallible> {
+    /// A request ready to send.
+    type Staged: Send + 'static;
+
+    /// Step one: everything before the first byte leaves; nothing is sent.
+    /// `Err`: the answer (nothing was sent).
+    fn stage(
+        &mut self,
+        req: Request<Body>,
+    ) -> impl Future<Output = Result<Self::Staged, Response<Body>>> + Send + 'static;
+
+    /// Step two: sends a staged request; its answer (as a service's).
+    fn send(
+        &mut self,
+        staged: Self::Staged,
+    ) -> impl Future<Output = Result<Response<Body>, Infallible>> + Send + 'static;
+
+    /// A staged request not sent after all: what step one took goes back.
+    fn withdraw(&mut self, staged: Self::Staged) {
+        drop(staged);
+    }
+}
+
+/// A write [`Backend`] staged.
+#[derive(Debug)]
+pub enum Staged {
+    /// The embedded store's: nothing comes before sending.
+    Embedded(EmbeddedStore, Request<Body>),
+    /// The upstream's: its first body piece read, a connection open (or,
+    /// pooled, taken when sent).
+    Upstream(upstream::Staged),
+}
+
+impl Exchange for Backend {
+    type Staged = Staged;
+
+    fn stage(
+        &mut self,
+        req: Request<Body>,
+    ) -> impl Future<Output = Result<Staged, Response<Body>>> + Send + 'static {
+        match self {
+            Backend::Embedded(store) => Step::Embedded {
+                fut: std::future::ready(Staged::Embedded(store.clone(), req)),
+                wrap: Ok,
+            },
+            Backend::Upstream(upstream) => Step::Upstream {
+                fut: upstream.stage(req),
+                wrap: upstream_staged,
+            },
+        }
+    }
+
+    fn send(
+        &mut self,
+        staged: Staged,
+    ) -> impl Future<Output = Result<Response<Body>, Infallible>> + Send + 'static {
+        match staged {
+            Staged::Embedded(store, req) => Step::Embedded {
+                fut: store.handle(req),
+                wrap: Ok,
+            },
+            Staged::Upstream(staged) => Step::Upstream {
+                fut: staged.send(),
+                wrap: Ok,
+            },
+        }
+    }
+
+    fn withdraw(&mut self, staged: Staged) {
+        if let Staged::Upstream(staged) = staged {
+            staged.withdraw();
+        }
+    }
+}
+
+/// The upstream's staged request, as the backend's.
+// The error is the answer to a request not sent, moved once.
+#[allow(clippy::result_large_err)]
+fn upstream_staged(
+    staged: Result<upstream::Staged, Response<Body>>,
+) -> Result<Staged, Response<Body>> {
+    staged.map(Staged::Upstream)
+}
+
+pin_project_lite::pin_project! {
+    /// A step of [`Backend`]'s exchange: the embedded store's or the
+    /// upstream's future, its output wrapped. One future, not an `async`
+    /// block around another: the upstream's is large, and each layer would
+    /// copy it once more.
+    #[project = StepProj]
+    enum Step<E, U, T, A, B> {
+        Embedded { #[pin] fut: E, wrap: fn(A) -> T },
+        Upstream { #[pin] fut: U, wrap: fn(B) -> T },
+    }
+}
+
+impl<E, U, T, A, B> Future for Step<E, U, T, A, B>
+where
+    E: Future<Output = A>,
+    U: Future<Output = B>,
+{
+    type Output = T;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        match self.project() {
+            StepProj::Embedded { fut, wrap } => fut.poll(cx).map(*wrap),
+            StepProj::Upstream { fut, wrap } => fut.poll(cx).map(*wrap),
+        }
+    }
+}
+
+/// A backend with nothing to do before sending, as an [`Exchange`]: step
+/// one keeps the request, step two calls the service with it (tests put
+/// instrumented backends here).
+#[derive(Clone, Debug)]
+pub struct Unstaged<S>(pub S);
+
+impl<S> Service<Request<Body>> for Unstaged<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        self.0.call(req)
+    }
+}
+
+impl<S> Exchange for Unstaged<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
+    S::Future: Send + 'static,
+{
+    type Staged = Request<Body>;
+
+    fn stage(
+        &mut self,
+        req: Request<Body>,
+    ) -> impl Future<Output = Result<Request<Body>, Response<Body>>> + Send + 'static {
+        std::future::ready(Ok(req))
+    }
+
+    fn send(
+        &mut self,
+        req: Request<Body>,
+    ) -> impl Future<Output = Result<Response<Body>, Infallible>> + Send + 'static {
+        self.0.call(req)
     }
 }

@@ -84,42 +84,6 @@ pub struct UpstreamOptions {
     pub unready_after_failures: u32,
 }
 
-/// In a [`RequestContext`]: a check the upstream client makes right before the
-/// request's first byte leaves, after any connect (which may take up to
-/// `connect_timeout_ms`): the fence puts one on each admitted write, so a
-/// member that stopped being primary, or a term that ended, meanwhile
-/// sends nothing. `Err(problem)`: answer that instead, nothing sent.
-#[derive(Clone)]
-pub struct BeforeSend(Arc<dyn Fn() -> Result<(), Problem> + Send + Sync>);
-
-impl BeforeSend {
-    pub fn new(check: impl Fn() -> Result<(), Problem> + Send + Sync + 'static) -> Self {
-        Self(Arc::new(check))
-    }
-
-    fn check(&self) -> Result<(), Problem> {
-        (self.0)()
-    }
-}
-
-impl std::fmt::Debug for BeforeSend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("BeforeSend")
-    }
-}
-
-/// The request's [`BeforeSend`] refused it: nothing was sent.
-#[derive(Debug)]
-struct Withheld(Problem);
-
-impl std::fmt::Display for Withheld {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("withheld before sending")
-    }
-}
-
-impl std::error::Error for Withheld {}
-
 /// The smallest `read_buffer_bytes` hyper accepts.
 pub const MIN_READ_BUFFER: usize = 8192;
 
@@ -216,11 +180,10 @@ impl std::fmt::Debug for UpstreamTls {
 /// A request's context, carried from accept to answer as its one request
 /// extension, instead of an extension per fact: the server puts the client
 /// connection in it, the app the authenticated caller, the fence the
-/// route's upstream deadline and the check right before sending; the fence
-/// (the caller), the upstream client and the lease API read it. A request
-/// made in process (tests, a cluster member's requests to each shard of a
-/// batch) may have none: it then has no client address, no caller, the
-/// default deadline and no check.
+/// route's upstream deadline; the fence (the caller), the upstream client
+/// and the lease API read it. A request made in process (tests, a cluster
+/// member's requests to each shard of a batch) may have none: it then has
+/// no client address, no caller and the default deadline.
 #[derive(Clone, Debug, Default)]
 pub struct RequestContext {
     /// The client connection.
@@ -229,8 +192,6 @@ pub struct RequestContext {
     pub caller: Option<crate::auth::Caller>,
     /// The route's own upstream deadline, in milliseconds.
     pub timeout_ms: Option<u64>,
-    /// Checked right before the first byte goes upstream.
-    pub before_send: Option<BeforeSend>,
 }
 
 impl RequestContext {
@@ -580,12 +541,17 @@ impl Shared {
     /// Tells the upstream who the client is, as configured: the lines to
     /// add. An existing `X-Forwarded-For` is extended, as the header's
     /// convention is.
-    fn forwarding(&self, req: &Request<Body>, added: &mut h1::Added) {
-        let Some(peer) = RequestContext::of(req).and_then(|c| c.client.as_ref()) else {
+    fn forwarding(
+        &self,
+        headers: &HeaderMap,
+        extensions: &http::Extensions,
+        added: &mut h1::Added,
+    ) {
+        let context = extensions.get::<RequestContext>();
+        let Some(peer) = context.and_then(|c| c.client.as_ref()) else {
             return;
         };
         let peer = &*peer.0;
-        let headers = req.headers();
         let host = headers.get(HOST);
         if self.x_forwarded {
             let xff = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
@@ -620,53 +586,23 @@ impl Shared {
     #[cfg(test)]
     fn add_forwarded(&self, req: &mut Request<Body>) {
         let mut added = h1::Added::new();
-        self.forwarding(req, &mut added);
+        self.forwarding(req.headers(), req.extensions(), &mut added);
         h1::apply(req.headers_mut(), added);
     }
 
-    /// Sends `req` on the client connection's dedicated upstream connection,
-    /// opening one if it has none (or the upstream closed its idle one
-    /// meanwhile: then nothing was sent on it). The answer's body holds the
-    /// connection and puts it back in the slot once read to its end; on any
-    /// error or a timeout it is dropped, and closed.
-    async fn send_dedicated(
-        &self,
-        slot: &Arc<h1::IdleConn>,
-        req: Request<Body>,
-        added: &h1::Added,
-    ) -> Result<Response<Body>, BoxError> {
-        let before = RequestContext::of(&req).and_then(|c| c.before_send.clone());
-        // The client's first body piece before a connection is taken: an
-        // idle one checked open now is written to at once, not after the
-        // client took its time (and the upstream perhaps closed it).
-        let out = h1::Outgoing::new(req).await?;
-        let mut idle = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let idle_timeout_ms = self.idle_timeout_ms;
-        let (mut conn, reused) = match idle.take_if(|conn| conn.is_open(idle_timeout_ms)) {
-            Some(conn) => (conn, true),
-            // Boxed: a connect (with TLS) is a large future, and a rare one;
-            // inline it would make every exchange's future that large.
-            None => (Box::pin(self.connect()).await?, false),
-        };
-        // Right before the first byte leaves: still admitted?
-        if let Some(Err(problem)) = before.as_ref().map(BeforeSend::check) {
-            if reused {
-                *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn);
-            }
-            return Err(Box::new(Withheld(problem)));
+    /// The header lines a request on a dedicated connection is written
+    /// with: the forwarding headers and, unless the client's is kept (and
+    /// there is one), the upstream's `Host`. Made once the request is
+    /// staged, so they are not carried while it waits.
+    fn lean_lines(&self, parts: &http::request::Parts, client_host: bool) -> h1::Added {
+        let mut added = h1::Added::new();
+        self.forwarding(&parts.headers, &parts.extensions, &mut added);
+        if !self.preserve_host || !client_host {
+            // Host names the upstream; a request without one (HTTP/1.0)
+            // gets the upstream's, as the pool's client sets it.
+            added.push((HOST, self.host.clone(), h1::Put::Replace));
         }
-        if let Err(e) = conn.begin(&out, added).await {
-            if !reused {
-                return Err(e.into());
-            }
-            // The upstream closed or reset the idle connection as the
-            // request went out: not a byte of it left, so it goes again
-            // on a fresh connection (once).
-            tracing::debug!(upstream = %self.authority, error = %e, "an idle upstream connection failed before the request left: sent on a new one");
-            conn = Box::pin(self.connect()).await?;
-            conn.begin(&out, added).await?;
-        }
-        conn.send(out, slot).await
+        added
     }
 
     /// A `HEAD` of the base path on a connection of its own, within the
@@ -720,7 +656,12 @@ impl Shared {
         ))
     }
 
-    async fn forward(&self, mut req: Request<Body>) -> Response<Body> {
+    /// Step one of an exchange (see [`Exchange`](super::Exchange)): the
+    /// request readied for the upstream and, on a dedicated connection, its
+    /// first body piece read and the connection taken (an idle one checked
+    /// open now is written to at once, not after the client took its time)
+    /// or opened. Nothing is sent. `Err`: the answer, nothing sent.
+    async fn stage(self: Arc<Self>, mut req: Request<Body>) -> Result<Staged, Response<Body>> {
         // A request with no client address (one made in process) goes
         // through the pool in either mode.
         let peer = match self.mode {
@@ -731,69 +672,173 @@ impl Shared {
             Some(peer) => Via::Dedicated(peer),
             None => Via::Pool(self.pools.of(&req)),
         };
-        let (client, added) = match self.prepare(&mut req, matches!(via, Via::Dedicated(_))) {
+        let client = match self.prepare(&mut req, matches!(via, Via::Dedicated(_))) {
             Ok(prepared) => prepared,
-            Err(problem) => return problem.into_response(),
+            Err(problem) => return Err(problem.into_response()),
         };
         let timeout_ms = RequestContext::of(&req)
             .and_then(|c| c.timeout_ms)
             .unwrap_or(self.timeout_ms);
         let watch = Stopwatch::start();
-        let send = async {
-            match via {
-                Via::Dedicated(peer) => self.send_dedicated(&peer.0.upstream, req, &added).await,
-                // The pool connects inside: checked before it is asked.
-                Via::Pool(pool) => {
-                    let before = RequestContext::of(&req).and_then(|c| c.before_send.as_ref());
-                    match before.map(BeforeSend::check) {
-                        Some(Err(problem)) => Err(Box::new(Withheld(problem)) as BoxError),
-                        _ => match pool.request(req).await {
-                            Ok(res) => Ok(res.map(body::boxed)),
-                            Err(e) => Err(BoxError::from(e)),
-                        },
+        let deadline = watch.deadline_after_ms(timeout_ms);
+        let to = match via {
+            // The pool connects inside: when sent.
+            Via::Pool(pool) => To::Pool(Box::new((pool, req))),
+            Via::Dedicated(peer) => {
+                let slot = peer.0.upstream.clone();
+                // Usually ready at once (the body's first piece is in, an
+                // idle connection open): a timer only if it must wait. The
+                // block is built in place (see `send`).
+                let ready = {
+                    let mut ready = std::pin::pin!(async {
+                        let out = h1::Outgoing::new(req).await?;
+                        let idle = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+                        let idle_timeout_ms = self.idle_timeout_ms;
+                        let conn =
+                            match idle.and_then(|mut c| c.is_open(idle_timeout_ms).then_some(c)) {
+                                Some(conn) => (conn, true),
+                                // Boxed: a connect (with TLS) is a large future,
+                                // and a rare one; inline it would make every
+                                // exchange's future that large.
+                                None => (Box::pin(self.connect()).await?, false),
+                            };
+                        Ok::<_, BoxError>((out, conn))
+                    });
+                    let first =
+                        std::future::poll_fn(|cx| Poll::Ready(ready.as_mut().poll(cx))).await;
+                    match first {
+                        Poll::Ready(ready) => Ok(ready),
+                        Poll::Pending => tokio::time::timeout_at(deadline, ready).await,
                     }
+                };
+                match ready {
+                    Ok(Ok((out, (conn, reused)))) => To::Dedicated(Box::new(Dedicated {
+                        added: self.lean_lines(out.parts(), client.is_some()),
+                        slot,
+                        out,
+                        conn,
+                        reused,
+                    })),
+                    Ok(Err(err)) => return Err(self.ended(watch, Err(err), None)),
+                    Err(_) => return Err(self.timed_out(watch, timeout_ms)),
                 }
             }
         };
-        let result = tokio::time::timeout(Duration::from_millis(timeout_ms), send).await;
+        Ok(Staged {
+            upstream: self,
+            to,
+            client,
+            deadline,
+            timeout_ms,
+            watch,
+        })
+    }
+
+    /// Step two: sends what [`Self::stage`] readied, and relays the answer.
+    /// On a dedicated connection the answer's body holds the connection
+    /// and puts it back in its slot once read to its end; on any error or
+    /// a timeout it is dropped, and closed.
+    async fn send(staged: Staged) -> Response<Body> {
+        let Staged {
+            upstream: this,
+            to,
+            client,
+            deadline,
+            timeout_ms,
+            watch,
+        } = staged;
+        // The block is built in the call, not bound first: a bound one
+        // would keep its own room in this future beside the timeout's.
+        let sent = tokio::time::timeout_at(deadline, async {
+            match to {
+                To::Pool(pooled) => {
+                    let (pool, req) = *pooled;
+                    match pool.request(req).await {
+                        Ok(res) => Ok(res.map(body::boxed)),
+                        Err(e) => Err(BoxError::from(e)),
+                    }
+                }
+                To::Dedicated(mut dedicated) => {
+                    let d = &mut *dedicated;
+                    if let Err(e) = d.conn.begin(&d.out, &d.added).await {
+                        if !d.reused {
+                            return Err(e.into());
+                        }
+                        // The upstream closed or reset the idle connection
+                        // as the request went out: not a byte of it left,
+                        // so it goes again on a fresh connection (once).
+                        tracing::debug!(upstream = %this.authority, error = %e, "an idle upstream connection failed before the request left: sent on a new one");
+                        d.conn = Box::pin(this.connect()).await?;
+                        d.conn.begin(&d.out, &d.added).await?;
+                    }
+                    let Dedicated {
+                        slot, out, conn, ..
+                    } = *dedicated;
+                    conn.send(out, &slot).await
+                }
+            }
+        })
+        .await;
+        match sent {
+            Ok(result) => this.ended(watch, result, client.as_ref()),
+            Err(_) => this.timed_out(watch, timeout_ms),
+        }
+    }
+
+    /// Both steps.
+    async fn forward(self: Arc<Self>, req: Request<Body>) -> Response<Body> {
+        match self.stage(req).await {
+            Ok(staged) => Self::send(staged).await,
+            Err(answer) => answer,
+        }
+    }
+
+    /// The exchange ended: its answer relayed, or the answer to its
+    /// failure.
+    fn ended(
+        &self,
+        watch: Stopwatch,
+        result: Result<Response<Body>, BoxError>,
+        client: Option<&(HeaderValue, bool)>,
+    ) -> Response<Body> {
         if let Some(m) = self.metrics.get() {
             m.upstream_latency(watch.elapsed_us() as f64 / 1e6);
         }
         match result {
-            Ok(Ok(res)) => {
+            Ok(res) => {
                 if self.failures.load(Ordering::Relaxed) != 0 {
                     self.failures.store(0, Ordering::Relaxed);
                 }
-                self.relay(res, client.as_ref())
+                self.relay(res, client)
             }
-            Ok(Err(err)) => match err.downcast::<Withheld>() {
-                Ok(withheld) => withheld.0.into_response(),
-                Err(err) => self.failed(&*err),
-            },
-            Err(_) => {
-                // Dropping the request future closes its connection, so it is
-                // never reused.
-                tracing::warn!(upstream = %self.authority, timeout_ms, "upstream timed out");
-                self.count_failure("timed out");
-                outcome_unknown(Problem::upstream_timeout(timeout_ms).into_response())
-            }
+            Err(err) => self.failed(&*err),
         }
+    }
+
+    /// The exchange ran out of time. Dropping its future closed any
+    /// connection it held, so that one is never reused.
+    fn timed_out(&self, watch: Stopwatch, timeout_ms: u64) -> Response<Body> {
+        if let Some(m) = self.metrics.get() {
+            m.upstream_latency(watch.elapsed_us() as f64 / 1e6);
+        }
+        tracing::warn!(upstream = %self.authority, timeout_ms, "upstream timed out");
+        self.count_failure("timed out");
+        outcome_unknown(Problem::upstream_timeout(timeout_ms).into_response())
     }
 
     /// Readies `req` for the upstream: its target, hop-by-hop headers
     /// removed, forwarding headers, `Host` and `Destination` for the
     /// upstream. For a dedicated connection (`lean`), the target is left in
-    /// origin form and the header lines to add are returned, for the head
-    /// to be written with them rather than inserted (and rehashed) here;
-    /// for the pool they are inserted. Also the address the client used
-    /// (its `Host`, and whether it came over TLS), for translating absolute
-    /// URLs back.
-    #[allow(clippy::type_complexity)]
+    /// origin form and the forwarding headers and `Host` are left for
+    /// [`Self::lean_lines`], for the head to be written with them rather
+    /// than inserted (and rehashed) here; for the pool they are inserted.
+    /// The address the client used (its `Host`, and whether it came over
+    /// TLS), for translating absolute URLs back.
     fn prepare(
         &self,
         req: &mut Request<Body>,
         lean: bool,
-    ) -> Result<(Option<(HeaderValue, bool)>, h1::Added), Problem> {
+    ) -> Result<Option<(HeaderValue, bool)>, Problem> {
         let target = if lean {
             self.target_path(req.uri()).map(Uri::from)
         } else {
@@ -803,7 +848,9 @@ impl Shared {
             .map_err(|_| Problem::invalid_request("the request target cannot be forwarded"))?;
         strip_hop_by_hop(req.headers_mut());
         let mut added = h1::Added::new();
-        self.forwarding(req, &mut added);
+        if !lean {
+            self.forwarding(req.headers(), req.extensions(), &mut added);
+        }
         // The address the client used (its Host header, and whether it came
         // over TLS), for translating absolute URLs both ways. A cheap clone;
         // the origin string is made only when a header needs it.
@@ -818,9 +865,7 @@ impl Shared {
             // URL). A WebDAV Destination naming the proxy then names the
             // upstream instead, as servers check it against the Host they
             // were sent.
-            if lean {
-                added.push((HOST, self.host.clone(), h1::Put::Replace));
-            } else {
+            if !lean {
                 req.headers_mut().remove(HOST);
             }
             if let (true, Some(client)) = (req.headers().contains_key(DESTINATION), &client) {
@@ -828,16 +873,11 @@ impl Shared {
                     rebase(req.headers_mut(), &DESTINATION, &origin, &self.origin);
                 }
             }
-        } else if lean && client.is_none() {
-            // A request without Host (HTTP/1.0): the upstream's, as the
-            // pool's client sets it.
-            added.push((HOST, self.host.clone(), h1::Put::Replace));
         }
-        if lean {
-            return Ok((client, added));
+        if !lean {
+            h1::apply(req.headers_mut(), added);
         }
-        h1::apply(req.headers_mut(), added);
-        Ok((client, h1::Added::new()))
+        Ok(client)
     }
 
     /// The upstream's answer, relayed: hop-by-hop headers removed, and a
@@ -976,6 +1016,48 @@ enum Via {
     Dedicated(ClientAddr),
     /// A connection of its client's pool.
     Pool(PooledClient),
+}
+
+/// A request readied for the upstream by [`Upstream::stage`]: nothing of it
+/// sent yet.
+pub struct Staged {
+    upstream: Arc<Shared>,
+    to: To,
+    /// The address the client used, for translating absolute URLs back.
+    client: Option<(HeaderValue, bool)>,
+    /// When the exchange runs out of time (both steps count).
+    deadline: tokio::time::Instant,
+    timeout_ms: u64,
+    watch: Stopwatch,
+}
+
+impl std::fmt::Debug for Staged {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Staged")
+            .field("timeout_ms", &self.timeout_ms)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where a staged request goes.
+enum To {
+    /// A connection of its client's pool, taken (or opened) when sent.
+    Pool(Box<(PooledClient, Request<Body>)>),
+    /// The connection dedicated to its client's connection, open. Boxed,
+    /// as is the pool's: a staged request is moved from step to step.
+    Dedicated(Box<Dedicated>),
+}
+
+/// A request staged on its client's dedicated upstream connection.
+struct Dedicated {
+    /// Where the connection goes back to.
+    slot: Arc<h1::IdleConn>,
+    out: h1::Outgoing,
+    conn: h1::Conn,
+    /// Whether the connection was idle (not opened for this request).
+    reused: bool,
+    /// The header lines the head is written with.
+    added: h1::Added,
 }
 
 /// Who a pooled upstream connection may serve: one client, by its address
@@ -1141,6 +1223,38 @@ impl Service<Request<Body>> for Upstream {
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let upstream = self.0.clone();
         Box::pin(async move { Ok(upstream.forward(req).await) })
+    }
+}
+
+impl Upstream {
+    /// Step one of an exchange (see [`Exchange`](super::Exchange)):
+    /// everything before the request's first byte leaves. `Err`: the
+    /// answer, nothing sent.
+    pub fn stage(
+        &self,
+        req: Request<Body>,
+    ) -> impl Future<Output = Result<Staged, Response<Body>>> + Send + 'static {
+        Shared::stage(self.0.clone(), req)
+    }
+}
+
+impl Staged {
+    /// Step two: sends the request; its answer.
+    pub fn send(self) -> impl Future<Output = Response<Body>> + Send + 'static {
+        Shared::send(self)
+    }
+
+    /// Not sent after all: what step one took goes back (an idle
+    /// connection it reused, to its slot).
+    pub fn withdraw(self) {
+        if let To::Dedicated(dedicated) = self.to {
+            let Dedicated {
+                slot, conn, reused, ..
+            } = *dedicated;
+            if reused {
+                *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn);
+            }
+        }
     }
 }
 

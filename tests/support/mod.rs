@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use fencegate::app::{self, App, Parts};
-use fencegate::backend::{Backend, EmbeddedStore};
+use fencegate::backend::{Backend, EmbeddedStore, Unstaged};
 use fencegate::body::Body;
 use fencegate::clock::{Clock, ClockKind};
 use fencegate::config::Config;
@@ -508,7 +508,7 @@ impl Service<Request<Body>> for HoldingBackend {
     }
 }
 
-impl Harness<Fence<HoldingBackend>> {
+impl Harness<Fence<Unstaged<HoldingBackend>>> {
     /// fencegate on the manual clock in front of a [`HoldingBackend`].
     pub fn holding(mut config: Config) -> (Self, HoldingBackend) {
         config.clock = ClockKind::Manual;
