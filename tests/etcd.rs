@@ -569,7 +569,7 @@ async fn the_lease_log_and_its_snapshots_load_back_whole() {
     let chunk = format!("/j/snap/{generation:020}/00000000");
     c.delete(chunk.as_bytes()).await.unwrap();
     let err = journal::load(&c, b"/j/").await.err().unwrap();
-    assert!(err.contains("chunks"), "{err}");
+    assert!(err.to_string().contains("chunks"), "{err}");
 }
 
 /// A journal under `/j/` on a fresh etcd, as the winner of an election.
@@ -624,7 +624,7 @@ async fn a_long_log_loads_back_whole() {
     // for an empty cluster, which would issue its tokens again.
     c.put(b"/old/leases/orders", b"{}", 0).await.unwrap();
     let err = journal::load(&c, b"/old/").await.err().unwrap();
-    assert!(err.contains("older layout"), "{err}");
+    assert!(err.to_string().contains("older layout"), "{err}");
 }
 
 /// More changes than the writer's queue holds, made while it cannot run: a

@@ -31,7 +31,7 @@ use crate::lease::{LeaseStore, Primacy};
 use fencegate_core::cluster::{handover_drained, primacy_deadline, takeover_clean, takeover_rule};
 
 use super::journal::{self, Election, EtcdJournal, Limits};
-use super::{in_session, ClusterOptions, MakeApp, Member, Peer, Takeover};
+use super::{in_session, ClusterOptions, MakeApp, Member, Peer, SessionError, Takeover};
 
 /// An etcd lease as this member last confirmed it.
 #[derive(Clone, Copy, Debug)]
@@ -50,7 +50,7 @@ enum Ended {
     /// The process is stopping.
     Stopping,
     /// Lost: why.
-    Lost(String),
+    Lost(SessionError),
 }
 
 /// How long a primary handing a shard over (or stopping) waits for its
@@ -177,7 +177,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
 
     /// One etcd session: campaign until won or the session is lost, serve
     /// while primary.
-    async fn session(&self) -> Result<(), String> {
+    async fn session(&self) -> Result<(), SessionError> {
         let sent_ms = self.clock.now_ms();
         in_session(&self.client, &self.options, |id, ttl_s| async move {
             let mut session = Session { id, sent_ms, ttl_s };
@@ -202,8 +202,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
                                 key: primary_key.clone(),
                             }],
                         )
-                        .await
-                        .map_err(|e| e.to_string())?;
+                        .await?;
                     let holder = campaign.reads.first().and_then(|kvs| kvs.first());
                     // The key on this member's own etcd lease: an earlier
                     // campaign of this session won, its answer was lost.
@@ -238,9 +237,8 @@ impl<S: Send + Sync + 'static> Elector<S> {
                 {
                     session = self
                         .keep_alive(session)
-                        .await
-                        .map_err(|e| e.to_string())?
-                        .ok_or("this member's etcd lease expired")?;
+                        .await?
+                        .ok_or(SessionError::Expired)?;
                 }
             }
         })
@@ -269,9 +267,9 @@ impl<S: Send + Sync + 'static> Elector<S> {
         session: &mut Session,
         election: &Election,
         primacy: &Primacy,
-    ) -> Result<(), String> {
+    ) -> Result<(), SessionError> {
         match self.keep_alive(*session).await {
-            Ok(None) => return Err("this member's etcd lease expired".to_owned()),
+            Ok(None) => return Err(SessionError::Expired),
             Ok(Some(renewed)) => {
                 // The key must still be this election's: deleted or
                 // replaced by hand, another member may have won.
@@ -280,23 +278,23 @@ impl<S: Send + Sync + 'static> Elector<S> {
                         *session = renewed;
                         primacy.confirm_until(self.deadline(session.sent_ms, session.ttl_s));
                     }
-                    Ok(_) => return Err("the election key is no longer this member's".to_owned()),
+                    Ok(_) => return Err(SessionError::NotElected),
                     Err(_) => {}
                 }
             }
             Err(_) => {}
         }
         if self.options.self_fencing && !primacy.is_live() {
-            return Err("primacy could not be confirmed in time".to_owned());
+            return Err(SessionError::Unconfirmed);
         }
         if let Some(why) = self.member.view().clock_slow.clone() {
-            return Err(why);
+            return Err(SessionError::ClockSlow(why));
         }
         Ok(())
     }
 
     /// Serves as the shard's primary until primacy is lost or handed over.
-    async fn lead(&self, mut session: Session, election: Election) -> Result<(), String> {
+    async fn lead(&self, mut session: Session, election: Election) -> Result<(), SessionError> {
         let until_ms = self.deadline(session.sent_ms, session.ttl_s);
         let primacy = Arc::new(Primacy::new(
             self.clock.clone(),
@@ -309,7 +307,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
         tokio::pin!(load);
         let loaded = loop {
             tokio::select! {
-                loaded = &mut load => break loaded?,
+                loaded = &mut load => break loaded.map_err(SessionError::State)?,
                 () = tokio::time::sleep(self.options.beat()) => {
                     self.confirm(&mut session, &election, &primacy).await?;
                 }
@@ -335,7 +333,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
             primacy: primacy.clone(),
             rule: takeover_rule(clean, self.options.unsettled_ms, forgotten_above),
         })
-        .map_err(|e| e.to_string())?;
+        .map_err(SessionError::Serve)?;
         {
             let mut view = self.member.view_mut();
             let slot = &mut view.shards[self.shard as usize];
@@ -355,7 +353,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
         let ended = loop {
             tokio::select! {
                 () = tokio::time::sleep(self.options.beat()) => {}
-                () = failure.wait() => break Ended::Lost("a write of lease state failed".to_owned()),
+                () = failure.wait() => break Ended::Lost(SessionError::WriteFailed),
                 () = self.member.stopped() => break Ended::Stopping,
             }
             if let Err(why) = self.confirm(&mut session, &election, &primacy).await {
@@ -423,12 +421,16 @@ impl<S: Send + Sync + 'static> Elector<S> {
     /// wrote when it won), so no write of its can still reach the backend
     /// and no takeover window is needed. Then records this election for
     /// the next primary to compare with.
-    async fn record_election(&self, election: &Election) -> Result<bool, String> {
+    async fn record_election(&self, election: &Election) -> Result<bool, SessionError> {
         let read = |key| async move {
             self.client
                 .get(&self.key(key))
                 .await
-                .map_err(|e| format!("cannot read {key} of the shard: {e}"))
+                .map_err(|error| SessionError::Key {
+                    write: false,
+                    key,
+                    error,
+                })
         };
         let elected = read("elected").await?;
         let handed_over = read("handed-over").await?;
@@ -451,7 +453,11 @@ impl<S: Send + Sync + 'static> Elector<S> {
 
     /// Writes this election's revision at `key`, if the election key is
     /// still this election's.
-    async fn put_if_elected(&self, election: &Election, key: &str) -> Result<(), String> {
+    async fn put_if_elected(
+        &self,
+        election: &Election,
+        key: &'static str,
+    ) -> Result<(), SessionError> {
         let done = self
             .client
             .txn(
@@ -467,11 +473,15 @@ impl<S: Send + Sync + 'static> Elector<S> {
                 &[],
             )
             .await
-            .map_err(|e| format!("cannot write {key} of the shard: {e}"))?;
+            .map_err(|error| SessionError::Key {
+                write: true,
+                key,
+                error,
+            })?;
         if done.succeeded {
             Ok(())
         } else {
-            Err("the election key is no longer this member's".to_owned())
+            Err(SessionError::NotElected)
         }
     }
 }

@@ -171,8 +171,101 @@ enum TermField {
     Mark(String),
 }
 
+/// Why the lease state in etcd cannot be read back.
+#[derive(Debug)]
+pub enum StateError {
+    /// etcd could not be reached, or refused a read.
+    Etcd(EtcdError),
+    /// A value is not what this build writes.
+    Unreadable {
+        what: &'static str,
+        why: serde_json::Error,
+    },
+    /// A lease carries a mark this build does not know.
+    UnknownMark { lease: String, mark: String },
+    /// A lease's lease id digest is malformed.
+    MalformedDigest { lease: String },
+    /// The lease state is in the layout before the log, under this key.
+    OlderLayout(String),
+    /// A snapshot lacks one of its chunks.
+    MissingChunk {
+        generation: u64,
+        chunk: u64,
+        chunks: u64,
+    },
+    /// A key in the log that names no entry.
+    UnexpectedKey(Vec<u8>),
+    /// The log's last entry has the largest number there is.
+    LogFull,
+}
+
+impl std::fmt::Display for StateError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Etcd(e) => e.fmt(f),
+            Self::Unreadable { what, why } => write!(f, "{what} in etcd is unreadable: {why}"),
+            Self::UnknownMark { lease, mark } => {
+                write!(f, "lease {lease:?} has an unknown mark {mark:?}")
+            }
+            Self::MalformedDigest { lease } => {
+                write!(f, "lease {lease:?} has a malformed lease id digest")
+            }
+            Self::OlderLayout(under) => write!(
+                f,
+                "etcd holds lease state in the older layout (one key per lease under {under:?}); \
+                 this build reads only its log"
+            ),
+            Self::MissingChunk {
+                generation,
+                chunk,
+                chunks,
+            } => write!(
+                f,
+                "snapshot {generation} in etcd is missing chunk {chunk} of its {chunks} chunks"
+            ),
+            Self::UnexpectedKey(key) => write!(f, "unexpected key {key:?} in the log"),
+            Self::LogFull => f.write_str("the log's last entry has the largest number there is"),
+        }
+    }
+}
+
+impl std::error::Error for StateError {}
+
+impl From<EtcdError> for StateError {
+    fn from(e: EtcdError) -> Self {
+        Self::Etcd(e)
+    }
+}
+
+/// Why a write of the lease state to etcd failed.
+#[derive(Debug)]
+enum WriteError {
+    /// This member stepped down.
+    SteppedDown,
+    /// The write's comparison failed: this member is no longer the
+    /// primary (or a log entry's number was taken).
+    NotPrimary { entry: bool },
+    /// etcd could not be reached, or refused: why.
+    Etcd(String),
+}
+
+impl std::fmt::Display for WriteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::SteppedDown => f.write_str("this member stepped down"),
+            Self::NotPrimary { entry: false } => {
+                f.write_str("this member is no longer the primary")
+            }
+            Self::NotPrimary { entry: true } => f.write_str(
+                "this member is no longer the primary (or its log entry's number was taken)",
+            ),
+            Self::Etcd(why) => f.write_str(why),
+        }
+    }
+}
+
 impl OwnedRecord {
-    fn into_parts(self) -> Result<(String, StoredLease), String> {
+    fn into_parts(self) -> Result<(String, StoredLease), StateError> {
         let OwnedRecord(lease, last_token, transitions, term) = self;
         let mut forgotten = false;
         let term = match term {
@@ -181,9 +274,7 @@ impl OwnedRecord {
                 forgotten = true;
                 None
             }
-            Some(TermField::Mark(mark)) => {
-                return Err(format!("lease {lease:?} has an unknown mark {mark:?}"))
-            }
+            Some(TermField::Mark(mark)) => return Err(StateError::UnknownMark { lease, mark }),
             Some(TermField::Term1(token, holder, ttl_ms, digest, released)) => Some(stored_term(
                 &lease,
                 (token, holder, ttl_ms, digest, released, 0, 0),
@@ -201,14 +292,15 @@ impl OwnedRecord {
 }
 
 /// A term's fields read back.
-fn stored_term(lease: &str, fields: TermFields) -> Result<StoredTerm, String> {
+fn stored_term(lease: &str, fields: TermFields) -> Result<StoredTerm, StateError> {
     let (token, holder, ttl_ms, digest, released, flags, wall_deadline_ms) = fields;
     Ok(StoredTerm {
         token,
         holder,
         ttl_ms,
-        lease_id_sha256: hex::decode32(&digest)
-            .ok_or_else(|| format!("lease {lease:?} has a malformed lease id digest"))?,
+        lease_id_sha256: hex::decode32(&digest).ok_or_else(|| StateError::MalformedDigest {
+            lease: lease.to_owned(),
+        })?,
         released,
         granted_quiet: flags & GRANTED_QUIET != 0,
         released_quiet: flags & RELEASED_QUIET != 0,
@@ -327,15 +419,15 @@ impl Loaded {
 /// log entry over it, in order. Only a primary writes there, and a
 /// deposed one's writes fail their comparison once another member won, so
 /// the reads of a member that just won see one unchanging state.
-pub async fn load(client: &EtcdClient, prefix: &[u8]) -> Result<Loaded, String> {
+pub async fn load(client: &EtcdClient, prefix: &[u8]) -> Result<Loaded, StateError> {
     let keys = Keys {
         prefix: prefix.to_vec(),
     };
     let mut leases = BTreeMap::new();
     let mut forgotten_above = 0;
-    let mut apply = |what: &str, value: &[u8]| -> Result<(), String> {
-        let records: Vec<OwnedRecord> = serde_json::from_slice(value)
-            .map_err(|e| format!("{what} in etcd is unreadable: {e}"))?;
+    let mut apply = |what: &'static str, value: &[u8]| -> Result<(), StateError> {
+        let records: Vec<OwnedRecord> =
+            serde_json::from_slice(value).map_err(|why| StateError::Unreadable { what, why })?;
         for r in records {
             let (lease, state) = r.into_parts()?;
             if state.forgotten {
@@ -351,34 +443,28 @@ pub async fn load(client: &EtcdClient, prefix: &[u8]) -> Result<Loaded, String> 
     // beside it would issue its tokens again.
     let (legacy, _) = client
         .get_range(&keys.key("leases/"), &keys.key("leases0"), 1)
-        .await
-        .map_err(|e| e.to_string())?;
+        .await?;
     if !legacy.is_empty() {
-        return Err(format!(
-            "etcd holds lease state in the older layout (one key per lease under {:?}); \
-             this build reads only its log",
-            String::from_utf8_lossy(&keys.key("leases/"))
+        return Err(StateError::OlderLayout(
+            String::from_utf8_lossy(&keys.key("leases/")).into_owned(),
         ));
     }
     let mut next_seq = 0;
-    if let Some(kv) = client
-        .get(&keys.pointer())
-        .await
-        .map_err(|e| e.to_string())?
-    {
-        let pointer: Pointer = serde_json::from_slice(&kv.value)
-            .map_err(|e| format!("the snapshot pointer in etcd is unreadable: {e}"))?;
+    if let Some(kv) = client.get(&keys.pointer()).await? {
+        let pointer: Pointer =
+            serde_json::from_slice(&kv.value).map_err(|why| StateError::Unreadable {
+                what: "the snapshot pointer",
+                why,
+            })?;
         // One chunk per request: each answer stays small.
         for chunk in 0..pointer.chunks {
             let kv = client
                 .get(&keys.chunk(pointer.generation, chunk))
-                .await
-                .map_err(|e| e.to_string())?
-                .ok_or_else(|| {
-                    format!(
-                        "snapshot {} in etcd is missing chunk {chunk} of its {} chunks",
-                        pointer.generation, pointer.chunks
-                    )
+                .await?
+                .ok_or(StateError::MissingChunk {
+                    generation: pointer.generation,
+                    chunk,
+                    chunks: pointer.chunks,
                 })?;
             apply("a snapshot chunk", &kv.value)?;
         }
@@ -390,19 +476,14 @@ pub async fn load(client: &EtcdClient, prefix: &[u8]) -> Result<Loaded, String> 
     let end = keys.key("log0");
     let mut from = keys.log(next_seq);
     loop {
-        let (entries, more) = client
-            .get_range(&from, &end, LOAD_PAGE)
-            .await
-            .map_err(|e| e.to_string())?;
+        let (entries, more) = client.get_range(&from, &end, LOAD_PAGE).await?;
         for kv in &entries {
             let seq: u64 = std::str::from_utf8(&kv.key[log.len()..])
                 .ok()
                 .and_then(|s| s.parse().ok())
-                .ok_or_else(|| format!("unexpected key {:?} in the log", kv.key))?;
+                .ok_or_else(|| StateError::UnexpectedKey(kv.key.clone()))?;
             apply("a log entry", &kv.value)?;
-            let after = seq
-                .checked_add(1)
-                .ok_or_else(|| "the log's last entry has the largest number there is".to_owned())?;
+            let after = seq.checked_add(1).ok_or(StateError::LogFull)?;
             next_seq = next_seq.max(after);
         }
         match entries.last() {
@@ -731,11 +812,16 @@ impl Writer {
                     self.since_snapshot += records;
                     self.maybe_snapshot();
                 }
-                Err(why) => self.state.fail(why),
+                Err(why) => self.state.fail(&why.to_string()),
             }
             for w in batch.drain(..) {
                 if let Some(ack) = w.ack {
-                    let _ = ack.send(outcome.clone().map_err(JournalError));
+                    let _ = ack.send(
+                        outcome
+                            .as_ref()
+                            .map(|_| ())
+                            .map_err(|why| JournalError(why.to_string())),
+                    );
                 }
             }
         }
@@ -765,9 +851,9 @@ impl Writer {
     }
 
     /// Writes one log entry.
-    async fn append(&mut self, entry: Vec<u8>) -> Result<(), String> {
+    async fn append(&mut self, entry: Vec<u8>) -> Result<(), WriteError> {
         if self.state.is_failed() {
-            return Err("this member stepped down".to_owned());
+            return Err(WriteError::SteppedDown);
         }
         let key = self.keys.log(self.next_seq);
         // An entry is never overwritten: a number already taken fails too.
@@ -791,11 +877,8 @@ impl Writer {
                 self.next_seq += 1;
                 Ok(())
             }
-            Ok(false) => Err(
-                "this member is no longer the primary (or its log entry's number was taken)"
-                    .to_owned(),
-            ),
-            Err(EtcdError::Unavailable(e) | EtcdError::Refused(e)) => Err(e),
+            Ok(false) => Err(WriteError::NotPrimary { entry: true }),
+            Err(EtcdError::Unavailable(e) | EtcdError::Refused(e)) => Err(WriteError::Etcd(e)),
         }
     }
 
@@ -858,13 +941,13 @@ impl Snapshot {
 
     /// Writes every lease in chunks, then moves the pointer and deletes
     /// what the new snapshot replaces; the chunks and leases written.
-    async fn chunks(&self) -> Result<(u64, usize), String> {
+    async fn chunks(&self) -> Result<(u64, usize), WriteError> {
         let mut after: Option<String> = None;
         let mut chunks = 0;
         let mut leases = 0;
         loop {
             if self.state.is_failed() {
-                return Err("this member stepped down".to_owned());
+                return Err(WriteError::SteppedDown);
             }
             // The lock is held for one chunk at a time; leases created
             // meanwhile are in log entries from the generation on.
@@ -921,7 +1004,7 @@ impl Snapshot {
             generation: self.generation,
             chunks,
         })
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| WriteError::Etcd(e.to_string()))?;
         let swap = [
             Op::Put {
                 key: self.keys.pointer(),
@@ -942,7 +1025,7 @@ impl Snapshot {
     }
 
     /// Writes chunk `chunk` of the snapshot being made.
-    async fn put_chunk(&self, chunk: u64, value: Vec<u8>) -> Result<(), String> {
+    async fn put_chunk(&self, chunk: u64, value: Vec<u8>) -> Result<(), WriteError> {
         let put = [Op::Put {
             key: self.keys.chunk(self.generation, chunk),
             value,
@@ -951,14 +1034,15 @@ impl Snapshot {
         self.commit(&put).await
     }
 
-    async fn commit(&self, ops: &[Op]) -> Result<(), String> {
+    async fn commit(&self, ops: &[Op]) -> Result<(), WriteError> {
         match self.client.txn(&self.compare, ops, &[]).await {
             Ok(r) if r.succeeded => Ok(()),
             Ok(_) => {
-                self.state.fail("this member is no longer the primary");
-                Err("this member is no longer the primary".to_owned())
+                let why = WriteError::NotPrimary { entry: false };
+                self.state.fail(&why.to_string());
+                Err(why)
             }
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(WriteError::Etcd(e.to_string())),
         }
     }
 }

@@ -54,7 +54,7 @@ use tower::{Service, ServiceExt};
 use crate::body::{self, Body, BoxError, ResponseFuture};
 use crate::clock::Clock;
 use crate::error::Problem;
-use crate::etcd::EtcdClient;
+use crate::etcd::{EtcdClient, EtcdError};
 use crate::journal::{Journal, LeaseRecord};
 use crate::lease::{LeaseStore, Primacy, RestartRule};
 use crate::metrics::ClusterStats;
@@ -123,6 +123,64 @@ impl ClusterOptions {
     }
 }
 
+/// Why a member's etcd session ended (it is logged, and a new session
+/// starts), or why a step of its work in etcd failed.
+#[derive(Debug)]
+enum SessionError {
+    /// etcd could not be reached, or refused the call.
+    Etcd(EtcdError),
+    /// etcd gave no answer within a beat.
+    NoAnswer(Duration),
+    /// This member's etcd lease expired.
+    Expired,
+    /// The election key is no longer this member's.
+    NotElected,
+    /// Its primacy could not be confirmed in time (self-fencing).
+    Unconfirmed,
+    /// The clock check found this member's clock slow: why.
+    ClockSlow(String),
+    /// A write of the lease state failed.
+    WriteFailed,
+    /// A key of the shard could not be read or written.
+    Key {
+        write: bool,
+        key: &'static str,
+        error: EtcdError,
+    },
+    /// The shard's lease state in etcd cannot be used.
+    State(journal::StateError),
+    /// The app to serve the shard could not be made.
+    Serve(BoxError),
+}
+
+impl std::fmt::Display for SessionError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Etcd(e) => e.fmt(f),
+            Self::NoAnswer(beat) => write!(f, "no answer within {beat:?}"),
+            Self::Expired => f.write_str("this member's etcd lease expired"),
+            Self::NotElected => f.write_str("the election key is no longer this member's"),
+            Self::Unconfirmed => f.write_str("primacy could not be confirmed in time"),
+            Self::ClockSlow(why) => f.write_str(why),
+            Self::WriteFailed => f.write_str("a write of lease state failed"),
+            Self::Key { write, key, error } => {
+                let verb = if *write { "write" } else { "read" };
+                write!(f, "cannot {verb} {key} of the shard: {error}")
+            }
+            Self::State(e) => e.fmt(f),
+            Self::Serve(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for SessionError {}
+
+impl From<EtcdError> for SessionError {
+    fn from(e: EtcdError) -> Self {
+        Self::Etcd(e)
+    }
+}
+
 /// Runs `body` in an etcd session of its own: a fresh etcd lease of the
 /// member's TTL (`body` gets its id and the TTL etcd granted), given back
 /// when `body` ends, whatever its outcome (best effort, within a beat: the
@@ -131,12 +189,12 @@ async fn in_session<T, F>(
     client: &EtcdClient,
     options: &ClusterOptions,
     body: impl FnOnce(i64, i64) -> F,
-) -> Result<T, String>
+) -> Result<T, SessionError>
 where
-    F: std::future::Future<Output = Result<T, String>>,
+    F: std::future::Future<Output = Result<T, SessionError>>,
 {
     let ttl_s = i64::try_from(options.ttl_ms.div_ceil(1000)).unwrap_or(i64::MAX);
-    let (id, ttl_s) = client.grant(ttl_s).await.map_err(|e| e.to_string())?;
+    let (id, ttl_s) = client.grant(ttl_s).await?;
     let result = body(id, ttl_s).await;
     let _ = tokio::time::timeout(options.beat(), client.revoke(id)).await;
     result
@@ -144,12 +202,8 @@ where
 
 /// Renews etcd lease `id` once: the TTL etcd granted, or why the session
 /// is over.
-async fn renew_session(client: &EtcdClient, id: i64) -> Result<i64, String> {
-    client
-        .keep_alive(id)
-        .await
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| "this member's etcd lease expired".to_owned())
+async fn renew_session(client: &EtcdClient, id: i64) -> Result<i64, SessionError> {
+    client.keep_alive(id).await?.ok_or(SessionError::Expired)
 }
 
 /// What a member gets when it wins a shard: the lease state to serve from.
@@ -519,10 +573,9 @@ where
 {
     let shards = options.shards;
     let sharded = match sharding {
-        Some(sharding) if shards > 1 => Some(
-            shards::Sharded::new(&options, sharding, stats.clone())
-                .map_err(ClusterError::Options)?,
-        ),
+        Some(sharding) if shards > 1 => {
+            Some(shards::Sharded::new(&options, sharding, stats.clone())?)
+        }
         None if shards > 1 => {
             return Err(ClusterError::Options(
                 "several shards need a way to route requests".into(),

@@ -10,7 +10,9 @@ use crate::clock::Clock;
 use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
 use fencegate_core::cluster::{ClockProbe, ClockVerdict};
 
-use super::{in_session, renew_session, ClusterError, ClusterOptions, Member, Registration};
+use super::{
+    in_session, renew_session, ClusterError, ClusterOptions, Member, Registration, SessionError,
+};
 
 /// The state of this member's clock check, kept across its sessions.
 #[derive(Debug, Default)]
@@ -116,7 +118,7 @@ impl<S: Send + Sync + 'static> Presence<S> {
 
     /// One etcd session: register, then keep the registration alive, the
     /// clock checked and the member list fresh, a beat at a time.
-    async fn session(&self, check: &mut ClockCheck) -> Result<(), String> {
+    async fn session(&self, check: &mut ClockCheck) -> Result<(), SessionError> {
         in_session(&self.client, &self.options, |id, _| async move {
             let mut registered = None;
             loop {
@@ -138,8 +140,7 @@ impl<S: Send + Sync + 'static> Presence<S> {
                     let value = serde_json::to_vec(&me).unwrap_or_default();
                     self.client
                         .put(&self.key(&format!("members/{}", me.name)), &value, id)
-                        .await
-                        .map_err(|e| e.to_string())?;
+                        .await?;
                     registered = Some(me);
                 }
                 // The member list every poll between keepalives: a member
@@ -278,16 +279,16 @@ impl<S: Send + Sync + 'static> Presence<S> {
     async fn within_beat<T>(
         &self,
         call: impl Future<Output = Result<T, EtcdError>>,
-    ) -> Result<T, String> {
+    ) -> Result<T, SessionError> {
         match tokio::time::timeout(self.options.beat(), call).await {
-            Ok(result) => result.map_err(|e| e.to_string()),
-            Err(_) => Err(format!("no answer within {:?}", self.options.beat())),
+            Ok(result) => Ok(result?),
+            Err(_) => Err(SessionError::NoAnswer(self.options.beat())),
         }
     }
 
     /// Says (once a streak) that the clock could not be checked: a member
     /// that never could would never campaign, silently.
-    fn probe_failed(&self, check: &mut ClockCheck, error: &str) {
+    fn probe_failed(&self, check: &mut ClockCheck, error: &SessionError) {
         if !check.failing {
             tracing::warn!(name = %self.options.name, %error, "cannot check this member's clock against etcd's (lease grant or time-to-live failed); not campaigning until it can");
             check.failing = true;

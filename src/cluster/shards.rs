@@ -36,7 +36,7 @@ use crate::wire::{FENCEGATE_FORWARDED, FENCEGATE_SHARD};
 use fencegate_core::names::LeaseName;
 use fencegate_core::shard::{shard_of, Split};
 
-use super::{ClusterOptions, Member, Peer};
+use super::{ClusterError, ClusterOptions, Member, Peer};
 
 const FORWARDED_NAME: HeaderName = HeaderName::from_static(FENCEGATE_FORWARDED);
 const SHARD_NAME: HeaderName = HeaderName::from_static(FENCEGATE_SHARD);
@@ -93,7 +93,7 @@ impl<S> Sharded<S> {
         options: &ClusterOptions,
         sharding: Sharding<S>,
         stats: Arc<ClusterStats>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, ClusterError> {
         Ok(Self {
             classify: sharding.classify,
             reader: sharding.reader,
@@ -166,7 +166,7 @@ impl ClientFailures {
 }
 
 impl Forwarder {
-    fn new(options: &ClusterOptions, stats: Arc<ClusterStats>) -> Result<Self, String> {
+    fn new(options: &ClusterOptions, stats: Arc<ClusterStats>) -> Result<Self, ClusterError> {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.enforce_http(false);
@@ -174,7 +174,7 @@ impl Forwarder {
             options.forward_timeout_ms.min(5_000),
         )));
         let tls = crate::tls::client_config(None, "forwarding to cluster members")
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| ClusterError::Options(e.to_string()))?;
         let mut tls = tokio_rustls::rustls::ClientConfig::clone(&tls);
         tls.alpn_protocols.clear();
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
@@ -186,8 +186,9 @@ impl Forwarder {
             client: Client::builder(crate::rt::ClientExecutor::here())
                 .http1_max_buf_size(options.forward_read_buffer_bytes)
                 .build(connector),
-            me: HeaderValue::from_str(&options.name)
-                .map_err(|_| "cluster.name cannot be sent in a header".to_owned())?,
+            me: HeaderValue::from_str(&options.name).map_err(|_| {
+                ClusterError::Options("cluster.name cannot be sent in a header".into())
+            })?,
             timeout: Duration::from_millis(options.forward_timeout_ms),
             stats,
             client_failures: ClientFailures::default(),

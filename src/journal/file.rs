@@ -662,7 +662,7 @@ fn open_existing(
     }
     match recovery::intact(start, &meta, &replayed, options.floor_block) {
         Ok(header) => open_intact(dir, path, replayed, header, meta, options),
-        Err(why) => open_after_loss(dir, path, replayed, start, meta, why, 0),
+        Err(loss) => open_after_loss(dir, path, replayed, start, meta, loss.to_string(), 0),
     }
 }
 

@@ -58,6 +58,28 @@ impl State {
     }
 }
 
+/// A violation of the guarantee: the storage applied a write of an earlier
+/// term after one of a later term, though the write's precondition named
+/// no state the key held before that.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StaleApplied {
+    pub key: String,
+    pub token: u64,
+    pub later_token: u64,
+    pub precondition: Option<State>,
+}
+
+impl std::fmt::Display for StaleApplied {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the storage applied a write of term {} to key {} after one of term {}, though its \
+             precondition ({:?}) named no state the key held before that",
+            self.token, self.key, self.later_token, self.precondition
+        )
+    }
+}
+
 /// A write as the storage applies it.
 #[derive(Clone, Copy, Debug)]
 pub struct KeyWrite {
@@ -163,8 +185,13 @@ impl Keys {
     }
 
     /// Applies `write` to `name` at `now` if its precondition holds; checks
-    /// the guarantee (see the module docs): `Err` describes a violation.
-    pub fn apply(&mut self, name: &str, now: u64, write: KeyWrite) -> Result<Outcome, String> {
+    /// the guarantee (see the module docs): `Err` is a violation.
+    pub fn apply(
+        &mut self,
+        name: &str,
+        now: u64,
+        write: KeyWrite,
+    ) -> Result<Outcome, StaleApplied> {
         let kind = self.kind;
         let current = self.state(name);
         // The first write of a later term the key took.
@@ -185,12 +212,12 @@ impl Keys {
                 .precondition
                 .is_some_and(|p| self.keys[name].held_before(p, i));
             if !returned {
-                return Err(format!(
-                    "the storage applied a write of term {} to key {name} after one of term \
-                     {later_token}, though its precondition ({:?}) named no state the key held \
-                     before that",
-                    write.token, write.precondition
-                ));
+                return Err(StaleApplied {
+                    key: name.to_owned(),
+                    token: write.token,
+                    later_token,
+                    precondition: write.precondition,
+                });
             }
             self.returns += 1;
         }

@@ -765,7 +765,7 @@ struct World {
     /// A start found acknowledged records lost (and why), and died before
     /// it served: the log it rewrote keeps the loss's effects, which the
     /// next start's check must allow.
-    loss_unchecked: Option<String>,
+    loss_unchecked: Option<recovery::Loss>,
     stats: Stats,
     violation: Option<Violation>,
     /// The processes (one standalone): the proxy of the member whose event
@@ -1707,7 +1707,7 @@ impl World {
             match self.keys.apply(&cond.key, self.now, cond.write) {
                 Ok(outcome) => cond.outcome = Some(outcome),
                 Err(violation) => {
-                    self.fail(violation);
+                    self.fail(violation.to_string());
                     return;
                 }
             }
@@ -2592,7 +2592,7 @@ impl World {
             return;
         };
         if inc > 1 {
-            self.check_start(&leases, &proxy, now_ms, wall_ms, lost.as_deref());
+            self.check_start(&leases, &proxy, now_ms, wall_ms, lost.as_ref());
         }
         if lost.is_some() {
             self.stats.starts_after_loss += 1;
@@ -2612,7 +2612,7 @@ impl World {
         proxy: &Proxy,
         now_ms: u64,
         wall_ms: u64,
-        lost: Option<&str>,
+        lost: Option<&recovery::Loss>,
     ) {
         let tol = self.cfg.tolerance_ms;
         if self.cfg.trace {

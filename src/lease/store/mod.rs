@@ -376,7 +376,7 @@ impl LeaseStore {
                 wall_ms,
                 limits.wall_clock_tolerance_ms,
             )
-            .map_err(JournalError)?;
+            .map_err(|e| JournalError(e.to_string()))?;
             if ended {
                 // Recorded as ended (not quiet: its writes may be unfinished),
                 // so a later start whose wall clock went back keeps it ended.

@@ -261,6 +261,49 @@ pub fn read_log(bytes: &[u8]) -> Result<(Start, Replayed), Refusal> {
     Ok((start, replayed))
 }
 
+/// Why acknowledged records may be missing from a log ([`intact`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Loss {
+    /// The meta file was last written with another log.
+    OtherLog { identity: u64, named: u64 },
+    /// The log's tokens end far below the meta file's floor.
+    BelowFloor { max_token: u64, reserved: u64 },
+    /// The header is damaged or cut off.
+    HeaderDamaged,
+    /// The valid records end before what was synced.
+    Torn { good_len: u64, durable_len: u64 },
+}
+
+impl std::fmt::Display for Loss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::OtherLog { identity, named } => write!(
+                f,
+                "it is not the log {META_FILE} was last written with (its identity is {identity:016x}, \
+                 {META_FILE} names {named:016x}): it is an older copy, or another store's"
+            ),
+            Self::BelowFloor {
+                max_token,
+                reserved,
+            } => write!(
+                f,
+                "its highest token is {max_token}, far below the floor of {reserved} in {META_FILE}: \
+                 it is an older copy"
+            ),
+            Self::HeaderDamaged => f.write_str("its header is damaged or cut off"),
+            Self::Torn {
+                good_len,
+                durable_len,
+            } => write!(
+                f,
+                "the valid records end at byte {good_len}, but {durable_len} bytes were synced"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for Loss {}
+
 /// Whether the log holds every acknowledged record: then its header (`None`
 /// for a version 1 log, which has none); else why records may be missing.
 /// `floor_block` is how far ahead of the highest token the meta file's
@@ -270,37 +313,35 @@ pub fn intact(
     meta: &MetaFile,
     replayed: &Replayed,
     floor_block: u64,
-) -> Result<Option<Header>, String> {
+) -> Result<Option<Header>, Loss> {
     // Whatever the log's version: a log other than the one the meta file
     // was last written with is an older copy put back (or another store's);
     // and the floor is raised only a block ahead of the highest token, so a
     // log whose tokens end far below it is an older copy too.
     if let MetaFile::Found(m) = meta {
         if !m.names(replayed.identity) {
-            return Err(format!(
-                "it is not the log {META_FILE} was last written with (its identity is {:016x}, \
-                 {META_FILE} names {:016x}): it is an older copy, or another store's",
-                replayed.identity, m.identity
-            ));
+            return Err(Loss::OtherLog {
+                identity: replayed.identity,
+                named: m.identity,
+            });
         }
         if m.reserved > replayed.max_token.saturating_add(2 * floor_block) {
-            return Err(format!(
-                "its highest token is {}, far below the floor of {} in {META_FILE}: \
-                 it is an older copy",
-                replayed.max_token, m.reserved
-            ));
+            return Err(Loss::BelowFloor {
+                max_token: replayed.max_token,
+                reserved: m.reserved,
+            });
         }
     }
     let header = match start {
         Start::V1 => return Ok(None),
-        Start::V2Damaged => return Err("its header is damaged or cut off".to_owned()),
+        Start::V2Damaged => return Err(Loss::HeaderDamaged),
         Start::V2(header) => header,
     };
     if replayed.good_len < header.durable_len && !planted(Mutant::TornTailTrusted) {
-        return Err(format!(
-            "the valid records end at byte {}, but {} bytes were synced",
-            replayed.good_len, header.durable_len
-        ));
+        return Err(Loss::Torn {
+            good_len: replayed.good_len,
+            durable_len: header.durable_len,
+        });
     }
     Ok(Some(header))
 }

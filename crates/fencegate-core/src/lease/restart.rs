@@ -14,7 +14,7 @@ use crate::journal::record::LeaseRecord;
 use crate::lease::id::LeaseId;
 use crate::lease::machine::{LeaseState, Term};
 use crate::mutant::{planted, Mutant};
-use crate::names::LeaseName;
+use crate::names::{InvalidName, LeaseName};
 
 /// [`Restored::unsettled_from`] of a lease no write forwarded before the
 /// restart can be unfinished for.
@@ -95,6 +95,34 @@ pub struct Restored {
     pub ended_by_hint: bool,
 }
 
+/// Why a recovered lease cannot be restored: the journal holds what no
+/// grant wrote.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RestoreError {
+    /// Its name is not a lease name.
+    InvalidName { lease: String, why: InvalidName },
+    /// Its term's lease id is not one fencegate makes.
+    MalformedLeaseId { lease: String },
+}
+
+impl std::fmt::Display for RestoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::InvalidName { lease, why } => {
+                write!(
+                    f,
+                    "the journal holds an invalid lease name {lease:?}: {why}"
+                )
+            }
+            Self::MalformedLeaseId { lease } => {
+                write!(f, "the journal holds a malformed lease id for {lease:?}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for RestoreError {}
+
 /// What a start at `now_ms` (the proxy's clock) and `wall_ms` (the wall
 /// clock) makes of one recovered lease: tokens continue above the floor,
 /// an unreleased term is held for a full TTL or what its hint allows, and
@@ -106,12 +134,10 @@ pub fn restore(
     now_ms: u64,
     wall_ms: u64,
     tolerance_ms: u64,
-) -> Result<Restored, String> {
-    let name = LeaseName::new(lease.lease.as_str()).map_err(|e| {
-        format!(
-            "the journal holds an invalid lease name {:?}: {e}",
-            lease.lease
-        )
+) -> Result<Restored, RestoreError> {
+    let name = LeaseName::new(lease.lease.as_str()).map_err(|why| RestoreError::InvalidName {
+        lease: lease.lease.clone(),
+        why,
     })?;
     // Which writes forwarded before the restart may be unfinished: none
     // after a quiet release, only the term's own after a quiet grant, else
@@ -138,11 +164,8 @@ pub fn restore(
             lease_id: if rule.hashed_ids {
                 LeaseId::from_sha256(t.lease_id)
             } else {
-                LeaseId::from_text(t.lease_id).ok_or_else(|| {
-                    format!(
-                        "the journal holds a malformed lease id for {:?}",
-                        lease.lease
-                    )
+                LeaseId::from_text(t.lease_id).ok_or_else(|| RestoreError::MalformedLeaseId {
+                    lease: lease.lease.clone(),
                 })?
             },
             ttl_ms: t.ttl_ms,
