@@ -599,7 +599,8 @@ where
 
 /// An admitted write's exchange with the backend, as the fence drives it:
 /// step one (nothing sent), the fence's check, then step two; the write's
-/// guard goes with the answer (see [`attach_guard`]).
+/// guard goes with the answer (see [`attach_guard`]), or is finished at
+/// once if nothing was sent.
 async fn exchange<S: Exchange>(
     mut inner: S,
     policy: Arc<FencePolicy>,
@@ -616,8 +617,13 @@ async fn exchange<S: Exchange>(
             }
             inner.send(staged).await?
         }
-        // Nothing was sent.
-        Err(res) => res,
+        Err(res) => {
+            // Nothing was sent (however the step failed: a refused or
+            // timed-out connect, the client's body): the write holds
+            // nothing back, and taught nothing about the key.
+            guard.finish();
+            return Ok(res);
+        }
     };
     if let Some(observed) = &observed {
         observed.learn(&res);

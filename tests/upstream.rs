@@ -685,6 +685,32 @@ async fn a_term_that_ends_while_the_upstream_connects_sends_nothing() {
     proxy.stop().await;
 }
 
+/// A write whose connection to the storage is refused was never sent: it
+/// holds back no later term, as nothing of it can reach the storage late.
+/// Seen failing before the fence took it from the exchange's first step
+/// (the write was counted as settling for `settle_ms`).
+#[tokio::test]
+async fn a_write_whose_connection_is_refused_holds_nothing_back() {
+    // A port nothing listens on: the connection is refused.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = closed.local_addr().unwrap();
+    drop(closed);
+    let h = proxy_to(&format!("http://{addr}"), 10_000);
+    let proxy = spawn(h.app.clone()).await;
+    let c = HttpClient::new(&proxy.url());
+    let a = h.acquire("orders", "A", 1000).await;
+    let r = c
+        .send(Req::new("PUT", "/kv/orders/1").held(&a).body("x"))
+        .await;
+    assert_eq!(r.status.as_u16(), 502, "{}", r.text());
+    assert_eq!(
+        (h.leases.inflight_count(), h.leases.settling_left_ms()),
+        (0, 0),
+        "the refused write is still counted"
+    );
+    proxy.stop().await;
+}
+
 /// A storage that answers each request with the `x-id` it carried, and,
 /// after a request with `x-extra: 1`, sends one more answer nobody asked
 /// for 300 ms later (a buggy storage: response queue poisoning).

@@ -61,7 +61,8 @@ pub trait Exchange: Service<Request<Body>, Response = Response<Body>, Error = In
     type Staged: Send + 'static;
 
     /// Step one: everything before the first byte leaves; nothing is sent.
-    /// `Err`: the answer (nothing was sent).
+    /// `Err`: the answer, and nothing was sent, whatever failed: the fence
+    /// then holds no later term back for this write.
     fn stage(
         &mut self,
         req: Request<Body>,
