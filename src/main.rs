@@ -82,21 +82,21 @@ fn main() -> ExitCode {
             Ok((config, options)) => block_on(serve::runtime(&config.runtime), async move {
                 stopped(serve::run(config, options, shutdown_signal()).await)
             }),
-            Err(e) => failed(&e.to_string()),
+            Err(e) => failed(&e),
         },
         Command::Backend(args) => block_on(serve::runtime(&CLIENT_RUNTIME), async move {
             stopped(serve::backend(&args.listen, args.record, shutdown_signal()).await)
         }),
         Command::Lease(args) => block_on(serve::runtime(&CLIENT_RUNTIME), async {
-            Ok(cli::lease::run(args).await)
+            Ok::<_, std::convert::Infallible>(cli::lease::run(args).await)
         }),
         Command::Run(args) => block_on(serve::runtime(&CLIENT_RUNTIME), async {
-            Ok(cli::run::run(args).await)
+            Ok::<_, std::convert::Infallible>(cli::run::run(args).await)
         }),
         Command::Loadtest(args) => block_on(serve::runtime(&CLIENT_RUNTIME), async {
             let (report, status) = cli::loadtest::run(*args).await?;
             print!("{}", cli::loadtest::summary(&report));
-            Ok(status)
+            Ok::<_, cli::loadtest::LoadtestError>(status)
         }),
     }
 }
@@ -110,9 +110,9 @@ const CLIENT_RUNTIME: RuntimeConfig = RuntimeConfig {
 
 /// Runs `job` on `runtime`: its `Ok` is the exit status, its `Err` exit
 /// status 2; a runtime that cannot start, 1.
-fn block_on(
+fn block_on<E: std::fmt::Display>(
     runtime: std::io::Result<tokio::runtime::Runtime>,
-    job: impl Future<Output = Result<u8, String>>,
+    job: impl Future<Output = Result<u8, E>>,
 ) -> ExitCode {
     match runtime {
         Ok(runtime) => runtime
@@ -125,12 +125,12 @@ fn block_on(
     }
 }
 
-fn failed(e: &str) -> ExitCode {
+fn failed(e: &dyn std::fmt::Display) -> ExitCode {
     eprintln!("fencegate: {e}");
     ExitCode::from(2)
 }
 
 /// A server's end as an exit status: 0 once it stopped when told.
-fn stopped(served: Result<(), serve::StartError>) -> Result<u8, String> {
-    served.map(|()| 0).map_err(|e| e.to_string())
+fn stopped(served: Result<(), serve::StartError>) -> Result<u8, serve::StartError> {
+    served.map(|()| 0)
 }

@@ -42,11 +42,36 @@ pub struct ServerArgs {
     pub token_file: Option<PathBuf>,
 }
 
+/// Why the bearer secret cannot be had.
+#[derive(Debug)]
+pub enum SecretError {
+    /// `--token-file` cannot be read.
+    Read {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    /// The secret is empty.
+    Empty,
+}
+
+impl std::fmt::Display for SecretError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Read { path, error } => write!(f, "--token-file {}: {error}", path.display()),
+            Self::Empty => f.write_str("the bearer secret is empty"),
+        }
+    }
+}
+
+impl std::error::Error for SecretError {}
+
 /// The bearer secret to send: `--token-file`, else `FENCEGATE_TOKEN`.
-pub fn bearer_secret(token_file: Option<&PathBuf>) -> Result<Option<String>, String> {
+pub fn bearer_secret(token_file: Option<&PathBuf>) -> Result<Option<String>, SecretError> {
     let secret = match token_file {
-        Some(path) => std::fs::read_to_string(path)
-            .map_err(|e| format!("--token-file {}: {e}", path.display()))?,
+        Some(path) => std::fs::read_to_string(path).map_err(|error| SecretError::Read {
+            path: path.clone(),
+            error,
+        })?,
         None => match std::env::var("FENCEGATE_TOKEN") {
             Ok(secret) => secret,
             Err(_) => return Ok(None),
@@ -54,28 +79,48 @@ pub fn bearer_secret(token_file: Option<&PathBuf>) -> Result<Option<String>, Str
     };
     let secret = secret.trim();
     if secret.is_empty() {
-        return Err("the bearer secret is empty".into());
+        return Err(SecretError::Empty);
     }
     Ok(Some(secret.to_owned()))
 }
 
+/// A URL that names no server: it starts with neither `http://` nor
+/// `https://`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NotAServer {
+    /// What the URL is (a flag's name).
+    pub what: String,
+    pub url: String,
+}
+
+impl std::fmt::Display for NotAServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {:?} must start with http:// or https://",
+            self.what, self.url
+        )
+    }
+}
+
+impl std::error::Error for NotAServer {}
+
 /// Checks that `url` names a server: `http://` or `https://`.
-pub fn check_url(what: &str, url: &str) -> Result<(), String> {
+pub fn check_url(what: &str, url: &str) -> Result<(), NotAServer> {
     if url.starts_with("http://") || url.starts_with("https://") {
         Ok(())
     } else {
-        Err(format!(
-            "{what} {url:?} must start with http:// or https://"
-        ))
+        Err(NotAServer {
+            what: what.to_owned(),
+            url: url.to_owned(),
+        })
     }
 }
 
 /// clap's parser of a lease name: the server's rule, said before any
 /// request is sent.
-pub fn parse_lease_name(s: &str) -> Result<String, String> {
-    crate::names::LeaseName::new(s)
-        .map(|name| name.as_str().to_owned())
-        .map_err(|e| e.to_string())
+pub fn parse_lease_name(s: &str) -> Result<String, crate::names::InvalidName> {
+    crate::names::LeaseName::new(s).map(|name| name.as_str().to_owned())
 }
 
 /// An empty `--holder` is the authenticated caller; without a bearer secret
@@ -101,14 +146,14 @@ pub fn client(args: &ServerArgs) -> Result<LeaseClient, u8> {
         EXIT_USAGE
     };
     for server in args.server.split(',') {
-        check_url("--server", server.trim()).map_err(usage)?;
+        check_url("--server", server.trim()).map_err(|e| usage(e.to_string()))?;
     }
     let client = match &args.cacert {
         None => LeaseClient::new(&args.server),
         Some(path) => LeaseClient::with_ca_file(&args.server, path)
             .map_err(|e| usage(format!("--cacert {e}")))?,
     };
-    match bearer_secret(args.token_file.as_ref()).map_err(usage)? {
+    match bearer_secret(args.token_file.as_ref()).map_err(|e| usage(e.to_string()))? {
         Some(secret) => client
             .with_bearer(&secret)
             .map_err(|e| usage(e.to_string())),

@@ -9,6 +9,8 @@
 //! a form encoding, a JSON string or an XML text, and is found again in
 //! whatever the storage answers a read with.
 
+use super::LoadtestError;
+
 /// What starts every value the load test writes.
 const VALUE_PREFIX: &str = "fencegate-loadtest.";
 
@@ -58,8 +60,8 @@ pub struct PathTemplate(String);
 impl PathTemplate {
     /// Checks `template`: it starts with `/`, names `{lease}` and `{key}` once
     /// each, in the path, and no other `{…}`.
-    pub fn parse(template: &str) -> Result<Self, String> {
-        let fail = |why: &str| Err(format!("--path {template:?}: {why}"));
+    pub fn parse(template: &str) -> Result<Self, LoadtestError> {
+        let fail = |why: &str| Err(LoadtestError::Usage(format!("--path {template:?}: {why}")));
         if !template.starts_with('/') {
             return fail("must start with /");
         }
@@ -94,9 +96,11 @@ impl PathTemplate {
 pub struct BodyTemplate(String);
 
 impl BodyTemplate {
-    pub fn parse(template: &str) -> Result<Self, String> {
+    pub fn parse(template: &str) -> Result<Self, LoadtestError> {
         if template.matches("{value}").count() != 1 {
-            return Err(format!("--body {template:?}: must name {{value}} once"));
+            return Err(LoadtestError::Usage(format!(
+                "--body {template:?}: must name {{value}} once"
+            )));
         }
         Ok(Self(template.to_owned()))
     }

@@ -202,18 +202,44 @@ impl Verify {
 const READ_BACK: &str = "read-back";
 const HISTORY: &str = "history";
 
+/// A duration that cannot be read: what was given, and what is wrong.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BadDuration {
+    Empty,
+    NoUnit(String),
+    NotANumber(String),
+    UnknownUnit { text: String, unit: String },
+    OutOfRange(String),
+}
+
+impl std::fmt::Display for BadDuration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Empty => f.write_str("an empty duration: write e.g. 300ms, 2s, 1m30s"),
+            Self::NoUnit(text) => write!(f, "{text:?}: add a unit (ms, s, m, h)"),
+            Self::NotANumber(text) => write!(f, "{text:?} is not a duration"),
+            Self::UnknownUnit { text, unit } => {
+                write!(f, "{text:?}: unknown unit {unit:?} (ms, s, m, h)")
+            }
+            Self::OutOfRange(text) => write!(f, "{text:?} is out of range"),
+        }
+    }
+}
+
+impl std::error::Error for BadDuration {}
+
 /// Parses `300ms`, `2s`, `1.5s`, `1m`, `1m30s`, `2h` into milliseconds.
-pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
+pub fn parse_duration_ms(text: &str) -> Result<u64, BadDuration> {
     let mut rest = text.trim();
     if rest.is_empty() {
-        return Err("an empty duration: write e.g. 300ms, 2s, 1m30s".into());
+        return Err(BadDuration::Empty);
     }
     let mut total = 0.0f64;
     // A sum of parts like `1m`, `30s`, `1.5s`.
     while !rest.is_empty() {
         let digits = rest
             .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .ok_or_else(|| format!("{text:?}: add a unit (ms, s, m, h)"))?;
+            .ok_or_else(|| BadDuration::NoUnit(text.to_owned()))?;
         let (num, tail) = rest.split_at(digits);
         let letters = tail
             .find(|c: char| !c.is_ascii_alphabetic())
@@ -221,19 +247,24 @@ pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
         let (unit, tail) = tail.split_at(letters);
         let n: f64 = num
             .parse()
-            .map_err(|_| format!("{text:?} is not a duration"))?;
+            .map_err(|_| BadDuration::NotANumber(text.to_owned()))?;
         let factor = match unit {
             "ms" => 1.0,
             "s" => 1000.0,
             "m" => 60_000.0,
             "h" => 3_600_000.0,
-            _ => return Err(format!("{text:?}: unknown unit {unit:?} (ms, s, m, h)")),
+            _ => {
+                return Err(BadDuration::UnknownUnit {
+                    text: text.to_owned(),
+                    unit: unit.to_owned(),
+                })
+            }
         };
         total += n * factor;
         rest = tail;
     }
     if !total.is_finite() || total > u64::MAX as f64 {
-        return Err(format!("{text:?} is out of range"));
+        return Err(BadDuration::OutOfRange(text.to_owned()));
     }
     Ok(total.round() as u64)
 }
@@ -1023,8 +1054,47 @@ async fn progress(shared: Arc<Shared>, total: Option<u64>) {
     }
 }
 
+/// Why a load test could not run, or broke off; its message is said to the
+/// user as it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LoadtestError {
+    /// The arguments (or the environment they name) cannot work.
+    Usage(String),
+    /// The run could not start, or broke off.
+    Failed(String),
+}
+
+impl std::fmt::Display for LoadtestError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Usage(why) | Self::Failed(why) => f.write_str(why),
+        }
+    }
+}
+
+impl std::error::Error for LoadtestError {}
+
+/// The steps of a run say what failed in words; any of them ends it.
+impl From<String> for LoadtestError {
+    fn from(why: String) -> Self {
+        Self::Failed(why)
+    }
+}
+
+impl From<super::NotAServer> for LoadtestError {
+    fn from(e: super::NotAServer) -> Self {
+        Self::Usage(e.to_string())
+    }
+}
+
+impl From<super::SecretError> for LoadtestError {
+    fn from(e: super::SecretError) -> Self {
+        Self::Usage(e.to_string())
+    }
+}
+
 /// Runs the load test; returns the report and the process exit status.
-pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), String> {
+pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), LoadtestError> {
     let verify = check_args(&mut args)?;
     let total = match (args.writes, args.duration) {
         (Some(n), _) => Some(n),
@@ -1162,37 +1232,36 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Refuses arguments no run can use; trims the URLs' trailing slashes.
 /// Returns the checkers to run.
-fn check_args(args: &mut LoadtestArgs) -> Result<Vec<&'static str>, String> {
+fn check_args(args: &mut LoadtestArgs) -> Result<Vec<&'static str>, LoadtestError> {
+    let usage = |why: &str| LoadtestError::Usage(why.to_owned());
     if args.leases == 0 || args.writers == 0 || args.ttl == 0 || args.read_concurrency == 0 {
-        return Err(
-            "--leases, --writers, --ttl and --read-concurrency must be greater than 0".into(),
-        );
+        return Err(usage(
+            "--leases, --writers, --ttl and --read-concurrency must be greater than 0",
+        ));
     }
     PathTemplate::parse(&args.path)?;
     BodyTemplate::parse(&args.body)?;
     let verify = match (args.verify, &args.history) {
         (Some(Verify::ReadBack), Some(_)) => {
-            return Err(
+            return Err(usage(
                 "--history names an apply log, which --verify read-back does not read \
-                 (--verify both runs both checkers)"
-                    .into(),
-            )
+                 (--verify both runs both checkers)",
+            ))
         }
         (Some(verify), _) => verify,
         (None, Some(_)) => Verify::History,
         (None, None) => Verify::ReadBack,
     };
     if !(0.0..=1.0).contains(&args.pause_prob) {
-        return Err("--pause-prob must be between 0 and 1".into());
+        return Err(usage("--pause-prob must be between 0 and 1"));
     }
     if let Some(fraction) = args.late_writes {
         if !(0.0..=1.0).contains(&fraction) {
-            return Err("--late-writes must be between 0 and 1".into());
+            return Err(usage("--late-writes must be between 0 and 1"));
         }
-        let to = args
-            .relay_to
-            .as_mut()
-            .ok_or("--late-writes needs --relay-to, the storage the relay forwards to")?;
+        let to = args.relay_to.as_mut().ok_or_else(|| {
+            usage("--late-writes needs --relay-to, the storage the relay forwards to")
+        })?;
         super::check_url("--relay-to", to)?;
         *to = to.trim_end_matches('/').to_owned();
     }
@@ -1221,7 +1290,7 @@ fn check_args(args: &mut LoadtestArgs) -> Result<Vec<&'static str>, String> {
 
 /// What the writers share: the HTTP client, the credentials, the run's id
 /// and counters.
-fn prepare(args: &LoadtestArgs, total: Option<u64>) -> Result<Arc<Shared>, String> {
+fn prepare(args: &LoadtestArgs, total: Option<u64>) -> Result<Arc<Shared>, LoadtestError> {
     let run_id = {
         let mut b = [0u8; 4];
         let _ = getrandom::fill(&mut b);
@@ -1238,11 +1307,16 @@ fn prepare(args: &LoadtestArgs, total: Option<u64>) -> Result<Arc<Shared>, Strin
     .map(String::as_str)
     .collect::<Vec<_>>()
     .join(",");
-    let client = http_client(&urls, args.cacert.as_deref()).map_err(|e| e.to_string())?;
+    let client = http_client(&urls, args.cacert.as_deref())
+        .map_err(|e| LoadtestError::Usage(e.to_string()))?;
     let bearer = match super::bearer_secret(args.token_file.as_ref())? {
         Some(secret) => {
-            let mut value = http::HeaderValue::from_str(&format!("Bearer {secret}"))
-                .map_err(|_| "the bearer secret has characters a header cannot carry")?;
+            let mut value =
+                http::HeaderValue::from_str(&format!("Bearer {secret}")).map_err(|_| {
+                    LoadtestError::Usage(
+                        "the bearer secret has characters a header cannot carry".into(),
+                    )
+                })?;
             value.set_sensitive(true);
             Some(value)
         }
@@ -1250,11 +1324,11 @@ fn prepare(args: &LoadtestArgs, total: Option<u64>) -> Result<Arc<Shared>, Strin
     };
     let s3 = match &args.s3_region {
         Some(_) if bearer.is_some() => {
-            return Err(
+            return Err(LoadtestError::Usage(
                 "--s3-region: S3's signature takes the Authorization header, so a \
                         bearer secret for fencegate cannot go with it"
                     .into(),
-            )
+            ))
         }
         Some(region) => Some(sigv4::S3Signer::from_env(region)?),
         None => None,
@@ -1351,6 +1425,7 @@ async fn start_relay(args: &LoadtestArgs, seed: u64) -> Result<Option<relay::Rel
     relay::Relay::start(listen, to, client, hold)
         .await
         .map(Some)
+        .map_err(|e| format!("the relay cannot listen on {listen}: {e}"))
 }
 
 /// The verdict of a run with `--late-writes`, where its findings decide it:

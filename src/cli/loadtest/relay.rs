@@ -124,17 +124,16 @@ impl Drop for Relay {
 
 impl Relay {
     /// Listens on `listen` and relays to `upstream` (a base URL) with
-    /// `client`; `hold` says which requests arrive late.
+    /// `client`; `hold` says which requests arrive late. `Err`: it cannot
+    /// listen there.
     pub async fn start(
         listen: SocketAddr,
         upstream: &str,
         client: HttpsClient,
         hold: HoldFn,
-    ) -> Result<Self, String> {
-        let listener = TcpListener::bind(listen)
-            .await
-            .map_err(|e| format!("the relay cannot listen on {listen}: {e}"))?;
-        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    ) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(listen).await?;
+        let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
             upstream: upstream.trim_end_matches('/').to_owned(),
             client,

@@ -47,12 +47,16 @@ impl S3Signer {
     }
 
     /// The signer for `region`, with the credentials from the environment.
-    pub fn from_env(region: &str) -> Result<Self, String> {
+    pub fn from_env(region: &str) -> Result<Self, super::LoadtestError> {
         let var = |name: &str| {
             std::env::var(name)
                 .ok()
                 .filter(|v| !v.trim().is_empty())
-                .ok_or_else(|| format!("--s3-region needs {name} in the environment"))
+                .ok_or_else(|| {
+                    super::LoadtestError::Usage(format!(
+                        "--s3-region needs {name} in the environment"
+                    ))
+                })
         };
         Ok(Self {
             key_id: var("AWS_ACCESS_KEY_ID")?,
