@@ -17,7 +17,7 @@ use crate::auth::AuthError;
 pub use crate::auth::{AuthConfig, AuthToken};
 use crate::backend::UpstreamOptions;
 use crate::clock::ClockKind;
-use crate::lease::{AdmitOptions, LeaseLimits, RestartRule};
+use crate::lease::{restart, AdmitOptions, LeaseLimits, RestartRule};
 use crate::route::{PathRules, Preconditions, Route, RouteError, Routes};
 use crate::server::ServerOptions;
 
@@ -731,7 +731,7 @@ impl Config {
     pub fn restart_rule(&self) -> RestartRule {
         let longest_timeout_ms = self.upstream_timeouts_ms().max().unwrap_or_default();
         RestartRule {
-            unsettled_ms: longest_timeout_ms.saturating_add(self.fence.settle_ms),
+            unsettled_ms: restart::unsettled_ms(longest_timeout_ms, self.fence.settle_ms),
             ..RestartRule::default()
         }
     }

@@ -28,7 +28,9 @@ use std::time::Duration;
 use crate::clock::Clock;
 use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
 use crate::lease::{LeaseStore, Primacy};
-use fencegate_core::cluster::{handover_drained, primacy_deadline, takeover_clean, takeover_rule};
+use fencegate_core::cluster::{
+    handover_drained, may_campaign, primacy_deadline, takeover_clean, takeover_rule, CampaignView,
+};
 
 use super::journal::{self, Election, EtcdJournal, Limits};
 use super::{in_session, ClusterOptions, MakeApp, Member, Peer, SessionError, Takeover};
@@ -114,39 +116,28 @@ impl<S: Send + Sync + 'static> Elector<S> {
         self.member.task_left();
     }
 
-    /// Whether this member campaigns for the shard now: its clock trusted,
-    /// the number of shards agreed with etcd, and (with several shards) the
-    /// shard assigned to it; or, while the shard has no primary, the shard
-    /// assigned to it among the others once the member the shard is
-    /// assigned to lost it (it was the last seen leading it: dead, or
-    /// stepped down), so a dead member's shards move as soon as its keys
-    /// are gone rather than once its registration is; or without a primary
-    /// for a TTL while this member leads fewer than its share.
+    /// Whether this member campaigns for the shard now (the core's
+    /// [`may_campaign`], on this member's view).
     fn may_campaign(&self) -> bool {
         let view = self.member.view();
-        if !view.clock_trusted || !view.shards_checked {
-            return false;
-        }
         let shards = self.options.shards;
-        if shards == 1 {
-            return true;
-        }
-        let me = self.options.name.as_str();
-        let owner = view.assigned(self.shard);
-        if owner == Some(me) {
-            return true;
-        }
         let slot = &view.shards[self.shard as usize];
-        let Some(since) = slot.vacant_since_ms else {
-            return false;
+        let campaign = CampaignView {
+            clock_trusted: view.clock_trusted,
+            shards_checked: view.shards_checked,
+            shards,
+            me: &self.options.name,
+            assigned: view.assigned(self.shard),
+            vacant_since_ms: slot.vacant_since_ms,
+            last_primary: slot.last_primary.as_deref(),
+            now_ms: self.clock.now_ms(),
+            ttl_ms: self.options.ttl_ms,
+            led: view.led(),
+            share: view.share(shards),
         };
-        if let Some(owner) = owner.filter(|o| slot.last_primary.as_deref() == Some(*o)) {
-            if view.assigned_without(shards, self.shard, owner).as_deref() == Some(me) {
-                return true;
-            }
-        }
-        self.clock.now_ms().saturating_sub(since) >= self.options.ttl_ms
-            && view.led() < view.share(shards)
+        may_campaign(&campaign, |owner| {
+            view.assigned_without(shards, self.shard, owner)
+        })
     }
 
     /// The member the shard should be handed over to, if another.

@@ -110,16 +110,16 @@ impl ClusterOptions {
         }
     }
 
-    /// How often a member renews its etcd leases and checks its clock.
+    /// How often a member renews its etcd leases and checks its clock
+    /// (the core's [`beat_ms`](fencegate_core::cluster::beat_ms)).
     fn beat(&self) -> Duration {
-        Duration::from_millis((self.ttl_ms / 3).clamp(100, 1000))
+        Duration::from_millis(fencegate_core::cluster::beat_ms(self.ttl_ms))
     }
 
-    /// How often a member looks at a shard's election key it does not
-    /// hold: a dead primary's key is gone at most a TTL after its last
-    /// renewal, and is seen gone within this much more.
+    /// How often a member looks at a shard's election key it does not hold
+    /// (the core's [`poll_ms`](fencegate_core::cluster::poll_ms)).
     fn poll(&self) -> Duration {
-        Duration::from_millis((self.ttl_ms / 10).clamp(100, 500))
+        Duration::from_millis(fencegate_core::cluster::poll_ms(self.ttl_ms))
     }
 }
 

@@ -1005,13 +1005,7 @@ impl Writer {
                 }
             }
             buf.clear();
-            let mut max_token = 0;
-            for cmd in &batch {
-                cmd.record.encode_frame(&mut buf);
-                if let Record::Grant { token, .. } = cmd.record {
-                    max_token = max_token.max(token);
-                }
-            }
+            let max_token = writer::encode_batch(batch.iter().map(|c| &c.record), &mut buf);
             // Which batches are synced is the core's rule (see
             // `fencegate_core::journal::writer`).
             let sync = writer::batch_syncs(

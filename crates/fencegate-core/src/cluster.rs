@@ -1,6 +1,7 @@
 //! Cluster mode's rules, on the member's clock: how long a primary may
 //! admit after etcd last confirmed its primacy (self-fencing), when a
-//! handover may be recorded as clean and when a takeover may trust it, and
+//! member campaigns for a shard, when a handover may be recorded as clean
+//! and when a takeover may trust it, and
 //! what a member's check of its clock against etcd's concludes. The
 //! member's shell (`fencegate::cluster`) talks to etcd and calls these.
 
@@ -34,6 +35,75 @@ pub fn primacy_deadline(sent_ms: u64, ttl_s: i64, margin_ms: u64) -> u64 {
 pub fn handover_drained(in_flight: u64, settling_left_ms: u64, window_left_ms: u64) -> bool {
     let settled = settling_left_ms == 0 || planted(Mutant::HandoverIgnoresSettling);
     (in_flight == 0 && settled && window_left_ms == 0) || planted(Mutant::HandoverUndrained)
+}
+
+/// How often a member with etcd leases of `ttl_ms` renews them and checks
+/// its clock: three times a TTL, within 100 ms to 1 s.
+pub fn beat_ms(ttl_ms: u64) -> u64 {
+    (ttl_ms / 3).clamp(100, 1000)
+}
+
+/// How often a member looks at a shard's election key it does not hold: a
+/// dead primary's key is gone at most a TTL after its last renewal, and is
+/// seen gone within this much more (a tenth of the TTL, within 100 to
+/// 500 ms).
+pub fn poll_ms(ttl_ms: u64) -> u64 {
+    (ttl_ms / 10).clamp(100, 500)
+}
+
+/// What a member knows of one shard when it decides whether to campaign
+/// for it ([`may_campaign`]).
+#[derive(Clone, Copy, Debug)]
+pub struct CampaignView<'a> {
+    /// Its clock agreed with etcd's (the clock check).
+    pub clock_trusted: bool,
+    /// etcd keeps the member's number of shards for the prefix.
+    pub shards_checked: bool,
+    pub shards: u32,
+    /// The member's own name.
+    pub me: &'a str,
+    /// The member the balanced assignment gives the shard to, among the
+    /// members whose clocks are trusted.
+    pub assigned: Option<&'a str>,
+    /// Since when (the member's clock) the shard has had no primary, while
+    /// it has none.
+    pub vacant_since_ms: Option<u64>,
+    /// The last member seen leading the shard.
+    pub last_primary: Option<&'a str>,
+    pub now_ms: u64,
+    pub ttl_ms: u64,
+    /// How many shards the member leads, and the most one member should.
+    pub led: usize,
+    pub share: usize,
+}
+
+/// Whether a member campaigns for a shard now: its clock trusted, the
+/// number of shards agreed with etcd, and (with several shards) the shard
+/// assigned to it; or assigned to it among the others once the member the
+/// shard is assigned to lost it (it was the last seen leading it: dead, or
+/// stepped down), so a dead member's shards move as soon as its keys are
+/// gone; or without a primary for a TTL while the member leads fewer than
+/// its share. `assigned_without(owner)`: the member the assignment gives
+/// the shard to without `owner` (asked only then).
+pub fn may_campaign(
+    view: &CampaignView<'_>,
+    assigned_without: impl FnOnce(&str) -> Option<String>,
+) -> bool {
+    if !view.clock_trusted || !view.shards_checked {
+        return false;
+    }
+    if view.shards == 1 || view.assigned == Some(view.me) {
+        return true;
+    }
+    let Some(since) = view.vacant_since_ms else {
+        return false;
+    };
+    if let Some(owner) = view.assigned.filter(|o| view.last_primary == Some(*o)) {
+        if assigned_without(owner).as_deref() == Some(view.me) {
+            return true;
+        }
+    }
+    view.now_ms.saturating_sub(since) >= view.ttl_ms && view.led < view.share
 }
 
 /// At takeover: whether the previous primary handed the shard over
@@ -137,6 +207,76 @@ impl ClockProbe {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn shard_of_b(me: &str) -> CampaignView<'_> {
+        CampaignView {
+            clock_trusted: true,
+            shards_checked: true,
+            shards: 4,
+            me,
+            assigned: Some("b"),
+            vacant_since_ms: None,
+            last_primary: Some("b"),
+            now_ms: 10_000,
+            ttl_ms: 3_000,
+            led: 1,
+            share: 2,
+        }
+    }
+
+    #[test]
+    fn a_member_campaigns_for_its_own_shards_and_for_those_a_lost_member_leaves() {
+        let never = |_: &str| -> Option<String> { panic!("not asked") };
+        // Its own shard; with one shard, every member campaigns.
+        assert!(may_campaign(&shard_of_b("b"), never));
+        let one = CampaignView {
+            shards: 1,
+            assigned: None,
+            ..shard_of_b("a")
+        };
+        assert!(may_campaign(&one, never));
+        // Never before its clock and the number of shards are checked.
+        for view in [
+            CampaignView {
+                clock_trusted: false,
+                ..one
+            },
+            CampaignView {
+                shards_checked: false,
+                ..shard_of_b("b")
+            },
+        ] {
+            assert!(!may_campaign(&view, never));
+        }
+        // Another member's shard, led: not while it has a primary.
+        assert!(!may_campaign(&shard_of_b("a"), never));
+        // Vacant, and its owner was the last to lead it: the member the
+        // assignment gives it to without the owner takes it at once.
+        let vacant = CampaignView {
+            vacant_since_ms: Some(9_000),
+            ..shard_of_b("a")
+        };
+        assert!(may_campaign(&vacant, |owner| {
+            assert_eq!(owner, "b");
+            Some("a".into())
+        }));
+        assert!(!may_campaign(&vacant, |_| Some("c".into())));
+        // Vacant for a TTL: any member below its share.
+        let long = CampaignView {
+            vacant_since_ms: Some(7_000),
+            last_primary: Some("c"),
+            ..shard_of_b("a")
+        };
+        assert!(may_campaign(&long, never));
+        assert!(!may_campaign(&CampaignView { led: 2, ..long }, never));
+        assert!(!may_campaign(
+            &CampaignView {
+                vacant_since_ms: Some(7_001),
+                ..long
+            },
+            never
+        ));
+    }
 
     #[test]
     fn the_deadline_is_the_ttl_from_the_send_less_the_margin() {

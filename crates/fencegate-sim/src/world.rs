@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 
+use fencegate_core::cluster;
 use fencegate_core::journal::append::{self, Step};
 use fencegate_core::journal::record::{Header, LeaseRecord, Record};
 use fencegate_core::journal::recovery::{self, Meta, MetaFile};
@@ -2091,13 +2092,7 @@ impl World {
             return;
         }
         let mut buf = Vec::new();
-        let mut max_token = 0;
-        for q in &batch {
-            q.record.encode_frame(&mut buf);
-            if let Record::Grant { token, .. } = q.record {
-                max_token = max_token.max(token);
-            }
-        }
+        let max_token = writer::encode_batch(batch.iter().map(|q| &q.record), &mut buf);
         if let Some(primacy) = proxy.primacy {
             // One etcd transaction, which holds only while this member's
             // session holds the election.
@@ -2458,7 +2453,7 @@ impl World {
         let clock_offset_ms = self.rng.u64(0..1_000_000);
         let half = (self.cfg.tolerance_ms / 2) as i64;
         let wall_error_ms = self.rng.i64(-half..=half);
-        let unsettled_ms = self.cfg.upstream_timeout_ms + self.cfg.settle_ms;
+        let unsettled_ms = restart::unsettled_ms(self.cfg.upstream_timeout_ms, self.cfg.settle_ms);
         let meta = MetaFile::read(self.meta_file.as_deref());
         let bytes = self.log.bytes().to_vec();
         let mut lost = None;
@@ -2861,7 +2856,7 @@ impl World {
             // for again.
             let generation = self.members[member].generation;
             if matches!(op, EtcdOp::Grant) {
-                let again = (self.member_ttl_ms() / 3).clamp(100, 1000);
+                let again = cluster::beat_ms(self.member_ttl_ms());
                 self.after(again, Ev::Regrant { member, generation });
             }
             if let EtcdOp::Commit { inc, batch, .. } = op {
@@ -3048,7 +3043,7 @@ impl World {
             return;
         }
         self.send_etcd(m, EtcdOp::KeepAlive(session));
-        let beat = (self.member_ttl_ms() / 3).clamp(100, 1000);
+        let beat = cluster::beat_ms(self.member_ttl_ms());
         self.after(beat, Ev::Beat { member: m, session });
     }
 
@@ -3059,7 +3054,7 @@ impl World {
         if !self.serving(session) {
             self.send_etcd(m, EtcdOp::Campaign(session));
         }
-        let poll = (self.member_ttl_ms() / 10).clamp(100, 500);
+        let poll = cluster::poll_ms(self.member_ttl_ms());
         self.after(poll, Ev::Poll { member: m, session });
     }
 
@@ -3151,7 +3146,7 @@ impl World {
             // The answer is lost; a commit's waiters time out; a session is
             // asked for again.
             if let EtcdReply::Granted { .. } = reply {
-                let again = (self.member_ttl_ms() / 3).clamp(100, 1000);
+                let again = cluster::beat_ms(self.member_ttl_ms());
                 self.after(again, Ev::Regrant { member, generation });
             }
             if let EtcdReply::Committed { inc, batch, ok: _ } = reply {
@@ -3199,7 +3194,7 @@ impl World {
                     sent_ms,
                 });
                 self.after(0, Ev::Poll { member: m, session });
-                let beat = (self.member_ttl_ms() / 3).clamp(100, 1000);
+                let beat = cluster::beat_ms(self.member_ttl_ms());
                 self.after(beat, Ev::Beat { member: m, session });
             }
             EtcdReply::KeptAlive { session } if current == Some(session) => {
@@ -3335,7 +3330,7 @@ impl World {
         let wall_ms = (WALL_BASE_MS + self.now).saturating_add_signed(wall_error_ms);
         let rule = fencegate_core::cluster::takeover_rule(
             clean,
-            self.cfg.upstream_timeout_ms + self.cfg.settle_ms,
+            restart::unsettled_ms(self.cfg.upstream_timeout_ms, self.cfg.settle_ms),
             self.etcd.forgotten_above,
         );
         let until_ms = fencegate_core::cluster::primacy_deadline(

@@ -24,6 +24,20 @@ use crate::journal::record::Record;
 use crate::journal::recovery::Meta;
 use crate::mutant::{planted, Mutant};
 
+/// Frames a batch's records into `buf`; the highest token a grant among
+/// them carries (0: none), which the token floor reserved on disk must
+/// cover before the batch is written.
+pub fn encode_batch<'a>(records: impl IntoIterator<Item = &'a Record>, buf: &mut Vec<u8>) -> u64 {
+    let mut max_token = 0;
+    for record in records {
+        record.encode_frame(buf);
+        if let Record::Grant { token, .. } = record {
+            max_token = max_token.max(*token);
+        }
+    }
+    max_token
+}
+
 /// Whether a batch must be made durable before its answers go out. Each
 /// record comes with whether someone waits for it to be durable.
 pub fn batch_syncs<'a>(healthy: bool, batch: impl IntoIterator<Item = (&'a Record, bool)>) -> bool {

@@ -95,6 +95,13 @@ pub struct Restored {
     pub ended_by_hint: bool,
 }
 
+/// [`RestartRule::unsettled_ms`]: how long after a start (or a takeover) a
+/// write forwarded before it may still reach the backend: the longest
+/// upstream deadline of any route, then the settle time.
+pub fn unsettled_ms(longest_upstream_timeout_ms: u64, settle_ms: u64) -> u64 {
+    longest_upstream_timeout_ms.saturating_add(settle_ms)
+}
+
 /// Why a recovered lease cannot be restored: the journal holds what no
 /// grant wrote.
 #[derive(Clone, Debug, PartialEq, Eq)]
