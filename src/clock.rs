@@ -286,7 +286,11 @@ impl Stopwatch {
     /// The tokio instant `ms` milliseconds after the start: an I/O deadline
     /// (for `tokio::time::timeout_at`).
     pub fn deadline_after_ms(&self, ms: u64) -> Instant {
-        self.0 + std::time::Duration::from_millis(ms)
+        let after = std::time::Duration::from_millis(ms);
+        // Past what the platform's instants hold: a year, as never.
+        self.0
+            .checked_add(after)
+            .unwrap_or_else(|| self.0 + std::time::Duration::from_secs(86_400 * 365))
     }
 }
 

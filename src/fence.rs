@@ -37,7 +37,7 @@ use pin_project_lite::pin_project;
 use tower::{Layer, Service};
 
 use crate::auth::{Caller, Identity};
-use crate::backend::{Exchange, RequestContext};
+use crate::backend::{Exchange, RequestContext, Sent};
 use crate::body::{Body, ResponseFuture};
 use crate::error::{Problem, Reason};
 use crate::lease::{Admission, AdmitError, AdmitOptions, LeaseStore, Primacy, WriteGuard};
@@ -512,7 +512,7 @@ where
                 // for the next call.
                 let fresh = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, fresh);
-                let write = (fenced.lease, fenced.token, guard, observed);
+                let write = (fenced.lease, fenced.token, fenced.caller, guard, observed);
                 FenceFuture::boxed(Box::pin(exchange(inner, self.policy.clone(), req, write)))
             }
             Admission::Refused(reject) => {
@@ -591,38 +591,71 @@ where
             };
             policy.metrics.write_forwarded();
             tracing::debug!(lease = fenced.lease.as_str(), token = fenced.token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted after the handover barrier");
-            let write = (fenced.lease, fenced.token, admitted.guard, observed);
+            let write = (
+                fenced.lease,
+                fenced.token,
+                fenced.caller,
+                admitted.guard,
+                observed,
+            );
             exchange(inner, policy, req, write).await
         }))
     }
 }
 
 /// An admitted write's exchange with the backend, as the fence drives it:
-/// step one (nothing sent), the fence's check, then step two; the write's
-/// guard goes with the answer (see [`attach_guard`]), or is finished at
-/// once if nothing was sent.
+/// step one (nothing sent), the fence's check, then step two (and, if the
+/// backend gives the request back unsent, step one again and the check
+/// again); the write's guard goes with the answer (see [`attach_guard`]),
+/// or is finished at once if nothing was sent.
 async fn exchange<S: Exchange>(
     mut inner: S,
     policy: Arc<FencePolicy>,
     req: Request<Body>,
-    (lease, token, guard, observed): (LeaseName, u64, WriteGuard, Option<Observed>),
+    (lease, token, caller, guard, observed): (
+        LeaseName,
+        u64,
+        Option<Caller>,
+        WriteGuard,
+        Option<Observed>,
+    ),
 ) -> Result<Response<Body>, Infallible> {
-    let res = match inner.stage(req).await {
-        Ok(staged) => {
-            if let Err(problem) = policy.still_admitted(&lease, token) {
-                inner.withdraw(staged);
-                // Nothing was sent: the write holds nothing back.
-                guard.finish();
-                return Ok(problem.into_response());
-            }
-            inner.send(staged).await?
-        }
+    let mut staged = match inner.stage(req).await {
+        Ok(staged) => staged,
         Err(res) => {
             // Nothing was sent (however the step failed: a refused or
             // timed-out connect, the client's body): the write holds
             // nothing back, and taught nothing about the key.
             guard.finish();
             return Ok(res);
+        }
+    };
+    let res = loop {
+        if let Err(problem) = policy.still_admitted(&lease, token) {
+            inner.withdraw(staged);
+            // Nothing was sent: the write holds nothing back.
+            guard.finish();
+            let reason = problem.reason().slug();
+            policy.metrics.write_rejected(reason);
+            tracing::info!(target: "audit", lease = lease.as_str(), token, reason, "write withdrawn before sending");
+            let caller = caller.as_ref().map(|c| &*c.0);
+            return Ok(visible_to(problem, &policy.leases, &lease, caller).into_response());
+        }
+        match inner.send(staged).await {
+            Sent::Answered(res) => break res,
+            Sent::NotSent(res) => {
+                guard.finish();
+                return Ok(res);
+            }
+            // An idle connection the storage had closed: staged again on
+            // a fresh one, and checked again before it goes.
+            Sent::Again(again) => match inner.restage(again).await {
+                Ok(again) => staged = again,
+                Err(res) => {
+                    guard.finish();
+                    return Ok(res);
+                }
+            },
         }
     };
     if let Some(observed) = &observed {

@@ -290,9 +290,10 @@ impl Conn {
         if !self.buf.is_empty() {
             return false;
         }
+        // Kept, not taken: a connection put back unused (a withdrawn
+        // write's) keeps its age.
         if self
             .idle
-            .take()
             .is_some_and(|idle| idle.elapsed_ms() >= idle_timeout_ms)
         {
             return false;

@@ -54,8 +54,10 @@ impl Service<Request<Body>> for Backend {
 /// leaves, after whatever had to come first (reading the first piece of
 /// its body, opening a connection) and may have taken time: step one,
 /// [`Exchange::stage`], sends nothing; the fence then checks, and either
-/// sends ([`Exchange::send`]) or withdraws ([`Exchange::withdraw`]). The
-/// backend never calls back into the fence or the lease store.
+/// sends ([`Exchange::send`]) or withdraws ([`Exchange::withdraw`]); a
+/// request [`Sent::Again`] is staged again ([`Exchange::restage`]) and
+/// checked again. The backend never calls back into the fence or the
+/// lease store.
 pub trait Exchange: Service<Request<Body>, Response = Response<Body>, Error = Infallible> {
     /// A request ready to send.
     type Staged: Send + 'static;
@@ -68,16 +70,38 @@ pub trait Exchange: Service<Request<Body>, Response = Response<Body>, Error = In
         req: Request<Body>,
     ) -> impl Future<Output = Result<Self::Staged, Response<Body>>> + Send + 'static;
 
-    /// Step two: sends a staged request; its answer (as a service's).
+    /// Step two: sends a staged request; what came of it.
     fn send(
         &mut self,
         staged: Self::Staged,
-    ) -> impl Future<Output = Result<Response<Body>, Infallible>> + Send + 'static;
+    ) -> impl Future<Output = Sent<Self::Staged>> + Send + 'static;
+
+    /// Step one again, after [`Sent::Again`]: nothing is sent. `Err`: the
+    /// answer (nothing was sent).
+    fn restage(
+        &mut self,
+        staged: Self::Staged,
+    ) -> impl Future<Output = Result<Self::Staged, Response<Body>>> + Send + 'static;
 
     /// A staged request not sent after all: what step one took goes back.
     fn withdraw(&mut self, staged: Self::Staged) {
         drop(staged);
     }
+}
+
+/// What came of step two of an [`Exchange`].
+#[derive(Debug)]
+pub enum Sent<S> {
+    /// The answer: the storage's, or fencegate's when the exchange failed
+    /// after bytes of the request may have left (its outcome unknown).
+    Answered(Response<Body>),
+    /// Fencegate's answer when not a byte of the request left (the
+    /// connection could not be had, or its first write failed outright).
+    NotSent(Response<Body>),
+    /// Nothing left, on an idle connection the storage had closed: the
+    /// request may go again on a fresh one, staged anew
+    /// ([`Exchange::restage`]) and checked first.
+    Again(S),
 }
 
 /// A write [`Backend`] staged.
@@ -109,18 +133,32 @@ impl Exchange for Backend {
         }
     }
 
-    fn send(
-        &mut self,
-        staged: Staged,
-    ) -> impl Future<Output = Result<Response<Body>, Infallible>> + Send + 'static {
+    fn send(&mut self, staged: Staged) -> impl Future<Output = Sent<Staged>> + Send + 'static {
         match staged {
             Staged::Embedded(store, req) => Step::Embedded {
                 fut: store.handle(req),
-                wrap: Ok,
+                wrap: Sent::Answered,
             },
             Staged::Upstream(staged) => Step::Upstream {
                 fut: staged.send(),
+                wrap: upstream_sent,
+            },
+        }
+    }
+
+    fn restage(
+        &mut self,
+        staged: Staged,
+    ) -> impl Future<Output = Result<Staged, Response<Body>>> + Send + 'static {
+        match staged {
+            // Never given back: the embedded store sends at once.
+            Staged::Embedded(store, req) => Step::Embedded {
+                fut: std::future::ready(Staged::Embedded(store, req)),
                 wrap: Ok,
+            },
+            Staged::Upstream(staged) => Step::Upstream {
+                fut: staged.restage(),
+                wrap: upstream_staged,
             },
         }
     }
@@ -139,6 +177,15 @@ fn upstream_staged(
     staged: Result<upstream::Staged, Response<Body>>,
 ) -> Result<Staged, Response<Body>> {
     staged.map(Staged::Upstream)
+}
+
+/// What came of sending the upstream's staged request, as the backend's.
+fn upstream_sent(sent: Sent<upstream::Staged>) -> Sent<Staged> {
+    match sent {
+        Sent::Answered(res) => Sent::Answered(res),
+        Sent::NotSent(res) => Sent::NotSent(res),
+        Sent::Again(staged) => Sent::Again(Staged::Upstream(staged)),
+    }
 }
 
 pin_project_lite::pin_project! {
@@ -208,7 +255,26 @@ where
     fn send(
         &mut self,
         req: Request<Body>,
-    ) -> impl Future<Output = Result<Response<Body>, Infallible>> + Send + 'static {
-        self.0.call(req)
+    ) -> impl Future<Output = Sent<Request<Body>>> + Send + 'static {
+        Step::<_, std::future::Ready<()>, _, _, ()>::Embedded {
+            fut: self.0.call(req),
+            wrap: answered,
+        }
+    }
+
+    fn restage(
+        &mut self,
+        req: Request<Body>,
+    ) -> impl Future<Output = Result<Request<Body>, Response<Body>>> + Send + 'static {
+        // Never given back: `send` answers at once.
+        std::future::ready(Ok(req))
+    }
+}
+
+/// A service's answer, as step two's.
+fn answered<S>(answer: Result<Response<Body>, Infallible>) -> Sent<S> {
+    match answer {
+        Ok(res) => Sent::Answered(res),
+        Err(never) => match never {},
     }
 }

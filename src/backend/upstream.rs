@@ -38,7 +38,7 @@ use hyper_util::client::legacy::Client;
 use tokio_rustls::rustls::ClientConfig;
 use tower::Service;
 
-use super::h1;
+use super::{h1, Sent};
 use crate::body::{self, Body, BoxError};
 use crate::clock::Stopwatch;
 use crate::error::{Problem, Reason};
@@ -737,8 +737,10 @@ impl Shared {
     /// Step two: sends what [`Self::stage`] readied, and relays the answer.
     /// On a dedicated connection the answer's body holds the connection
     /// and puts it back in its slot once read to its end; on any error or
-    /// a timeout it is dropped, and closed.
-    async fn send(staged: Staged) -> Response<Body> {
+    /// a timeout it is dropped, and closed. A reused idle connection the
+    /// upstream had closed comes back as [`Sent::Again`]: nothing of the
+    /// request left, and it goes again only once staged anew and checked.
+    async fn send(staged: Staged) -> Sent<Staged> {
         let Staged {
             upstream: this,
             to,
@@ -754,42 +756,102 @@ impl Shared {
                 To::Pool(pooled) => {
                     let (pool, req) = *pooled;
                     match pool.request(req).await {
-                        Ok(res) => Ok(res.map(body::boxed)),
-                        Err(e) => Err(BoxError::from(e)),
+                        Ok(res) => Exchanged::Answer(Ok(res.map(body::boxed))),
+                        // The pool could not connect: nothing was sent.
+                        Err(e) if e.is_connect() => Exchanged::Unsent(BoxError::from(e)),
+                        Err(e) => Exchanged::Answer(Err(BoxError::from(e))),
                     }
                 }
                 To::Dedicated(mut dedicated) => {
                     let d = &mut *dedicated;
                     if let Err(e) = d.conn.begin(&d.out, &d.added).await {
+                        // The write failed outright: not a byte of the
+                        // request left.
                         if !d.reused {
-                            return Err(e.into());
+                            return Exchanged::Unsent(e.into());
                         }
                         // The upstream closed or reset the idle connection
-                        // as the request went out: not a byte of it left,
-                        // so it goes again on a fresh connection (once).
-                        tracing::debug!(upstream = %this.authority, error = %e, "an idle upstream connection failed before the request left: sent on a new one");
-                        d.conn = Box::pin(this.connect()).await?;
-                        d.conn.begin(&d.out, &d.added).await?;
+                        // as the request went out: it may go again on a
+                        // fresh one (once), staged anew and checked first.
+                        tracing::debug!(upstream = %this.authority, error = %e, "an idle upstream connection failed before the request left: staged again on a new one");
+                        return Exchanged::Again(dedicated);
                     }
                     let Dedicated {
                         slot, out, conn, ..
                     } = *dedicated;
-                    conn.send(out, &slot).await
+                    Exchanged::Answer(conn.send(out, &slot).await)
                 }
             }
         })
         .await;
         match sent {
-            Ok(result) => this.ended(watch, result, client.as_ref()),
-            Err(_) => this.timed_out(watch, timeout_ms),
+            Ok(Exchanged::Answer(result)) => {
+                Sent::Answered(this.ended(watch, result, client.as_ref()))
+            }
+            Ok(Exchanged::Unsent(err)) => Sent::NotSent(this.ended(watch, Err(err), None)),
+            Ok(Exchanged::Again(dedicated)) => Sent::Again(Staged {
+                upstream: this,
+                to: To::Dedicated(dedicated),
+                client,
+                deadline,
+                timeout_ms,
+                watch,
+            }),
+            Err(_) => Sent::Answered(this.timed_out(watch, timeout_ms)),
         }
     }
 
-    /// Both steps.
+    /// Stages again, on a fresh connection, a request [`Self::send`] gave
+    /// back ([`Sent::Again`]): within the exchange's deadline. `Err`: the
+    /// answer, nothing sent.
+    async fn restage(staged: Staged) -> Result<Staged, Response<Body>> {
+        let Staged {
+            upstream: this,
+            to,
+            client,
+            deadline,
+            timeout_ms,
+            watch,
+        } = staged;
+        let to = match to {
+            To::Dedicated(mut dedicated) => {
+                match tokio::time::timeout_at(deadline, Box::pin(this.connect())).await {
+                    Ok(Ok(conn)) => {
+                        dedicated.conn = conn;
+                        dedicated.reused = false;
+                        To::Dedicated(dedicated)
+                    }
+                    Ok(Err(err)) => return Err(this.ended(watch, Err(err), None)),
+                    Err(_) => return Err(this.timed_out(watch, timeout_ms)),
+                }
+            }
+            pool => pool,
+        };
+        Ok(Staged {
+            upstream: this,
+            to,
+            client,
+            deadline,
+            timeout_ms,
+            watch,
+        })
+    }
+
+    /// Both steps (again, once, on a fresh connection if the idle one had
+    /// been closed), with no check between them.
     async fn forward(self: Arc<Self>, req: Request<Body>) -> Response<Body> {
-        match self.stage(req).await {
-            Ok(staged) => Self::send(staged).await,
-            Err(answer) => answer,
+        let mut staged = match self.stage(req).await {
+            Ok(staged) => staged,
+            Err(answer) => return answer,
+        };
+        loop {
+            match Self::send(staged).await {
+                Sent::Answered(res) | Sent::NotSent(res) => return res,
+                Sent::Again(again) => match Self::restage(again).await {
+                    Ok(again) => staged = again,
+                    Err(answer) => return answer,
+                },
+            }
         }
     }
 
@@ -1039,6 +1101,17 @@ impl std::fmt::Debug for Staged {
     }
 }
 
+/// How the sending of a staged request ended, before its answer is
+/// relayed.
+enum Exchanged {
+    /// An answer, or a failure after bytes of the request may have left.
+    Answer(Result<Response<Body>, BoxError>),
+    /// A failure before any byte of it left.
+    Unsent(BoxError),
+    /// The reused idle connection had been closed: nothing left.
+    Again(Box<Dedicated>),
+}
+
 /// Where a staged request goes.
 enum To {
     /// A connection of its client's pool, taken (or opened) when sent.
@@ -1239,9 +1312,14 @@ impl Upstream {
 }
 
 impl Staged {
-    /// Step two: sends the request; its answer.
-    pub fn send(self) -> impl Future<Output = Response<Body>> + Send + 'static {
+    /// Step two: sends the request (see [`Sent`]).
+    pub fn send(self) -> impl Future<Output = Sent<Staged>> + Send + 'static {
         Shared::send(self)
+    }
+
+    /// Stages it again, on a fresh connection, after [`Sent::Again`].
+    pub fn restage(self) -> impl Future<Output = Result<Staged, Response<Body>>> + Send + 'static {
+        Shared::restage(self)
     }
 
     /// Not sent after all: what step one took goes back (an idle
