@@ -804,37 +804,19 @@ impl Shared {
     /// Stages again, on a fresh connection, a request [`Self::send`] gave
     /// back ([`Sent::Again`]): within the exchange's deadline. `Err`: the
     /// answer, nothing sent.
-    async fn restage(staged: Staged) -> Result<Staged, Response<Body>> {
-        let Staged {
-            upstream: this,
-            to,
-            client,
-            deadline,
-            timeout_ms,
-            watch,
-        } = staged;
-        let to = match to {
-            To::Dedicated(mut dedicated) => {
-                match tokio::time::timeout_at(deadline, Box::pin(this.connect())).await {
-                    Ok(Ok(conn)) => {
-                        dedicated.conn = conn;
-                        dedicated.reused = false;
-                        To::Dedicated(dedicated)
-                    }
-                    Ok(Err(err)) => return Err(this.ended(watch, Err(err), None)),
-                    Err(_) => return Err(this.timed_out(watch, timeout_ms)),
+    async fn restage(mut staged: Staged) -> Result<Staged, Response<Body>> {
+        if let To::Dedicated(dedicated) = &mut staged.to {
+            let this = &staged.upstream;
+            match tokio::time::timeout_at(staged.deadline, Box::pin(this.connect())).await {
+                Ok(Ok(conn)) => {
+                    dedicated.conn = conn;
+                    dedicated.reused = false;
                 }
+                Ok(Err(err)) => return Err(this.ended(staged.watch, Err(err), None)),
+                Err(_) => return Err(this.timed_out(staged.watch, staged.timeout_ms)),
             }
-            pool => pool,
-        };
-        Ok(Staged {
-            upstream: this,
-            to,
-            client,
-            deadline,
-            timeout_ms,
-            watch,
-        })
+        }
+        Ok(staged)
     }
 
     /// Both steps (again, once, on a fresh connection if the idle one had
