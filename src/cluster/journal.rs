@@ -43,7 +43,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot, Notify};
 
 use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
@@ -52,6 +51,7 @@ use super::committer::Committer;
 use crate::hex;
 use crate::journal::record::{GRANTED_QUIET, RELEASED_QUIET};
 use crate::journal::{GrantRecord, Journal, JournalError, JournalFuture, LeaseRecord};
+use crate::lease::id::text_digest;
 
 pub use fencegate_core::journal::stored::{StoredGrant, StoredLease, StoredTerm};
 
@@ -661,7 +661,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Journal for EtcdJournal {
     fn persist_grant(&self, record: GrantRecord) -> JournalFuture {
         let (ack, done) = oneshot::channel();
-        let digest: [u8; 32] = Sha256::digest(record.lease_id).into();
+        let digest = text_digest(&record.lease_id);
         let queued = self.queue(&record.lease, Some(ack), |stored| {
             stored.grant(StoredGrant {
                 token: record.token,
@@ -1050,6 +1050,7 @@ impl Snapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sha2::{Digest, Sha256};
 
     #[test]
     fn records_are_compact_keep_a_digest_and_round_trip() {

@@ -63,7 +63,7 @@ impl LeaseId {
     /// members keeps instead of the id.
     pub fn sha256(&self) -> [u8; 32] {
         match &self.0 {
-            Form::Text(text) => Sha256::digest(text).into(),
+            Form::Text(text) => text_digest(text),
             Form::Sha256(digest) => *digest,
         }
     }
@@ -96,6 +96,13 @@ impl fmt::Debug for LeaseId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("LeaseId(<redacted>)")
     }
+}
+
+/// The SHA-256 digest of an id's text form, as the journal holds it: what
+/// a store shared by several members keeps instead of the id
+/// ([`LeaseId::sha256`]).
+pub fn text_digest(text: &[u8; LEASE_ID_LEN]) -> [u8; 32] {
+    Sha256::digest(text).into()
 }
 
 #[cfg(test)]
