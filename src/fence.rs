@@ -506,13 +506,18 @@ where
                         return FenceFuture::ready(problem.into_response());
                     }
                 };
-                self.policy.metrics.write_forwarded();
                 tracing::debug!(lease = fenced.lease.as_str(), token = fenced.token, method = %req.method(), "write admitted");
                 // The instance that was polled ready goes; a clone stays
                 // for the next call.
                 let fresh = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, fresh);
-                let write = (fenced.lease, fenced.token, fenced.caller, guard, observed);
+                let write = AdmittedWrite {
+                    lease: fenced.lease,
+                    token: fenced.token,
+                    caller: fenced.caller,
+                    guard,
+                    observed,
+                };
                 FenceFuture::boxed(Box::pin(exchange(inner, self.policy.clone(), req, write)))
             }
             Admission::Refused(reject) => {
@@ -589,18 +594,28 @@ where
                     return Ok(problem.into_response());
                 }
             };
-            policy.metrics.write_forwarded();
             tracing::debug!(lease = fenced.lease.as_str(), token = fenced.token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted after the handover barrier");
-            let write = (
-                fenced.lease,
-                fenced.token,
-                fenced.caller,
-                admitted.guard,
+            let write = AdmittedWrite {
+                lease: fenced.lease,
+                token: fenced.token,
+                caller: fenced.caller,
+                guard: admitted.guard,
                 observed,
-            );
+            };
             exchange(inner, policy, req, write).await
         }))
     }
+}
+
+/// An admitted write, as the fence hands it to [`exchange`].
+struct AdmittedWrite {
+    lease: LeaseName,
+    token: u64,
+    /// The authenticated caller, who sees a refusal's term details only if
+    /// it holds the term.
+    caller: Option<Caller>,
+    guard: WriteGuard,
+    observed: Option<Observed>,
 }
 
 /// An admitted write's exchange with the backend, as the fence drives it:
@@ -612,14 +627,15 @@ async fn exchange<S: Exchange>(
     mut inner: S,
     policy: Arc<FencePolicy>,
     req: Request<Body>,
-    (lease, token, caller, guard, observed): (
-        LeaseName,
-        u64,
-        Option<Caller>,
-        WriteGuard,
-        Option<Observed>,
-    ),
+    write: AdmittedWrite,
 ) -> Result<Response<Body>, Infallible> {
+    let AdmittedWrite {
+        lease,
+        token,
+        caller,
+        guard,
+        observed,
+    } = write;
     let mut staged = match inner.stage(req).await {
         Ok(staged) => staged,
         Err(res) => {
@@ -635,14 +651,14 @@ async fn exchange<S: Exchange>(
             inner.withdraw(staged);
             // Nothing was sent: the write holds nothing back.
             guard.finish();
-            let reason = problem.reason().slug();
-            policy.metrics.write_rejected(reason);
-            tracing::info!(target: "audit", lease = lease.as_str(), token, reason, "write withdrawn before sending");
-            let caller = caller.as_ref().map(|c| &*c.0);
-            return Ok(visible_to(problem, &policy.leases, &lease, caller).into_response());
+            tracing::info!(target: "audit", lease = lease.as_str(), token, reason = problem.reason().slug(), "write withdrawn before sending");
+            return Ok(refusal(&policy, problem, &lease, caller.as_ref()));
         }
         match inner.send(staged).await {
-            Sent::Answered(res) => break res,
+            Sent::Answered(res) => {
+                policy.metrics.write_forwarded();
+                break res;
+            }
             Sent::NotSent(res) => {
                 guard.finish();
                 return Ok(res);
@@ -671,11 +687,22 @@ fn reject_write(
     reject: crate::lease::Reject,
 ) -> Response<Body> {
     let reason = Reason::from(&reject).slug();
-    policy.metrics.write_rejected(reason);
     tracing::info!(target: "audit", lease = fenced.lease.as_str(), token = fenced.token, reason, method = %req.method(), "write rejected");
     let problem = Problem::rejected(&fenced.lease, reject);
-    let caller = fenced.caller.as_ref().map(|c| &*c.0);
-    visible_to(problem, &policy.leases, &fenced.lease, caller).into_response()
+    refusal(policy, problem, &fenced.lease, fenced.caller.as_ref())
+}
+
+/// The answer to a write refused for `problem`: counted by its reason, and
+/// shown to `caller` as [`visible_to`] allows.
+fn refusal(
+    policy: &FencePolicy,
+    problem: Problem,
+    lease: &str,
+    caller: Option<&Caller>,
+) -> Response<Body> {
+    policy.metrics.write_rejected(problem.reason().slug());
+    let caller = caller.map(|c| &*c.0);
+    visible_to(problem, &policy.leases, lease, caller).into_response()
 }
 
 /// With authentication on, a problem about `lease` shows the current term's

@@ -682,6 +682,14 @@ async fn a_term_that_ends_while_the_upstream_connects_sends_nothing() {
         "bytes reached the storage: {:?}",
         String::from_utf8_lossy(&buf[..got])
     );
+    // Counted as refused, not as forwarded.
+    let metrics = h.send(Req::new("GET", "/_fence/metrics")).await.text();
+    for line in [
+        "fencegate_writes_forwarded_total 0",
+        "fencegate_writes_rejected_total{reason=\"lease-expired\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} not in\n{metrics}");
+    }
     proxy.stop().await;
 }
 
@@ -734,6 +742,19 @@ fn put_head(path: &str, held: &support::Held, len: usize) -> String {
     )
 }
 
+/// The first whole message in `buf`, once all of it is there: its head
+/// (lowercased) and its length with its `Content-Length` body.
+fn whole_message(buf: &[u8]) -> Option<(String, usize)> {
+    let end = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+    let body: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length: "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    (buf.len() >= end + 4 + body).then_some((head, end + 4 + body))
+}
+
 /// Reads one answer's head (and its `Content-Length` body) from `s`.
 fn answer_head(s: &mut std::net::TcpStream) -> String {
     use std::io::Read;
@@ -742,16 +763,8 @@ fn answer_head(s: &mut std::net::TcpStream) -> String {
     let mut buf = Vec::new();
     let mut b = [0u8; 4096];
     loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
-            let len: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length: "))
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(0);
-            if buf.len() >= end + 4 + len {
-                return head;
-            }
+        if let Some((head, _)) = whole_message(&buf) {
+            return head;
         }
         let n = s.read(&mut b).expect("read");
         assert!(n > 0, "client connection closed");
@@ -971,21 +984,13 @@ async fn closes_idle_after(idle_ms: u64) -> String {
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 loop {
-                    if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                        let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
-                        let length: usize = head
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length: "))
-                            .and_then(|v| v.trim().parse().ok())
-                            .unwrap_or(0);
-                        if buf.len() >= end + 4 + length {
-                            buf.drain(..end + 4 + length);
-                            let answer = b"HTTP/1.1 204 No Content\r\n\r\n";
-                            if sock.write_all(answer).await.is_err() {
-                                return;
-                            }
-                            continue;
+                    if let Some((_, len)) = whole_message(&buf) {
+                        buf.drain(..len);
+                        let answer = b"HTTP/1.1 204 No Content\r\n\r\n";
+                        if sock.write_all(answer).await.is_err() {
+                            return;
                         }
+                        continue;
                     }
                     let mut chunk = [0u8; 4096];
                     let idle = std::time::Duration::from_millis(idle_ms);

@@ -728,7 +728,6 @@ impl Shared {
             upstream: self,
             to,
             client,
-            deadline,
             timeout_ms,
             watch,
         })
@@ -745,10 +744,10 @@ impl Shared {
             upstream: this,
             to,
             client,
-            deadline,
             timeout_ms,
             watch,
         } = staged;
+        let deadline = watch.deadline_after_ms(timeout_ms);
         // The block is built in the call, not bound first: a bound one
         // would keep its own room in this future beside the timeout's.
         let sent = tokio::time::timeout_at(deadline, async {
@@ -793,7 +792,6 @@ impl Shared {
                 upstream: this,
                 to: To::Dedicated(dedicated),
                 client,
-                deadline,
                 timeout_ms,
                 watch,
             }),
@@ -807,7 +805,8 @@ impl Shared {
     async fn restage(mut staged: Staged) -> Result<Staged, Response<Body>> {
         if let To::Dedicated(dedicated) = &mut staged.to {
             let this = &staged.upstream;
-            match tokio::time::timeout_at(staged.deadline, Box::pin(this.connect())).await {
+            let deadline = staged.watch.deadline_after_ms(staged.timeout_ms);
+            match tokio::time::timeout_at(deadline, Box::pin(this.connect())).await {
                 Ok(Ok(conn)) => {
                     dedicated.conn = conn;
                     dedicated.reused = false;
@@ -1069,8 +1068,7 @@ pub struct Staged {
     to: To,
     /// The address the client used, for translating absolute URLs back.
     client: Option<(HeaderValue, bool)>,
-    /// When the exchange runs out of time (both steps count).
-    deadline: tokio::time::Instant,
+    /// The exchange's deadline, counted from `watch` (both steps count).
     timeout_ms: u64,
     watch: Stopwatch,
 }
