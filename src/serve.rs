@@ -24,7 +24,7 @@ use crate::config::{Config, ConfigError, Overrides, RuntimeConfig, Scheduler, Up
 use crate::etcd::{EtcdClient, EtcdOptions};
 use crate::fence::is_write;
 use crate::journal::{FileJournal, FileJournalOptions, JournalError, MemoryJournal};
-use crate::lease::{LeaseStore, Primacy, RestartRule};
+use crate::lease::{LeaseStore, Primacy};
 use crate::metrics::{ClusterStats, Metrics};
 use crate::precondition::KeyStateTable;
 use crate::server::{self, ServerOptions};
@@ -502,12 +502,7 @@ fn recover(config: &Config, options: StartOptions) -> Result<LeaseStore, StartEr
     let (journal, recovered) =
         FileJournal::open(&config.data_dir, journal_options).map_err(StartError::Journal)?;
     let recovered_leases = recovered.leases.len();
-    let rule = RestartRule {
-        token_floor: recovered.token_floor,
-        lost_records: recovered.lost_records.is_some(),
-        forgotten_above: recovered.forgotten_above,
-        ..config.restart_rule()
-    };
+    let rule = config.restart_rule().recovered(&recovered);
     let leases = LeaseStore::restore(
         Clock::new(config.clock),
         config.lease_limits(),

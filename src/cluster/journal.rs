@@ -53,7 +53,7 @@ use crate::journal::record::{GRANTED_QUIET, RELEASED_QUIET};
 use crate::journal::{GrantRecord, Journal, JournalError, JournalFuture, LeaseRecord};
 use crate::lease::id::text_digest;
 
-pub use fencegate_core::journal::stored::{StoredGrant, StoredLease, StoredTerm};
+pub use fencegate_core::journal::stored::{StoredGrant, StoredLease, StoredState, StoredTerm};
 
 /// One queued write: a lease's whole stored state, and who waits for it.
 /// The writer task makes its log record, so no JSON is written while the
@@ -395,23 +395,19 @@ impl Keys {
 
 /// What etcd held when a member took over.
 pub struct Loaded {
-    leases: BTreeMap<String, StoredLease>,
+    state: StoredState,
     next_seq: u64,
-    forgotten_above: u64,
 }
 
 impl Loaded {
     /// Leases not loaded (forgotten, or never granted) continue above this.
     pub fn forgotten_above(&self) -> u64 {
-        self.forgotten_above
+        self.state.forgotten_above()
     }
 
     /// Every lease, for the lease store to restore.
     pub fn records(&self) -> Vec<LeaseRecord> {
-        self.leases
-            .iter()
-            .map(|(lease, stored)| stored.to_record(lease.clone()))
-            .collect()
+        self.state.records()
     }
 }
 
@@ -423,19 +419,13 @@ pub async fn load(client: &EtcdClient, prefix: &[u8]) -> Result<Loaded, StateErr
     let keys = Keys {
         prefix: prefix.to_vec(),
     };
-    let mut leases = BTreeMap::new();
-    let mut forgotten_above = 0;
+    let mut state = StoredState::default();
     let mut apply = |what: &'static str, value: &[u8]| -> Result<(), StateError> {
         let records: Vec<OwnedRecord> =
             serde_json::from_slice(value).map_err(|why| StateError::Unreadable { what, why })?;
         for r in records {
-            let (lease, state) = r.into_parts()?;
-            if state.forgotten {
-                leases.remove(&lease);
-                forgotten_above = u64::max(forgotten_above, state.last_token);
-            } else {
-                leases.insert(lease, state);
-            }
+            let (lease, stored) = r.into_parts()?;
+            state.apply(lease, stored);
         }
         Ok(())
     };
@@ -491,11 +481,7 @@ pub async fn load(client: &EtcdClient, prefix: &[u8]) -> Result<Loaded, StateErr
             _ => break,
         }
     }
-    Ok(Loaded {
-        leases,
-        next_seq,
-        forgotten_above,
-    })
+    Ok(Loaded { state, next_seq })
 }
 
 /// The lease store's journal on a cluster's primary.
@@ -572,14 +558,7 @@ impl EtcdJournal {
         limits: Limits,
         committer: Option<Committer>,
     ) -> Self {
-        let mut leases = loaded.leases;
-        if loaded.forgotten_above > 0 {
-            leases.insert(
-                String::new(),
-                StoredLease::forgotten_mark(loaded.forgotten_above),
-            );
-        }
-        let cache = Arc::new(Mutex::new(leases));
+        let cache = Arc::new(Mutex::new(loaded.state.into_leases()));
         let spilled = Arc::new(Mutex::new(BTreeSet::new()));
         let (tx, rx) = mpsc::channel(limits.queue.max(1));
         let state = Arc::new(Failure::default());

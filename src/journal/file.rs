@@ -82,11 +82,13 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 
 use fencegate_core::journal::append::{self, Step};
-use fencegate_core::journal::recovery::{self, Meta, MetaFile, Refusal, Replayed, Start};
-pub use fencegate_core::journal::recovery::{JOURNAL_FILE, META_FILE};
+use fencegate_core::journal::recovery::{
+    self, Found, Loss, Meta, MetaFile, OpenPlan, OpenSettings, OpenStep, Refusal, Unopenable,
+};
+pub use fencegate_core::journal::recovery::{Recovered, JOURNAL_FILE, META_FILE};
 use fencegate_core::journal::writer::{self, IdentityStep};
 
-use super::record::{Header, LeaseRecord, Record, HEADER_LEN};
+use super::record::{Header, Record, HEADER_LEN};
 use super::{GrantRecord, Journal, JournalError, JournalFuture};
 
 /// Where a log that lost acknowledged records is kept.
@@ -248,23 +250,6 @@ impl std::fmt::Debug for FileJournal {
     }
 }
 
-/// What opening a journal found.
-#[derive(Debug)]
-pub struct Recovered {
-    /// Every lease ever granted, with its latest term.
-    pub leases: Vec<LeaseRecord>,
-    /// Bytes cut from a torn tail (0 if the log ended cleanly).
-    pub torn_bytes: u64,
-    /// Every lease's tokens, known or new, continue above this.
-    pub token_floor: u64,
-    /// Leases the log no longer holds (forgotten ones, and names never
-    /// seen) continue above this.
-    pub forgotten_above: u64,
-    /// Set when acknowledged records may have been lost (and how): every
-    /// recovered term was ended and every lease continues above the floor.
-    pub lost_records: Option<String>,
-}
-
 fn err(context: &str, path: &Path, e: impl std::fmt::Display) -> JournalError {
     JournalError(format!("{context} {}: {e}", path.display()))
 }
@@ -357,20 +342,12 @@ fn keep_copy(from: &Path, to: &Path) -> io::Result<()> {
 /// Writes a fresh version 2 log of `leases` at `path`, through a temporary
 /// file that is synced and renamed over it. An error before the rename
 /// leaves the old log as it was.
-fn write_log<'a>(
-    dir: &Path,
-    path: &Path,
-    leases: impl Iterator<Item = &'a LeaseRecord>,
-    token_floor: u64,
-    forgotten_above: u64,
-    identity: u64,
-) -> io::Result<Written> {
-    let buf = super::record::log_image(leases, token_floor, forgotten_above, identity);
+fn write_log(dir: &Path, path: &Path, buf: &[u8]) -> io::Result<Written> {
     let len = buf.len() as u64;
     let tmp_path = dir.join(COMPACT_TMP);
     let mut file = open_log(&tmp_path).map_err(|e| io::Error::other(e.0))?;
     file.set_len(0)?;
-    file.write_all(&buf)?;
+    file.write_all(buf)?;
     file.sync_all()?;
     std::fs::rename(&tmp_path, path)?;
     let dir_synced = sync_dir(dir).is_ok();
@@ -383,19 +360,17 @@ fn write_log<'a>(
 
 /// [`write_log`] at start, where anything short of a durable rename stops
 /// the start.
-fn write_log_at_start<'a>(
+fn write_log_at_start(
     dir: &Path,
     path: &Path,
-    leases: impl Iterator<Item = &'a LeaseRecord>,
-    (token_floor, forgotten_above, identity): (u64, u64, u64),
+    image: &[u8],
     what: &str,
-) -> Result<(File, u64), JournalError> {
-    let written = write_log(dir, path, leases, token_floor, forgotten_above, identity)
-        .map_err(|e| err(what, path, e))?;
+) -> Result<File, JournalError> {
+    let written = write_log(dir, path, image).map_err(|e| err(what, path, e))?;
     if !written.dir_synced {
         return Err(err(what, dir, "the directory could not be synced"));
     }
-    Ok((written.file, written.len))
+    Ok(written.file)
 }
 
 impl FileJournal {
@@ -428,20 +403,29 @@ impl FileJournal {
             Err(e) if e.kind() == io::ErrorKind::NotFound => (Vec::new(), true),
             Err(e) => return Err(err("cannot read", &path, e)),
         };
-        let meta = read_meta(dir)?;
-        let opened = if bytes.is_empty() {
-            open_empty(dir, &path, meta, missing, &options)?
-        } else {
-            open_existing(dir, &path, &bytes, meta, &options)?
+        let found = Found {
+            log: &bytes,
+            log_missing: missing,
+            meta: read_meta(dir)?,
         };
-        let Opened {
-            file,
-            len,
+        let plan = recovery::open_plan(
+            found,
+            OpenSettings {
+                floor_block: options.floor_block,
+                accept_journal_loss: options.accept_journal_loss,
+                restored_from_backup: options.restored_from_backup,
+            },
+        )
+        .map_err(|why| unopenable(dir, &path, why))?;
+        let file = carry_out(dir, &path, &plan, bytes.is_empty())?;
+        let OpenPlan {
             header,
+            len,
             reserved,
             identity,
             recovered,
-        } = opened;
+            ..
+        } = plan;
 
         let (tx, rx) = mpsc::sync_channel(options.queue_capacity.max(1));
         let healthy = Arc::new(AtomicBool::new(true));
@@ -559,279 +543,109 @@ impl Drop for FileJournal {
     }
 }
 
-/// A journal opened and checked, ready for its writer.
-struct Opened {
-    file: File,
-    len: u64,
-    header: Header,
-    reserved: u64,
-    /// The log's identity (0: none), one `store.meta` names.
-    identity: u64,
-    recovered: Recovered,
-}
-
-/// No log (or an empty one): a new store, or a lost log.
-fn open_empty(
-    dir: &Path,
-    path: &Path,
-    meta: MetaFile,
-    missing: bool,
-    options: &FileJournalOptions,
-) -> Result<Opened, JournalError> {
-    let what = if missing { "missing" } else { "empty" };
-    let meta = match meta {
-        // A new data directory: the log first, then the meta file that says
-        // the directory was initialised.
-        MetaFile::Missing => Meta::default(),
-        MetaFile::Corrupt => {
-            return Err(JournalError(format!(
-                "{} is {what} and {} is damaged: the tokens already issued cannot be bounded; \
-                 put back the files this directory had",
-                path.display(),
-                dir.join(META_FILE).display()
-            )))
-        }
-        MetaFile::Found(meta) if options.accept_journal_loss => Meta {
-            reserved: meta.reserved,
-            floor: meta.reserved.max(meta.floor),
-            ..Meta::default()
-        },
-        MetaFile::Found(meta) => {
-            return Err(JournalError(format!(
-                "{} is {what}, but {} says this data directory holds a lease store: its leases \
-                 and terms are gone. Put back the {JOURNAL_FILE} this directory had (not an older \
-                 copy: it would issue tokens again), or start once with --accept-journal-loss to \
-                 go on without it: every lease is then free, and its tokens continue above {} \
-                 (none is reissued)",
-                path.display(),
-                dir.join(META_FILE).display(),
-                meta.reserved.max(meta.floor)
-            )))
-        }
-    };
-    let (file, len) = write_log_at_start(
-        dir,
-        path,
-        std::iter::empty(),
-        (meta.floor, 0, 0),
-        "cannot initialise",
-    )?;
-    write_meta(dir, meta).map_err(|e| err("cannot write", &dir.join(META_FILE), e))?;
-    let lost_records = (meta.floor > 0).then(|| {
-        let why = format!("{JOURNAL_FILE} was {what} (started with --accept-journal-loss)");
-        tracing::error!(journal = %path.display(), token_floor = meta.floor, "{why}: every lease is free and continues above the token floor");
-        why
-    });
-    Ok(Opened {
-        file,
-        len,
-        header: Header {
-            seq: 1,
-            durable_len: len,
-            compacted_len: len,
-            token_floor: meta.floor,
-        },
-        reserved: meta.reserved,
-        identity: 0,
-        recovered: Recovered {
-            leases: Vec::new(),
-            torn_bytes: 0,
-            token_floor: meta.floor,
-            forgotten_above: 0,
-            lost_records,
-        },
-    })
-}
-
-/// A log with bytes: replay it, check it against its header, and repair
-/// what can be repaired without reissuing a token.
-fn open_existing(
-    dir: &Path,
-    path: &Path,
-    bytes: &[u8],
-    meta: MetaFile,
-    options: &FileJournalOptions,
-) -> Result<Opened, JournalError> {
-    let refused = |Refusal(why)| JournalError(format!("{} {why}", path.display()));
-    let (start, replayed) = recovery::read_log(bytes).map_err(refused)?;
-    if let Some(bump) = options.restored_from_backup {
-        let why = format!(
-            "the data directory was restored from a backup (--restored-from-backup {bump})"
-        );
-        return open_after_loss(dir, path, replayed, start, meta, why, bump);
-    }
-    match recovery::intact(start, &meta, &replayed, options.floor_block) {
-        Ok(header) => open_intact(dir, path, replayed, header, meta, options),
-        Err(loss) => open_after_loss(dir, path, replayed, start, meta, loss.to_string(), 0),
-    }
-}
-
-/// Opens a log that lost nothing acknowledged: whatever follows the valid
-/// records was never acknowledged and is cut off; a version 1 log
-/// (`header` `None`) is rewritten as version 2.
-fn open_intact(
-    dir: &Path,
-    path: &Path,
-    replayed: Replayed,
-    header: Option<Header>,
-    meta: MetaFile,
-    options: &FileJournalOptions,
-) -> Result<Opened, JournalError> {
-    let Replayed {
-        leases,
-        good_len,
-        torn_bytes,
-        max_token,
-        forgotten_above,
-        identity,
-    } = replayed;
-    let (floor, reserved) = recovery::intact_floors(header, &meta, max_token);
-    let reserved = match reserved {
-        Some(reserved) => reserved,
-        None => {
-            // Rebuilt from the log (a missing meta file, a version 1 log).
-            let meta = Meta {
-                reserved: max_token.max(floor).saturating_add(options.floor_block),
-                floor,
-                identity,
-                previous: identity,
-            };
-            write_meta(dir, meta).map_err(|e| err("cannot write", &dir.join(META_FILE), e))?;
-            meta.reserved
-        }
-    };
-    let (file, len, header) = match header {
-        None => {
-            let (file, len) = write_log_at_start(
-                dir,
-                path,
-                leases.values(),
-                (floor, forgotten_above, identity),
-                "cannot rewrite",
-            )?;
-            tracing::info!(journal = %path.display(), "journal rewritten in format version 2");
-            let header = Header {
-                seq: 1,
-                durable_len: len,
-                compacted_len: len,
-                token_floor: floor,
-            };
-            (file, len, header)
-        }
-        Some(header) => {
-            let mut file = open_log(path)?;
-            if torn_bytes > 0 {
-                tracing::warn!(
-                    journal = %path.display(),
-                    offset = good_len,
-                    bytes = torn_bytes,
-                    "journal tail torn (a write that was never acknowledged): cutting it off"
-                );
-                file.set_len(good_len)
-                    .and_then(|()| file.sync_all())
-                    .map_err(|e| err("cannot cut the torn tail of", path, e))?;
-            }
-            file.seek(SeekFrom::Start(good_len))
-                .map_err(|e| err("cannot seek", path, e))?;
-            let header = Header {
-                token_floor: floor,
-                ..header
-            };
-            (file, good_len, header)
-        }
-    };
-    Ok(Opened {
-        file,
-        len,
-        header,
-        reserved,
-        identity,
-        recovered: Recovered {
-            leases: leases.into_values().collect(),
-            torn_bytes,
-            token_floor: floor,
-            forgotten_above,
-            lost_records: None,
-        },
-    })
-}
-
-/// Opens a log that may have lost acknowledged records (`why`): no token
-/// may be issued again, and no recovered term may come back to life (a
-/// later one may have been lost). Every lease continues above the highest
-/// token known, plus `bump` (tokens a restored backup may not know of). The
-/// damaged log is kept beside the fresh one.
-fn open_after_loss(
-    dir: &Path,
-    path: &Path,
-    replayed: Replayed,
-    start: Start,
-    meta: MetaFile,
-    why: String,
-    bump: u64,
-) -> Result<Opened, JournalError> {
-    let Replayed {
-        mut leases,
-        torn_bytes,
-        max_token,
-        forgotten_above,
-        ..
-    } = replayed;
-    let MetaFile::Found(meta) = meta else {
-        return Err(JournalError(format!(
-            "{}: {why}, and {} is missing or damaged, so the tokens already issued cannot be \
+/// What a start decided about the directory ([`recovery::open_plan`]),
+/// as the message the shell shows: the file names in full.
+fn unopenable(dir: &Path, path: &Path, why: Unopenable) -> JournalError {
+    let meta_path = dir.join(META_FILE);
+    JournalError(match why {
+        Unopenable::Refused(Refusal(why)) => format!("{} {why}", path.display()),
+        Unopenable::GoneUnbounded { what } => format!(
+            "{} is {what} and {} is damaged: the tokens already issued cannot be bounded; \
+             put back the files this directory had",
+            path.display(),
+            meta_path.display()
+        ),
+        Unopenable::Gone { what, floor } => format!(
+            "{} is {what}, but {} says this data directory holds a lease store: its leases \
+             and terms are gone. Put back the {JOURNAL_FILE} this directory had (not an older \
+             copy: it would issue tokens again), or start once with --accept-journal-loss to \
+             go on without it: every lease is then free, and its tokens continue above \
+             {floor} (none is reissued)",
+            path.display(),
+            meta_path.display(),
+        ),
+        Unopenable::LostUnbounded(loss) => format!(
+            "{}: {loss}, and {} is missing or damaged, so the tokens already issued cannot be \
              bounded; put back the files this directory had",
             path.display(),
-            dir.join(META_FILE).display()
-        )));
-    };
-    let floor = recovery::after_loss(&mut leases, max_token, start, meta, bump);
-    // The fresh log carries no identity until the start gives it one.
-    let meta = Meta {
-        reserved: floor,
-        floor,
-        ..Meta::default()
-    };
-    write_meta(dir, meta).map_err(|e| err("cannot write", &dir.join(META_FILE), e))?;
-    // A copy of the damaged log is kept (never over an earlier one); the
-    // fresh log then replaces it in one rename, so a crash in between finds
-    // the damaged log again and repeats this.
-    let damaged = damaged_copy_path(dir).map_err(|e| err("cannot keep a copy of", path, e))?;
-    keep_copy(path, &damaged).map_err(|e| err("cannot keep a copy of", path, e))?;
-    let (file, len) = write_log_at_start(
-        dir,
-        path,
-        leases.values(),
-        (floor, forgotten_above, 0),
-        "cannot rewrite",
-    )?;
-    tracing::error!(
-        journal = %path.display(),
-        kept = %damaged.display(),
-        token_floor = floor,
-        leases = leases.len(),
-        "journal lost acknowledged records ({why}): every lease continues above the token floor, \
-         and every recovered term has ended"
-    );
-    Ok(Opened {
-        file,
-        len,
-        header: Header {
-            seq: 1,
-            durable_len: len,
-            compacted_len: len,
-            token_floor: floor,
-        },
-        reserved: floor,
-        identity: 0,
-        recovered: Recovered {
-            leases: leases.into_values().collect(),
-            torn_bytes,
-            token_floor: floor,
-            forgotten_above,
-            lost_records: Some(why),
-        },
+            meta_path.display()
+        ),
     })
+}
+
+/// Carries out a start's steps, in order; the log, open at its end.
+fn carry_out(dir: &Path, path: &Path, plan: &OpenPlan, fresh: bool) -> Result<File, JournalError> {
+    let meta_path = dir.join(META_FILE);
+    let mut log = None;
+    for step in &plan.steps {
+        match step {
+            OpenStep::WriteMeta(meta) => {
+                write_meta(dir, *meta).map_err(|e| err("cannot write", &meta_path, e))?;
+            }
+            OpenStep::KeepDamagedCopy => {
+                let damaged = damaged_copy_path(dir)
+                    .and_then(|damaged| keep_copy(path, &damaged).map(|()| damaged))
+                    .map_err(|e| err("cannot keep a copy of", path, e))?;
+                tracing::error!(
+                    journal = %path.display(),
+                    kept = %damaged.display(),
+                    "journal lost acknowledged records: the log as found is kept"
+                );
+            }
+            OpenStep::WriteLog(image) => {
+                let what = if fresh {
+                    "cannot initialise"
+                } else {
+                    "cannot rewrite"
+                };
+                log = Some(write_log_at_start(dir, path, image, what)?);
+            }
+            OpenStep::CutLog(len) => {
+                tracing::warn!(
+                    journal = %path.display(),
+                    offset = len,
+                    bytes = plan.recovered.torn_bytes,
+                    "journal tail torn (a write that was never acknowledged): cutting it off"
+                );
+                let file = open_log(path)?;
+                file.set_len(*len)
+                    .and_then(|()| file.sync_all())
+                    .map_err(|e| err("cannot cut the torn tail of", path, e))?;
+                log = Some(file);
+            }
+        }
+    }
+    let mut log = match log {
+        Some(log) => log,
+        None => open_log(path)?,
+    };
+    log.seek(SeekFrom::Start(plan.len))
+        .map_err(|e| err("cannot seek", path, e))?;
+    let recovered = &plan.recovered;
+    match &recovered.lost_records {
+        Some(why @ Loss::Accepted { .. }) => tracing::error!(
+            journal = %path.display(),
+            token_floor = recovered.token_floor,
+            "{why}: every lease is free and continues above the token floor"
+        ),
+        Some(why) => tracing::error!(
+            journal = %path.display(),
+            token_floor = recovered.token_floor,
+            leases = recovered.leases.len(),
+            "journal lost acknowledged records ({why}): every lease continues above the token \
+             floor, and every recovered term has ended"
+        ),
+        None if !fresh
+            && plan
+                .steps
+                .iter()
+                .any(|s| matches!(s, OpenStep::WriteLog(_))) =>
+        {
+            tracing::info!(journal = %path.display(), "journal rewritten in format version 2");
+        }
+        None => {}
+    }
+    Ok(log)
 }
 
 impl Journal for FileJournal {
@@ -1226,14 +1040,13 @@ impl Writer {
             previous: self.log_identity,
             ..self.meta
         })?;
-        let written = write_log(
-            &self.dir,
-            &self.path,
+        let image = super::record::log_image(
             state.leases.values(),
             self.header.token_floor,
             state.forgotten_above,
             next,
-        )?;
+        );
+        let written = write_log(&self.dir, &self.path, &image)?;
         // Renamed: from here on the new log is the log, whatever else fails.
         let len = written.len;
         self.file = written.file;
@@ -1635,7 +1448,7 @@ mod tests {
         let why = rec
             .lost_records
             .expect("the old copy was taken for the log");
-        assert!(why.contains("older copy"), "{why}");
+        assert!(why.to_string().contains("older copy"), "{why}");
         assert!(rec.token_floor >= 60, "floor {}", rec.token_floor);
         assert!(rec.leases[0].last_token >= 60);
         let _ = std::fs::remove_dir_all(&dir);
@@ -1664,7 +1477,7 @@ mod tests {
         let why = rec
             .lost_records
             .expect("the old copy was taken for the log");
-        assert!(why.contains("not the log store.meta"), "{why}");
+        assert!(why.to_string().contains("not the log store.meta"), "{why}");
         assert!(rec.token_floor >= 5, "floor {}", rec.token_floor);
         let a = &rec.leases[0];
         assert!(a.last_token >= 5, "{a:?}");
@@ -1827,7 +1640,7 @@ mod tests {
         };
         let (j, rec) = reopen(&dir, &restored);
         let why = rec.lost_records.expect("a restore is a loss");
-        assert!(why.contains("restored from a backup"), "{why}");
+        assert!(why.to_string().contains("restored from a backup"), "{why}");
         assert!(rec.token_floor >= 1004, "floor {}", rec.token_floor);
         assert!(rec
             .leases

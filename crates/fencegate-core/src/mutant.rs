@@ -84,11 +84,19 @@ pub enum Mutant {
     /// outcome still settling ([`crate::lease::retention::Sweep::may_forget`]):
     /// its next term starts with nothing holding it back.
     ForgottenWhileSettling,
+    /// A write abandoned with its outcome unknown holds nothing back
+    /// ([`crate::lease::inflight::WriteLife::abandon`]): the next term
+    /// writes while the storage may still apply it.
+    AbandonedWriteSettled,
+    /// A forgotten lease's state leaves the loaded state without raising
+    /// the mark above its tokens ([`crate::journal::stored::StoredState::apply`]):
+    /// after a takeover its tokens start again from nothing.
+    ForgottenMarkDropped,
 }
 
 impl Mutant {
     /// Every mutant, in the order the tests try them.
-    pub const ALL: [Mutant; 20] = [
+    pub const ALL: [Mutant; 22] = [
         Mutant::BarrierOff,
         Mutant::RestartWindowSkipped,
         Mutant::HeaderBeforeSync,
@@ -109,6 +117,8 @@ impl Mutant {
         Mutant::HandoverIgnoresSettling,
         Mutant::HandoverAssumedClean,
         Mutant::ForgottenWhileSettling,
+        Mutant::AbandonedWriteSettled,
+        Mutant::ForgottenMarkDropped,
     ];
 
     /// The mutant's name on command lines and in `FENCEGATE_TEST_MUTANT`.
@@ -134,6 +144,8 @@ impl Mutant {
             Mutant::HandoverIgnoresSettling => "handover-ignores-settling",
             Mutant::HandoverAssumedClean => "handover-assumed-clean",
             Mutant::ForgottenWhileSettling => "forgotten-while-settling",
+            Mutant::AbandonedWriteSettled => "abandoned-write-settled",
+            Mutant::ForgottenMarkDropped => "forgotten-mark-dropped",
         }
     }
 

@@ -1,9 +1,11 @@
 //! A deterministic simulator that drives fencegate's real core
 //! (`fencegate-core`: the lease state machine, the admission decision with
-//! the handover barrier, the restart rule, the journal's format, the order
-//! of its writes and what a start decides about the log it finds) through a
-//! world that goes wrong at every step, and checks the guarantees after
-//! each one.
+//! the handover barrier and its wait limit, each write's life until it
+//! settles, the restart rule, the journal's format, the order of its writes,
+//! what a start makes of the files it finds and the lease state a member
+//! loads from etcd) through a world that goes wrong at every step, and
+//! checks the guarantees after each one. The rules it plays are the ones
+//! the shell runs, called, not copied.
 //!
 //! The world ([`world`]), all in one thread on one simulated clock, seeded:
 //! - writers that acquire, write, renew and release, each on a clock of its
@@ -14,9 +16,10 @@
 //! - the proxy, its clock restarting at every start, its wall clock off by
 //!   up to the tolerance, and a journal writer that appends, syncs and
 //!   writes headers in the order `fencegate_core::journal::append` gives,
-//!   syncs the batches `fencegate_core::journal::writer` says must be, and
-//!   gives the log a new identity at each start by that module's steps
-//!   (the process may die between any two), on a disk ([`disk`]) that
+//!   syncs the batches `fencegate_core::journal::writer` says must be,
+//!   starts by the steps `fencegate_core::journal::recovery::open_plan`
+//!   lists, and gives the log a new identity at each start by the writer
+//!   module's steps (the process may die between any two), on a disk ([`disk`]) that
 //!   keeps only what was synced: a power cut keeps any subset of the
 //!   writes since (and may tear one), a kill keeps them all, a sync may
 //!   fail, and the disk may lose or flip its last bytes;
@@ -58,7 +61,8 @@
 //!
 //! What it leaves out: etcd keeps each lease's state with the etcd
 //! journal's rules (`fencegate_core::journal::stored`), but not its JSON,
-//! snapshots or write queue (`src/cluster/journal.rs`); the file journal's
+//! snapshots or write queue (`src/cluster/journal.rs`); a start does not
+//! die between the steps of its plan (only during its change of identity); the file journal's
 //! compaction, its changes of identity after growth and at a clean stop
 //! (the same steps as at a start) and older copies put back are not
 //! played; nor are shards: a clean handover happens here when a primary is

@@ -9,11 +9,11 @@ use fencegate_core::cluster;
 use fencegate_core::journal::append::{self, Step};
 use fencegate_core::journal::record::{Header, LeaseRecord, Record};
 use fencegate_core::journal::recovery::{self, Meta, MetaFile};
-use fencegate_core::journal::stored::{StoredGrant, StoredLease};
+use fencegate_core::journal::stored::{StoredGrant, StoredState};
 use fencegate_core::journal::writer::{self, IdentityStep};
 use fencegate_core::lease::admission::{self, Decision, WriteCheck};
 use fencegate_core::lease::id::LeaseId;
-use fencegate_core::lease::inflight::Inflight;
+use fencegate_core::lease::inflight::{Inflight, WriteLife};
 use fencegate_core::lease::machine::{AcquireRefused, LeaseState, Term};
 use fencegate_core::lease::restart::{self, RestartRule};
 use fencegate_core::precondition::{self, KeyStates, Plan, WriteShape};
@@ -265,6 +265,7 @@ enum Op {
     Renew,
     Release,
     Write {
+        /// When it first waited at the barrier, on the proxy's clock.
         first_try_ms: Option<u64>,
         /// On a route with preconditions: which key, a DELETE or a PUT of
         /// which content.
@@ -605,11 +606,10 @@ struct Etcd {
     elected: Option<u64>,
     handed_over: Option<u64>,
     won_clean: bool,
-    /// Leases not loaded continue above this (the journal's mark).
-    forgotten_above: u64,
     /// Every lease's state as the etcd journal keeps it, changed by each
-    /// committed record with the core's rules (`journal::stored`).
-    leases: BTreeMap<String, StoredLease>,
+    /// committed record with the core's rules (`journal::stored`), and as
+    /// a member loads it.
+    state: StoredState,
 }
 
 /// How long `ms` on a clock `skew_ppm` fast lasts on the simulated clock
@@ -654,6 +654,8 @@ struct Write {
     skew_ppm: i64,
     /// On a route with preconditions: what the storage is to evaluate.
     cond: Option<Cond>,
+    /// How long it holds newer terms back, as the shell's write guard.
+    life: WriteLife,
 }
 
 /// A write on a route with preconditions.
@@ -1362,7 +1364,7 @@ impl World {
                     grant.token,
                     p,
                 );
-                slot.wall_deadline_ms = wall + ttl_ms;
+                slot.wall_deadline_ms = restart::wall_deadline(wall, ttl_ms);
                 // etcd keeps a digest of each id, never the id.
                 let stored_id = if proxy.primacy.is_some() {
                     lease_id.sha256()
@@ -1446,14 +1448,15 @@ impl World {
             .renew(p, req.token, Some(&req.lease_id), None, None)
         {
             Ok(grant) => {
-                let due = restart::renewal_recorded(
+                let hint = restart::renewal_hint(
                     previous_ttl_ms,
                     grant.ttl_ms,
                     slot.wall_deadline_ms,
                     wall,
                 );
-                if due {
-                    slot.wall_deadline_ms = wall + grant.ttl_ms;
+                let due = hint.is_some();
+                if let Some(hint) = hint {
+                    slot.wall_deadline_ms = hint;
                 }
                 let expires_in_ms = grant.deadline_ms - p;
                 self.stats.renewals += 1;
@@ -1579,12 +1582,13 @@ impl World {
                 self.forward(req, inc, cond);
             }
             Decision::Wait { until_ms, .. } => {
-                let first = first_try_ms.unwrap_or(self.now);
+                let first = first_try_ms.unwrap_or(p);
                 if first_try_ms.is_none() {
                     self.stats.barrier_waits += 1;
                 }
-                if self.now >= first + max_wait_ms {
-                    // The earlier term's writes did not finish in time: 503.
+                if admission::may_wait(first, p, max_wait_ms, until_ms).is_err() {
+                    // The earlier term's writes did not finish in time, or
+                    // will not: 503.
                     self.reply(&req, Answer::Failed);
                     return;
                 }
@@ -1668,6 +1672,7 @@ impl World {
             rogue,
             skew_ppm: self.proxy.as_ref().map_or(0, |p| p.skew_ppm),
             cond,
+            life: WriteLife::new(req.token, self.cfg.settle_ms),
         });
         if latency < timeout {
             self.after(latency, Ev::Answered(w));
@@ -1751,10 +1756,13 @@ impl World {
             return;
         }
         let p = self.proxy_now();
-        let settle = self.cfg.settle_ms;
-        let (lease, token) = (self.writes[w].lease, self.writes[w].token);
-        if let Some(slot) = self.proxy.as_mut().and_then(|px| px.slots.get_mut(&lease)) {
-            slot.inflight.answered(token, p + settle);
+        let write = &mut self.writes[w];
+        if let Some(slot) = self
+            .proxy
+            .as_mut()
+            .and_then(|px| px.slots.get_mut(&write.lease))
+        {
+            write.life.answered(&mut slot.inflight, p);
         }
         self.writes[w].answered = true;
         self.connection_gone(w);
@@ -1767,9 +1775,10 @@ impl World {
         if self.proxy.as_ref().is_none_or(|p| p.inc != write.inc) {
             return;
         }
-        let (lease, token, client, req) = (write.lease, write.token, write.client, write.req);
+        let (lease, client, req) = (write.lease, write.client, write.req);
+        let write = &mut self.writes[w];
         if let Some(slot) = self.proxy.as_mut().and_then(|px| px.slots.get_mut(&lease)) {
-            slot.inflight.remove(token, true, 0);
+            write.life.finish(&mut slot.inflight);
         }
         self.reply_to(client, req, Answer::Written);
     }
@@ -1780,15 +1789,21 @@ impl World {
         }
         self.learn_write(w, true);
         let p = self.proxy_now();
-        let settle = self.cfg.settle_ms;
-        let (lease, token, client, req) = {
-            let write = &self.writes[w];
-            (write.lease, write.token, write.client, write.req)
-        };
+        let write = &mut self.writes[w];
+        let (client, req) = (write.client, write.req);
         if let Some(px) = self.proxy.as_mut() {
-            px.settling_until_ms = px.settling_until_ms.max(p + settle);
-            if let Some(slot) = px.slots.get_mut(&lease) {
-                slot.inflight.remove(token, false, p + settle);
+            // A lease forgotten meanwhile: the shell's guard keeps its own
+            // (no longer shared) count.
+            let mut gone = Inflight::default();
+            let inflight = px
+                .slots
+                .get_mut(&write.lease)
+                .map_or(&mut gone, |slot| &mut slot.inflight);
+            let ended = write.life.abandon(inflight, p);
+            // As the lease store counts an ended write: its settling time
+            // holds back a handover too.
+            if let Some(ended) = ended.filter(|e| e.settles_at_ms != 0) {
+                px.settling_until_ms = px.settling_until_ms.max(ended.settles_at_ms);
             }
         }
         self.connection_gone(w);
@@ -2454,106 +2469,51 @@ impl World {
         let half = (self.cfg.tolerance_ms / 2) as i64;
         let wall_error_ms = self.rng.i64(-half..=half);
         let unsettled_ms = restart::unsettled_ms(self.cfg.upstream_timeout_ms, self.cfg.settle_ms);
-        let meta = MetaFile::read(self.meta_file.as_deref());
         let bytes = self.log.bytes().to_vec();
-        let mut lost = None;
-        let (leases, header, len, meta, rule) = if bytes.is_empty() {
-            // A new data directory.
-            if !matches!(meta, MetaFile::Missing) {
-                self.fail("the log is gone but the meta file is there".into());
+        let found = recovery::Found {
+            log: &bytes,
+            log_missing: bytes.is_empty(),
+            meta: MetaFile::read(self.meta_file.as_deref()),
+        };
+        let settings = recovery::OpenSettings {
+            floor_block: FLOOR_BLOCK,
+            ..recovery::OpenSettings::default()
+        };
+        let plan = match recovery::open_plan(found, settings) {
+            Ok(plan) => plan,
+            Err(why) => {
+                self.fail(format!("the start refused the log: {why:?}"));
                 return;
             }
-            let image = fencegate_core::journal::record::log_image(std::iter::empty(), 0, 0, 0);
-            let header = Header::read(&image).expect("a fresh image has a header");
-            let len = image.len() as u64;
-            self.log.replace(image);
-            let meta = Meta::default();
-            self.meta_file = Some(meta.encode());
-            (Vec::new(), header, len, meta, RestartRule::default())
-        } else {
-            let (start, replayed) = match recovery::read_log(&bytes) {
-                Ok(r) => r,
-                Err(recovery::Refusal(why)) => {
-                    self.fail(format!("the start refused the log: {why}"));
-                    return;
-                }
-            };
-            match recovery::intact(start, &meta, &replayed, FLOOR_BLOCK) {
-                Ok(header) => {
-                    let Some(header) = header else {
-                        self.fail("a version 1 log in the simulation".into());
-                        return;
-                    };
-                    let (floor, reserved) =
-                        recovery::intact_floors(Some(header), &meta, replayed.max_token);
-                    // As the file journal: the meta file stays, or is
-                    // rebuilt from the log.
-                    let identity = replayed.identity;
-                    let meta = Meta {
-                        reserved: reserved.unwrap_or_else(|| {
-                            replayed.max_token.max(floor).saturating_add(FLOOR_BLOCK)
-                        }),
-                        floor,
-                        identity,
-                        previous: identity,
-                    };
-                    if reserved.is_none() {
-                        self.meta_file = Some(meta.encode());
-                    }
-                    if replayed.torn_bytes > 0 {
-                        self.log.set_len(replayed.good_len);
-                        self.log.sync();
-                    }
-                    let header = Header {
-                        token_floor: floor,
-                        ..header
-                    };
-                    let rule = RestartRule {
-                        unsettled_ms,
-                        token_floor: floor,
-                        lost_records: false,
-                        hashed_ids: false,
-                        forgotten_above: replayed.forgotten_above,
-                    };
-                    let leases = sorted(replayed.leases);
-                    (leases, header, replayed.good_len, meta, rule)
-                }
-                Err(why) => {
-                    let MetaFile::Found(found) = meta else {
-                        self.fail(format!("records lost ({why}) and no meta file"));
-                        return;
-                    };
-                    let mut leases = replayed.leases;
-                    let floor =
-                        recovery::after_loss(&mut leases, replayed.max_token, start, found, 0);
-                    let meta = Meta {
-                        reserved: floor,
-                        floor,
-                        ..Meta::default()
-                    };
-                    self.meta_file = Some(meta.encode());
-                    let leases = sorted(leases);
-                    let image = fencegate_core::journal::record::log_image(
-                        leases.iter(),
-                        floor,
-                        replayed.forgotten_above,
-                        0,
-                    );
-                    let header = Header::read(&image).expect("a fresh image has a header");
-                    let len = image.len() as u64;
-                    self.log.replace(image);
-                    let rule = RestartRule {
-                        unsettled_ms,
-                        token_floor: floor,
-                        lost_records: true,
-                        hashed_ids: false,
-                        forgotten_above: replayed.forgotten_above,
-                    };
-                    lost = Some(why);
-                    (leases, header, len, meta, rule)
-                }
-            }
         };
+        // As the file journal: each step in order (the simulated disk has
+        // no place for the damaged copy, which nothing reads).
+        for step in plan.steps {
+            match step {
+                recovery::OpenStep::WriteMeta(meta) => self.meta_file = Some(meta.encode()),
+                recovery::OpenStep::WriteLog(image) => self.log.replace(image),
+                recovery::OpenStep::CutLog(len) => {
+                    self.log.set_len(len);
+                    self.log.sync();
+                }
+                recovery::OpenStep::KeepDamagedCopy => {}
+            }
+        }
+        let (header, len) = (plan.header, plan.len);
+        let meta = Meta {
+            reserved: plan.reserved,
+            floor: header.token_floor,
+            identity: plan.identity,
+            previous: plan.identity,
+        };
+        let recovered = plan.recovered;
+        let rule = RestartRule {
+            unsettled_ms,
+            ..RestartRule::default()
+        }
+        .recovered(&recovered);
+        let leases = recovered.leases;
+        let lost = recovered.lost_records;
         // Each start gives the log a new identity, as the file journal
         // does: named in the meta file first, then carried by the log
         // (durably), then the old one dropped from the meta file.
@@ -2583,7 +2543,7 @@ impl World {
             queue: Vec::new(),
             writing: false,
         };
-        let Some(ended_by_hint) = self.restore_into(&mut proxy, &leases, now_ms, wall_ms) else {
+        let Some(endings) = self.restore_into(&mut proxy, &leases, now_ms, wall_ms) else {
             return;
         };
         if inc > 1 {
@@ -2593,7 +2553,7 @@ impl World {
             self.stats.starts_after_loss += 1;
         }
         self.damaged = false;
-        self.serve(proxy, ended_by_hint);
+        self.serve(proxy, endings);
         if inc > 1 {
             self.schedule_crash();
         }
@@ -2754,43 +2714,33 @@ impl World {
 }
 
 impl World {
-    /// Restores `records` into `proxy` with the core's restart rule: the
-    /// terms a hint ended are returned (recorded as ended once serving).
+    /// Restores the recovered leases into `proxy` with the core's restart
+    /// rule; the releases to record once serving (terms a hint ended).
     fn restore_into(
         &mut self,
         proxy: &mut Proxy,
         records: &[LeaseRecord],
         now_ms: u64,
         wall_ms: u64,
-    ) -> Option<Vec<(usize, u64)>> {
-        let mut ended_by_hint = Vec::new();
-        for record in records {
-            let Some(lease) = lease_index(&record.lease) else {
+    ) -> Option<Vec<restart::Ending>> {
+        let tolerance_ms = self.cfg.tolerance_ms;
+        let restored =
+            restart::restore_all(records.to_vec(), &proxy.rule, now_ms, wall_ms, tolerance_ms);
+        let restart::Restoration { leases, endings } = match restored {
+            Ok(r) => r,
+            Err(why) => {
+                self.fail(format!("the start refused a lease: {why}"));
+                return None;
+            }
+        };
+        for restored in leases {
+            let Some(lease) = lease_index(restored.name.as_str()) else {
                 self.fail(format!(
                     "a lease the simulation never named: {}",
-                    record.lease
+                    restored.name.as_str()
                 ));
                 return None;
             };
-            let tolerance_ms = self.cfg.tolerance_ms;
-            let restored = match restart::restore(
-                record.clone(),
-                &proxy.rule,
-                now_ms,
-                wall_ms,
-                tolerance_ms,
-            ) {
-                Ok(r) => r,
-                Err(why) => {
-                    self.fail(format!("the start refused lease l{lease}: {why}"));
-                    return None;
-                }
-            };
-            if restored.ended_by_hint {
-                if let Some(t) = restored.state.term() {
-                    ended_by_hint.push((lease, t.token));
-                }
-            }
             proxy.slots.insert(
                 lease,
                 Slot {
@@ -2802,21 +2752,21 @@ impl World {
                 },
             );
         }
-        Some(ended_by_hint)
+        Some(endings)
     }
 
     /// `proxy` serves from now on; a term its hint ended is recorded as
     /// ended.
-    fn serve(&mut self, proxy: Proxy, ended_by_hint: Vec<(usize, u64)>) {
+    fn serve(&mut self, proxy: Proxy, endings: Vec<restart::Ending>) {
         let inc = proxy.inc;
         self.proxy = Some(proxy);
         let every = self.rng.u64(20..=200);
         self.after(every, Ev::Sweep(inc));
-        for (lease, token) in ended_by_hint {
+        for ending in endings {
             let record = Record::Release {
-                lease: lease_name(lease),
-                token,
-                quiet: false,
+                lease: ending.lease.as_str().to_owned(),
+                token: ending.token,
+                quiet: ending.quiet,
             };
             self.queue(record, Ack::Durable);
         }
@@ -3231,16 +3181,17 @@ impl World {
     /// rules.
     fn etcd_apply(&mut self, batch: &[Queued]) {
         for q in batch {
-            let Some(lease) = q.record.lease() else {
-                continue;
+            // As the etcd journal: the lease's state, changed, written if
+            // the change changed it (a forget always is).
+            let lease = match &q.record {
+                Record::Forget { lease, .. } => lease.as_str(),
+                record => match record.lease() {
+                    Some(lease) => lease,
+                    None => continue,
+                },
             };
-            let state = self.etcd.leases.entry(lease.to_owned()).or_default();
-            if state.forgotten {
-                // The journal dropped it from its state (the mark keeps
-                // its tokens): a later change starts afresh.
-                *state = StoredLease::default();
-            }
-            match &q.record {
+            let mut state = self.etcd.state.lease(lease);
+            let changed = match &q.record {
                 Record::Grant {
                     token,
                     holder,
@@ -3249,30 +3200,32 @@ impl World {
                     quiet,
                     wall_ms,
                     ..
-                } => state.grant(StoredGrant {
-                    token: *token,
-                    holder,
-                    ttl_ms: *ttl_ms,
-                    lease_id_sha256: *lease_id,
-                    quiet: *quiet,
-                    wall_ms: *wall_ms,
-                }),
+                } => {
+                    state.grant(StoredGrant {
+                        token: *token,
+                        holder,
+                        ttl_ms: *ttl_ms,
+                        lease_id_sha256: *lease_id,
+                        quiet: *quiet,
+                        wall_ms: *wall_ms,
+                    });
+                    true
+                }
                 Record::Renew {
                     token,
                     ttl_ms,
                     wall_ms,
                     ..
-                } => {
-                    state.renew(*token, *ttl_ms, *wall_ms);
-                }
-                Record::Release { token, quiet, .. } => {
-                    state.release(*token, *quiet);
-                }
+                } => state.renew(*token, *ttl_ms, *wall_ms),
+                Record::Release { token, quiet, .. } => state.release(*token, *quiet),
                 Record::Forget { last_token, .. } => {
                     state.forget(*last_token);
-                    self.etcd.forgotten_above = self.etcd.forgotten_above.max(*last_token);
+                    true
                 }
-                _ => {}
+                _ => false,
+            };
+            if changed {
+                self.etcd.state.apply(lease.to_owned(), state);
             }
         }
     }
@@ -3306,13 +3259,7 @@ impl World {
         self.stats.clean_takeovers += u64::from(clean);
         // What the member loads: every lease etcd holds, as the etcd
         // journal's records (ids as digests).
-        let records: Vec<LeaseRecord> = self
-            .etcd
-            .leases
-            .iter()
-            .filter(|(_, s)| !s.forgotten)
-            .map(|(name, s)| s.to_record(name.clone()))
-            .collect();
+        let records = self.etcd.state.records();
         self.incarnation += 1;
         let inc = self.incarnation;
         self.inc_member.push(m);
@@ -3331,7 +3278,7 @@ impl World {
         let rule = fencegate_core::cluster::takeover_rule(
             clean,
             restart::unsettled_ms(self.cfg.upstream_timeout_ms, self.cfg.settle_ms),
-            self.etcd.forgotten_above,
+            self.etcd.state.forgotten_above(),
         );
         let until_ms = fencegate_core::cluster::primacy_deadline(
             confirmed_ms,
@@ -3363,11 +3310,11 @@ impl World {
             queue: Vec::new(),
             writing: false,
         };
-        let Some(ended_by_hint) = self.restore_into(&mut proxy, &records, now_ms, wall_ms) else {
+        let Some(endings) = self.restore_into(&mut proxy, &records, now_ms, wall_ms) else {
             return;
         };
         self.check_start(&records, &proxy, now_ms, wall_ms, None);
-        self.serve(proxy, ended_by_hint);
+        self.serve(proxy, endings);
     }
 }
 
@@ -3380,12 +3327,6 @@ fn lease_index(name: &str) -> Option<usize> {
 }
 
 /// The recovered leases in name order (the core hands them over in a map).
-fn sorted(leases: std::collections::HashMap<String, LeaseRecord>) -> Vec<LeaseRecord> {
-    let mut leases: Vec<LeaseRecord> = leases.into_values().collect();
-    leases.sort_by(|a, b| a.lease.cmp(&b.lease));
-    leases
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

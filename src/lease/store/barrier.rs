@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use super::{LeaseCell, LeaseStore};
 use crate::lease::admission::{self, Decision, WriteCheck};
+use crate::lease::inflight::{Ended, WriteLife};
 use crate::lease::machine::Reject;
 
 /// Counters of the handover barrier, for metrics.
@@ -59,20 +60,7 @@ impl Default for AdmitOptions {
 pub struct WriteGuard {
     store: LeaseStore,
     cell: Arc<LeaseCell>,
-    token: u64,
-    settle_ms: u64,
-    phase: Phase,
-}
-
-/// Where an admitted write is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Phase {
-    /// Sent (or about to be), no answer yet.
-    Awaiting,
-    /// Answered; its response body is being sent until at most then.
-    Streaming { until_ms: u64 },
-    /// Over, and counted so.
-    Done,
+    life: WriteLife,
 }
 
 /// A write that may go to the backend.
@@ -126,54 +114,38 @@ pub enum AdmitError {
 impl std::fmt::Debug for WriteGuard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WriteGuard")
-            .field("token", &self.token)
+            .field("token", &self.life.token())
             .finish()
     }
 }
 
 impl WriteGuard {
-    /// The backend answered (the response head arrived) and a body follows.
-    /// From now on the write holds back newer terms only until the body ends
-    /// or the settle time has passed, whichever comes first: the backend has
-    /// answered, so a client that stops reading the body cannot hold the next
-    /// term at the barrier.
+    /// The backend answered (the response head arrived) and a body follows
+    /// ([`WriteLife::answered`]): from now on the write holds back newer
+    /// terms only until the body ends or the settle time has passed.
     pub fn answered(&mut self) {
-        if self.phase != Phase::Awaiting {
-            return;
-        }
-        let until_ms = self.store.clock().now_ms().saturating_add(self.settle_ms);
-        if self.cell.inflight().answered(self.token, until_ms) {
+        let now_ms = self.store.clock().now_ms();
+        if self.life.answered(&mut self.cell.inflight(), now_ms) {
             self.cell.changed.notify_waiters();
         }
-        self.phase = Phase::Streaming { until_ms };
     }
 
     /// The write is complete (its whole response has arrived): it stops
     /// counting as in flight now.
     pub fn finish(mut self) {
-        self.end(0);
+        let ended = self.life.finish(&mut self.cell.inflight());
+        self.ended(ended);
     }
 
     /// The write's token.
     pub fn token(&self) -> u64 {
-        self.token
+        self.life.token()
     }
 
-    /// Counts the write over; it holds back newer terms until
-    /// `linger_until_ms` (0: not at all).
-    fn end(&mut self, linger_until_ms: u64) {
-        let streaming = match self.phase {
-            Phase::Done => return,
-            Phase::Awaiting => false,
-            Phase::Streaming { .. } => true,
-        };
-        self.phase = Phase::Done;
-        let removed = self
-            .cell
-            .inflight()
-            .remove(self.token, streaming, linger_until_ms);
-        self.store.count_ended(&self.cell, linger_until_ms);
-        if removed {
+    fn ended(&self, ended: Option<Ended>) {
+        let Some(ended) = ended else { return };
+        self.store.count_ended(&self.cell, ended.settles_at_ms);
+        if ended.wake {
             self.cell.changed.notify_waiters();
         }
     }
@@ -181,16 +153,11 @@ impl WriteGuard {
 
 impl Drop for WriteGuard {
     fn drop(&mut self) {
-        // Unfinished: the outcome is unknown, and the backend may still apply
-        // the write. It holds back newer terms for the settle time (from
-        // now, or, once answered, from the answer).
-        let linger_until_ms = match self.phase {
-            Phase::Done => return,
-            _ if self.settle_ms == 0 => 0,
-            Phase::Awaiting => self.store.clock().now_ms().saturating_add(self.settle_ms),
-            Phase::Streaming { until_ms } => until_ms,
-        };
-        self.end(linger_until_ms);
+        // Unfinished: the outcome is unknown, and the backend may still
+        // apply the write ([`WriteLife::abandon`]).
+        let now_ms = self.store.clock().now_ms();
+        let ended = self.life.abandon(&mut self.cell.inflight(), now_ms);
+        self.ended(ended);
     }
 }
 
@@ -257,9 +224,7 @@ impl LeaseStore {
         Admission::Admitted(WriteGuard {
             store: self.clone(),
             cell: cell.clone(),
-            token,
-            settle_ms: options.settle_ms,
-            phase: Phase::Awaiting,
+            life: WriteLife::new(token, options.settle_ms),
         })
     }
 
@@ -309,18 +274,17 @@ impl LeaseStore {
                 );
                 now_ms
             });
-            let wait_until_ms = started.saturating_add(options.max_wait_ms);
-            // A wait known to outlast the limit is refused at once.
-            let hopeless = wait.until_ms.filter(|&until| until > wait_until_ms);
-            if now_ms >= wait_until_ms || hopeless.is_some() {
+            if let Err(late) =
+                admission::may_wait(started, now_ms, options.max_wait_ms, wait.until_ms)
+            {
                 self.shared
                     .stats
                     .barrier_timeouts
                     .fetch_add(1, Ordering::Relaxed);
                 return Err(AdmitError::DrainTimeout {
                     older_token: wait.older_token,
-                    waited_ms: now_ms - started,
-                    retry_after_ms: hopeless.map(|until| until - now_ms),
+                    waited_ms: late.waited_ms,
+                    retry_after_ms: late.retry_after_ms,
                 });
             }
             // Listen first, then re-check: a drain between the check above
@@ -339,7 +303,7 @@ impl LeaseStore {
             let wake_ms = wait
                 .deadline_ms
                 .saturating_sub(options.margin_ms)
-                .min(wait_until_ms)
+                .min(started.saturating_add(options.max_wait_ms))
                 .min(wait.until_ms.unwrap_or(u64::MAX));
             tokio::select! {
                 () = notified => {}

@@ -346,7 +346,6 @@ impl LeaseStore {
         let mut store = Self::new(clock, limits, journal);
         let now_ms = store.shared.clock.now_ms();
         let wall_ms = store.shared.clock.wall_ms();
-        let mut ended_by_hint = 0u64;
         let shared = Arc::get_mut(&mut store.shared).expect("a new store is not shared yet");
         shared.unsettled_until_ms = now_ms.saturating_add(rule.unsettled_ms);
         shared.token_floor = rule.token_floor;
@@ -362,34 +361,29 @@ impl LeaseStore {
         if longest_ttl_ms > limits.max_ttl_ms {
             shared.live_terms = LiveTerms::new(longest_ttl_ms);
         }
-        for lease in recovered {
-            let restart::Restored {
-                name,
-                state,
-                unsettled_from,
-                wall_deadline_ms,
-                ended_by_hint: ended,
-            } = restart::restore(
-                lease,
-                &rule,
-                now_ms,
-                wall_ms,
-                limits.wall_clock_tolerance_ms,
-            )
-            .map_err(|e| JournalError(e.to_string()))?;
-            if ended {
-                // Recorded as ended (not quiet: its writes may be unfinished),
-                // so a later start whose wall clock went back keeps it ended.
-                if let Some(t) = state.term() {
-                    drop(
-                        store
-                            .shared
-                            .journal
-                            .persist_release(name.as_str(), t.token, false),
-                    );
-                }
-                ended_by_hint += 1;
-            }
+        let restart::Restoration { leases, endings } = restart::restore_all(
+            recovered,
+            &rule,
+            now_ms,
+            wall_ms,
+            limits.wall_clock_tolerance_ms,
+        )
+        .map_err(|e| JournalError(e.to_string()))?;
+        for ending in &endings {
+            drop(store.shared.journal.persist_release(
+                ending.lease.as_str(),
+                ending.token,
+                ending.quiet,
+            ));
+        }
+        for restart::Restored {
+            name,
+            state,
+            unsettled_from,
+            wall_deadline_ms,
+            ..
+        } in leases
+        {
             store.shared.live_terms.track(None, live_deadline(&state));
             lock(&store.shared.names).insert(name.as_str().into());
             store.shared.leases.insert(
@@ -402,9 +396,9 @@ impl LeaseStore {
                 }),
             );
         }
-        if ended_by_hint > 0 {
+        if !endings.is_empty() {
             tracing::info!(
-                terms = ended_by_hint,
+                terms = endings.len(),
                 "recovered terms ended by their wall-clock hint: they had ended before the restart"
             );
         }
@@ -576,7 +570,7 @@ impl LeaseStore {
         );
         let quiet = slot.quiet_below(grant.token, now_ms, self.shared.unsettled_until_ms);
         let wall_ms = self.shared.clock.wall_ms();
-        slot.wall_deadline_ms = wall_ms.saturating_add(ttl_ms);
+        slot.wall_deadline_ms = restart::wall_deadline(wall_ms, ttl_ms);
         let persisted = self.shared.journal.persist_grant(GrantRecord {
             lease: name.as_str().to_owned(),
             token: grant.token,
@@ -755,23 +749,26 @@ impl LeaseStore {
         };
         // After a restart the term is held for a full TTL, or less if the
         // wall-clock hint says it had ended: which renewals are recorded is
-        // the core's rule (`restart::renewal_recorded`). Queued
+        // the core's rule (`restart::renewal_hint`). Queued
         // under the guard, like every record of a lease, so records keep
         // the order of events.
         let wall_ms = self.shared.clock.wall_ms();
-        if restart::renewal_recorded(
+        let hint = restart::renewal_hint(
             previous_ttl_ms,
             grant.ttl_ms,
             slot.wall_deadline_ms,
             wall_ms,
-        ) && self
-            .shared
-            .journal
-            .record_renew(name, token, renewed.ttl_ms, wall_ms)
-        {
+        );
+        if let Some(hint) = hint {
             // Only a hint the journal took: a dropped one is due again at
             // the next renewal.
-            slot.wall_deadline_ms = wall_ms.saturating_add(grant.ttl_ms);
+            if self
+                .shared
+                .journal
+                .record_renew(name, token, renewed.ttl_ms, wall_ms)
+            {
+                slot.wall_deadline_ms = hint;
+            }
         }
         drop(slot);
         Ok(renewed)

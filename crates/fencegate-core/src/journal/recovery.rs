@@ -14,14 +14,17 @@
 //! - otherwise acknowledged records may be lost ([`after_loss`]): every
 //!   lease continues above the highest floor known and every recovered term
 //!   is ended, so no token is issued again and no ended term is revived.
+//!
+//! [`open_plan`] applies them all: what a start found in, the steps to
+//! take on the disk and what it recovered out.
 
 use std::collections::HashMap;
 
 use crate::mutant::{planted, Mutant};
 
 use super::record::{
-    read_frame, Frame, Header, LeaseRecord, Record, FILE_MAGIC, FILE_MAGIC_V1, FRAME_MAGIC,
-    HEADER_LEN,
+    log_image, read_frame, Frame, Header, LeaseRecord, Record, FILE_MAGIC, FILE_MAGIC_V1,
+    FRAME_MAGIC, HEADER_LEN,
 };
 
 /// The log's file name in the data directory.
@@ -272,6 +275,12 @@ pub enum Loss {
     HeaderDamaged,
     /// The valid records end before what was synced.
     Torn { good_len: u64, durable_len: u64 },
+    /// The directory was restored from a backup
+    /// ([`OpenSettings::restored_from_backup`]).
+    RestoredFromBackup { bump: u64 },
+    /// The log was gone, and the start was told to go on without it
+    /// ([`OpenSettings::accept_journal_loss`]).
+    Accepted { what: &'static str },
 }
 
 impl std::fmt::Display for Loss {
@@ -297,6 +306,14 @@ impl std::fmt::Display for Loss {
             } => write!(
                 f,
                 "the valid records end at byte {good_len}, but {durable_len} bytes were synced"
+            ),
+            Self::RestoredFromBackup { bump } => write!(
+                f,
+                "the data directory was restored from a backup (--restored-from-backup {bump})"
+            ),
+            Self::Accepted { what } => write!(
+                f,
+                "{JOURNAL_FILE} was {what} (started with --accept-journal-loss)"
             ),
         }
     }
@@ -412,6 +429,287 @@ pub fn after_loss(
     floor
 }
 
+/// What a start found in the data directory.
+#[derive(Clone, Copy, Debug)]
+pub struct Found<'a> {
+    /// The log's bytes (none: the log is missing or empty).
+    pub log: &'a [u8],
+    /// Whether there was no log file at all (rather than an empty one).
+    pub log_missing: bool,
+    /// The meta file.
+    pub meta: MetaFile,
+}
+
+/// How a start may treat what it found.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OpenSettings {
+    /// How far ahead of the highest token the meta file's floor is raised.
+    pub floor_block: u64,
+    /// A missing or empty log beside a meta file: go on without it, every
+    /// lease free and above the meta file's floor (`--accept-journal-loss`).
+    pub accept_journal_loss: bool,
+    /// The directory was restored from a backup that may lack this many of
+    /// the tokens issued since (`--restored-from-backup`).
+    pub restored_from_backup: Option<u64>,
+}
+
+/// One I/O step of a start, in the order [`open_plan`] lists them: a crash
+/// between two steps leaves files the next start reads the same way.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OpenStep {
+    /// Keep a copy of the log as found, beside it (never over an earlier
+    /// copy): it may have lost acknowledged records.
+    KeepDamagedCopy,
+    /// Replace the log with these bytes, durably (a temporary file synced
+    /// and renamed over it, the directory synced).
+    WriteLog(Vec<u8>),
+    /// Cut the log at this length, durably: a torn tail nobody was told of.
+    CutLog(u64),
+    /// Replace the meta file, durably.
+    WriteMeta(Meta),
+}
+
+/// What a start recovered, for the lease store to restore.
+#[derive(Debug)]
+pub struct Recovered {
+    /// Every lease the log holds, with its latest term, by name.
+    pub leases: Vec<LeaseRecord>,
+    /// Bytes cut from a torn tail (0 if the log ended cleanly).
+    pub torn_bytes: u64,
+    /// Every lease's tokens, known or new, continue above this.
+    pub token_floor: u64,
+    /// Leases the log no longer holds (forgotten ones, and names never
+    /// seen) continue above this.
+    pub forgotten_above: u64,
+    /// Set when acknowledged records may have been lost (and how): every
+    /// recovered term was ended and every lease continues above the floor.
+    pub lost_records: Option<Loss>,
+}
+
+/// What a start does: the steps, then the log and meta file the journal
+/// writer goes on with, and what it recovered.
+#[derive(Debug)]
+pub struct OpenPlan {
+    pub steps: Vec<OpenStep>,
+    /// The log's header once the steps are done.
+    pub header: Header,
+    /// The log's length once the steps are done.
+    pub len: u64,
+    /// The meta file's reserved floor once the steps are done.
+    pub reserved: u64,
+    /// The log's identity (0: none yet; the start gives it one).
+    pub identity: u64,
+    pub recovered: Recovered,
+}
+
+/// Why a start cannot go on with what it found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Unopenable {
+    /// The log is not one this version can read.
+    Refused(Refusal),
+    /// No log (`what`: "missing" or "empty") and a damaged meta file.
+    GoneUnbounded { what: &'static str },
+    /// No log, but the meta file says the directory held a lease store
+    /// whose tokens continue above `floor`.
+    Gone { what: &'static str, floor: u64 },
+    /// Acknowledged records may be lost, and there is no meta file to
+    /// bound the tokens already issued.
+    LostUnbounded(Loss),
+}
+
+/// What a start does with what it `found`: the rules of the module docs,
+/// as steps for the file journal (and the simulator) to carry out.
+pub fn open_plan(found: Found<'_>, options: OpenSettings) -> Result<OpenPlan, Unopenable> {
+    if found.log.is_empty() {
+        return open_empty(found, options);
+    }
+    let (start, replayed) = read_log(found.log).map_err(Unopenable::Refused)?;
+    let verdict = match options.restored_from_backup {
+        Some(bump) => Err((Loss::RestoredFromBackup { bump }, bump)),
+        None => intact(start, &found.meta, &replayed, options.floor_block).map_err(|l| (l, 0)),
+    };
+    match verdict {
+        Ok(header) => Ok(open_intact(replayed, header, found.meta, options)),
+        Err((loss, bump)) => open_after_loss(replayed, start, found.meta, loss, bump),
+    }
+}
+
+/// The header of a log just written as `image`: one durable write.
+fn written(image: &[u8], token_floor: u64) -> Header {
+    let len = image.len() as u64;
+    Header {
+        seq: 1,
+        durable_len: len,
+        compacted_len: len,
+        token_floor,
+    }
+}
+
+fn by_name(leases: HashMap<String, LeaseRecord>) -> Vec<LeaseRecord> {
+    let mut leases: Vec<LeaseRecord> = leases.into_values().collect();
+    leases.sort_unstable_by(|a, b| a.lease.cmp(&b.lease));
+    leases
+}
+
+/// No log (or an empty one): a new store, or a lost log. The new log is
+/// written first, then the meta file that says the directory was
+/// initialised.
+fn open_empty(found: Found<'_>, options: OpenSettings) -> Result<OpenPlan, Unopenable> {
+    let what = if found.log_missing {
+        "missing"
+    } else {
+        "empty"
+    };
+    let meta = match found.meta {
+        MetaFile::Missing => Meta::default(),
+        MetaFile::Corrupt => return Err(Unopenable::GoneUnbounded { what }),
+        MetaFile::Found(meta) if options.accept_journal_loss => Meta {
+            reserved: meta.reserved,
+            floor: meta.reserved.max(meta.floor),
+            ..Meta::default()
+        },
+        MetaFile::Found(meta) => {
+            return Err(Unopenable::Gone {
+                what,
+                floor: meta.reserved.max(meta.floor),
+            })
+        }
+    };
+    let image = log_image(std::iter::empty(), meta.floor, 0, 0);
+    let header = written(&image, meta.floor);
+    Ok(OpenPlan {
+        steps: vec![OpenStep::WriteLog(image), OpenStep::WriteMeta(meta)],
+        header,
+        len: header.durable_len,
+        reserved: meta.reserved,
+        identity: 0,
+        recovered: Recovered {
+            leases: Vec::new(),
+            torn_bytes: 0,
+            token_floor: meta.floor,
+            forgotten_above: 0,
+            lost_records: (meta.floor > 0).then_some(Loss::Accepted { what }),
+        },
+    })
+}
+
+/// A log that lost nothing acknowledged: whatever follows the valid records
+/// was never acknowledged and is cut off; a version 1 log (`header` `None`)
+/// is rewritten as version 2. A meta file that must be rebuilt from the log
+/// is written first.
+fn open_intact(
+    replayed: Replayed,
+    header: Option<Header>,
+    meta: MetaFile,
+    options: OpenSettings,
+) -> OpenPlan {
+    let Replayed {
+        leases,
+        good_len,
+        torn_bytes,
+        max_token,
+        forgotten_above,
+        identity,
+    } = replayed;
+    let leases = by_name(leases);
+    let (floor, reserved) = intact_floors(header, &meta, max_token);
+    let mut steps = Vec::new();
+    let reserved = reserved.unwrap_or_else(|| {
+        // Rebuilt from the log (a missing meta file, a version 1 log).
+        let meta = Meta {
+            reserved: max_token.max(floor).saturating_add(options.floor_block),
+            floor,
+            identity,
+            previous: identity,
+        };
+        steps.push(OpenStep::WriteMeta(meta));
+        meta.reserved
+    });
+    let (header, len) = match header {
+        None => {
+            let image = log_image(leases.iter(), floor, forgotten_above, identity);
+            let header = written(&image, floor);
+            steps.push(OpenStep::WriteLog(image));
+            (header, header.durable_len)
+        }
+        Some(header) => {
+            if torn_bytes > 0 {
+                steps.push(OpenStep::CutLog(good_len));
+            }
+            let header = Header {
+                token_floor: floor,
+                ..header
+            };
+            (header, good_len)
+        }
+    };
+    OpenPlan {
+        steps,
+        header,
+        len,
+        reserved,
+        identity,
+        recovered: Recovered {
+            leases,
+            torn_bytes,
+            token_floor: floor,
+            forgotten_above,
+            lost_records: None,
+        },
+    }
+}
+
+/// A log that may have lost acknowledged records (`loss`): [`after_loss`].
+/// The meta file with the new floor is written first; then a copy of the
+/// log as found is kept, and the fresh log replaces it in one rename, so a
+/// crash in between finds the damaged log again and repeats this.
+fn open_after_loss(
+    replayed: Replayed,
+    start: Start,
+    meta: MetaFile,
+    loss: Loss,
+    bump: u64,
+) -> Result<OpenPlan, Unopenable> {
+    let Replayed {
+        mut leases,
+        torn_bytes,
+        max_token,
+        forgotten_above,
+        ..
+    } = replayed;
+    let MetaFile::Found(meta) = meta else {
+        return Err(Unopenable::LostUnbounded(loss));
+    };
+    let floor = after_loss(&mut leases, max_token, start, meta, bump);
+    let leases = by_name(leases);
+    // The fresh log carries no identity until the start gives it one.
+    let meta = Meta {
+        reserved: floor,
+        floor,
+        ..Meta::default()
+    };
+    let image = log_image(leases.iter(), floor, forgotten_above, 0);
+    let header = written(&image, floor);
+    Ok(OpenPlan {
+        steps: vec![
+            OpenStep::WriteMeta(meta),
+            OpenStep::KeepDamagedCopy,
+            OpenStep::WriteLog(image),
+        ],
+        header,
+        len: header.durable_len,
+        reserved: floor,
+        identity: 0,
+        recovered: Recovered {
+            leases,
+            torn_bytes,
+            token_floor: floor,
+            forgotten_above,
+            lost_records: Some(loss),
+        },
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -434,6 +732,160 @@ mod tests {
         }
         assert_eq!(MetaFile::read(None), MetaFile::Missing);
         assert_eq!(MetaFile::read(Some(b"x")), MetaFile::Corrupt);
+    }
+
+    fn settings() -> OpenSettings {
+        OpenSettings {
+            floor_block: 16,
+            ..OpenSettings::default()
+        }
+    }
+
+    fn grant(lease: &str, token: u64) -> Record {
+        Record::Grant {
+            lease: lease.into(),
+            token,
+            holder: "h".into(),
+            ttl_ms: 1000,
+            lease_id: [7; 32],
+            quiet: false,
+            wall_ms: 0,
+        }
+    }
+
+    /// A log of `records`, its header claiming all of them synced.
+    fn log_of(records: &[Record]) -> Vec<u8> {
+        let mut log = log_image(std::iter::empty(), 0, 0, 0);
+        for r in records {
+            r.encode_frame(&mut log);
+        }
+        let header = Header {
+            seq: 2,
+            durable_len: log.len() as u64,
+            compacted_len: HEADER_LEN as u64,
+            token_floor: 0,
+        };
+        let slot = header.encode();
+        log[FILE_MAGIC.len()..FILE_MAGIC.len() + slot.len()].copy_from_slice(&slot);
+        log
+    }
+
+    fn found(log: &[u8], meta: MetaFile) -> Found<'_> {
+        Found {
+            log,
+            log_missing: log.is_empty(),
+            meta,
+        }
+    }
+
+    #[test]
+    fn a_new_directory_gets_its_log_before_its_meta_file() {
+        let plan = open_plan(found(&[], MetaFile::Missing), settings()).unwrap();
+        assert!(matches!(
+            plan.steps.as_slice(),
+            [OpenStep::WriteLog(_), OpenStep::WriteMeta(m)] if *m == Meta::default()
+        ));
+        assert_eq!(plan.len, plan.header.durable_len);
+        assert!(plan.recovered.lost_records.is_none());
+        // A meta file without its log: refused, unless told to go on.
+        let meta = Meta {
+            reserved: 40,
+            floor: 3,
+            ..Meta::default()
+        };
+        let gone = open_plan(found(&[], MetaFile::Found(meta)), settings());
+        assert_eq!(
+            gone.unwrap_err(),
+            Unopenable::Gone {
+                what: "missing",
+                floor: 40
+            }
+        );
+        let accepted = OpenSettings {
+            accept_journal_loss: true,
+            ..settings()
+        };
+        let plan = open_plan(found(&[], MetaFile::Found(meta)), accepted).unwrap();
+        assert_eq!(plan.recovered.token_floor, 40);
+        assert!(plan.recovered.lost_records.is_some());
+        let corrupt = open_plan(found(&[], MetaFile::Corrupt), accepted);
+        assert_eq!(
+            corrupt.unwrap_err(),
+            Unopenable::GoneUnbounded { what: "missing" }
+        );
+    }
+
+    #[test]
+    fn an_intact_log_keeps_its_leases_and_loses_its_torn_tail() {
+        let mut log = log_of(&[grant("b", 2), grant("a", 1)]);
+        let good_len = log.len() as u64;
+        log.extend_from_slice(&[0xff; 9]);
+        let meta = Meta {
+            reserved: 16,
+            ..Meta::default()
+        };
+        let plan = open_plan(found(&log, MetaFile::Found(meta)), settings()).unwrap();
+        assert_eq!(plan.steps, [OpenStep::CutLog(good_len)]);
+        assert_eq!((plan.len, plan.reserved), (good_len, 16));
+        let names: Vec<&str> = plan
+            .recovered
+            .leases
+            .iter()
+            .map(|l| l.lease.as_str())
+            .collect();
+        assert_eq!(names, ["a", "b"], "by name");
+        assert_eq!(plan.recovered.torn_bytes, 9);
+        // Without its meta file, the file is rebuilt from the log first.
+        let plan = open_plan(found(&log, MetaFile::Missing), settings()).unwrap();
+        assert_eq!(
+            plan.steps[0],
+            OpenStep::WriteMeta(Meta {
+                reserved: 2 + 16,
+                ..Meta::default()
+            })
+        );
+    }
+
+    #[test]
+    fn a_log_that_lost_records_is_kept_aside_after_the_new_floor_is_written() {
+        let log = log_of(&[grant("a", 5)]);
+        let meta = Meta {
+            reserved: 16,
+            floor: 0,
+            identity: 9,
+            previous: 8,
+        };
+        let plan = open_plan(found(&log, MetaFile::Found(meta)), settings()).unwrap();
+        let [OpenStep::WriteMeta(m), OpenStep::KeepDamagedCopy, OpenStep::WriteLog(image)] =
+            plan.steps.as_slice()
+        else {
+            panic!("{:?}", plan.steps)
+        };
+        assert_eq!((m.reserved, m.floor), (16, 16));
+        assert_eq!(plan.header.durable_len, image.len() as u64);
+        assert!(matches!(
+            plan.recovered.lost_records,
+            Some(Loss::OtherLog {
+                identity: 0,
+                named: 9
+            })
+        ));
+        let a = &plan.recovered.leases[0];
+        assert!(a.last_token >= 16 && a.term.as_ref().is_some_and(|t| t.released));
+        // A restored backup is a loss whatever the log says.
+        let restored = OpenSettings {
+            restored_from_backup: Some(100),
+            ..settings()
+        };
+        let meta = Meta {
+            reserved: 16,
+            ..Meta::default()
+        };
+        let plan = open_plan(found(&log, MetaFile::Found(meta)), restored).unwrap();
+        assert_eq!(plan.recovered.token_floor, 116);
+        // And with no meta file, the tokens issued cannot be bounded.
+        let plan = open_plan(found(&log, MetaFile::Missing), restored);
+        assert!(matches!(plan, Err(Unopenable::LostUnbounded(_))));
     }
 
     #[test]

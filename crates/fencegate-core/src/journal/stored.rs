@@ -4,6 +4,8 @@
 //! (`fencegate::cluster::journal`) serialises it; a takeover restores from
 //! [`StoredLease::to_record`].
 
+use std::collections::BTreeMap;
+
 use crate::journal::record::{term_flags, wall_deadline, LeaseRecord, TermRecord};
 use crate::mutant::{planted, Mutant};
 
@@ -140,6 +142,63 @@ impl StoredLease {
     }
 }
 
+/// The lease state a member loads from etcd: the snapshot's entries, then
+/// the log's, folded in order with [`StoredState::apply`].
+#[derive(Clone, Debug, Default)]
+pub struct StoredState {
+    leases: BTreeMap<String, StoredLease>,
+    forgotten_above: u64,
+}
+
+impl StoredState {
+    /// One lease's state as an entry holds it. A forgotten lease (or the
+    /// mark of them all, under the empty name) leaves the state: every
+    /// lease not in it continues above its tokens.
+    pub fn apply(&mut self, lease: String, state: StoredLease) {
+        if state.forgotten {
+            self.leases.remove(&lease);
+            if !planted(Mutant::ForgottenMarkDropped) {
+                self.forgotten_above = self.forgotten_above.max(state.last_token);
+            }
+        } else {
+            self.leases.insert(lease, state);
+        }
+    }
+
+    /// Leases not in the state (forgotten, or never granted) continue
+    /// above this.
+    pub fn forgotten_above(&self) -> u64 {
+        self.forgotten_above
+    }
+
+    /// `lease`'s state, which a change starts from (a forgotten lease starts
+    /// afresh).
+    pub fn lease(&self, lease: &str) -> StoredLease {
+        self.leases.get(lease).cloned().unwrap_or_default()
+    }
+
+    /// Every lease, for the lease store to restore.
+    pub fn records(&self) -> Vec<LeaseRecord> {
+        self.leases
+            .iter()
+            .map(|(lease, stored)| stored.to_record(lease.clone()))
+            .collect()
+    }
+
+    /// What a journal continues from: every lease, and the mark of the
+    /// forgotten ones under the empty name (which snapshots write first).
+    pub fn into_leases(self) -> BTreeMap<String, StoredLease> {
+        let mut leases = self.leases;
+        if self.forgotten_above > 0 {
+            leases.insert(
+                String::new(),
+                StoredLease::forgotten_mark(self.forgotten_above),
+            );
+        }
+        leases
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -171,5 +230,29 @@ mod tests {
         assert_eq!((r.last_token, r.term.unwrap().token), (4, 4));
         s.forget(9);
         assert!(s.forgotten && s.last_token == 9);
+    }
+
+    #[test]
+    fn a_forgotten_lease_leaves_the_loaded_state_and_raises_the_mark() {
+        let mut state = StoredState::default();
+        let mut a = state.lease("a");
+        a.grant(grant(5));
+        state.apply("a".into(), a);
+        assert_eq!(state.records().len(), 1);
+        let mut gone = state.lease("a");
+        gone.forget(5);
+        state.apply("a".into(), gone);
+        assert!(state.records().is_empty());
+        assert_eq!(state.forgotten_above(), 5);
+        assert_eq!(
+            state.lease("a"),
+            StoredLease::default(),
+            "a later change starts afresh"
+        );
+        // The mark of them all, under the empty name, counts the same.
+        state.apply(String::new(), StoredLease::forgotten_mark(8));
+        assert_eq!(state.forgotten_above(), 8);
+        let leases = state.into_leases();
+        assert_eq!(leases[""], StoredLease::forgotten_mark(8));
     }
 }

@@ -39,6 +39,38 @@ pub enum Decision {
     Refuse(Reject),
 }
 
+/// A write that waited at the barrier as long as it may: the older term's
+/// writes were still unfinished (503).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WaitedTooLong {
+    /// How long it waited.
+    pub waited_ms: u64,
+    /// When its wait would end by the clock alone, if only time holds it
+    /// back and that is past the limit: refused at once, and told when to
+    /// come back.
+    pub retry_after_ms: Option<u64>,
+}
+
+/// Whether a write told to [`Decision::Wait`] at `now_ms` (until
+/// `until_ms`), waiting since `started_ms`, may wait on: up to `max_wait_ms`
+/// in all, and not at all when the wait is known to outlast that.
+pub fn may_wait(
+    started_ms: u64,
+    now_ms: u64,
+    max_wait_ms: u64,
+    until_ms: Option<u64>,
+) -> Result<(), WaitedTooLong> {
+    let wait_until_ms = started_ms.saturating_add(max_wait_ms);
+    let hopeless = until_ms.filter(|&until| until > wait_until_ms);
+    if now_ms < wait_until_ms && hopeless.is_none() {
+        return Ok(());
+    }
+    Err(WaitedTooLong {
+        waited_ms: now_ms.saturating_sub(started_ms),
+        retry_after_ms: hopeless.map(|until| until - now_ms),
+    })
+}
+
 /// Decides a write at `now_ms`: the lease's checks (token, lease id, holder,
 /// state, the admission margin, see [`check`]), then, with the barrier on,
 /// whether an older term's write may still be unfinished (see [`barrier`]).
@@ -125,4 +157,24 @@ pub fn quiet_below(
 ) -> bool {
     !restart_holds_back(unsettled_from, unsettled_until_ms, token, now_ms)
         && inflight.is_none_or(|i| i.older_than(token, now_ms).is_none())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_write_waits_at_the_barrier_up_to_the_limit_and_not_when_it_is_hopeless() {
+        assert_eq!(may_wait(100, 100, 1000, None), Ok(()));
+        assert_eq!(may_wait(100, 1099, 1000, Some(1100)), Ok(()));
+        let late = may_wait(100, 1100, 1000, None).unwrap_err();
+        assert_eq!((late.waited_ms, late.retry_after_ms), (1000, None));
+        // Only time holds it back, and past the limit: refused at once, told
+        // when to come back.
+        let hopeless = may_wait(100, 150, 1000, Some(1500)).unwrap_err();
+        assert_eq!(
+            (hopeless.waited_ms, hopeless.retry_after_ms),
+            (50, Some(1350))
+        );
+    }
 }

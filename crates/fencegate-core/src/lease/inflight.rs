@@ -11,6 +11,8 @@
 //!   a connection broke, the client went away): until the settle time has
 //!   passed, since the backend may still apply it.
 
+use crate::mutant::{planted, Mutant};
+
 /// One term's writes.
 #[derive(Debug, Clone, Copy)]
 struct Term {
@@ -176,6 +178,104 @@ impl Inflight {
     }
 }
 
+/// One admitted write, from its admission ([`Inflight::add`]) to its end:
+/// how long it holds back newer terms at each step. The shell's write
+/// guard and the simulator's writes both live by it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriteLife {
+    token: u64,
+    settle_ms: u64,
+    phase: Phase,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Sent (or about to be), no answer yet.
+    Awaiting,
+    /// Answered; its response body holds newer terms back until then at
+    /// the latest.
+    Streaming { until_ms: u64 },
+    /// Over, and counted so.
+    Done,
+}
+
+/// What the end of a write leaves behind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ended {
+    /// Waiting writes must look again.
+    pub wake: bool,
+    /// Its outcome is unknown: it holds newer terms back until then (0: its
+    /// outcome is known).
+    pub settles_at_ms: u64,
+}
+
+impl WriteLife {
+    /// A write of `token` just counted by [`Inflight::add`]; `settle_ms`:
+    /// how long the backend may take to apply a write after fencegate
+    /// stopped waiting for it.
+    pub fn new(token: u64, settle_ms: u64) -> Self {
+        Self {
+            token,
+            settle_ms,
+            phase: Phase::Awaiting,
+        }
+    }
+
+    /// The write's token.
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+
+    /// The backend answered at `now_ms` (the response head) and a body
+    /// follows: from now on the write holds back newer terms only until the
+    /// body ends or the settle time has passed, whichever comes first, so a
+    /// client that stops reading cannot hold the next term. Returns whether
+    /// waiting writes must be woken.
+    pub fn answered(&mut self, inflight: &mut Inflight, now_ms: u64) -> bool {
+        if self.phase != Phase::Awaiting {
+            return false;
+        }
+        let until_ms = now_ms.saturating_add(self.settle_ms);
+        self.phase = Phase::Streaming { until_ms };
+        inflight.answered(self.token, until_ms)
+    }
+
+    /// The write is complete (its whole response has arrived): it stops
+    /// counting at once. `None` if it had ended already.
+    pub fn finish(&mut self, inflight: &mut Inflight) -> Option<Ended> {
+        self.end(inflight, 0)
+    }
+
+    /// The write ends at `now_ms` with its outcome unknown (the upstream
+    /// timed out, a connection broke, the client went away): the backend
+    /// may still apply it, so it holds back newer terms for the settle
+    /// time, from now or, once answered, from the answer. `None` if it had
+    /// ended already.
+    pub fn abandon(&mut self, inflight: &mut Inflight, now_ms: u64) -> Option<Ended> {
+        let settles_at_ms = match self.phase {
+            Phase::Done => return None,
+            _ if self.settle_ms == 0 || planted(Mutant::AbandonedWriteSettled) => 0,
+            Phase::Awaiting => now_ms.saturating_add(self.settle_ms),
+            Phase::Streaming { until_ms } => until_ms,
+        };
+        self.end(inflight, settles_at_ms)
+    }
+
+    fn end(&mut self, inflight: &mut Inflight, settles_at_ms: u64) -> Option<Ended> {
+        let streaming = match self.phase {
+            Phase::Done => return None,
+            Phase::Awaiting => false,
+            Phase::Streaming { .. } => true,
+        };
+        self.phase = Phase::Done;
+        let wake = inflight.remove(self.token, streaming, settles_at_ms);
+        Some(Ended {
+            wake,
+            settles_at_ms,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -233,6 +333,34 @@ mod tests {
         f.answered(1, 5000);
         f.remove(1, true, 0);
         assert_eq!(f.older_than(2, 0), None);
+    }
+
+    #[test]
+    fn a_write_s_life_holds_newer_terms_back_as_long_as_its_outcome_may_be_unknown() {
+        let mut f = Inflight::default();
+        // Abandoned before an answer: the settle time from then.
+        f.add(1);
+        let mut w = WriteLife::new(1, 500);
+        let ended = w.abandon(&mut f, 100).expect("it was in flight");
+        assert_eq!(ended.settles_at_ms, 600);
+        assert_eq!(f.older_than(2, 599), blocked(1, Some(600)));
+        assert_eq!(w.abandon(&mut f, 700), None, "it ends once");
+        // Answered at 1000, then abandoned: the settle time from the answer.
+        f.add(3);
+        let mut w = WriteLife::new(3, 500);
+        w.answered(&mut f, 1000);
+        assert_eq!(w.abandon(&mut f, 1400).map(|e| e.settles_at_ms), Some(1500));
+        // Finished: nothing lingers.
+        f.add(5);
+        let mut w = WriteLife::new(5, 500);
+        w.answered(&mut f, 2000);
+        assert_eq!(w.finish(&mut f).map(|e| e.settles_at_ms), Some(0));
+        assert_eq!(f.older_than(6, 2000), None);
+        // No settle time: an unknown outcome holds nothing back.
+        f.add(7);
+        let mut w = WriteLife::new(7, 0);
+        assert_eq!(w.abandon(&mut f, 3000).map(|e| e.settles_at_ms), Some(0));
+        assert!(f.is_settled(3000));
     }
 
     #[test]

@@ -10,7 +10,9 @@
 //! TTL from the start (or less, if its wall-clock hint says it had less
 //! left): no new holder starts until the old one could have finished.
 
+pub use crate::journal::record::wall_deadline;
 use crate::journal::record::LeaseRecord;
+use crate::journal::recovery::Recovered;
 use crate::lease::id::LeaseId;
 use crate::lease::machine::{LeaseState, Term};
 use crate::mutant::{planted, Mutant};
@@ -40,6 +42,19 @@ pub struct RestartRule {
     pub forgotten_above: u64,
 }
 
+impl RestartRule {
+    /// This rule for the leases a start `recovered` from its journal: above
+    /// its floors, and with every lease unsettled if records were lost.
+    pub fn recovered(self, recovered: &Recovered) -> Self {
+        Self {
+            token_floor: recovered.token_floor,
+            lost_records: recovered.lost_records.is_some(),
+            forgotten_above: recovered.forgotten_above,
+            ..self
+        }
+    }
+}
+
 /// Whether a renewal is recorded in the journal: when it changes the term's
 /// TTL (a start holds a recovered term for its recorded TTL), or when its
 /// wall-clock hint is due ([`wall_hint_due`]). A term whose record the
@@ -47,6 +62,17 @@ pub struct RestartRule {
 /// its next renewal.
 pub fn renewal_recorded(previous_ttl_ms: u64, ttl_ms: u64, recorded_ms: u64, wall_ms: u64) -> bool {
     previous_ttl_ms != ttl_ms || wall_hint_due(recorded_ms, wall_ms, ttl_ms)
+}
+
+/// A renewal at `wall_ms` (the wall clock; 0: unknown) for `ttl_ms` of a
+/// term whose TTL was `previous_ttl_ms` and whose end the journal last
+/// heard as `hint_ms`: if it is to be recorded ([`renewal_recorded`]), the
+/// hint the record gives (the term's end on the wall clock, as
+/// [`wall_deadline`] makes it from a grant). The shell keeps it once the
+/// journal took the record.
+pub fn renewal_hint(previous_ttl_ms: u64, ttl_ms: u64, hint_ms: u64, wall_ms: u64) -> Option<u64> {
+    renewal_recorded(previous_ttl_ms, ttl_ms, hint_ms, wall_ms)
+        .then(|| wall_deadline(wall_ms, ttl_ms))
 }
 
 /// Whether a renewal at `wall_ms` (the wall clock) for `ttl_ms` must tell
@@ -196,6 +222,48 @@ pub fn restore(
     })
 }
 
+/// A release a start records for a recovered term its wall-clock hint
+/// ended: not quiet (its writes may be unfinished), so a later start whose
+/// wall clock went back keeps it ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ending {
+    pub lease: LeaseName,
+    pub token: u64,
+    pub quiet: bool,
+}
+
+/// Every lease a start recovered, restored ([`restore`]), and the releases
+/// it must record.
+#[derive(Debug, Default)]
+pub struct Restoration {
+    pub leases: Vec<Restored>,
+    pub endings: Vec<Ending>,
+}
+
+/// [`restore`] for each of `leases`; the terms their hints ended become
+/// [`Ending`]s.
+pub fn restore_all(
+    leases: Vec<LeaseRecord>,
+    rule: &RestartRule,
+    now_ms: u64,
+    wall_ms: u64,
+    tolerance_ms: u64,
+) -> Result<Restoration, RestoreError> {
+    let mut all = Restoration::default();
+    for lease in leases {
+        let restored = restore(lease, rule, now_ms, wall_ms, tolerance_ms)?;
+        if let Some(t) = restored.state.term().filter(|_| restored.ended_by_hint) {
+            all.endings.push(Ending {
+                lease: restored.name.clone(),
+                token: t.token,
+                quiet: false,
+            });
+        }
+        all.leases.push(restored);
+    }
+    Ok(all)
+}
+
 /// Whether the restart window still holds back a write of `token` at
 /// `now_ms`: writes sent before the restart with a token of
 /// `unsettled_from` or later may be unfinished until `unsettled_until_ms`.
@@ -311,8 +379,34 @@ mod tests {
         // 200 ms left by the hint, plus half a TTL of slack: 700 ms.
         let r = restore(record(hinted.clone()), &RestartRule::default(), 0, 9_800, 0).unwrap();
         assert!(r.state.is_held(699) && !r.state.is_held(700));
-        let r = restore(record(hinted), &RestartRule::default(), 0, 20_000, 0).unwrap();
+        let r = restore(
+            record(hinted.clone()),
+            &RestartRule::default(),
+            0,
+            20_000,
+            0,
+        )
+        .unwrap();
         assert!(r.ended_by_hint && !r.state.is_held(0));
+        // A start records each term its hint ended as a release that is not
+        // quiet: its writes may still be unfinished.
+        let leases = vec![
+            record(hinted),
+            LeaseRecord {
+                lease: "idle".into(),
+                ..record(term(1))
+            },
+        ];
+        let all = restore_all(leases, &RestartRule::default(), 0, 20_000, 0).unwrap();
+        assert_eq!(all.leases.len(), 2);
+        assert_eq!(
+            all.endings,
+            [Ending {
+                lease: LeaseName::new("orders").unwrap(),
+                token: 3,
+                quiet: false
+            }]
+        );
     }
 
     #[test]
