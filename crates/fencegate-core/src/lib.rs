@@ -10,17 +10,21 @@
 //!
 //! - [`lease`]: the lease state machine ([`lease::machine`]: acquire, renew,
 //!   release, the write check, all on the caller's `now_ms`), lease ids
-//!   ([`lease::id`]), writes in flight by term ([`lease::inflight`]), the
-//!   admission decision with the handover barrier ([`lease::admission`]),
-//!   the restart rule and window ([`lease::restart`]), and when a lease may
-//!   be forgotten ([`lease::retention`]).
+//!   ([`lease::id`]), writes in flight by term and each write's life until
+//!   it settles ([`lease::inflight`]), the admission decision with the
+//!   handover barrier and its wait limit ([`lease::admission`]), the restart
+//!   rule and window and the restore of the recovered leases
+//!   ([`lease::restart`]), and when a lease may be forgotten
+//!   ([`lease::retention`]).
 //! - [`journal`]: the journal's on-disk format ([`journal::record`]: header
 //!   slots, checksummed frames, the records and how they fold into a lease's
 //!   state), the order of a batch's writes and syncs ([`journal::append`]),
 //!   which batches are synced, when the log is compacted and how it takes a
-//!   new identity ([`journal::writer`]), and what a start decides about the
-//!   log and meta file it finds ([`journal::recovery`]: torn tails, lost
-//!   records, older copies).
+//!   new identity ([`journal::writer`]), what a start decides about the
+//!   log and meta file it finds, as steps for the shell to carry out
+//!   ([`journal::recovery`]: torn tails, lost records, older copies), and a
+//!   lease's state as the etcd journal keeps and loads it
+//!   ([`journal::stored`]).
 //! - [`mutant`]: planted bugs, switchable only with the `mutants` feature,
 //!   so the simulator and the power-cut tests can prove they catch them.
 //! - [`cluster`]: cluster mode's rules on the member's clock: the
