@@ -497,6 +497,9 @@ struct Slot {
     wall_deadline_ms: u64,
     /// When a request last named the lease (the proxy's clock).
     touched_ms: u64,
+    /// Writes waiting at the barrier: as the shell's waiters hold the
+    /// lease's cell, the sweep does not forget it meanwhile.
+    waiting: u32,
 }
 
 #[derive(Debug)]
@@ -548,6 +551,9 @@ struct Proxy {
     meta: Meta,
     queue: Vec<Queued>,
     writing: bool,
+    /// The file journal's health: a failed sync makes it unhealthy, and
+    /// every batch then syncs (probing the disk) until one succeeds.
+    healthy: bool,
 }
 
 /// A primary's right to admit (cluster mode).
@@ -963,6 +969,11 @@ impl World {
                 answer,
             } => self.deliver(client, req, answer),
             Ev::Retry { inc, req } => {
+                if let Some(proxy) = self.proxy.as_mut().filter(|p| p.inc == inc) {
+                    if let Some(slot) = proxy.slots.get_mut(&req.lease) {
+                        slot.waiting = slot.waiting.saturating_sub(1);
+                    }
+                }
                 if self.open.get(&req.id).is_some_and(|(_, i)| *i == inc) {
                     self.write(req)
                 }
@@ -1319,7 +1330,10 @@ impl World {
             return;
         }
         self.open.insert(req.id, (req.client, inc));
-        if !matches!(req.op, Op::Read { .. }) {
+        // As the lease store: acquires, renewals and releases name the
+        // lease; a write only if it is refused (an admitted one has a live
+        // term, which keeps the lease anyway).
+        if !matches!(req.op, Op::Read { .. } | Op::Write { .. }) {
             let p = self.proxy_now();
             let proxy = self.proxy.as_mut().expect("checked above");
             if let Some(slot) = proxy.slots.get_mut(&req.lease) {
@@ -1351,6 +1365,7 @@ impl World {
                 unsettled_from,
                 wall_deadline_ms: 0,
                 touched_ms: p,
+                waiting: 0,
             }
         });
         let previous = slot.state.term().cloned();
@@ -1612,10 +1627,19 @@ impl World {
                     other => other,
                 };
                 let req = Req { op, ..req };
+                let proxy = self.proxy.as_mut().expect("arrive checked");
+                if let Some(slot) = proxy.slots.get_mut(&req.lease) {
+                    slot.waiting += 1;
+                }
                 // It stays at the proxy (open): a crash meanwhile loses it.
                 self.after(retry, Ev::Retry { inc, req });
             }
             Decision::Refuse(_) => {
+                let p = self.proxy_now();
+                let proxy = self.proxy.as_mut().expect("arrive checked");
+                if let Some(slot) = proxy.slots.get_mut(&req.lease) {
+                    slot.touched_ms = slot.touched_ms.max(p);
+                }
                 self.stats.writes_refused += 1;
                 self.reply(&req, Answer::Refused);
             }
@@ -2048,10 +2072,11 @@ impl World {
                     inflight,
                     unsettled_from,
                     touched_ms,
+                    waiting,
                     ..
                 } = slot;
                 sweep
-                    .may_forget(state, *touched_ms, *unsettled_from, false, || {
+                    .may_forget(state, *touched_ms, *unsettled_from, *waiting > 0, || {
                         Some(inflight)
                     })
                     .then_some(lease)
@@ -2120,10 +2145,9 @@ impl World {
             self.send_etcd(member, op);
             return;
         }
-        // The file journal's rule (the simulated disk never fails a write
-        // outright, so the journal is healthy).
+        // The file journal's rule.
         let sync = writer::batch_syncs(
-            true,
+            proxy.healthy,
             batch
                 .iter()
                 .map(|q| (&q.record, !matches!(q.ack, Ack::None))),
@@ -2180,6 +2204,7 @@ impl World {
             // EIO: nothing became durable; the writer cuts the batch off.
             self.stats.failed_syncs += 1;
             let proxy = self.proxy.as_mut().expect("checked");
+            proxy.healthy = false;
             proxy.len = len_before;
             self.log.set_len(len_before);
             self.batch_done(batch, false);
@@ -2188,6 +2213,7 @@ impl World {
         self.log.sync();
         self.hints_durable(&batch);
         let proxy = self.proxy.as_mut().expect("checked");
+        proxy.healthy = true;
         for step in rest {
             if let Step::WriteHeader(header) = step {
                 self.log.write(header.offset(), &header.encode());
@@ -2542,6 +2568,7 @@ impl World {
             meta,
             queue: Vec::new(),
             writing: false,
+            healthy: true,
         };
         let Some(endings) = self.restore_into(&mut proxy, &leases, now_ms, wall_ms) else {
             return;
@@ -2749,6 +2776,7 @@ impl World {
                     unsettled_from: restored.unsettled_from,
                     wall_deadline_ms: restored.wall_deadline_ms,
                     touched_ms: 0,
+                    waiting: 0,
                 },
             );
         }
@@ -3309,6 +3337,7 @@ impl World {
             meta: Meta::default(),
             queue: Vec::new(),
             writing: false,
+            healthy: true,
         };
         let Some(endings) = self.restore_into(&mut proxy, &records, now_ms, wall_ms) else {
             return;
