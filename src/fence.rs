@@ -496,6 +496,8 @@ where
         ) {
             Admission::Admitted(guard) => {
                 if let Some(refused) = self.policy.not_primary() {
+                    // Nothing was sent: the write holds nothing back.
+                    guard.finish();
                     return FenceFuture::ready(refused);
                 }
                 let observed = match self.policy.condition(&mut req, &mut fenced) {
@@ -584,6 +586,7 @@ where
                 }
             };
             if let Some(refused) = policy.not_primary() {
+                admitted.guard.finish();
                 return Ok(refused);
             }
             let mut req = req;

@@ -672,3 +672,59 @@ async fn a_client_that_goes_away_leaves_its_write_settling_from_then() {
     h.advance(1);
     assert_eq!(b_write.await.unwrap().status, 204);
 }
+
+/// A write a member admits and then refuses because it cannot confirm its
+/// primacy was never sent: it holds nothing back. Seen failing before: the
+/// refusal dropped the write's guard unfinished, as if its outcome were
+/// unknown, so it held the lease's next term back for the settle time and
+/// kept a stopping primary from recording a clean handover.
+#[tokio::test]
+async fn a_write_refused_for_primacy_holds_nothing_back() {
+    use fencegate::app::{self, Parts};
+    use fencegate::clock::{Clock, ClockKind};
+    use fencegate::journal::MemoryJournal;
+    use fencegate::lease::{LeaseStore, Primacy};
+    use std::sync::atomic::AtomicBool;
+    use tower::ServiceExt;
+
+    let config = Config {
+        clock: ClockKind::Manual,
+        ..Config::default()
+    };
+    assert!(config.fence.settle_ms > 0);
+    let clock = Clock::new(ClockKind::Manual);
+    let leases = LeaseStore::new(
+        clock.clone(),
+        config.lease_limits(),
+        Arc::new(MemoryJournal::default()),
+    );
+    let primacy = Arc::new(Primacy::new(clock, 60_000, true));
+    let app = app::build(
+        &config,
+        Parts {
+            leases: leases.clone(),
+            backend: Backend::Embedded(EmbeddedStore::new()),
+            draining: Arc::new(AtomicBool::new(false)),
+            primacy: Some(primacy.clone()),
+            metrics: None,
+            key_states: None,
+        },
+    )
+    .unwrap();
+    let send = |req: Req| {
+        let app = app.clone();
+        async move { support::Resp::read(app.oneshot(req.build("")).await.unwrap()).await }
+    };
+    let acquire =
+        Req::new("POST", "/_fence/leases/orders").json(json!({"holder": "a", "ttl_ms": 5000}));
+    let held = held_from(&send(acquire).await);
+    primacy.revoke();
+    let r = send(write(&held, "w1", false)).await;
+    assert_eq!(r.reason(), "not-primary", "{}", r.text());
+    assert_eq!(leases.inflight_count(), 0);
+    assert_eq!(
+        leases.settling_left_ms(),
+        0,
+        "a write never sent settles at once"
+    );
+}
