@@ -418,10 +418,10 @@ impl FileJournal {
         )
         .map_err(|why| unopenable(dir, &path, why))?;
         let file = carry_out(dir, &path, &plan, bytes.is_empty())?;
+        let meta = plan.meta();
         let OpenPlan {
             header,
             len,
-            reserved,
             identity,
             recovered,
             ..
@@ -436,12 +436,7 @@ impl FileJournal {
             file,
             len,
             header,
-            meta: Meta {
-                reserved,
-                floor: header.token_floor,
-                identity,
-                previous: identity,
-            },
+            meta,
             log_identity: identity,
             identity_len: len,
             needs_cut: false,

@@ -92,11 +92,19 @@ pub enum Mutant {
     /// the mark above its tokens ([`crate::journal::stored::StoredState::apply`]):
     /// after a takeover its tokens start again from nothing.
     ForgottenMarkDropped,
+    /// A release is recorded as quiet while writes of its own term are
+    /// still unfinished ([`crate::lease::admission::quiet`]): after a
+    /// restart the next term does not wait for them.
+    ReleaseQuietOverOwnWrites,
+    /// Forgetting a lease leaves the mark one below its last token
+    /// ([`crate::lease::retention::forgotten_mark`]): its next term
+    /// reissues a token.
+    ForgetMarkBelowLastToken,
 }
 
 impl Mutant {
     /// Every mutant, in the order the tests try them.
-    pub const ALL: [Mutant; 22] = [
+    pub const ALL: [Mutant; 24] = [
         Mutant::BarrierOff,
         Mutant::RestartWindowSkipped,
         Mutant::HeaderBeforeSync,
@@ -119,6 +127,8 @@ impl Mutant {
         Mutant::ForgottenWhileSettling,
         Mutant::AbandonedWriteSettled,
         Mutant::ForgottenMarkDropped,
+        Mutant::ReleaseQuietOverOwnWrites,
+        Mutant::ForgetMarkBelowLastToken,
     ];
 
     /// The mutant's name on command lines and in `FENCEGATE_TEST_MUTANT`.
@@ -146,6 +156,8 @@ impl Mutant {
             Mutant::ForgottenWhileSettling => "forgotten-while-settling",
             Mutant::AbandonedWriteSettled => "abandoned-write-settled",
             Mutant::ForgottenMarkDropped => "forgotten-mark-dropped",
+            Mutant::ReleaseQuietOverOwnWrites => "release-quiet-over-own-writes",
+            Mutant::ForgetMarkBelowLastToken => "forget-mark-below-last-token",
         }
     }
 

@@ -11,11 +11,12 @@ use fencegate_core::journal::record::{Header, LeaseRecord, Record};
 use fencegate_core::journal::recovery::{self, Meta, MetaFile};
 use fencegate_core::journal::stored::{StoredGrant, StoredState};
 use fencegate_core::journal::writer::{self, IdentityStep};
-use fencegate_core::lease::admission::{self, Decision, WriteCheck};
+use fencegate_core::lease::admission::{self, Decision, TermChange, WriteCheck};
 use fencegate_core::lease::id::LeaseId;
 use fencegate_core::lease::inflight::{Inflight, WriteLife};
 use fencegate_core::lease::machine::{AcquireRefused, LeaseState, Term};
 use fencegate_core::lease::restart::{self, RestartRule};
+use fencegate_core::lease::retention;
 use fencegate_core::precondition::{self, KeyStates, Plan, WriteShape};
 
 use crate::disk::File;
@@ -1372,11 +1373,11 @@ impl World {
         let lease_id = LeaseId::from_bytes(raw);
         match slot.state.acquire(p, &holder, ttl_ms, lease_id.clone()) {
             Ok(grant) => {
-                let quiet = admission::quiet_below(
+                let quiet = admission::quiet(
+                    TermChange::Granted(grant.token),
                     Some(&mut slot.inflight),
                     slot.unsettled_from,
                     proxy.unsettled_until_ms,
-                    grant.token,
                     p,
                 );
                 slot.wall_deadline_ms = restart::wall_deadline(wall, ttl_ms);
@@ -1512,11 +1513,11 @@ impl World {
         };
         match slot.state.release(p, req.token, Some(&req.lease_id), None) {
             Ok(()) => {
-                let quiet = admission::quiet_below(
+                let quiet = admission::quiet(
+                    TermChange::Released(req.token),
                     Some(&mut slot.inflight),
                     slot.unsettled_from,
                     proxy.unsettled_until_ms,
-                    req.token + 1,
                     p,
                 );
                 if let Some(t) = self.truth[req.lease].terms.get_mut(&req.token) {
@@ -1826,8 +1827,8 @@ impl World {
             let ended = write.life.abandon(inflight, p);
             // As the lease store counts an ended write: its settling time
             // holds back a handover too.
-            if let Some(ended) = ended.filter(|e| e.settles_at_ms != 0) {
-                px.settling_until_ms = px.settling_until_ms.max(ended.settles_at_ms);
+            if let Some(at) = ended.and_then(|e| e.settles_at_ms) {
+                px.settling_until_ms = px.settling_until_ms.max(at);
             }
         }
         self.connection_gone(w);
@@ -2087,12 +2088,12 @@ impl World {
             let Some(slot) = proxy.slots.remove(&lease) else {
                 continue;
             };
-            let last_token = slot.state.last_token();
-            proxy.rule.forgotten_above = proxy.rule.forgotten_above.max(last_token);
+            let mark = retention::forgotten_mark(&slot.state);
+            proxy.rule.forgotten_above = proxy.rule.forgotten_above.max(mark);
             self.stats.forgotten += 1;
             let record = Record::Forget {
                 lease: lease_name(lease),
-                last_token,
+                last_token: mark,
             };
             self.queue(record, Ack::None);
         }
@@ -2505,7 +2506,7 @@ impl World {
             floor_block: FLOOR_BLOCK,
             ..recovery::OpenSettings::default()
         };
-        let plan = match recovery::open_plan(found, settings) {
+        let mut plan = match recovery::open_plan(found, settings) {
             Ok(plan) => plan,
             Err(why) => {
                 self.fail(format!("the start refused the log: {why:?}"));
@@ -2514,7 +2515,7 @@ impl World {
         };
         // As the file journal: each step in order (the simulated disk has
         // no place for the damaged copy, which nothing reads).
-        for step in plan.steps {
+        for step in std::mem::take(&mut plan.steps) {
             match step {
                 recovery::OpenStep::WriteMeta(meta) => self.meta_file = Some(meta.encode()),
                 recovery::OpenStep::WriteLog(image) => self.log.replace(image),
@@ -2525,13 +2526,7 @@ impl World {
                 recovery::OpenStep::KeepDamagedCopy => {}
             }
         }
-        let (header, len) = (plan.header, plan.len);
-        let meta = Meta {
-            reserved: plan.reserved,
-            floor: header.token_floor,
-            identity: plan.identity,
-            previous: plan.identity,
-        };
+        let (header, len, meta) = (plan.header, plan.len, plan.meta());
         let recovered = plan.recovered;
         let rule = RestartRule {
             unsettled_ms,
@@ -2560,7 +2555,7 @@ impl World {
             primacy: None,
             wall_error_ms,
             slots: BTreeMap::new(),
-            unsettled_until_ms: now_ms + rule.unsettled_ms,
+            unsettled_until_ms: rule.window_until_ms(now_ms),
             settling_until_ms: 0,
             rule,
             header,
@@ -3324,7 +3319,7 @@ impl World {
             }),
             wall_error_ms,
             slots: BTreeMap::new(),
-            unsettled_until_ms: now_ms + rule.unsettled_ms,
+            unsettled_until_ms: rule.window_until_ms(now_ms),
             settling_until_ms: 0,
             rule,
             header: Header {

@@ -30,7 +30,7 @@ use bucket::ClientBuckets;
 pub use bucket::Requester;
 use gauges::{InflightCount, LiveTerms};
 
-use super::admission;
+use super::admission::{self, TermChange};
 use super::id::LeaseId;
 use super::inflight::Inflight;
 use super::machine::{AcquireRefused, Grant, Held, LeaseState, Reject, Term, View};
@@ -185,16 +185,15 @@ impl Slot {
         )
     }
 
-    /// Whether no write with a token below `token` may still be unfinished
-    /// at the storage at `now_ms`: none forwarded before the restart (or the
-    /// restart window is over) and none in flight or settling now.
-    fn quiet_below(&self, token: u64, now_ms: u64, unsettled_until_ms: u64) -> bool {
+    /// Whether `change` is quiet at `now_ms` ([`admission::quiet`]): no
+    /// write it covers may still be unfinished at the storage.
+    fn quiet(&self, change: TermChange, now_ms: u64, unsettled_until_ms: u64) -> bool {
         let quiet = |inflight| {
-            admission::quiet_below(
+            admission::quiet(
+                change,
                 inflight,
                 self.unsettled_from,
                 unsettled_until_ms,
-                token,
                 now_ms,
             )
         };
@@ -347,7 +346,7 @@ impl LeaseStore {
         let now_ms = store.shared.clock.now_ms();
         let wall_ms = store.shared.clock.wall_ms();
         let shared = Arc::get_mut(&mut store.shared).expect("a new store is not shared yet");
-        shared.unsettled_until_ms = now_ms.saturating_add(rule.unsettled_ms);
+        shared.unsettled_until_ms = rule.window_until_ms(now_ms);
         shared.token_floor = rule.token_floor;
         shared.lost_records = rule.lost_records;
         shared.forgotten_above = AtomicU64::new(rule.forgotten_above);
@@ -568,7 +567,11 @@ impl LeaseStore {
             Some(holder.as_str()),
             name.as_str(),
         );
-        let quiet = slot.quiet_below(grant.token, now_ms, self.shared.unsettled_until_ms);
+        let quiet = slot.quiet(
+            TermChange::Granted(grant.token),
+            now_ms,
+            self.shared.unsettled_until_ms,
+        );
         let wall_ms = self.shared.clock.wall_ms();
         slot.wall_deadline_ms = restart::wall_deadline(wall_ms, ttl_ms);
         let persisted = self.shared.journal.persist_grant(GrantRecord {
@@ -796,8 +799,8 @@ impl LeaseStore {
         let before = live_deadline(&slot.state);
         slot.state.release(now_ms, token, lease_id, holder)?;
         self.shared.live_terms.track(before, None);
-        let quiet = slot.quiet_below(
-            token.saturating_add(1),
+        let quiet = slot.quiet(
+            TermChange::Released(token),
             now_ms,
             self.shared.unsettled_until_ms,
         );
@@ -900,11 +903,9 @@ impl LeaseStore {
                 }
                 // Under the lease's lock: no grant of this name can come
                 // between the mark, the journal's record and the removal.
-                let last_token = slot.state.last_token();
-                shared
-                    .forgotten_above
-                    .fetch_max(last_token, Ordering::AcqRel);
-                shared.journal.record_forget(&name, last_token);
+                let mark = retention::forgotten_mark(&slot.state);
+                shared.forgotten_above.fetch_max(mark, Ordering::AcqRel);
+                shared.journal.record_forget(&name, mark);
                 lock(&shared.names).remove(name.as_str());
                 let holder = slot.state.term().map(|t| t.holder.as_str());
                 self.index_holder(holder, None, &name);
@@ -1091,14 +1092,14 @@ impl LeaseStore {
     /// Counts a write of the lease whose cell is `cell` out of the writes in
     /// flight; with `linger_until_ms` its outcome is unknown and it settles
     /// then.
-    fn count_ended(&self, cell: &Arc<LeaseCell>, linger_until_ms: u64) {
+    fn count_ended(&self, cell: &Arc<LeaseCell>, settles_at_ms: Option<u64>) {
         // Only a write of unknown outcome touches this shared line: one
         // that finished (the usual case) costs the counter alone. Before
         // the count (Release): a drain that sees it gone sees this too.
-        if linger_until_ms != 0 {
+        if let Some(at) = settles_at_ms {
             self.shared
                 .settling_until_ms
-                .fetch_max(linger_until_ms, Ordering::Release);
+                .fetch_max(at, Ordering::Release);
         }
         self.shared
             .inflight_writes

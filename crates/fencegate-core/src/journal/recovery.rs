@@ -502,6 +502,20 @@ pub struct OpenPlan {
     pub recovered: Recovered,
 }
 
+impl OpenPlan {
+    /// The meta file as the journal writer goes on with it (what the steps
+    /// left on the disk, or what the start's change of identity writes
+    /// next).
+    pub fn meta(&self) -> Meta {
+        Meta {
+            reserved: self.reserved,
+            floor: self.header.token_floor,
+            identity: self.identity,
+            previous: self.identity,
+        }
+    }
+}
+
 /// Why a start cannot go on with what it found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Unopenable {

@@ -143,25 +143,63 @@ pub fn barrier(
     Decision::Admit(admit)
 }
 
-/// Whether no write with a token below `token` may still be unfinished at
-/// the storage at `now_ms`: none sent before the restart (or its window is
-/// over) and none in flight or settling now (`inflight`: `None` if the
-/// lease never had a write). A grant or release records it ("quiet"), so
-/// the next start need not hold the lease's later terms back.
-pub fn quiet_below(
+/// A change of term that the journal records with whether it is quiet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TermChange {
+    /// Term `token` was granted: quiet if no write of an earlier term may
+    /// be unfinished (then, after a restart, the term's own writes have
+    /// nothing to wait for).
+    Granted(u64),
+    /// Term `token` was released: quiet if no write of it or of an earlier
+    /// term may be unfinished (then, after a restart, the next term has
+    /// nothing to wait for).
+    Released(u64),
+}
+
+/// Whether `change` is quiet at `now_ms`: no write it covers may still be
+/// unfinished at the storage, none sent before the restart (or its window
+/// is over) and none in flight or settling now (`inflight`: `None` if the
+/// lease never had a write). The journal records it, so the next start
+/// need not hold the lease's later terms back.
+pub fn quiet(
+    change: TermChange,
     inflight: Option<&mut Inflight>,
     unsettled_from: u64,
     unsettled_until_ms: u64,
-    token: u64,
     now_ms: u64,
 ) -> bool {
-    !restart_holds_back(unsettled_from, unsettled_until_ms, token, now_ms)
-        && inflight.is_none_or(|i| i.older_than(token, now_ms).is_none())
+    // Writes with a token below this one are covered.
+    let below = match change {
+        TermChange::Granted(token) => token,
+        TermChange::Released(token) if planted(Mutant::ReleaseQuietOverOwnWrites) => token,
+        TermChange::Released(token) => token.saturating_add(1),
+    };
+    !restart_holds_back(unsettled_from, unsettled_until_ms, below, now_ms)
+        && inflight.is_none_or(|i| i.older_than(below, now_ms).is_none())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_release_is_quiet_only_once_its_own_writes_are_done() {
+        use crate::lease::restart::SETTLED;
+        let mut writes = Inflight::default();
+        writes.add(3);
+        let quiet = |change, writes: &mut Inflight| quiet(change, Some(writes), SETTLED, 0, 10);
+        // Term 3's own write does not keep its grant from being quiet...
+        assert!(quiet(TermChange::Granted(3), &mut writes));
+        // ...but keeps its release from it, and term 4's grant.
+        assert!(!quiet(TermChange::Released(3), &mut writes));
+        assert!(!quiet(TermChange::Granted(4), &mut writes));
+        writes.remove(3, false, 0);
+        assert!(quiet(TermChange::Released(3), &mut writes));
+        // Before the restart window is over, any write from before it may
+        // be unfinished.
+        assert!(!super::quiet(TermChange::Granted(2), None, 1, 100, 10));
+        assert!(super::quiet(TermChange::Granted(2), None, 1, 100, 100));
+    }
 
     #[test]
     fn a_write_waits_at_the_barrier_up_to_the_limit_and_not_when_it_is_hopeless() {

@@ -204,9 +204,10 @@ enum Phase {
 pub struct Ended {
     /// Waiting writes must look again.
     pub wake: bool,
-    /// Its outcome is unknown: it holds newer terms back until then (0: its
-    /// outcome is known).
-    pub settles_at_ms: u64,
+    /// Its outcome is unknown: it holds newer terms back until then, and
+    /// the store counts it settling until then too (`None`: its outcome is
+    /// known, or there is no settle time).
+    pub settles_at_ms: Option<u64>,
 }
 
 impl WriteLife {
@@ -271,7 +272,7 @@ impl WriteLife {
         let wake = inflight.remove(self.token, streaming, settles_at_ms);
         Some(Ended {
             wake,
-            settles_at_ms,
+            settles_at_ms: (settles_at_ms != 0).then_some(settles_at_ms),
         })
     }
 }
@@ -342,24 +343,27 @@ mod tests {
         f.add(1);
         let mut w = WriteLife::new(1, 500);
         let ended = w.abandon(&mut f, 100).expect("it was in flight");
-        assert_eq!(ended.settles_at_ms, 600);
+        assert_eq!(ended.settles_at_ms, Some(600));
         assert_eq!(f.older_than(2, 599), blocked(1, Some(600)));
         assert_eq!(w.abandon(&mut f, 700), None, "it ends once");
         // Answered at 1000, then abandoned: the settle time from the answer.
         f.add(3);
         let mut w = WriteLife::new(3, 500);
         w.answered(&mut f, 1000);
-        assert_eq!(w.abandon(&mut f, 1400).map(|e| e.settles_at_ms), Some(1500));
+        assert_eq!(
+            w.abandon(&mut f, 1400).map(|e| e.settles_at_ms),
+            Some(Some(1500))
+        );
         // Finished: nothing lingers.
         f.add(5);
         let mut w = WriteLife::new(5, 500);
         w.answered(&mut f, 2000);
-        assert_eq!(w.finish(&mut f).map(|e| e.settles_at_ms), Some(0));
+        assert_eq!(w.finish(&mut f).map(|e| e.settles_at_ms), Some(None));
         assert_eq!(f.older_than(6, 2000), None);
         // No settle time: an unknown outcome holds nothing back.
         f.add(7);
         let mut w = WriteLife::new(7, 0);
-        assert_eq!(w.abandon(&mut f, 3000).map(|e| e.settles_at_ms), Some(0));
+        assert_eq!(w.abandon(&mut f, 3000).map(|e| e.settles_at_ms), Some(None));
         assert!(f.is_settled(3000));
     }
 

@@ -43,6 +43,13 @@ pub struct RestartRule {
 }
 
 impl RestartRule {
+    /// When the restart (or takeover) window of a start at `now_ms` ends:
+    /// until then a write forwarded before the start may still reach the
+    /// backend ([`restart_holds_back`]).
+    pub fn window_until_ms(&self, now_ms: u64) -> u64 {
+        now_ms.saturating_add(self.unsettled_ms)
+    }
+
     /// This rule for the leases a start `recovered` from its journal: above
     /// its floors, and with every lease unsettled if records were lost.
     pub fn recovered(self, recovered: &Recovered) -> Self {

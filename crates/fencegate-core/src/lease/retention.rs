@@ -56,6 +56,17 @@ impl Sweep {
     }
 }
 
+/// The mark a forgotten lease leaves: every lease not in the store
+/// (this one now too) continues above it, so it is at least the lease's
+/// last token; the journal's record of the forget carries it.
+pub fn forgotten_mark(state: &LeaseState) -> u64 {
+    let last_token = state.last_token();
+    if planted(Mutant::ForgetMarkBelowLastToken) {
+        return last_token.saturating_sub(1);
+    }
+    last_token
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
