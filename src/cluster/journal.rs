@@ -649,8 +649,7 @@ impl Journal for EtcdJournal {
                 lease_id_sha256: digest,
                 quiet: record.quiet,
                 wall_ms: record.wall_ms,
-            });
-            true
+            })
         });
         Box::pin(async move {
             queued?;

@@ -3205,7 +3205,7 @@ impl World {
     fn etcd_apply(&mut self, batch: &[Queued]) {
         for q in batch {
             // As the etcd journal: the lease's state, changed, written if
-            // the change changed it (a forget always is).
+            // the change changed it.
             let lease = match &q.record {
                 Record::Forget { lease, .. } => lease.as_str(),
                 record => match record.lease() {
@@ -3223,17 +3223,14 @@ impl World {
                     quiet,
                     wall_ms,
                     ..
-                } => {
-                    state.grant(StoredGrant {
-                        token: *token,
-                        holder,
-                        ttl_ms: *ttl_ms,
-                        lease_id_sha256: *lease_id,
-                        quiet: *quiet,
-                        wall_ms: *wall_ms,
-                    });
-                    true
-                }
+                } => state.grant(StoredGrant {
+                    token: *token,
+                    holder,
+                    ttl_ms: *ttl_ms,
+                    lease_id_sha256: *lease_id,
+                    quiet: *quiet,
+                    wall_ms: *wall_ms,
+                }),
                 Record::Renew {
                     token,
                     ttl_ms,
@@ -3241,10 +3238,7 @@ impl World {
                     ..
                 } => state.renew(*token, *ttl_ms, *wall_ms),
                 Record::Release { token, quiet, .. } => state.release(*token, *quiet),
-                Record::Forget { last_token, .. } => {
-                    state.forget(*last_token);
-                    true
-                }
+                Record::Forget { last_token, .. } => state.forget(*last_token),
                 _ => false,
             };
             if changed {

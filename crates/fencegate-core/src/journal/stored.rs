@@ -88,8 +88,9 @@ impl StoredLease {
 
     /// A new term: it replaces the current one (a lease's grants reach the
     /// journal in the order they were made, each after the term before
-    /// had ended).
-    pub fn grant(&mut self, grant: StoredGrant<'_>) {
+    /// had ended). It always changes the state (the `bool` of every
+    /// change: whether the journal must write the lease's state).
+    pub fn grant(&mut self, grant: StoredGrant<'_>) -> bool {
         self.last_token = self.last_token.max(grant.token);
         self.transitions += 1;
         self.term = Some(StoredTerm {
@@ -102,6 +103,7 @@ impl StoredLease {
             released_quiet: false,
             wall_deadline_ms: wall_deadline(grant.wall_ms, grant.ttl_ms),
         });
+        true
     }
 
     /// A renewal of term `token` at `wall_ms` (0: unknown) for `ttl_ms`;
@@ -136,9 +138,11 @@ impl StoredLease {
     }
 
     /// The lease is forgotten; its tokens continue above `last_token`.
-    pub fn forget(&mut self, last_token: u64) {
+    /// It always changes the state.
+    pub fn forget(&mut self, last_token: u64) -> bool {
         self.last_token = self.last_token.max(last_token);
         self.forgotten = true;
+        true
     }
 }
 
