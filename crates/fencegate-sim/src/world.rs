@@ -3015,6 +3015,13 @@ impl World {
         if !self.current_session(m, session) {
             return;
         }
+        // As the shell's elector: a primary that could not confirm its
+        // primacy in time (its deadline passed on its own clock) steps
+        // down, rather than waiting for etcd to say its session is gone.
+        if self.serving(session) && !self.primary_now() {
+            self.step_down(m);
+            return;
+        }
         self.send_etcd(m, EtcdOp::KeepAlive(session));
         let beat = cluster::beat_ms(self.member_ttl_ms());
         self.after(beat, Ev::Beat { member: m, session });
@@ -3248,8 +3255,8 @@ impl World {
     }
 
     /// Primacy is lost (or the session is): nothing more is admitted
-    /// (writes in flight finish), and, as the member does, a new session
-    /// starts from what etcd holds; the old one expires in etcd.
+    /// (writes in flight finish), and, as the member does, the old session
+    /// is given back and a new one starts from what etcd holds.
     fn step_down(&mut self, m: usize) {
         if self.members[m].stopping {
             return;
@@ -3260,7 +3267,16 @@ impl World {
                 self.stats.step_downs += 1;
             }
         }
-        self.members[m].session = None;
+        // The session is given back (the shell's `in_session` revokes its
+        // etcd lease, best effort): its election key goes at once, not at
+        // the TTL's end.
+        if let Some(old) = self.members[m].session.take() {
+            let resign = EtcdOp::Resign {
+                session: old.id,
+                clean: false,
+            };
+            self.send_etcd(m, resign);
+        }
         self.send_etcd(m, EtcdOp::Grant);
     }
 
