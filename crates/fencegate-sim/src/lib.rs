@@ -41,8 +41,9 @@
 //! - crashes and power cuts at any step, and restarts;
 //! - the lease store's sweep, forgetting by the core's rule
 //!   (`fencegate_core::lease::retention`) leases quiet for the retention
-//!   time, or for none as when it makes room, each journaled, its tokens
-//!   kept by the mark new names start above;
+//!   time, or for none as when it makes room (the shell then forgets one
+//!   lease, the simulator every one the rule allows), each journaled, its
+//!   tokens kept by the mark new names start above;
 //! - in cluster mode (even seeds), three members sharing the lease state
 //!   through a simulated etcd (sessions that expire on etcd's clock, one
 //!   election key, transactions that commit only for the session holding
@@ -51,7 +52,9 @@
 //!   and killed or stopped (SIGTERM); a member that wins loads the lease
 //!   state and serves under the core's restart rule, and admits only while
 //!   the core's self-fencing deadline (`fencegate_core::cluster`) has not
-//!   passed on its own clock. A stopped primary stops admitting, waits a
+//!   passed on its own clock; one that could not confirm its primacy by
+//!   then steps down at its next beat and gives its session back, as the
+//!   shell's elector does. A stopped primary stops admitting, waits a
 //!   while for its writes (`cluster::handover_drained`) and, if they all
 //!   finished and settled, records the handover as clean before it gives
 //!   its session back; the next primary then keeps no takeover window if

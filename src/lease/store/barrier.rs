@@ -153,6 +153,9 @@ impl WriteGuard {
 
 impl Drop for WriteGuard {
     fn drop(&mut self) {
+        if self.life.is_over() {
+            return;
+        }
         // Unfinished: the outcome is unknown, and the backend may still
         // apply the write ([`WriteLife::abandon`]).
         let now_ms = self.store.clock().now_ms();

@@ -227,6 +227,11 @@ impl WriteLife {
         self.token
     }
 
+    /// Whether the write has ended (finished or abandoned).
+    pub fn is_over(&self) -> bool {
+        self.phase == Phase::Done
+    }
+
     /// The backend answered at `now_ms` (the response head) and a body
     /// follows: from now on the write holds back newer terms only until the
     /// body ends or the settle time has passed, whichever comes first, so a
