@@ -680,50 +680,19 @@ async fn a_client_that_goes_away_leaves_its_write_settling_from_then() {
 /// kept a stopping primary from recording a clean handover.
 #[tokio::test]
 async fn a_write_refused_for_primacy_holds_nothing_back() {
-    use fencegate::app::{self, Parts};
-    use fencegate::clock::{Clock, ClockKind};
-    use fencegate::journal::MemoryJournal;
-    use fencegate::lease::{LeaseStore, Primacy};
-    use std::sync::atomic::AtomicBool;
-    use tower::ServiceExt;
-
     let config = Config {
-        clock: ClockKind::Manual,
+        clock: fencegate::clock::ClockKind::Manual,
         ..Config::default()
     };
     assert!(config.fence.settle_ms > 0);
-    let clock = Clock::new(ClockKind::Manual);
-    let leases = LeaseStore::new(
-        clock.clone(),
-        config.lease_limits(),
-        Arc::new(MemoryJournal::default()),
-    );
-    let primacy = Arc::new(Primacy::new(clock, 60_000, true));
-    let app = app::build(
-        &config,
-        Parts {
-            leases: leases.clone(),
-            backend: Backend::Embedded(EmbeddedStore::new()),
-            draining: Arc::new(AtomicBool::new(false)),
-            primacy: Some(primacy.clone()),
-            metrics: None,
-            key_states: None,
-        },
-    )
-    .unwrap();
-    let send = |req: Req| {
-        let app = app.clone();
-        async move { support::Resp::read(app.oneshot(req.build("")).await.unwrap()).await }
-    };
-    let acquire =
-        Req::new("POST", "/_fence/leases/orders").json(json!({"holder": "a", "ttl_ms": 5000}));
-    let held = held_from(&send(acquire).await);
+    let (h, primacy) = Harness::primary(config, 60_000);
+    let held = h.acquire("orders", "a", 5000).await;
     primacy.revoke();
-    let r = send(write(&held, "w1", false)).await;
+    let r = h.send(write(&held, "w1", false)).await;
     assert_eq!(r.reason(), "not-primary", "{}", r.text());
-    assert_eq!(leases.inflight_count(), 0);
+    assert_eq!(h.leases.inflight_count(), 0);
     assert_eq!(
-        leases.settling_left_ms(),
+        h.leases.settling_left_ms(),
         0,
         "a write never sent settles at once"
     );

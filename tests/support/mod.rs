@@ -24,7 +24,7 @@ use fencegate::clock::{Clock, ClockKind};
 use fencegate::config::Config;
 use fencegate::fence::Fence;
 use fencegate::journal::MemoryJournal;
-use fencegate::lease::LeaseStore;
+use fencegate::lease::{LeaseStore, Primacy};
 use fencegate::server::{self, ServerOptions};
 use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
@@ -170,8 +170,31 @@ impl Harness {
     }
 
     pub fn with_backend(config: Config, backend: Backend, store: EmbeddedStore) -> Self {
+        Self::build(config, backend, store, |_| None)
+    }
+
+    /// A harness whose app serves as a cluster member's primary, its
+    /// primacy confirmed until `until_ms` on the harness's clock.
+    pub fn primary(config: Config, until_ms: u64) -> (Self, Arc<Primacy>) {
+        let store = EmbeddedStore::new();
+        let mut primacy = None;
+        let harness = Self::build(config, Backend::Embedded(store.clone()), store, |clock| {
+            let p = Arc::new(Primacy::new(clock.clone(), until_ms, true));
+            primacy = Some(p.clone());
+            Some(p)
+        });
+        (harness, primacy.expect("made by build"))
+    }
+
+    fn build(
+        config: Config,
+        backend: Backend,
+        store: EmbeddedStore,
+        primacy: impl FnOnce(&Clock) -> Option<Arc<Primacy>>,
+    ) -> Self {
         config.validate().unwrap();
         let clock = Clock::new(config.clock);
+        let primacy = primacy(&clock);
         let journal = Arc::new(MemoryJournal::default());
         let leases = LeaseStore::new(clock.clone(), config.lease_limits(), journal.clone());
         let app = app::build(
@@ -180,7 +203,7 @@ impl Harness {
                 leases: leases.clone(),
                 backend,
                 draining: Arc::new(AtomicBool::new(false)),
-                primacy: None,
+                primacy,
                 metrics: None,
                 key_states: None,
             },
