@@ -100,11 +100,15 @@ pub enum Mutant {
     /// ([`crate::lease::retention::forgotten_mark`]): its next term
     /// reissues a token.
     ForgetMarkBelowLastToken,
+    /// A grant's answer promises its whole TTL, though the time spent
+    /// persisting it has passed on the term
+    /// ([`crate::lease::machine::Grant::expires_in_ms`]).
+    PersistTimePromised,
 }
 
 impl Mutant {
     /// Every mutant, in the order the tests try them.
-    pub const ALL: [Mutant; 24] = [
+    pub const ALL: [Mutant; 25] = [
         Mutant::BarrierOff,
         Mutant::RestartWindowSkipped,
         Mutant::HeaderBeforeSync,
@@ -129,6 +133,7 @@ impl Mutant {
         Mutant::ForgottenMarkDropped,
         Mutant::ReleaseQuietOverOwnWrites,
         Mutant::ForgetMarkBelowLastToken,
+        Mutant::PersistTimePromised,
     ];
 
     /// The mutant's name on command lines and in `FENCEGATE_TEST_MUTANT`.
@@ -158,6 +163,7 @@ impl Mutant {
             Mutant::ForgottenMarkDropped => "forgotten-mark-dropped",
             Mutant::ReleaseQuietOverOwnWrites => "release-quiet-over-own-writes",
             Mutant::ForgetMarkBelowLastToken => "forget-mark-below-last-token",
+            Mutant::PersistTimePromised => "persist-time-promised",
         }
     }
 

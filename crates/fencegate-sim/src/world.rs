@@ -14,7 +14,7 @@ use fencegate_core::journal::writer::{self, IdentityStep};
 use fencegate_core::lease::admission::{self, Decision, TermChange, WriteCheck};
 use fencegate_core::lease::id::LeaseId;
 use fencegate_core::lease::inflight::{Inflight, WriteLife};
-use fencegate_core::lease::machine::{AcquireRefused, LeaseState, Term};
+use fencegate_core::lease::machine::{AcquireRefused, Grant, LeaseState, Term};
 use fencegate_core::lease::restart::{self, RestartRule};
 use fencegate_core::lease::retention;
 use fencegate_core::precondition::{self, KeyStates, Plan, WriteShape};
@@ -507,8 +507,7 @@ struct Slot {
 enum Ack {
     Grant {
         req: Req,
-        token: u64,
-        deadline_ms: u64,
+        grant: Grant,
         lease_id: [u8; 32],
         previous: Option<Term>,
     },
@@ -1426,8 +1425,7 @@ impl World {
                 );
                 let ack = Ack::Grant {
                     req,
-                    token,
-                    deadline_ms: grant.deadline_ms,
+                    grant,
                     lease_id: lease_id.to_text(),
                     previous,
                 };
@@ -1474,7 +1472,7 @@ impl World {
                 if let Some(hint) = hint {
                     slot.wall_deadline_ms = hint;
                 }
-                let expires_in_ms = grant.deadline_ms - p;
+                let expires_in_ms = grant.expires_in_ms(p);
                 self.stats.renewals += 1;
                 self.check_primacy("a renewal");
                 let expires_in = self.to_global_ms(expires_in_ms);
@@ -2243,11 +2241,10 @@ impl World {
             match q.ack {
                 Ack::Grant {
                     req,
-                    token,
-                    deadline_ms,
+                    grant,
                     lease_id,
                     previous,
-                } => self.grant_done(req, (token, deadline_ms, lease_id), previous, ok),
+                } => self.grant_done(req, (grant, lease_id), previous, ok),
                 Ack::Release { req } => {
                     if ok {
                         self.stats.releases += 1;
@@ -2280,11 +2277,12 @@ impl World {
     fn grant_done(
         &mut self,
         req: Req,
-        (token, deadline_ms, lease_id): (u64, u64, [u8; 32]),
+        (grant, lease_id): (Grant, [u8; 32]),
         previous: Option<Term>,
         ok: bool,
     ) {
         let p = self.proxy_now();
+        let token = grant.token;
         let proxy = self.proxy.as_mut().expect("checked");
         if !ok {
             // A term that ran out while it was persisted may have been
@@ -2295,7 +2293,7 @@ impl World {
             self.reply(&req, Answer::Failed);
             return;
         }
-        let expires_in_ms = deadline_ms.saturating_sub(p);
+        let expires_in_ms = grant.expires_in_ms(p);
         self.stats.grants += 1;
         let before = self.truth[req.lease]
             .terms

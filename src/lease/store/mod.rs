@@ -620,7 +620,7 @@ impl LeaseStore {
             lease_id,
             ttl_ms,
             // Time spent persisting counts against the term.
-            expires_in_ms: grant.deadline_ms.saturating_sub(self.shared.clock.now_ms()),
+            expires_in_ms: grant.expires_in_ms(self.shared.clock.now_ms()),
         })
     }
 
@@ -748,7 +748,7 @@ impl LeaseStore {
             token,
             lease_id: term.lease_id.clone(),
             ttl_ms: grant.ttl_ms,
-            expires_in_ms: grant.deadline_ms - now_ms,
+            expires_in_ms: grant.expires_in_ms(now_ms),
         };
         // After a restart the term is held for a full TTL, or less if the
         // wall-clock hint says it had ended: which renewals are recorded is

@@ -123,6 +123,18 @@ pub struct Grant {
     pub deadline_ms: u64,
 }
 
+impl Grant {
+    /// What the holder is told at `now_ms` of the time its term has left:
+    /// the time since the grant or renewal (persisting it, for a grant)
+    /// counts against the term.
+    pub fn expires_in_ms(&self, now_ms: u64) -> u64 {
+        if planted(Mutant::PersistTimePromised) {
+            return self.ttl_ms;
+        }
+        self.deadline_ms.saturating_sub(now_ms)
+    }
+}
+
 /// A write that passed every check.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Admit {
@@ -393,6 +405,18 @@ impl LeaseState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_holder_is_told_what_its_term_has_left_when_answered() {
+        let grant = Grant {
+            token: 1,
+            ttl_ms: 1000,
+            deadline_ms: 1500,
+        };
+        // Persisted from 500 to 530: 30 ms of the term are gone.
+        assert_eq!(grant.expires_in_ms(530), 970);
+        assert_eq!(grant.expires_in_ms(2000), 0, "ended while persisted");
+    }
 
     const S: u64 = 1000;
 
