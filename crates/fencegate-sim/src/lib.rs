@@ -64,17 +64,21 @@
 //!
 //! What it leaves out: etcd keeps each lease's state with the etcd
 //! journal's rules (`fencegate_core::journal::stored`), but not its JSON,
-//! snapshots or write queue (`src/cluster/journal.rs`); a start does not
-//! die between the steps of its plan (only during its change of identity); the file journal's
-//! compaction, its changes of identity after growth and at a clean stop
-//! (the same steps as at a start) and older copies put back are not
-//! played; nor are shards: a clean handover happens here when a primary is
-//! stopped, not when the assignment moves its shard (the same rules either
-//! way). Admission and forwarding are one step here: a proxy paused between
-//! its last check and its write's first byte (the bound docs/cluster.md gives)
-//! is not modelled, nor a clock slower than the self-fencing margin per
-//! TTL (the clock check's business), nor the settle time shortened by a
-//! proxy clock that runs fast (it is measured on the proxy's clock).
+//! snapshots or write queue (`src/cluster/journal.rs`), and the election's
+//! record of a clean handover is read and rewritten in one step here, not
+//! after the load as the shell does; a start does not die between the
+//! steps of its plan (only during its change of identity); the file
+//! journal's compaction, its changes of identity after growth and at a
+//! clean stop (the same steps as at a start), its probe of the disk every
+//! second while unhealthy, a full write queue that drops a lazy record,
+//! and older copies put back are not played; nor are shards: a clean
+//! handover happens here when a primary is stopped, not when the
+//! assignment moves its shard (the same rules either way). Admission and
+//! forwarding are one step here: a proxy paused between its last check and
+//! its write's first byte (the bound docs/cluster.md gives) is not
+//! modelled, nor a clock slower than the self-fencing margin per TTL (the
+//! clock check's business), nor the settle time shortened by a proxy clock
+//! that runs fast (it is measured on the proxy's clock).
 //!
 //! What it checks (see [`Violation`]):
 //! - the backend never applies a write of a term after one of a later term
