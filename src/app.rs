@@ -255,15 +255,20 @@ pub fn build_with<S>(
     draining: Arc<AtomicBool>,
     backend: S,
 ) -> Result<App<Fence<Unstaged<S>>>, ConfigError> {
+    build_exchange(config, leases, draining, Unstaged(backend))
+}
+
+/// [`build`] with any backend that takes admitted writes in the two steps
+/// of an [`crate::backend::Exchange`] (tests that need a step's outcome,
+/// such as an unknown one, put theirs here).
+pub fn build_exchange<S>(
+    config: &Config,
+    leases: LeaseStore,
+    draining: Arc<AtomicBool>,
+    backend: S,
+) -> Result<App<Fence<S>>, ConfigError> {
     let metrics = Metrics::new(&leases);
-    compose(
-        config,
-        leases,
-        draining,
-        (Unstaged(backend), None),
-        metrics,
-        None,
-    )
+    compose(config, leases, draining, (backend, None), metrics, None)
 }
 
 /// The fence (with this member's primacy in cluster mode) around

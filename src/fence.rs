@@ -46,7 +46,7 @@ use crate::names::LeaseName;
 use crate::precondition::{self, Key, KeyStateTable, Observed, Plan};
 use crate::route::{Preconditions, Routes};
 
-pub use crate::wire::{OutcomeUnknown, FENCING_LEASE_ID, FENCING_TOKEN};
+pub use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
 
 // The names as parsed header names, so lookups on the hot path skip parsing.
 const TOKEN_NAME: HeaderName = HeaderName::from_static(FENCING_TOKEN);
@@ -662,6 +662,16 @@ async fn exchange<S: Exchange>(
                 policy.metrics.write_forwarded();
                 break res;
             }
+            Sent::Unknown(res) => {
+                policy.metrics.write_forwarded();
+                if let Some(observed) = &observed {
+                    observed.learn_unknown();
+                }
+                // Dropped unfinished: the storage may still apply the
+                // write, so it holds newer terms back for the settle time.
+                drop(guard);
+                return Ok(res);
+            }
             Sent::NotSent(res) => {
                 guard.finish();
                 return Ok(res);
@@ -730,20 +740,13 @@ pub fn visible_to(
     }
 }
 
-/// Counts the write answered once the backend's response head is here: it
+/// Counts the write answered once the storage's response head is here: it
 /// then holds back newer terms until the response body ends, or for at most
-/// the settle time (whether the client reads or not); for the settle time
-/// from now if the backend's outcome is unknown.
+/// the settle time (whether the client reads or not).
 fn attach_guard(res: Response<Body>, guard: Option<WriteGuard>) -> Response<Body> {
     let Some(mut guard) = guard else {
         return res;
     };
-    if res.extensions().get::<OutcomeUnknown>().is_some() {
-        // Dropping the guard unfinished keeps the write counted for the
-        // settle time.
-        drop(guard);
-        return res;
-    }
     if res.body().is_end_stream() {
         guard.finish();
         return res;

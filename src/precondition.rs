@@ -19,8 +19,6 @@ pub use fencegate_core::precondition::{
     write_shape, Answer, Exchange, KeyState, KeyStates, Plan, WriteShape,
 };
 
-use crate::wire::OutcomeUnknown;
-
 /// How many locks the table is split over: a key's lock is held for one
 /// lookup or one update, never across I/O, so a few are plenty.
 const PARTS: usize = 16;
@@ -176,18 +174,24 @@ pub struct Observed {
 }
 
 impl Observed {
-    /// Learns from `res`, the answer to this exchange.
+    /// Learns from `res`, the storage's answer to this exchange (a read's
+    /// answer fencegate made up, a timeout's, teaches nothing about the
+    /// key either way).
     pub fn learn<B>(&self, res: &Response<B>) {
         self.table
             .learn(self.key.as_str(), &self.exchange, answer(res));
     }
+
+    /// Learns that this exchange's outcome is unknown: the storage may
+    /// apply the write or not, now or later.
+    pub fn learn_unknown(&self) {
+        self.table
+            .learn(self.key.as_str(), &self.exchange, Answer::Unknown);
+    }
 }
 
-/// The answer `res` is, as the core reads it.
+/// The storage's answer `res`, as the core reads it.
 fn answer<B>(res: &Response<B>) -> Answer<'_> {
-    if res.extensions().get::<OutcomeUnknown>().is_some() {
-        return Answer::Unknown;
-    }
     let mut tags = res.headers().get_all(ETAG).iter();
     let etag = match (tags.next(), tags.next()) {
         (Some(tag), None) => Some(tag.as_bytes()),

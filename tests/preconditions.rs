@@ -20,11 +20,10 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use fencegate::app;
-use fencegate::backend::{EmbeddedStore, Unstaged};
+use fencegate::backend::{EmbeddedStore, Exchange, Sent};
 use fencegate::body::{self, Body};
 use fencegate::clock::{Clock, ClockKind};
 use fencegate::config::{Config, RouteConfig};
-use fencegate::fence::OutcomeUnknown;
 use fencegate::journal::MemoryJournal;
 use fencegate::lease::LeaseStore;
 use fencegate::route::Preconditions;
@@ -67,6 +66,35 @@ impl Holding {
     }
 }
 
+impl Holding {
+    /// What the storage does with `req`: its answer, or `None` if it took
+    /// the write and holds it.
+    async fn take(self, req: Request<Body>) -> Option<Response<Body>> {
+        let line = format!("{} {}", req.method(), req.uri());
+        self.seen
+            .lock()
+            .unwrap()
+            .push((line, req.headers().clone()));
+        let write = fencegate::fence::is_write(req.method());
+        if write && self.hold.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            let (parts, b) = req.into_parts();
+            let bytes = b.collect().await.unwrap().to_bytes();
+            self.held
+                .lock()
+                .unwrap()
+                .push(Request::from_parts(parts, bytes));
+            return None;
+        }
+        Some(self.store.clone().call(req).await.unwrap())
+    }
+}
+
+/// What the upstream client answers when the connection is lost after the
+/// request went out.
+fn lost() -> Response<Body> {
+    fencegate::error::Problem::upstream_error().into_response()
+}
+
 impl Service<Request<Body>> for Holding {
     type Response = Response<Body>;
     type Error = Infallible;
@@ -78,28 +106,40 @@ impl Service<Request<Body>> for Holding {
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let this = self.clone();
-        Box::pin(async move {
-            let line = format!("{} {}", req.method(), req.uri());
-            this.seen
-                .lock()
-                .unwrap()
-                .push((line, req.headers().clone()));
-            let write = fencegate::fence::is_write(req.method());
-            if write && this.hold.swap(false, std::sync::atomic::Ordering::SeqCst) {
-                let (parts, b) = req.into_parts();
-                let bytes = b.collect().await.unwrap().to_bytes();
-                this.held
-                    .lock()
-                    .unwrap()
-                    .push(Request::from_parts(parts, bytes));
-                // What the upstream client answers when the connection is
-                // lost after the request went out.
-                let mut res = fencegate::error::Problem::upstream_error().into_response();
-                res.extensions_mut().insert(OutcomeUnknown);
-                return Ok(res);
+        Box::pin(async move { Ok(this.take(req).await.unwrap_or_else(lost)) })
+    }
+}
+
+/// Admitted writes go in two steps with nothing before sending; a held
+/// write's outcome is unknown, as a lost connection's.
+impl Exchange for Holding {
+    type Staged = Request<Body>;
+
+    fn stage(
+        &mut self,
+        req: Request<Body>,
+    ) -> impl Future<Output = Result<Request<Body>, Response<Body>>> + Send + 'static {
+        std::future::ready(Ok(req))
+    }
+
+    fn send(
+        &mut self,
+        req: Request<Body>,
+    ) -> impl Future<Output = Sent<Request<Body>>> + Send + 'static {
+        let this = self.clone();
+        async move {
+            match this.take(req).await {
+                Some(res) => Sent::Answered(res),
+                None => Sent::Unknown(lost()),
             }
-            this.store.clone().call(req).await
-        })
+        }
+    }
+
+    fn restage(
+        &mut self,
+        req: Request<Body>,
+    ) -> impl Future<Output = Result<Request<Body>, Response<Body>>> + Send + 'static {
+        std::future::ready(Ok(req))
     }
 }
 
@@ -119,16 +159,14 @@ fn config(preconditions: Preconditions) -> Config {
     c
 }
 
-fn harness(
-    preconditions: Preconditions,
-) -> (Harness<fencegate::fence::Fence<Unstaged<Holding>>>, Holding) {
+fn harness(preconditions: Preconditions) -> (Harness<fencegate::fence::Fence<Holding>>, Holding) {
     let config = config(preconditions);
     config.validate().unwrap();
     let clock = Clock::new(config.clock);
     let journal = Arc::new(MemoryJournal::default());
     let leases = LeaseStore::new(clock.clone(), config.lease_limits(), journal.clone());
     let backend = Holding::default();
-    let app = app::build_with(
+    let app = app::build_exchange(
         &config,
         leases.clone(),
         Arc::new(AtomicBool::new(false)),

@@ -92,9 +92,13 @@ pub trait Exchange: Service<Request<Body>, Response = Response<Body>, Error = In
 /// What came of step two of an [`Exchange`].
 #[derive(Debug)]
 pub enum Sent<S> {
-    /// The answer: the storage's, or fencegate's when the exchange failed
-    /// after bytes of the request may have left (its outcome unknown).
+    /// The storage's answer.
     Answered(Response<Body>),
+    /// Fencegate's answer when the exchange failed after bytes of the
+    /// request may have left (a lost connection, a timeout, an answer it
+    /// could not relay): the storage may apply the write or not, now or
+    /// later.
+    Unknown(Response<Body>),
     /// Fencegate's answer when not a byte of the request left (the
     /// connection could not be had, or its first write failed outright).
     NotSent(Response<Body>),
@@ -183,6 +187,7 @@ fn upstream_staged(
 fn upstream_sent(sent: Sent<upstream::Staged>) -> Sent<Staged> {
     match sent {
         Sent::Answered(res) => Sent::Answered(res),
+        Sent::Unknown(res) => Sent::Unknown(res),
         Sent::NotSent(res) => Sent::NotSent(res),
         Sent::Again(staged) => Sent::Again(Staged::Upstream(staged)),
     }

@@ -43,7 +43,6 @@ use crate::body::{self, Body, BoxError};
 use crate::clock::Stopwatch;
 use crate::error::{Problem, Reason};
 use crate::metrics::Metrics;
-use crate::wire::OutcomeUnknown;
 
 /// How the upstream client behaves.
 #[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
@@ -719,7 +718,7 @@ impl Shared {
                         conn,
                         reused,
                     })),
-                    Ok(Err(err)) => return Err(self.ended(watch, Err(err), None)),
+                    Ok(Err(err)) => return Err(self.failed(watch, &*err)),
                     Err(_) => return Err(self.timed_out(watch, timeout_ms)),
                 }
             }
@@ -784,10 +783,8 @@ impl Shared {
         })
         .await;
         match sent {
-            Ok(Exchanged::Answer(result)) => {
-                Sent::Answered(this.ended(watch, result, client.as_ref()))
-            }
-            Ok(Exchanged::Unsent(err)) => Sent::NotSent(this.ended(watch, Err(err), None)),
+            Ok(Exchanged::Answer(result)) => this.ended(watch, result, client.as_ref()),
+            Ok(Exchanged::Unsent(err)) => Sent::NotSent(this.failed(watch, &*err)),
             Ok(Exchanged::Again(dedicated)) => Sent::Again(Staged {
                 upstream: this,
                 to: To::Dedicated(dedicated),
@@ -795,7 +792,7 @@ impl Shared {
                 timeout_ms,
                 watch,
             }),
-            Err(_) => Sent::Answered(this.timed_out(watch, timeout_ms)),
+            Err(_) => Sent::Unknown(this.timed_out(watch, timeout_ms)),
         }
     }
 
@@ -811,7 +808,7 @@ impl Shared {
                     dedicated.conn = conn;
                     dedicated.reused = false;
                 }
-                Ok(Err(err)) => return Err(this.ended(staged.watch, Err(err), None)),
+                Ok(Err(err)) => return Err(this.failed(staged.watch, &*err)),
                 Err(_) => return Err(this.timed_out(staged.watch, staged.timeout_ms)),
             }
         }
@@ -827,7 +824,7 @@ impl Shared {
         };
         loop {
             match Self::send(staged).await {
-                Sent::Answered(res) | Sent::NotSent(res) => return res,
+                Sent::Answered(res) | Sent::Unknown(res) | Sent::NotSent(res) => return res,
                 Sent::Again(again) => match Self::restage(again).await {
                     Ok(again) => staged = again,
                     Err(answer) => return answer,
@@ -836,25 +833,25 @@ impl Shared {
         }
     }
 
-    /// The exchange ended: its answer relayed, or the answer to its
-    /// failure.
-    fn ended(
+    /// The exchange ended: the storage's answer relayed, or the answer to
+    /// its failure, whose outcome is unknown.
+    fn ended<S>(
         &self,
         watch: Stopwatch,
         result: Result<Response<Body>, BoxError>,
         client: Option<&(HeaderValue, bool)>,
-    ) -> Response<Body> {
-        if let Some(m) = self.metrics.get() {
-            m.upstream_latency(watch.elapsed_us() as f64 / 1e6);
-        }
+    ) -> Sent<S> {
         match result {
             Ok(res) => {
+                if let Some(m) = self.metrics.get() {
+                    m.upstream_latency(watch.elapsed_us() as f64 / 1e6);
+                }
                 if self.failures.load(Ordering::Relaxed) != 0 {
                     self.failures.store(0, Ordering::Relaxed);
                 }
                 self.relay(res, client)
             }
-            Err(err) => self.failed(&*err),
+            Err(err) => Sent::Unknown(self.failed(watch, &*err)),
         }
     }
 
@@ -866,7 +863,7 @@ impl Shared {
         }
         tracing::warn!(upstream = %self.authority, timeout_ms, "upstream timed out");
         self.count_failure("timed out");
-        outcome_unknown(Problem::upstream_timeout(timeout_ms).into_response())
+        Problem::upstream_timeout(timeout_ms).into_response()
     }
 
     /// Readies `req` for the upstream: its target, hop-by-hop headers
@@ -925,8 +922,9 @@ impl Shared {
 
     /// The upstream's answer, relayed: hop-by-hop headers removed, and a
     /// redirect that names the upstream's own address made to name the
-    /// proxy instead (nginx's `proxy_redirect default`).
-    fn relay(&self, res: Response<Body>, client: Option<&(HeaderValue, bool)>) -> Response<Body> {
+    /// proxy instead (nginx's `proxy_redirect default`); or, for an answer
+    /// that cannot be relayed, fencegate's in its place.
+    fn relay<S>(&self, res: Response<Body>, client: Option<&(HeaderValue, bool)>) -> Sent<S> {
         let (mut parts, body) = res.into_parts();
         if parts.headers.contains_key(TRANSFER_ENCODING)
             && parts.headers.contains_key(CONTENT_LENGTH)
@@ -937,7 +935,7 @@ impl Shared {
             drop(body);
             tracing::warn!(upstream = %self.authority, status = parts.status.as_u16(), "the upstream's answer has both Content-Length and Transfer-Encoding: not relayed");
             self.count_failure("ambiguous framing");
-            return outcome_unknown(
+            return Sent::Unknown(
                 Problem::new(
                     Reason::UpstreamError,
                     "the backend failed to answer: its answer had both Content-Length and Transfer-Encoding",
@@ -953,18 +951,23 @@ impl Shared {
             rebase(&mut parts.headers, &LOCATION, &self.origin, &origin);
             rebase(&mut parts.headers, &CONTENT_LOCATION, &self.origin, &origin);
         }
-        Response::from_parts(parts, body)
+        Sent::Answered(Response::from_parts(parts, body))
     }
 
-    /// The answer when the exchange with the upstream failed; its outcome
-    /// is unknown whichever way it failed.
-    fn failed(&self, err: &(dyn std::error::Error + Send + Sync + 'static)) -> Response<Body> {
+    /// The answer when the exchange with the upstream failed (its outcome
+    /// is unknown, unless nothing was sent).
+    fn failed(
+        &self,
+        watch: Stopwatch,
+        err: &(dyn std::error::Error + Send + Sync + 'static),
+    ) -> Response<Body> {
+        if let Some(m) = self.metrics.get() {
+            m.upstream_latency(watch.elapsed_us() as f64 / 1e6);
+        }
         if body::is_length_limit(err) {
             // The client streamed more than the body limit: the upstream
             // got a cut-off request, and the connection was dropped.
-            return outcome_unknown(
-                Problem::payload_too_large(self.max_body_bytes).into_response(),
-            );
+            return Problem::payload_too_large(self.max_body_bytes).into_response();
         }
         if body::is_client_body_error(err) {
             // The client's body broke off or its chunking was malformed
@@ -974,13 +977,11 @@ impl Shared {
             // a correct HTTP/1.1 server sees an incomplete request and does
             // not apply it.
             tracing::info!(upstream = %self.authority, error = %err, "request body failed; upstream request abandoned");
-            return outcome_unknown(
-                Problem::invalid_request(
-                    "the request body broke off or its chunked framing is malformed",
-                )
-                .closing_connection()
-                .into_response(),
-            );
+            return Problem::invalid_request(
+                "the request body broke off or its chunked framing is malformed",
+            )
+            .closing_connection()
+            .into_response();
         }
         // The whole chain: a pooled client's error says only "client error
         // (Connect)"; the cause (a refused connection, a certificate that
@@ -989,13 +990,11 @@ impl Shared {
         tracing::warn!(upstream = %self.authority, error = %cause, "upstream request failed");
         let kind = failure_kind(err);
         self.count_failure(kind);
-        outcome_unknown(
-            Problem::new(
-                Reason::UpstreamError,
-                format!("the backend failed to answer: {kind}"),
-            )
-            .into_response(),
+        Problem::new(
+            Reason::UpstreamError,
+            format!("the backend failed to answer: {kind}"),
         )
+        .into_response()
     }
 
     /// One more exchange failed in a row, as `kind`.
@@ -1255,13 +1254,6 @@ fn rebase(headers: &mut HeaderMap, name: &HeaderName, from: &str, to: &str) {
     if let Ok(v) = HeaderValue::from_str(&format!("{to}{rest}")) {
         headers.insert(name.clone(), v);
     }
-}
-
-/// Marks a response fencegate made up for a request whose fate at the
-/// backend is unknown.
-fn outcome_unknown(mut res: Response<Body>) -> Response<Body> {
-    res.extensions_mut().insert(OutcomeUnknown);
-    res
 }
 
 impl Service<Request<Body>> for Upstream {
