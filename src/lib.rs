@@ -55,9 +55,10 @@
 //!   connections' tasks.
 //! - [`error`]: the one mapping from errors to problem+json (the `Reason`
 //!   table: status, slug and title, and an error's chain for a log line);
-//!   [`body`]: the body type shared by all services; [`wire`]: header names and the path prefix
-//!   several layers share; [`hex`]: lowercase hex for ids and digests;
-//!   [`config`]: typed settings, read by start-up only.
+//!   [`body`]: the body type shared by all services; [`wire`]: header
+//!   names and the path prefix several layers share; [`hex`]: lowercase
+//!   hex for ids and digests; [`config`]: typed settings, read by start-up
+//!   only.
 //!
 //! # Module graph
 //!
