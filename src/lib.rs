@@ -84,7 +84,7 @@
 //! - `error` → `body`, `lease`, `precondition`, `wire`
 //! - `metrics` → `clock`, `lease`
 //! - `lease` → `clock`, `journal`, `names`
-//! - `precondition` → `body`, `wire`
+//! - `precondition` → `body`
 //! - `auth` → `hex`, `names`
 //! - `route` → `names`
 //! - `framing` → `h1`
