@@ -690,7 +690,7 @@ async fn exchange<S: Exchange>(
     if let Some(observed) = &observed {
         observed.learn(&res);
     }
-    Ok(attach_guard(res, Some(guard)))
+    Ok(attach_guard(res, guard))
 }
 
 fn reject_write(
@@ -743,10 +743,7 @@ pub fn visible_to(
 /// Counts the write answered once the storage's response head is here: it
 /// then holds back newer terms until the response body ends, or for at most
 /// the settle time (whether the client reads or not).
-fn attach_guard(res: Response<Body>, guard: Option<WriteGuard>) -> Response<Body> {
-    let Some(mut guard) = guard else {
-        return res;
-    };
+fn attach_guard(res: Response<Body>, mut guard: WriteGuard) -> Response<Body> {
     if res.body().is_end_stream() {
         guard.finish();
         return res;

@@ -572,6 +572,9 @@ fn unopenable(dir: &Path, path: &Path, why: Unopenable) -> JournalError {
 fn carry_out(dir: &Path, path: &Path, plan: &OpenPlan, fresh: bool) -> Result<File, JournalError> {
     let meta_path = dir.join(META_FILE);
     let mut log = None;
+    // The copy of a log that lost records, named in the one line that
+    // reports the loss.
+    let mut kept = None;
     for step in &plan.steps {
         match step {
             OpenStep::WriteMeta(meta) => {
@@ -581,11 +584,7 @@ fn carry_out(dir: &Path, path: &Path, plan: &OpenPlan, fresh: bool) -> Result<Fi
                 let damaged = damaged_copy_path(dir)
                     .and_then(|damaged| keep_copy(path, &damaged).map(|()| damaged))
                     .map_err(|e| err("cannot keep a copy of", path, e))?;
-                tracing::error!(
-                    journal = %path.display(),
-                    kept = %damaged.display(),
-                    "journal lost acknowledged records: the log as found is kept"
-                );
+                kept = Some(damaged);
             }
             OpenStep::WriteLog(image) => {
                 let what = if fresh {
@@ -625,10 +624,11 @@ fn carry_out(dir: &Path, path: &Path, plan: &OpenPlan, fresh: bool) -> Result<Fi
         ),
         Some(why) => tracing::error!(
             journal = %path.display(),
+            kept = %kept.as_deref().unwrap_or(Path::new("")).display(),
             token_floor = recovered.token_floor,
             leases = recovered.leases.len(),
-            "journal lost acknowledged records ({why}): every lease continues above the token \
-             floor, and every recovered term has ended"
+            "journal lost acknowledged records ({why}): the log as found is kept, every lease \
+             continues above the token floor, and every recovered term has ended"
         ),
         None if !fresh
             && plan

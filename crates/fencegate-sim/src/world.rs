@@ -2787,7 +2787,7 @@ impl World {
             let record = Record::Release {
                 lease: ending.lease.as_str().to_owned(),
                 token: ending.token,
-                quiet: ending.quiet,
+                quiet: ending.quiet(),
             };
             self.queue(record, Ack::Durable);
         }

@@ -372,7 +372,7 @@ impl LeaseStore {
             drop(store.shared.journal.persist_release(
                 ending.lease.as_str(),
                 ending.token,
-                ending.quiet,
+                ending.quiet(),
             ));
         }
         for restart::Restored {

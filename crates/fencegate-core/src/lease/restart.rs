@@ -236,7 +236,14 @@ pub fn restore(
 pub struct Ending {
     pub lease: LeaseName,
     pub token: u64,
-    pub quiet: bool,
+}
+
+impl Ending {
+    /// Whether the release is recorded as quiet: never, since the term's
+    /// writes may still be unfinished.
+    pub const fn quiet(&self) -> bool {
+        false
+    }
 }
 
 /// Every lease a start recovered, restored ([`restore`]), and the releases
@@ -263,7 +270,6 @@ pub fn restore_all(
             all.endings.push(Ending {
                 lease: restored.name.clone(),
                 token: t.token,
-                quiet: false,
             });
         }
         all.leases.push(restored);
@@ -411,9 +417,9 @@ mod tests {
             [Ending {
                 lease: LeaseName::new("orders").unwrap(),
                 token: 3,
-                quiet: false
             }]
         );
+        assert!(!all.endings[0].quiet());
     }
 
     #[test]
