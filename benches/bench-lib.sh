@@ -4,8 +4,12 @@
 # backend of benches/proxy.rs ($backend: host:port), and defines
 # start_fencegate.
 
-cargo build --release --quiet
+# The bench target first: building it builds the binary again with the
+# dev-dependencies' features (the test-util feature plants the core's
+# mutant checks), and the release build after it puts the binary users run
+# back in target/release (cargo keeps both; neither is linked again).
 cargo bench --bench proxy --no-run --quiet 2>/dev/null
+cargo build --release --quiet
 bench=$(ls -t target/release/deps/proxy-* | grep -v '\.d$' | head -1)
 work=$(mktemp -d)
 pids=()
