@@ -12,6 +12,15 @@ use fencegate::cli::{self, lease::LeaseArgs, loadtest::LoadtestArgs, run::RunArg
 use fencegate::config::{RuntimeConfig, Scheduler};
 use fencegate::serve::{self, shutdown_signal, BackendArgs, ServeArgs};
 
+/// mimalloc (its v2 line) rather than glibc's malloc: every proxied request
+/// allocates and frees the same few dozen small blocks, which mimalloc's
+/// per-thread free lists serve in fewer instructions (about 2,300 fewer
+/// per fenced PUT, docs/performance.md), and its cost does not move with
+/// the process's memory layout as glibc's consolidation of freed blocks
+/// does.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "fencegate",
