@@ -1,4 +1,4 @@
-//! Process wiring only: arguments → telemetry → a runtime →
+//! Process wiring only: the global allocator; arguments → telemetry → a runtime →
 //! `serve::run(config, options, shutdown_signal())` (the config is loaded
 //! first, as it picks the runtime) or a client command.
 
