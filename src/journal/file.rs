@@ -945,9 +945,8 @@ impl Writer {
             match step {
                 IdentityStep::WriteMeta(meta) => self.set_meta(meta)?,
                 IdentityStep::Append(id) => {
-                    let mut frame = Vec::new();
-                    Record::Identity { id }.encode_frame(&mut frame);
-                    self.append(&frame, true, 0)?;
+                    let own = writer::identity_append(id);
+                    self.append(&own.bytes, own.sync, own.max_token)?;
                     self.log_identity = id;
                     self.identity_len = self.len;
                 }

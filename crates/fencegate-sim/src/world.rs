@@ -2371,20 +2371,20 @@ impl World {
                     self.meta_file = Some(meta.encode());
                 }
                 IdentityStep::Append(id) => {
-                    let mut frame = Vec::new();
-                    Record::Identity { id }.encode_frame(&mut frame);
+                    let own = writer::identity_append(id);
                     let log = append::Log {
                         header,
                         len,
                         reserved: meta.reserved,
                         floor_block: FLOOR_BLOCK,
                     };
-                    for step in append::plan(&log, frame.len() as u64, true, 0) {
+                    for step in append::plan(&log, own.bytes.len() as u64, own.sync, own.max_token)
+                    {
                         match step {
                             Step::RaiseReserved(_) => {}
                             Step::WriteBatch => {
-                                self.log.write(len, &frame);
-                                len += frame.len() as u64;
+                                self.log.write(len, &own.bytes);
+                                len += own.bytes.len() as u64;
                             }
                             Step::Sync => self.log.sync(),
                             Step::WriteHeader(h) => {

@@ -78,9 +78,32 @@ pub fn next_identity(last: u64, random: Option<u64>) -> u64 {
 pub enum IdentityStep {
     /// Replace the meta file, durably, with this.
     WriteMeta(Meta),
-    /// Append this identity record to the log and make it durable (an
-    /// append of its own, synced: [`crate::journal::append::plan`]).
+    /// Append the identity record [`identity_append`] frames, as an append
+    /// of its own ([`crate::journal::append::plan`]) that it syncs.
     Append(u64),
+}
+
+/// An append of the log's own: the framed bytes, whether it is synced,
+/// and the highest token it grants (for
+/// [`crate::journal::append::plan`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OwnAppend {
+    pub bytes: Vec<u8>,
+    pub sync: bool,
+    pub max_token: u64,
+}
+
+/// The append that gives the log the identity `id`: its record alone,
+/// synced (the meta file's next step must not name a log that may still
+/// lose it), granting nothing.
+pub fn identity_append(id: u64) -> OwnAppend {
+    let mut bytes = Vec::new();
+    Record::Identity { id }.encode_frame(&mut bytes);
+    OwnAppend {
+        bytes,
+        sync: true,
+        max_token: 0,
+    }
 }
 
 /// The steps that move the log from the identity `meta` names to `next`.
