@@ -52,7 +52,8 @@
 //!   in etcd behind the `Journal` seam; [`etcd`]: an etcd v3 client over
 //!   etcd's JSON gateway (keys, transactions, leases; TLS, authentication,
 //!   several endpoints); [`rt`]: where hyper-util's clients run their
-//!   connections' tasks.
+//!   connections' tasks, and the timer each client connection keeps for
+//!   its header read timeout.
 //! - [`error`]: the one mapping from errors to problem+json (the `Reason`
 //!   table: status, slug and title, and an error's chain for a log line);
 //!   [`body`]: the body type shared by all services; [`wire`]: header
@@ -74,7 +75,7 @@
 //! - `serve` → `app`, `auth`, `backend`, `clock`, `cluster`, `config`, `etcd`, `fence`, `journal`, `lease`, `metrics`, `precondition`, `server`, `tls`
 //! - `cluster` → `api`, `app`, `auth`, `backend`, `body`, `clock`, `error`, `etcd`, `hex`, `journal`, `lease`, `metrics`, `route`, `rt`, `tls`, `wire`
 //! - `config` → `auth`, `backend`, `clock`, `lease`, `route`, `server`
-//! - `server` → `backend`, `body`, `framing`
+//! - `server` → `backend`, `body`, `framing`, `rt`
 //! - `app` → `api`, `auth`, `backend`, `body`, `config`, `error`, `fence`, `framing`, `lease`, `metrics`, `precondition`, `wire`
 //! - `api` → `auth`, `backend`, `body`, `clock`, `error`, `fence`, `lease`, `metrics`, `names`, `route`, `wire`
 //! - `cli` → `backend`, `client`, `clock`, `fence`, `hex`, `names`, `wire`

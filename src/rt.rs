@@ -1,7 +1,14 @@
-//! The runtime glue hyper-util's clients need: where their connections'
-//! tasks run.
+//! The runtime glue hyper needs: where hyper-util's clients run their
+//! connections' tasks, and a server connection's timer, kept for reuse
+//! rather than made for each request.
 
 use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::time::{Instant, Sleep};
 
 /// Where hyper-util's clients (the pooled upstream, etcd, other members)
 /// run their connections' tasks: on the runtime that built the client (the
@@ -28,5 +35,130 @@ where
             Some(runtime) => drop(runtime.spawn(task)),
             None => drop(tokio::spawn(task)),
         }
+    }
+}
+
+/// One tokio timer kept for reuse, as hyper's [`hyper::rt::Timer`]: the
+/// server gives one to each connection for its header read timeout, which
+/// hyper starts for every request head (and drops once the head is read).
+/// A head's deadline is later than the one before, and moving a tokio timer
+/// later is a compare-and-swap (the wheel reschedules it when the old
+/// deadline comes), where a timer of its own would be put in the wheel and
+/// taken out again for every request (180 instructions more per fenced
+/// PUT, docs/performance.md). A deadline earlier than the
+/// kept timer's reschedules it; a slot found empty (its timer in use)
+/// makes a new one. Cloning shares the slot. A slot serves one runtime:
+/// its timer belongs to the runtime that made it.
+#[derive(Clone, Debug, Default)]
+pub struct TimerSlot(Arc<Mutex<Option<Pin<Box<Sleep>>>>>);
+
+impl TimerSlot {
+    /// A timer that fires at `deadline`: the kept one, moved, or a new one.
+    /// Once dropped it goes back to the slot.
+    pub fn sleep_until(&self, deadline: Instant) -> Reused {
+        let kept = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let sleep = match kept {
+            Some(mut sleep) => {
+                sleep.as_mut().reset(deadline);
+                sleep
+            }
+            None => Box::pin(tokio::time::sleep_until(deadline)),
+        };
+        Reused {
+            sleep: Some(sleep),
+            home: Some(self.clone()),
+        }
+    }
+}
+
+/// A timer taken from a [`TimerSlot`], which it goes back to when dropped
+/// (if the slot is empty then).
+#[derive(Debug)]
+pub struct Reused {
+    /// `None` only once dropped.
+    sleep: Option<Pin<Box<Sleep>>>,
+    home: Option<TimerSlot>,
+}
+
+impl Future for Reused {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        match self.sleep.as_mut() {
+            Some(sleep) => sleep.as_mut().poll(cx),
+            None => Poll::Ready(()),
+        }
+    }
+}
+
+impl hyper::rt::Sleep for Reused {}
+
+impl Drop for Reused {
+    fn drop(&mut self) {
+        let (Some(home), Some(sleep)) = (self.home.take(), self.sleep.take()) else {
+            return;
+        };
+        let mut slot = home.0.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            *slot = Some(sleep);
+        }
+    }
+}
+
+impl hyper::rt::Timer for TimerSlot {
+    fn sleep(&self, duration: Duration) -> Pin<Box<dyn hyper::rt::Sleep>> {
+        // Not from the slot: hyper's server asks only for deadlines.
+        Box::pin(Reused {
+            sleep: Some(Box::pin(tokio::time::sleep(duration))),
+            home: None,
+        })
+    }
+
+    fn sleep_until(&self, deadline: std::time::Instant) -> Pin<Box<dyn hyper::rt::Sleep>> {
+        Box::pin(TimerSlot::sleep_until(self, deadline.into()))
+    }
+
+    fn reset(&self, sleep: &mut Pin<Box<dyn hyper::rt::Sleep>>, deadline: std::time::Instant) {
+        match sleep.as_mut().downcast_mut_pin::<Reused>() {
+            Some(reused) => {
+                if let Some(s) = reused.get_mut().sleep.as_mut() {
+                    s.as_mut().reset(deadline.into());
+                }
+            }
+            None => *sleep = hyper::rt::Timer::sleep_until(self, deadline),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Now on tokio's clock (paused here), read the way a timer reads it
+    /// (only `clock.rs` reads clocks directly).
+    fn now() -> Instant {
+        tokio::time::sleep(Duration::ZERO).deadline()
+    }
+
+    /// The kept timer, moved later, fires at its new deadline, not at the
+    /// one it was first set to; moved earlier, at the earlier one.
+    #[tokio::test(start_paused = true)]
+    async fn a_kept_timer_fires_at_its_new_deadline() {
+        let slot = TimerSlot::default();
+        let start = now();
+        let first = slot.sleep_until(start + Duration::from_secs(10));
+        drop(first);
+        assert!(slot.0.lock().unwrap().is_some(), "the timer went back");
+
+        let later = slot.sleep_until(start + Duration::from_secs(30));
+        assert!(slot.0.lock().unwrap().is_none(), "the kept timer was taken");
+        later.await;
+        assert_eq!(now() - start, Duration::from_secs(30));
+
+        let start = now();
+        drop(slot.sleep_until(start + Duration::from_secs(60)));
+        let earlier = slot.sleep_until(start + Duration::from_secs(5));
+        earlier.await;
+        assert_eq!(now() - start, Duration::from_secs(5));
     }
 }

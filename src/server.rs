@@ -15,7 +15,7 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
@@ -25,6 +25,7 @@ use tower::{Service, ServiceExt};
 use crate::backend::{ClientAddr, RequestContext};
 use crate::body::Body;
 use crate::framing::{head_buffer_bytes, Guarded};
+use crate::rt::TimerSlot;
 
 /// Connection-level settings.
 #[derive(Clone, Copy, Debug)]
@@ -302,6 +303,10 @@ where
         let (tls, builder, watcher) = (tls.clone(), builder.clone(), graceful.watcher());
         tokio::spawn(async move {
             let _permit = permit;
+            // The connection's own timer for its header read timeout, kept
+            // from one request to the next (see `rt::TimerSlot`).
+            let mut builder = (*builder).clone();
+            builder.timer(TimerSlot::default());
             let served = match tls {
                 None => {
                     let io = TokioIo::new(Guarded::new(stream, head_buffer, send_timeout));
@@ -326,12 +331,11 @@ where
     Ok(())
 }
 
-/// HTTP/1.1 with keep-alive, the header read timeout, and a read buffer of
-/// `head_buffer` bytes.
+/// HTTP/1.1 with keep-alive, the header read timeout (each connection
+/// gives it a timer), and a read buffer of `head_buffer` bytes.
 fn http1_builder(options: &ServerOptions, head_buffer: usize) -> http1::Builder {
     let mut builder = http1::Builder::new();
     builder
-        .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_millis(options.header_read_timeout_ms))
         .max_buf_size(head_buffer)
         .keep_alive(true);

@@ -160,6 +160,53 @@ async fn a_slow_request_head_is_cut_off() {
     task.await.unwrap().unwrap();
 }
 
+/// The connection's header read timer is kept from one request to the
+/// next (`rt::TimerSlot`): a slow second head on a connection is cut off
+/// as the first would be. (Real time, as above: the server's own timer.)
+#[tokio::test]
+async fn a_slow_second_request_head_is_cut_off() {
+    use fencegate::server::{self, ServerOptions};
+    let h = Harness::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let options = ServerOptions {
+        header_read_timeout_ms: 300,
+        ..ServerOptions::default()
+    };
+    let task = tokio::spawn(server::run(listener, h.app.clone(), options, async {
+        let _ = stopped.await;
+    }));
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /_fence/readyz HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 1024];
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    s.write_all(b"PUT /kv/o/x HTTP/1.1\r\nHost: a\r\nX-Slow: ")
+        .await
+        .unwrap();
+    // Ten times the configured timeout, as above.
+    let closed = tokio::time::timeout(Duration::from_secs(3), async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the slow connection was not closed");
+    assert!(h.store.is_empty());
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+}
+
 /// The status codes of every answer on one connection, until it closes.
 async fn raw_statuses(addr: std::net::SocketAddr, requests: &[u8]) -> Vec<u16> {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
