@@ -39,7 +39,6 @@ use crate::precondition::KeyStateTable;
 pub use crate::wire::X_REQUEST_ID;
 
 const REQUEST_ID_NAME: HeaderName = HeaderName::from_static(X_REQUEST_ID);
-const CONFLICT_NAME: HeaderName = HeaderName::from_static(crate::framing::CONFLICT_HEADER);
 
 /// Per-request limits applied before anything else runs.
 #[derive(Clone, Copy, Debug)]
@@ -117,14 +116,14 @@ fn head_size<B>(req: &Request<B>) -> usize {
 }
 
 /// Refuses message framing that some server would read differently: a
-/// `Content-Length` beside `Transfer-Encoding` (hyper would drop the length;
-/// [`crate::framing`] marks it), and a doubled `chunked`. Such requests are never repaired and
-/// forwarded, since a backend might frame them another way (request
-/// smuggling). Conflicting lengths, bad chunking, NUL and obs-fold never get
-/// this far: hyper's parser rejects them with a bare 400.
-fn check_framing(headers: &HeaderMap) -> Result<(), Problem> {
-    if headers.contains_key(&CONFLICT_NAME) {
-        // The connection guard saw Content-Length beside Transfer-Encoding.
+/// `Content-Length` beside `Transfer-Encoding` (hyper drops the length:
+/// [`crate::framing`]'s guard saw it, `conflict`), and a doubled
+/// `chunked`. Such requests are never repaired and forwarded, since a
+/// backend might frame them another way (request smuggling). Conflicting
+/// lengths, bad chunking, NUL and obs-fold never get this far: hyper's
+/// parser rejects them with a bare 400.
+fn check_framing(headers: &HeaderMap, conflict: bool) -> Result<(), Problem> {
+    if conflict {
         return Err(Problem::invalid_request(
             "a request may not carry both Content-Length and Transfer-Encoding",
         ));
@@ -159,7 +158,8 @@ pub(crate) fn check_head<B>(req: &Request<B>, limits: &RequestLimits) -> Result<
     }
     // Where the body ends is in doubt: the connection is not reused (as
     // hyper itself closes after a length beside a coding).
-    check_framing(req.headers()).map_err(Problem::closing_connection)
+    let conflict = RequestContext::of(req).is_some_and(|c| c.framing_conflict);
+    check_framing(req.headers(), conflict).map_err(Problem::closing_connection)
 }
 
 fn declared_length(headers: &HeaderMap) -> Option<u64> {

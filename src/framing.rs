@@ -6,11 +6,15 @@
 //! afterwards. fencegate's contract is stricter: such a request is refused,
 //! never repaired and forwarded, because it is the classic request-smuggling
 //! shape. By the time a request reaches a service the evidence is gone, so
-//! this guard watches the byte stream: it finds each request head and frames
-//! each body exactly as hyper does, and in a head with both headers renames
-//! `Content-Length` to [`CONFLICT_HEADER`] (same length, so nothing else
-//! moves). hyper then frames by the transfer coding as before, and the app
-//! refuses the request with a 400 problem because it sees the marker.
+//! this guard watches the byte stream, changing none of it: it finds each
+//! request head and frames each body exactly as hyper does, and notes in
+//! the connection's [`Heads`] the first head with both headers, by its
+//! place on the connection. hyper hands the service the connection's
+//! requests in the same order, one per head it takes (a head it refuses
+//! ends the connection), so the server, counting them, tells the app which
+//! request that was (`RequestContext::framing_conflict`), and the app
+//! refuses it with a 400 problem and closes the connection: nothing after
+//! it is served.
 //!
 //! To see the stream as hyper sees it without parsing each head twice, the
 //! guard splits a whole head into lines and reads the two framing headers
@@ -38,20 +42,62 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
-use smallvec::SmallVec;
 use std::future::Future;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use crate::h1::{self, Chunked};
 
-/// The name `Content-Length` is renamed to in a head that also carries
-/// `Transfer-Encoding`.
-pub const CONFLICT_HEADER: &str = "x-conflict-len";
+/// What the guard of one connection tells the server of its request heads:
+/// the first that carried both `Content-Length` and `Transfer-Encoding`,
+/// by its place among the heads (0 for the first).
+#[derive(Debug)]
+pub struct Heads {
+    /// That place; `u64::MAX` while there is none.
+    conflict: AtomicU64,
+    /// How many requests the server has taken (see [`Heads::next_request`]).
+    taken: AtomicU64,
+}
+
+impl Default for Heads {
+    fn default() -> Self {
+        Self {
+            conflict: AtomicU64::new(u64::MAX),
+            taken: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Heads {
+    /// The server takes the connection's next request from hyper: whether
+    /// its head carried both `Content-Length` and `Transfer-Encoding`. The
+    /// guard has read the whole head before hyper parses it, so the answer
+    /// is known by then.
+    pub fn next_request(&self) -> bool {
+        let place = self.taken.fetch_add(1, Ordering::Relaxed);
+        self.conflict.load(Ordering::Acquire) == place
+    }
+
+    /// The head at `place` carried both; only the first such is kept (its
+    /// request ends the connection).
+    fn conflict_at(&self, place: u64) {
+        let _ =
+            self.conflict
+                .compare_exchange(u64::MAX, place, Ordering::AcqRel, Ordering::Relaxed);
+    }
+
+    /// The place of the first head that carried both, if any.
+    pub fn first_conflict(&self) -> Option<u64> {
+        let at = self.conflict.load(Ordering::Acquire);
+        (at != u64::MAX).then_some(at)
+    }
+}
 
 /// The smallest read buffer hyper accepts.
 const MIN_HEAD_BUFFER: usize = 8 * 1024;
@@ -94,17 +140,23 @@ pub struct Scanner {
     lead: usize,
     /// The largest incomplete head held (hyper's buffer size).
     max_head_bytes: usize,
+    /// How many whole heads were read so far.
+    read: u64,
+    /// Where a head with both framings is noted.
+    heads: Arc<Heads>,
 }
 
 impl Scanner {
     /// A scanner for a connection whose parser buffers at most
-    /// `max_head_bytes` of an incomplete head.
-    pub fn new(max_head_bytes: usize) -> Self {
+    /// `max_head_bytes` of an incomplete head, noting in `heads`.
+    pub fn new(max_head_bytes: usize, heads: Arc<Heads>) -> Self {
         Self {
             state: State::Head,
             searched: 0,
             lead: 0,
             max_head_bytes,
+            read: 0,
+            heads,
         }
     }
 
@@ -114,11 +166,10 @@ impl Scanner {
     }
 
     /// Scans `data`, the bytes that follow everything scanned so far (an
-    /// incomplete head returned earlier comes first again), marking heads in
-    /// place. Returns how many leading bytes are complete and may be handed
-    /// to the parser; the rest is an incomplete head to pass again with the
-    /// bytes that follow it.
-    pub fn scan(&mut self, data: &mut [u8]) -> usize {
+    /// incomplete head returned earlier comes first again). Returns how many
+    /// leading bytes are complete and may be handed to the parser; the rest
+    /// is an incomplete head to pass again with the bytes that follow it.
+    pub fn scan(&mut self, data: &[u8]) -> usize {
         let mut pos = 0;
         while pos < data.len() {
             match self.state {
@@ -149,7 +200,7 @@ impl Scanner {
                     };
                 }
                 State::Head => {
-                    let head = &mut data[pos..];
+                    let head = &data[pos..];
                     // A head that arrived whole (the common case) is read in
                     // one pass; one that trickles in is searched for its end
                     // as it grows, then read once.
@@ -164,9 +215,10 @@ impl Scanner {
                     match read {
                         Head::Whole { end, rules } => match rules.framing() {
                             Some(next) => {
-                                if matches!(next, State::Chunked(_)) {
-                                    mark_lengths(head, &rules.lengths);
+                                if matches!(next, State::Chunked(_)) && rules.length_named {
+                                    self.heads.conflict_at(self.read);
                                 }
+                                self.read += 1;
                                 self.searched = 0;
                                 self.lead = 0;
                                 self.state = next;
@@ -311,7 +363,7 @@ fn read_lines(buf: &[u8]) -> Head {
                     Some(start) => &value[start..=value.iter().rposition(visible).unwrap_or(start)],
                     None => &[],
                 };
-                if rules.line(at, &line[..len], value).is_none() {
+                if rules.line(&line[..len], value).is_none() {
                     return Head::Refused;
                 }
             }
@@ -321,14 +373,6 @@ fn read_lines(buf: &[u8]) -> Head {
     Head::Incomplete
 }
 
-/// Renames the `Content-Length` names at these offsets of a head to
-/// [`CONFLICT_HEADER`].
-fn mark_lengths(head: &mut [u8], at: &[usize]) {
-    for &at in at {
-        head[at..at + CONFLICT_HEADER.len()].copy_from_slice(CONFLICT_HEADER.as_bytes());
-    }
-}
-
 /// hyper's rules for a request's body, fed its header lines in order.
 #[derive(Debug, Default, PartialEq)]
 struct Rules {
@@ -336,20 +380,21 @@ struct Rules {
     /// Whether the last `Transfer-Encoding` ends in `chunked`, if any.
     chunked: Option<bool>,
     length: Option<u64>,
-    /// Offsets of the `Content-Length` names, to mark them.
-    lengths: SmallVec<[usize; 2]>,
+    /// Whether a `Content-Length` line was seen (beside a transfer coding,
+    /// the request is refused).
+    length_named: bool,
 }
 
 impl Rules {
-    /// One header line at offset `at`; `None` where hyper refuses it.
-    fn line(&mut self, at: usize, name: &[u8], value: &[u8]) -> Option<()> {
+    /// One header line; `None` where hyper refuses it.
+    fn line(&mut self, name: &[u8], value: &[u8]) -> Option<()> {
         if name.eq_ignore_ascii_case(TRANSFER_ENCODING) {
             if !self.http11 {
                 return None;
             }
             self.chunked = Some(h1::is_chunked(value));
         } else if name.eq_ignore_ascii_case(CONTENT_LENGTH) {
-            self.lengths.push(at);
+            self.length_named = true;
             if self.chunked.is_some() {
                 // hyper ignores a length after a transfer coding.
                 return Some(());
@@ -393,8 +438,7 @@ fn check_against_httparse(head: &[u8], read: Option<&Rules>) {
     };
     let mut refused = false;
     for h in req.headers.iter() {
-        let at = h.name.as_ptr() as usize - head.as_ptr() as usize;
-        if rules.line(at, h.name.as_bytes(), h.value).is_none() {
+        if rules.line(h.name.as_bytes(), h.value).is_none() {
             refused = true;
             break;
         }
@@ -434,12 +478,13 @@ pub struct Guarded<S> {
 
 impl<S> Guarded<S> {
     /// Guards `inner`, whose parser buffers at most `max_head_bytes` of an
-    /// incomplete head (see [`head_buffer_bytes`]), and whose client must
-    /// accept some of what is sent to it within `send_timeout`.
-    pub fn new(inner: S, max_head_bytes: usize, send_timeout: Duration) -> Self {
+    /// incomplete head (see [`head_buffer_bytes`]), noting its heads in
+    /// `heads`, and whose client must accept some of what is sent to it
+    /// within `send_timeout`.
+    pub fn new(inner: S, max_head_bytes: usize, heads: Arc<Heads>, send_timeout: Duration) -> Self {
         Self {
             inner,
-            scanner: Scanner::new(max_head_bytes),
+            scanner: Scanner::new(max_head_bytes, heads),
             held: BytesMut::new(),
             ready: BytesMut::new(),
             send: SendDeadline::new(send_timeout),
@@ -543,7 +588,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
                 if end == start {
                     return Poll::Ready(Ok(())); // end of stream
                 }
-                let done = start + this.scanner.scan(&mut out.filled_mut()[start..end]);
+                let done = start + this.scanner.scan(&out.filled()[start..end]);
                 if done < end {
                     this.held = this.head_buffer();
                     this.held.extend_from_slice(&out.filled()[done..end]);
@@ -582,7 +627,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
             unsafe {
                 this.held.set_len(had + n)
             };
-            let done = this.scanner.scan(&mut this.held);
+            let done = this.scanner.scan(&this.held);
             this.ready = this.held.split_to(done);
             if this.held.is_empty() {
                 // An idle connection keeps no head buffer.
@@ -644,17 +689,20 @@ mod tests {
 
     const LIMIT: usize = 20 * 1024;
 
-    fn scan(chunks: &[&[u8]]) -> Vec<u8> {
-        let mut s = Scanner::new(LIMIT);
+    /// The bytes handed on, and the place of the first head with both
+    /// framings.
+    fn scan(chunks: &[&[u8]]) -> (Vec<u8>, Option<u64>) {
+        let heads = Arc::new(Heads::default());
+        let mut s = Scanner::new(LIMIT, heads.clone());
         let mut held = BytesMut::new();
         let mut out = BytesMut::new();
         for c in chunks {
             held.extend_from_slice(c);
-            let done = s.scan(&mut held);
+            let done = s.scan(&held);
             out.extend_from_slice(&held.split_to(done));
         }
         out.extend_from_slice(&held);
-        out.to_vec()
+        (out.to_vec(), heads.first_conflict())
     }
 
     /// A reader that yields the given chunks one per read.
@@ -683,7 +731,13 @@ mod tests {
         for size in [1, 2, 3, 7, 16, 40, 1000] {
             for read_size in [5, 64, 4096] {
                 let chunks = PIPELINE.chunks(size).map(|c| c.to_vec()).collect();
-                let mut g = Guarded::new(Chunks(chunks), LIMIT, Duration::from_secs(30));
+                let heads = Arc::new(Heads::default());
+                let mut g = Guarded::new(
+                    Chunks(chunks),
+                    LIMIT,
+                    heads.clone(),
+                    Duration::from_secs(30),
+                );
                 let mut got = Vec::new();
                 let mut buf = vec![0u8; read_size];
                 loop {
@@ -693,53 +747,45 @@ mod tests {
                     }
                     got.extend_from_slice(&buf[..n]);
                 }
-                assert_eq!(got, expected(), "chunks of {size}, reads of {read_size}");
+                assert_eq!(got, PIPELINE, "chunks of {size}, reads of {read_size}");
+                assert_eq!(heads.first_conflict(), Some(2));
             }
         }
     }
 
+    /// Five heads: the third and the fifth carry both framings (past an
+    /// empty line before a request, and after an upgrade request); the
+    /// fourth's body looks like a header line and is not one.
     const PIPELINE: &[u8] = b"PUT /a HTTP/1.1\r\nContent-Length: 3\r\n\r\nabcPUT /b HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nxyz\r\n0\r\nT: 1\r\n\r\n\r\nPUT /c HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\nGET /d HTTP/1.1\r\nUpgrade: websocket\r\nContent-Length: 9\r\nX: Transfer-Encoding: chunked\r\n\r\n123456789PUT /e HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 1\r\n\r\n0\r\n\r\n";
 
-    fn expected() -> Vec<u8> {
-        let text = String::from_utf8(PIPELINE.to_vec()).unwrap();
-        // Only the lengths beside a transfer coding are renamed (after an
-        // upgrade request too, and past an empty line before a request);
-        // the body bytes of the fourth request (which look like a header)
-        // are not touched.
-        text.replacen(
-            "Content-Length: 2\r\nTransfer",
-            "x-conflict-len: 2\r\nTransfer",
-            1,
-        )
-        .replacen(
-            "chunked\r\nContent-Length: 1",
-            "chunked\r\nx-conflict-len: 1",
-            1,
-        )
-        .into_bytes()
+    #[test]
+    fn notes_the_first_head_with_both_framings_and_changes_nothing() {
+        assert_eq!(scan(&[PIPELINE]), (PIPELINE.to_vec(), Some(2)));
+        // From the fourth head on: the fifth (place 1 here) is noted.
+        let from_d = &PIPELINE[PIPELINE.windows(6).position(|w| w == b"GET /d").unwrap()..];
+        assert_eq!(scan(&[from_d]), (from_d.to_vec(), Some(1)));
     }
 
     #[test]
-    fn marks_only_heads_with_both_framings_whole() {
-        assert_eq!(scan(&[PIPELINE]), expected());
-    }
-
-    #[test]
-    fn any_split_of_the_stream_gives_the_same_bytes() {
+    fn any_split_of_the_stream_gives_the_same_reading() {
         for size in 1..40 {
             let chunks: Vec<&[u8]> = PIPELINE.chunks(size).collect();
-            assert_eq!(scan(&chunks), expected(), "chunks of {size}");
+            assert_eq!(
+                scan(&chunks),
+                (PIPELINE.to_vec(), Some(2)),
+                "chunks of {size}"
+            );
         }
     }
 
     #[test]
-    fn input_hyper_refuses_passes_through_untouched() {
+    fn input_hyper_refuses_passes_through_unnoted() {
         let bad =
             b"PUT /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nContent-Length: 1\r\n\r\n";
-        assert_eq!(scan(&[bad]), bad.to_vec());
+        assert_eq!(scan(&[bad]), (bad.to_vec(), None));
         let garbage =
             b"\x00\x01 not http\r\n\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n";
-        assert_eq!(scan(&[garbage]), garbage.to_vec());
+        assert_eq!(scan(&[garbage]), (garbage.to_vec(), None));
     }
 
     /// Seen failing before the guard kept watching after an upgrade request:
@@ -754,16 +800,25 @@ mod tests {
             stream.extend_from_slice(
                 b"PUT /x HTTP/1.1\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
             );
-            let out = String::from_utf8(scan(&[&stream])).unwrap();
-            assert!(out.contains("x-conflict-len: 4"), "{out}");
+            assert_eq!(scan(&[&stream]).1, Some(1));
         }
+    }
+
+    /// The server's count of requests meets the guard's place of the head.
+    #[test]
+    fn the_request_at_the_noted_place_is_the_one_told() {
+        let heads = Heads::default();
+        heads.conflict_at(2);
+        heads.conflict_at(4);
+        let told: Vec<bool> = (0..5).map(|_| heads.next_request()).collect();
+        assert_eq!(told, [false, false, true, false, false]);
     }
 
     /// Seen failing when the guard held up to 1 MiB of a head: it now holds
     /// no more than the head limit, then lets hyper refuse the rest.
     #[test]
     fn an_endless_head_is_held_only_up_to_the_limit() {
-        let mut s = Scanner::new(LIMIT);
+        let mut s = Scanner::new(LIMIT, Arc::default());
         let mut held = BytesMut::from(&b"GET / HTTP/1.1\r\n"[..]);
         let line = b"X-Filler: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n";
         while !s.refused() {
@@ -773,7 +828,7 @@ mod tests {
                 held.len()
             );
             held.extend_from_slice(line);
-            let done = s.scan(&mut held);
+            let done = s.scan(&held);
             held.advance(done);
         }
         assert!(held.is_empty(), "everything is passed on once refused");

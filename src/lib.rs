@@ -76,7 +76,7 @@
 //! - `cluster` → `api`, `app`, `auth`, `backend`, `body`, `clock`, `error`, `etcd`, `hex`, `journal`, `lease`, `metrics`, `route`, `rt`, `tls`, `wire`
 //! - `config` → `auth`, `backend`, `clock`, `lease`, `route`, `server`
 //! - `server` → `backend`, `body`, `framing`, `rt`
-//! - `app` → `api`, `auth`, `backend`, `body`, `config`, `error`, `fence`, `framing`, `lease`, `metrics`, `precondition`, `wire`
+//! - `app` → `api`, `auth`, `backend`, `body`, `config`, `error`, `fence`, `lease`, `metrics`, `precondition`, `wire`
 //! - `api` → `auth`, `backend`, `body`, `clock`, `error`, `fence`, `lease`, `metrics`, `names`, `route`, `wire`
 //! - `cli` → `backend`, `client`, `clock`, `fence`, `hex`, `names`, `wire`
 //! - `fence` → `auth`, `backend`, `body`, `error`, `lease`, `metrics`, `names`, `precondition`, `route`, `wire`

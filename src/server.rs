@@ -24,7 +24,7 @@ use tower::{Service, ServiceExt};
 
 use crate::backend::{ClientAddr, RequestContext};
 use crate::body::Body;
-use crate::framing::{head_buffer_bytes, Guarded};
+use crate::framing::{head_buffer_bytes, Guarded, Heads};
 use crate::rt::TimerSlot;
 
 /// Connection-level settings.
@@ -295,10 +295,17 @@ where
         }
         let app = app.clone();
         let client = ClientAddr::new(peer, tls.is_some());
-        let service = service_fn(move |mut req: Request<Incoming>| {
-            req.extensions_mut()
-                .insert(RequestContext::from_client(client.clone()));
-            app.clone().oneshot(req)
+        // The framing guard notes which request head carried both framings;
+        // the requests come to the service in the same order.
+        let heads = Arc::new(Heads::default());
+        let service = service_fn({
+            let heads = heads.clone();
+            move |mut req: Request<Incoming>| {
+                let mut context = RequestContext::from_client(client.clone());
+                context.framing_conflict = heads.next_request();
+                req.extensions_mut().insert(context);
+                app.clone().oneshot(req)
+            }
         });
         let (tls, builder, watcher) = (tls.clone(), builder.clone(), graceful.watcher());
         tokio::spawn(async move {
@@ -309,7 +316,7 @@ where
             builder.timer(TimerSlot::default());
             let served = match tls {
                 None => {
-                    let io = TokioIo::new(Guarded::new(stream, head_buffer, send_timeout));
+                    let io = TokioIo::new(Guarded::new(stream, head_buffer, heads, send_timeout));
                     watcher.watch(builder.serve_connection(io, service)).await
                 }
                 Some(tls) => {
@@ -317,7 +324,7 @@ where
                     else {
                         return;
                     };
-                    let io = TokioIo::new(Guarded::new(stream, head_buffer, send_timeout));
+                    let io = TokioIo::new(Guarded::new(stream, head_buffer, heads, send_timeout));
                     watcher.watch(builder.serve_connection(io, service)).await
                 }
             };

@@ -8,8 +8,9 @@
 //! behind the guard, split into reads at every point. Behind the guard,
 //! exactly the requests hyper forwards alone must reach the service, with the
 //! same bodies, except those with both `Content-Length` and
-//! `Transfer-Encoding`, which the guard marks and the service refuses (and,
-//! like hyper alone, nothing after them is parsed).
+//! `Transfer-Encoding`, which the guard notes (by their place among the
+//! heads) and the service, counting its requests as the server does,
+//! refuses (and, like hyper alone, nothing after them is parsed).
 //!
 //! Seen failing against the guard before it parsed heads with httparse and
 //! followed hyper's chunk rules: an `Upgrade` request, or an empty line
@@ -27,7 +28,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use fencegate::framing::{head_buffer_bytes, Guarded, CONFLICT_HEADER};
+use fencegate::framing::{head_buffer_bytes, Guarded, Heads};
 use http::{Request, Response};
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
@@ -80,17 +81,20 @@ type Seen = (String, String, String, Option<Bytes>);
 const MAX_HEADER_BYTES: usize = 16 * 1024;
 
 /// Serves one connection made of `chunks`, guarded or not, and returns what
-/// reached the service. A request the guard marked is refused (as the app
+/// reached the service. A request the guard noted is refused (as the app
 /// refuses it: 400 and the connection closed) and not recorded.
 async fn serve(chunks: Vec<Vec<u8>>, guarded: bool) -> Vec<Seen> {
     let seen = Arc::new(Mutex::new(Vec::new()));
+    let heads = Arc::new(Heads::default());
     let service = hyper::service::service_fn({
-        let seen = seen.clone();
+        let (seen, heads) = (seen.clone(), heads.clone());
         move |req: Request<Incoming>| {
             let seen = seen.clone();
+            // As the server does: the next request, in hyper's order.
+            let conflict = heads.next_request();
             async move {
                 let mut res = Response::new(Empty::<Bytes>::new());
-                if req.headers().contains_key(CONFLICT_HEADER) {
+                if conflict {
                     *res.status_mut() = http::StatusCode::BAD_REQUEST;
                     res.headers_mut()
                         .insert("connection", http::HeaderValue::from_static("close"));
@@ -124,6 +128,7 @@ async fn serve(chunks: Vec<Vec<u8>>, guarded: bool) -> Vec<Seen> {
         let io = TokioIo::new(Guarded::new(
             Script(chunks.into()),
             head_buffer,
+            heads,
             std::time::Duration::from_secs(30),
         ));
         let _ = tokio::time::timeout(limit, builder.serve_connection(io, service)).await;

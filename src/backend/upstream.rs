@@ -191,6 +191,10 @@ pub struct RequestContext {
     pub caller: Option<crate::auth::Caller>,
     /// The route's own upstream deadline, in milliseconds.
     pub timeout_ms: Option<u64>,
+    /// The connection's framing guard saw `Content-Length` beside
+    /// `Transfer-Encoding` in this request's head (hyper keeps only the
+    /// transfer coding): the app refuses it.
+    pub framing_conflict: bool,
 }
 
 impl RequestContext {
