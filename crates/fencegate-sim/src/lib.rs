@@ -80,6 +80,18 @@
 //! clock check's business), nor the settle time shortened by a proxy clock
 //! that runs fast (it is measured on the proxy's clock).
 //!
+//! What is still written on both sides, small and none of it a rule a
+//! safety check rests on alone: a primacy deadline only moves forward
+//! (`fetch_max` in `src/lease/primacy.rs`, `max` here: moving it back would
+//! be safe, only less available); the file journal turns unhealthy after a
+//! failed batch and healthy after a good one (what it then syncs is the
+//! core's `writer::batch_syncs`); which records someone waits on (grant,
+//! release) and which are lazy (renewal, forget), the `Journal` trait's
+//! methods there and the world's `Ack` kinds here; which requests refresh a
+//! lease's last use (acquire, renew, release, a refused write). Making room
+//! forgets one eligible lease in the shell and every eligible one here
+//! (more than the shell would, by the same `retention::Sweep::may_forget`).
+//!
 //! What it checks (see [`Violation`]):
 //! - the backend never applies a write of a term after one of a later term
 //!   of the same lease (within the bound);
