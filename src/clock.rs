@@ -278,6 +278,11 @@ impl Stopwatch {
         u64::try_from(self.0.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
+    /// The tokio instant it started at.
+    pub fn started(&self) -> Instant {
+        self.0
+    }
+
     /// Milliseconds since the start.
     pub fn elapsed_ms(&self) -> u64 {
         self.elapsed_us() / 1000

@@ -52,7 +52,7 @@
 //!   in etcd behind the `Journal` seam; [`etcd`]: an etcd v3 client over
 //!   etcd's JSON gateway (keys, transactions, leases; TLS, authentication,
 //!   several endpoints); [`rt`]: where hyper-util's clients run their
-//!   connections' tasks, and the timer each client connection keeps for
+//!   connections' tasks, and the timer each accepted connection keeps for
 //!   its header read timeout.
 //! - [`error`]: the one mapping from errors to problem+json (the `Reason`
 //!   table: status, slug and title, and an error's chain for a log line);
@@ -89,7 +89,8 @@
 //! - `auth` → `hex`, `names`
 //! - `route` → `names`
 //! - `framing` → `h1`
-//! - `body`, `clock`, `h1`, `journal`, `rt`, `tls`, `wire` → nothing
+//! - `rt` → `clock`
+//! - `body`, `clock`, `h1`, `journal`, `tls`, `wire` → nothing
 //!
 //! (`names` and `hex` are the core's; `client` is the client crate.)
 //!

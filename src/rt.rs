@@ -10,6 +10,8 @@ use std::time::Duration;
 
 use tokio::time::{Instant, Sleep};
 
+use crate::clock::Stopwatch;
+
 /// Where hyper-util's clients (the pooled upstream, etcd, other members)
 /// run their connections' tasks: on the runtime that built the client (the
 /// first thread's, which serves until the process ends), not on whichever
@@ -39,16 +41,19 @@ where
 }
 
 /// One tokio timer kept for reuse, as hyper's [`hyper::rt::Timer`]: the
-/// server gives one to each connection for its header read timeout, which
-/// hyper starts for every request head (and drops once the head is read).
-/// A head's deadline is later than the one before, and moving a tokio timer
-/// later is a compare-and-swap (the wheel reschedules it when the old
-/// deadline comes), where a timer of its own would be put in the wheel and
-/// taken out again for every request (180 instructions more per fenced
-/// PUT, docs/performance.md). A deadline earlier than the
-/// kept timer's reschedules it; a slot found empty (its timer in use)
-/// makes a new one. Cloning shares the slot. A slot serves one runtime:
-/// its timer belongs to the runtime that made it.
+/// server gives one to each accepted connection for its header read
+/// timeout, which hyper starts for every request head (and drops once the
+/// head is read). A head's deadline is later than the one before, and
+/// moving a tokio timer later, while it has not fired, is a
+/// compare-and-swap (the wheel reschedules it when the old deadline comes),
+/// where a timer of its own would be put in the wheel and taken out again
+/// for every request (about 180 instructions more per fenced PUT on a
+/// kept-alive connection, docs/performance.md). A kept timer that fired
+/// (a request that took longer than the timeout) is put in the wheel again,
+/// and once woke its task for nothing. A deadline earlier than the kept
+/// timer's reschedules it; a slot found empty (its timer in use) makes a
+/// new one. Cloning shares the slot. A slot serves one runtime: its timer
+/// belongs to the runtime that made it.
 #[derive(Clone, Debug, Default)]
 pub struct TimerSlot(Arc<Mutex<Option<Pin<Box<Sleep>>>>>);
 
@@ -118,6 +123,13 @@ impl hyper::rt::Timer for TimerSlot {
         Box::pin(TimerSlot::sleep_until(self, deadline.into()))
     }
 
+    /// Now on tokio's clock, as hyper-util's `TokioTimer` reads it (hyper's
+    /// own default reads the system's, which a paused tokio clock leaves
+    /// behind).
+    fn now(&self) -> std::time::Instant {
+        Stopwatch::start().started().into_std()
+    }
+
     fn reset(&self, sleep: &mut Pin<Box<dyn hyper::rt::Sleep>>, deadline: std::time::Instant) {
         match sleep.as_mut().downcast_mut_pin::<Reused>() {
             Some(reused) => {
@@ -134,10 +146,8 @@ impl hyper::rt::Timer for TimerSlot {
 mod tests {
     use super::*;
 
-    /// Now on tokio's clock (paused here), read the way a timer reads it
-    /// (only `clock.rs` reads clocks directly).
     fn now() -> Instant {
-        tokio::time::sleep(Duration::ZERO).deadline()
+        Stopwatch::start().started()
     }
 
     /// The kept timer, moved later, fires at its new deadline, not at the
@@ -146,7 +156,13 @@ mod tests {
     async fn a_kept_timer_fires_at_its_new_deadline() {
         let slot = TimerSlot::default();
         let start = now();
-        let first = slot.sleep_until(start + Duration::from_secs(10));
+        let mut first = slot.sleep_until(start + Duration::from_secs(10));
+        // Polled once, so that it is in tokio's timer wheel when moved.
+        std::future::poll_fn(|cx| {
+            assert!(Pin::new(&mut first).poll(cx).is_pending());
+            Poll::Ready(())
+        })
+        .await;
         drop(first);
         assert!(slot.0.lock().unwrap().is_some(), "the timer went back");
 

@@ -50,9 +50,11 @@ pub struct ServerOptions {
     /// eventfd write, then one more `epoll_wait`) whenever a timer is set to
     /// fire before every timer it holds; hyper's head deadline, set anew
     /// for each request on a kept-alive connection, was such a timer once
-    /// per request. A tick shorter than every per-request deadline is
-    /// always earlier, so those are set without waking anything: one
-    /// `write` and one `epoll_wait` fewer per request (strace, 2026-12-03).
+    /// per request (it is now moved later, see `rt::TimerSlot`, unless it
+    /// fired), and the upstream exchange's deadline still is. A tick
+    /// shorter than every per-request deadline is always earlier, so those
+    /// are set without waking anything: one `write` and one `epoll_wait`
+    /// fewer per request (strace, 2026-12-03).
     pub timer_tick_ms: u64,
 }
 

@@ -592,7 +592,12 @@ fn carry_out(dir: &Path, path: &Path, plan: &OpenPlan, fresh: bool) -> Result<Fi
                 } else {
                     "cannot rewrite"
                 };
-                log = Some(write_log_at_start(dir, path, image, what)?);
+                let written = write_log_at_start(dir, path, image, what);
+                if let (Err(_), Some(kept)) = (&written, &kept) {
+                    // The start fails here: where the copy went is said now.
+                    tracing::error!(journal = %path.display(), kept = %kept.display(), "journal lost acknowledged records: the log as found is kept");
+                }
+                log = Some(written?);
             }
             OpenStep::CutLog(len) => {
                 tracing::warn!(
@@ -624,7 +629,7 @@ fn carry_out(dir: &Path, path: &Path, plan: &OpenPlan, fresh: bool) -> Result<Fi
         ),
         Some(why) => tracing::error!(
             journal = %path.display(),
-            kept = %kept.as_deref().unwrap_or(Path::new("")).display(),
+            kept = %kept.as_deref().map_or_else(String::new, |k| k.display().to_string()),
             token_floor = recovered.token_floor,
             leases = recovered.leases.len(),
             "journal lost acknowledged records ({why}): the log as found is kept, every lease \
