@@ -106,6 +106,7 @@ instructions() { # $1: pid, $2: address
     local total
     total=$(callgrind_annotate "$dump" 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
     rm -f "$work"/callgrind.out.*
+    [[ -n "$total" ]] || { echo "callgrind counted nothing (no profile was written)" >&2; exit 1; }
     echo $((total / requests))
 }
 
@@ -140,7 +141,7 @@ fg_sys=$(syscalls "$fencegate" "$fg_addr" fencegate) || exit 1
 stop "$fencegate"
 pads=(0 300 600)
 pad() { printf "%${1}s" "" | tr ' ' x; }
-median() { printf '%s\n' "$@" | sort -n | sed -n 2p; }
+median() { printf '%s\n' "$@" | sort -n | sed -n "$(($# / 2 + 1))p"; }
 # The lease is in the data directory: each restarted fencegate holds it.
 counts=()
 for n in "${pads[@]}"; do
