@@ -121,43 +121,70 @@ async fn hostile_requests_are_refused_and_never_reach_the_storage() {
     server.stop().await;
 }
 
+/// `server::run` on a free loopback port with the given header read
+/// timeout, in front of a harness's app.
+struct Timed {
+    addr: std::net::SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Timed {
+    async fn start(header_read_timeout_ms: u64) -> (Harness, Self) {
+        use fencegate::server::{self, ServerOptions};
+        let h = Harness::new();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let options = ServerOptions {
+            header_read_timeout_ms,
+            ..ServerOptions::default()
+        };
+        let task = tokio::spawn(server::run(listener, h.app.clone(), options, async {
+            let _ = stopped.await;
+        }));
+        (h, Self { addr, stop, task })
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+/// Whether the server closes `s` within `limit` (reading, and dropping,
+/// any answer it sends first: a 408, if any).
+async fn closes_within(s: &mut tokio::net::TcpStream, limit: Duration) -> bool {
+    let mut buf = [0u8; 256];
+    let closed = tokio::time::timeout(limit, async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    });
+    closed.await.is_ok()
+}
+
 /// A client that sends its request head too slowly (slow-loris) is cut off
 /// at `limits.header_read_timeout_ms`. (Real time here is the server's own
 /// timer, not a lease.)
 #[tokio::test]
 async fn a_slow_request_head_is_cut_off() {
-    use fencegate::server::{self, ServerOptions};
-    let h = Harness::new();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let options = ServerOptions {
-        header_read_timeout_ms: 300,
-        ..ServerOptions::default()
-    };
-    let task = tokio::spawn(server::run(listener, h.app.clone(), options, async {
-        let _ = stopped.await;
-    }));
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (h, server) = Timed::start(300).await;
+    let mut s = tokio::net::TcpStream::connect(server.addr).await.unwrap();
     s.write_all(b"PUT /kv/o/x HTTP/1.1\r\nHost: a\r\nX-Slow: ")
         .await
         .unwrap();
-    let mut buf = [0u8; 256];
     // Ten times the configured timeout: without it the connection would stay
     // open for the default 10 s and this would fail.
-    let closed = tokio::time::timeout(Duration::from_secs(3), async {
-        loop {
-            match s.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {} // a 408 answer, if any, then the close
-            }
-        }
-    })
-    .await;
-    assert!(closed.is_ok(), "the slow connection was not closed");
+    assert!(
+        closes_within(&mut s, Duration::from_secs(3)).await,
+        "the slow connection was not closed"
+    );
     assert!(h.store.is_empty());
-    let _ = stop.send(());
-    task.await.unwrap().unwrap();
+    server.stop().await;
 }
 
 /// The connection's header read timer is kept from one request to the
@@ -172,19 +199,8 @@ async fn a_slow_request_head_is_cut_off() {
 /// point.)
 #[tokio::test]
 async fn the_header_timer_follows_each_head_on_a_kept_connection() {
-    use fencegate::server::{self, ServerOptions};
-    let h = Harness::new();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let options = ServerOptions {
-        header_read_timeout_ms: 1_000,
-        ..ServerOptions::default()
-    };
-    let task = tokio::spawn(server::run(listener, h.app.clone(), options, async {
-        let _ = stopped.await;
-    }));
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (h, server) = Timed::start(1_000).await;
+    let mut s = tokio::net::TcpStream::connect(server.addr).await.unwrap();
     s.write_all(b"POST /_fence/leases/o HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{")
         .await
         .unwrap();
@@ -214,19 +230,12 @@ async fn the_header_timer_follows_each_head_on_a_kept_connection() {
         .await
         .unwrap();
     // Ten times the configured timeout.
-    let closed = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            match s.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-        }
-    })
-    .await;
-    assert!(closed.is_ok(), "the slow connection was not closed");
+    assert!(
+        closes_within(&mut s, Duration::from_secs(10)).await,
+        "the slow connection was not closed"
+    );
     assert!(h.store.is_empty());
-    let _ = stop.send(());
-    task.await.unwrap().unwrap();
+    server.stop().await;
 }
 
 /// The status codes of every answer on one connection, until it closes.
