@@ -93,7 +93,8 @@ impl Heads {
     }
 
     /// The place of the first head that carried both, if any.
-    pub fn first_conflict(&self) -> Option<u64> {
+    #[cfg(test)]
+    fn first_conflict(&self) -> Option<u64> {
         let at = self.conflict.load(Ordering::Acquire);
         (at != u64::MAX).then_some(at)
     }

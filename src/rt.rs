@@ -71,7 +71,7 @@ impl TimerSlot {
         };
         Reused {
             sleep: Some(sleep),
-            home: Some(self.clone()),
+            home: self.clone(),
         }
     }
 }
@@ -82,7 +82,7 @@ impl TimerSlot {
 pub struct Reused {
     /// `None` only once dropped.
     sleep: Option<Pin<Box<Sleep>>>,
-    home: Option<TimerSlot>,
+    home: TimerSlot,
 }
 
 impl Future for Reused {
@@ -100,10 +100,10 @@ impl hyper::rt::Sleep for Reused {}
 
 impl Drop for Reused {
     fn drop(&mut self) {
-        let (Some(home), Some(sleep)) = (self.home.take(), self.sleep.take()) else {
+        let Some(sleep) = self.sleep.take() else {
             return;
         };
-        let mut slot = home.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = self.home.0.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_none() {
             *slot = Some(sleep);
         }
@@ -112,11 +112,7 @@ impl Drop for Reused {
 
 impl hyper::rt::Timer for TimerSlot {
     fn sleep(&self, duration: Duration) -> Pin<Box<dyn hyper::rt::Sleep>> {
-        // Not from the slot: hyper's server asks only for deadlines.
-        Box::pin(Reused {
-            sleep: Some(Box::pin(tokio::time::sleep(duration))),
-            home: None,
-        })
+        hyper::rt::Timer::sleep_until(self, self.now() + duration)
     }
 
     fn sleep_until(&self, deadline: std::time::Instant) -> Pin<Box<dyn hyper::rt::Sleep>> {

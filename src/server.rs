@@ -265,7 +265,7 @@ where
     // 431 problem; larger ones get hyper's bare 431. The framing guard holds
     // no more of an incomplete head than this either.
     let head_buffer = head_buffer_bytes(options.max_header_bytes);
-    let builder = Arc::new(http1_builder(&options, head_buffer));
+    let builder = http1_builder(&options, head_buffer);
     let handshake_timeout = Duration::from_millis(options.header_read_timeout_ms);
     let send_timeout = Duration::from_millis(options.send_timeout_ms);
     let graceful = GracefulShutdown::new();
@@ -309,13 +309,13 @@ where
                 app.clone().oneshot(req)
             }
         });
-        let (tls, builder, watcher) = (tls.clone(), builder.clone(), graceful.watcher());
+        // The connection's own timer for its header read timeout, kept
+        // from one request to the next (see `rt::TimerSlot`).
+        let mut builder = builder.clone();
+        builder.timer(TimerSlot::default());
+        let (tls, watcher) = (tls.clone(), graceful.watcher());
         tokio::spawn(async move {
             let _permit = permit;
-            // The connection's own timer for its header read timeout, kept
-            // from one request to the next (see `rt::TimerSlot`).
-            let mut builder = (*builder).clone();
-            builder.timer(TimerSlot::default());
             let served = match tls {
                 None => {
                     let io = TokioIo::new(Guarded::new(stream, head_buffer, heads, send_timeout));

@@ -629,7 +629,7 @@ fn carry_out(dir: &Path, path: &Path, plan: &OpenPlan, fresh: bool) -> Result<Fi
         ),
         Some(why) => tracing::error!(
             journal = %path.display(),
-            kept = %kept.as_deref().map_or_else(String::new, |k| k.display().to_string()),
+            kept = kept.as_ref().map(|k| tracing::field::display(k.display())),
             token_floor = recovered.token_floor,
             leases = recovered.leases.len(),
             "journal lost acknowledged records ({why}): the log as found is kept, every lease \
