@@ -86,7 +86,7 @@ use fencegate_core::journal::recovery::{
     self, Found, Loss, Meta, MetaFile, OpenPlan, OpenSettings, OpenStep, Refusal, Unopenable,
 };
 pub use fencegate_core::journal::recovery::{Recovered, JOURNAL_FILE, META_FILE};
-use fencegate_core::journal::writer::{self, IdentityStep};
+use fencegate_core::journal::writer::{self, Health, IdentityStep};
 
 use super::record::{Header, Record, HEADER_LEN};
 use super::{GrantRecord, Journal, JournalError, JournalFuture};
@@ -492,8 +492,14 @@ impl FileJournal {
         self.tx.as_ref().expect("only dropped with the journal")
     }
 
-    /// Queues `record` and completes once it is durable.
+    /// Queues `record` and completes once it is durable: a record the lease
+    /// store waits for (the core's `Record::awaited`; only a planted bug
+    /// makes a grant or a release lazy, and it then completes at once).
     fn send_durable(&self, record: Record) -> JournalFuture {
+        if !record.awaited() {
+            self.send_lazy(record);
+            return Box::pin(std::future::ready(Ok(())));
+        }
         let (ack, done) = oneshot::channel();
         let command = Command {
             record,
@@ -515,6 +521,7 @@ impl FileJournal {
     /// queue or a stopped writer drops it: such records are not needed for
     /// safety (see the module docs).
     fn send_lazy(&self, record: Record) -> bool {
+        debug_assert!(!record.awaited(), "an awaited record sent lazily");
         match self.sender().try_send(Command { record, ack: None }) {
             Ok(()) => true,
             Err(TrySendError::Full(_)) => {
@@ -822,13 +829,10 @@ impl Writer {
             let max_token = writer::encode_batch(batch.iter().map(|c| &c.record), &mut buf);
             // Which batches are synced is the core's rule (see
             // `fencegate_core::journal::writer`).
-            let sync = writer::batch_syncs(
-                self.healthy.load(Ordering::Acquire),
-                batch.iter().map(|c| (&c.record, c.ack.is_some())),
-            );
+            let sync = writer::batch_syncs(self.health(), batch.iter().map(|c| &c.record));
             match self.append(&buf, sync, max_token) {
                 Ok(()) => {
-                    if !self.healthy.swap(true, Ordering::AcqRel) {
+                    if self.set_health(Health::after(true)) {
                         tracing::warn!(journal = %self.path.display(), "journal writable again; lease store ready");
                     }
                     for cmd in batch.drain(..) {
@@ -960,10 +964,25 @@ impl Writer {
         Ok(())
     }
 
+    /// The journal's health, as the core's rules take it.
+    fn health(&self) -> Health {
+        if self.healthy.load(Ordering::Acquire) {
+            Health::Healthy
+        } else {
+            Health::Unhealthy
+        }
+    }
+
+    /// Sets the journal's health; whether it changed.
+    fn set_health(&self, health: Health) -> bool {
+        let healthy = health == Health::Healthy;
+        self.healthy.swap(healthy, Ordering::AcqRel) != healthy
+    }
+
     /// A batch (or a change of identity) failed: the journal is unhealthy
     /// until a probe succeeds, and the file is cut back.
     fn failed(&mut self, e: &io::Error) {
-        if self.healthy.swap(false, Ordering::AcqRel) {
+        if self.set_health(Health::after(false)) {
             tracing::error!(journal = %self.path.display(), error = %e, "journal cannot persist; refusing grants until it can");
         }
         self.needs_cut = true;

@@ -47,9 +47,14 @@ impl Primacy {
         )
     }
 
-    /// Primacy was confirmed again, until `until_ms` (never moves back).
+    /// Primacy was confirmed again, until `until_ms` (the core's
+    /// `primacy_confirmed`: never moves back).
     pub fn confirm_until(&self, until_ms: u64) {
-        self.until_ms.fetch_max(until_ms, Ordering::AcqRel);
+        let _ = self
+            .until_ms
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                Some(fencegate_core::cluster::primacy_confirmed(held, until_ms))
+            });
     }
 
     /// Primacy is lost for good.

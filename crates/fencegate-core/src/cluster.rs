@@ -24,6 +24,15 @@ pub fn primacy_deadline(sent_ms: u64, ttl_s: i64, margin_ms: u64) -> u64 {
     sent_ms.saturating_add(ttl_ms).saturating_sub(margin_ms)
 }
 
+/// The deadline after etcd confirmed primacy until `confirmed_ms`
+/// ([`primacy_deadline`]) while it was held until `until_ms`: the later
+/// one. Confirmations may come back out of order, and an older one must
+/// not cut the term of primacy short (moving back would be safe, only less
+/// available).
+pub fn primacy_confirmed(until_ms: u64, confirmed_ms: u64) -> u64 {
+    until_ms.max(confirmed_ms)
+}
+
 /// Whether a primary handing a shard over (or stopping), its primacy
 /// revoked, may record the handover as clean: only once none of its
 /// admitted writes is unfinished (`in_flight`: awaiting or streaming its

@@ -104,11 +104,15 @@ pub enum Mutant {
     /// persisting it has passed on the term
     /// ([`crate::lease::machine::Grant::expires_in_ms`]).
     PersistTimePromised,
+    /// A release is recorded lazily ([`crate::journal::record::Record::awaited`]):
+    /// its batch is not synced before the release is answered, and a power
+    /// cut brings the released term back.
+    ReleaseLazy,
 }
 
 impl Mutant {
     /// Every mutant, in the order the tests try them.
-    pub const ALL: [Mutant; 25] = [
+    pub const ALL: [Mutant; 26] = [
         Mutant::BarrierOff,
         Mutant::RestartWindowSkipped,
         Mutant::HeaderBeforeSync,
@@ -134,6 +138,7 @@ impl Mutant {
         Mutant::ReleaseQuietOverOwnWrites,
         Mutant::ForgetMarkBelowLastToken,
         Mutant::PersistTimePromised,
+        Mutant::ReleaseLazy,
     ];
 
     /// The mutant's name on command lines and in `FENCEGATE_TEST_MUTANT`.
@@ -164,6 +169,7 @@ impl Mutant {
             Mutant::ReleaseQuietOverOwnWrites => "release-quiet-over-own-writes",
             Mutant::ForgetMarkBelowLastToken => "forget-mark-below-last-token",
             Mutant::PersistTimePromised => "persist-time-promised",
+            Mutant::ReleaseLazy => "release-lazy",
         }
     }
 

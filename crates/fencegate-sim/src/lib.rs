@@ -80,17 +80,17 @@
 //! clock check's business), nor the settle time shortened by a proxy clock
 //! that runs fast (it is measured on the proxy's clock).
 //!
-//! What is still written on both sides, small and none of it a rule a
-//! safety check rests on alone: a primacy deadline only moves forward
-//! (`fetch_max` in `src/lease/primacy.rs`, `max` here: moving it back would
-//! be safe, only less available); the file journal turns unhealthy after a
-//! failed batch and healthy after a good one (what it then syncs is the
-//! core's `writer::batch_syncs`); which records someone waits on (grant,
-//! release) and which are lazy (renewal, forget), the `Journal` trait's
-//! methods there and the world's `Ack` kinds here; which requests refresh a
-//! lease's last use (acquire, renew, release, a refused write). Making room
-//! forgets one eligible lease in the shell and every eligible one here
-//! (more than the shell would, by the same `retention::Sweep::may_forget`).
+//! Every decision the shell takes by a rule, the world takes by the same
+//! core function: among the last moved, which records are awaited and
+//! synced (`Record::awaited`, `writer::batch_syncs`), the file journal's
+//! health (`writer::Health::after`), a primacy deadline only moving forward
+//! (`cluster::primacy_confirmed`), which requests count as a lease's last
+//! use (`retention::refreshes_last_use`) and how many leases a pass forgets
+//! (`retention::Sweep::idle` and `making_room`). What the world writes
+//! itself is the shell's plumbing in simulated time: its messages and their
+//! order (a grant or release answered once its batch is written, a write
+//! counted in flight once admitted), each marked as the shell's where it
+//! is done.
 //!
 //! What it checks (see [`Violation`]):
 //! - the backend never applies a write of a term after one of a later term

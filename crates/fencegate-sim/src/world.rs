@@ -10,13 +10,13 @@ use fencegate_core::journal::append::{self, Step};
 use fencegate_core::journal::record::{Header, LeaseRecord, Record};
 use fencegate_core::journal::recovery::{self, Meta, MetaFile};
 use fencegate_core::journal::stored::{StoredGrant, StoredState};
-use fencegate_core::journal::writer::{self, IdentityStep};
+use fencegate_core::journal::writer::{self, Health, IdentityStep};
 use fencegate_core::lease::admission::{self, Decision, TermChange, WriteCheck};
 use fencegate_core::lease::id::LeaseId;
 use fencegate_core::lease::inflight::{Inflight, WriteLife};
 use fencegate_core::lease::machine::{AcquireRefused, Grant, LeaseState, Term};
 use fencegate_core::lease::restart::{self, RestartRule};
-use fencegate_core::lease::retention;
+use fencegate_core::lease::retention::{self, Named};
 use fencegate_core::precondition::{self, KeyStates, Plan, WriteShape};
 
 use crate::disk::File;
@@ -551,9 +551,8 @@ struct Proxy {
     meta: Meta,
     queue: Vec<Queued>,
     writing: bool,
-    /// The file journal's health: a failed sync makes it unhealthy, and
-    /// every batch then syncs (probing the disk) until one succeeds.
-    healthy: bool,
+    /// The file journal's health (the core's `writer::Health`).
+    health: Health,
 }
 
 /// A primary's right to admit (cluster mode).
@@ -1331,14 +1330,13 @@ impl World {
         }
         self.open.insert(req.id, (req.client, inc));
         // As the lease store: acquires, renewals and releases name the
-        // lease; a write only if it is refused (an admitted one has a live
-        // term, which keeps the lease anyway).
-        if !matches!(req.op, Op::Read { .. } | Op::Write { .. }) {
-            let p = self.proxy_now();
-            let proxy = self.proxy.as_mut().expect("checked above");
-            if let Some(slot) = proxy.slots.get_mut(&req.lease) {
-                slot.touched_ms = slot.touched_ms.max(p);
-            }
+        // lease as they arrive, a write once the fence decides (a read is
+        // forwarded without the lease store).
+        match req.op {
+            Op::Acquire { .. } => self.named(req.lease, Named::Acquire),
+            Op::Renew => self.named(req.lease, Named::Renew),
+            Op::Release => self.named(req.lease, Named::Release),
+            Op::Write { .. } | Op::Read { .. } => {}
         }
         match req.op {
             Op::Acquire { ttl_ms } => self.acquire(req, ttl_ms),
@@ -1570,6 +1568,7 @@ impl World {
         );
         match decision {
             Decision::Admit(_) => {
+                self.named(req.lease, Named::AdmittedWrite);
                 self.stats.writes_admitted += 1;
                 self.check_primacy("a write");
                 if let Some(why) = self.truth[req.lease].ended(req.token, self.now) {
@@ -1634,11 +1633,7 @@ impl World {
                 self.after(retry, Ev::Retry { inc, req });
             }
             Decision::Refuse(_) => {
-                let p = self.proxy_now();
-                let proxy = self.proxy.as_mut().expect("arrive checked");
-                if let Some(slot) = proxy.slots.get_mut(&req.lease) {
-                    slot.touched_ms = slot.touched_ms.max(p);
-                }
+                self.named(req.lease, Named::RefusedWrite);
                 self.stats.writes_refused += 1;
                 self.reply(&req, Answer::Refused);
             }
@@ -2050,17 +2045,13 @@ impl World {
         if !self.primary_now() {
             return;
         }
-        let retention_ms = if self.rng.u32(0..10) < 3 {
-            0
-        } else {
-            self.cfg.retention_ms
-        };
         let now_ms = self.proxy_now();
+        let making_room = self.rng.u32(0..10) < 3;
         let proxy = self.proxy.as_mut().expect("checked above");
-        let sweep = fencegate_core::lease::retention::Sweep {
-            now_ms,
-            retention_ms,
-            unsettled_until_ms: proxy.unsettled_until_ms,
+        let sweep = if making_room {
+            retention::Sweep::making_room(now_ms, proxy.unsettled_until_ms)
+        } else {
+            retention::Sweep::idle(now_ms, self.cfg.retention_ms, proxy.unsettled_until_ms)
         };
         let gone: Vec<usize> = proxy
             .slots
@@ -2080,6 +2071,7 @@ impl World {
                     })
                     .then_some(lease)
             })
+            .take(sweep.most)
             .collect();
         for lease in gone {
             let proxy = self.proxy.as_mut().expect("checked above");
@@ -2094,6 +2086,19 @@ impl World {
                 last_token: mark,
             };
             self.queue(record, Ack::None);
+        }
+    }
+
+    /// A request named `lease` (as the lease store's `Slot::named`): its
+    /// last use, if the core's rule counts it as one.
+    fn named(&mut self, lease: usize, by: Named) {
+        if !retention::refreshes_last_use(by) {
+            return;
+        }
+        let p = self.proxy_now();
+        let proxy = self.proxy.as_mut().expect("only a running proxy is asked");
+        if let Some(slot) = proxy.slots.get_mut(&lease) {
+            slot.touched_ms = slot.touched_ms.max(p);
         }
     }
 
@@ -2145,12 +2150,7 @@ impl World {
             return;
         }
         // The file journal's rule.
-        let sync = writer::batch_syncs(
-            proxy.healthy,
-            batch
-                .iter()
-                .map(|q| (&q.record, !matches!(q.ack, Ack::None))),
-        );
+        let sync = writer::batch_syncs(proxy.health, batch.iter().map(|q| &q.record));
         let log = append::Log {
             header: proxy.header,
             len: proxy.len,
@@ -2203,7 +2203,7 @@ impl World {
             // EIO: nothing became durable; the writer cuts the batch off.
             self.stats.failed_syncs += 1;
             let proxy = self.proxy.as_mut().expect("checked");
-            proxy.healthy = false;
+            proxy.health = Health::after(false);
             proxy.len = len_before;
             self.log.set_len(len_before);
             self.batch_done(batch, false);
@@ -2212,7 +2212,7 @@ impl World {
         self.log.sync();
         self.hints_durable(&batch);
         let proxy = self.proxy.as_mut().expect("checked");
-        proxy.healthy = true;
+        proxy.health = Health::after(true);
         for step in rest {
             if let Step::WriteHeader(header) = step {
                 self.log.write(header.offset(), &header.encode());
@@ -2561,7 +2561,7 @@ impl World {
             meta,
             queue: Vec::new(),
             writing: false,
-            healthy: true,
+            health: Health::Healthy,
         };
         let Some(endings) = self.restore_into(&mut proxy, &leases, now_ms, wall_ms) else {
             return;
@@ -3182,7 +3182,7 @@ impl World {
                 let until = fencegate_core::cluster::primacy_deadline(sent_ms, ttl_s, margin_ms);
                 if let Some(p) = self.proxy.as_mut().and_then(|p| p.primacy.as_mut()) {
                     if p.session == session {
-                        p.until_ms = p.until_ms.max(until);
+                        p.until_ms = cluster::primacy_confirmed(p.until_ms, until);
                     }
                 }
             }
@@ -3340,7 +3340,7 @@ impl World {
             meta: Meta::default(),
             queue: Vec::new(),
             writing: false,
-            healthy: true,
+            health: Health::Healthy,
         };
         let Some(endings) = self.restore_into(&mut proxy, &records, now_ms, wall_ms) else {
             return;

@@ -12,6 +12,7 @@ use super::{LeaseCell, LeaseStore};
 use crate::lease::admission::{self, Decision, WriteCheck};
 use crate::lease::inflight::{Ended, WriteLife};
 use crate::lease::machine::Reject;
+use crate::lease::retention::Named;
 
 /// Counters of the handover barrier, for metrics.
 #[derive(Debug, Default)]
@@ -187,11 +188,13 @@ impl LeaseStore {
             barrier: options.barrier,
         };
         let admit = match admission::check(&slot.state, now_ms, &write) {
-            Ok(admit) => admit,
+            Ok(admit) => {
+                // Not a use by the core's rule (nothing to do here).
+                slot.named(Named::AdmittedWrite, now_ms);
+                admit
+            }
             Err(reject) => {
-                // A refused write names the lease too (retention); an
-                // admitted one has a live term, which keeps it anyway.
-                slot.touch(now_ms);
+                slot.named(Named::RefusedWrite, now_ms);
                 return Admission::Refused(reject);
             }
         };

@@ -35,7 +35,7 @@ use super::id::LeaseId;
 use super::inflight::Inflight;
 use super::machine::{AcquireRefused, Grant, Held, LeaseState, Reject, Term, View};
 use super::restart::{self, RestartRule, SETTLED};
-use super::retention;
+use super::retention::{self, Named};
 use crate::clock::Clock;
 use crate::journal::{GrantRecord, Journal, JournalError, JournalFuture, LeaseRecord};
 use crate::names::{Holder, LeaseName};
@@ -147,9 +147,9 @@ struct Slot {
     /// write touches only this cell, not the map. Made on the lease's first
     /// write or first waiting acquire: most held leases never need one.
     cell: OnceLock<Arc<LeaseCell>>,
-    /// When a request last named the lease (acquire, renew, release,
-    /// inspect, a refused write), on the store's clock: retention counts
-    /// from the later of this and the end of its last term.
+    /// When a request last named the lease (the core's
+    /// `retention::refreshes_last_use`), on the store's clock: retention
+    /// counts from the later of this and the end of its last term.
     touched_ms: AtomicU64,
 }
 
@@ -166,9 +166,13 @@ impl Default for Slot {
 }
 
 impl Slot {
-    /// A request named the lease at `now_ms`.
-    fn touch(&self, now_ms: u64) {
-        self.touched_ms.fetch_max(now_ms, Ordering::Relaxed);
+    /// A request named the lease at `now_ms`: its last use, if the core's
+    /// rule counts it as one.
+    #[inline]
+    fn named(&self, by: Named, now_ms: u64) {
+        if retention::refreshes_last_use(by) {
+            self.touched_ms.fetch_max(now_ms, Ordering::Relaxed);
+        }
     }
 
     /// Whether the lease may be forgotten in `sweep` (the core's rule): its
@@ -468,7 +472,7 @@ impl LeaseStore {
                     Box::new(self.new_slot())
                 });
             let now_ms = clock.now_ms();
-            slot.touch(now_ms);
+            slot.named(Named::Acquire, now_ms);
             let held = match self.attempt(&mut slot, name, holder, ttl_ms, lease_id, now_ms) {
                 Ok(pending) => {
                     drop(slot);
@@ -732,7 +736,7 @@ impl LeaseStore {
             .leases
             .get_mut(name)
             .ok_or(RenewError::Rejected(Reject::UnknownToken { current: 0 }))?;
-        slot.touch(now_ms);
+        slot.named(Named::Renew, now_ms);
         let previous_ttl_ms = slot.state.term().map_or(0, |t| t.ttl_ms);
         let before = live_deadline(&slot.state);
         let grant = slot
@@ -795,7 +799,7 @@ impl LeaseStore {
             .leases
             .get_mut(name)
             .ok_or(Reject::UnknownToken { current: 0 })?;
-        slot.touch(now_ms);
+        slot.named(Named::Release, now_ms);
         let before = live_deadline(&slot.state);
         slot.state.release(now_ms, token, lease_id, holder)?;
         self.shared.live_terms.track(before, None);
@@ -839,7 +843,7 @@ impl LeaseStore {
     pub fn inspect(&self, name: &str) -> Option<View> {
         let now_ms = self.shared.clock.now_ms();
         let slot = self.shared.leases.get(name)?;
-        slot.touch(now_ms);
+        slot.named(Named::Inspect, now_ms);
         slot.state.view(now_ms)
     }
 
@@ -851,26 +855,35 @@ impl LeaseStore {
     /// continues above, and the journal told, before any later grant of
     /// the name can be queued.
     pub fn forget_idle(&self, budget: usize) -> usize {
-        let retention_ms = self.shared.limits.retention_ms;
+        let shared = &self.shared;
+        let retention_ms = shared.limits.retention_ms;
         if retention_ms == 0 {
             return 0;
         }
-        self.forget(budget, retention_ms, usize::MAX)
+        let now_ms = shared.clock.now_ms();
+        let sweep = retention::Sweep::idle(now_ms, retention_ms, shared.unsettled_until_ms);
+        self.forget(budget, &sweep)
     }
 
     /// The store is full and a new name asks in: forgets, of the next few
     /// hundred leases the sweep would look at, the first with no live
     /// term and nothing waiting on or writing under it, however recently it
-    /// was named (the mark keeps its tokens safe; only the retention's
-    /// courtesy is cut short). Whether room was made. Nothing is forgotten
-    /// with retention off.
+    /// was named (the core's `Sweep::making_room`: the mark keeps its
+    /// tokens safe; only the retention's courtesy is cut short). Whether
+    /// room was made. Nothing is forgotten with retention off.
     fn make_room(&self) -> bool {
-        self.shared.limits.retention_ms != 0 && self.forget(256, 0, 1) > 0
+        let shared = &self.shared;
+        if shared.limits.retention_ms == 0 {
+            return false;
+        }
+        let now_ms = shared.clock.now_ms();
+        let sweep = retention::Sweep::making_room(now_ms, shared.unsettled_until_ms);
+        self.forget(256, &sweep) > 0
     }
 
-    /// [`LeaseStore::forget_idle`] with `retention_ms` as the idle time,
-    /// stopping once `most` were forgotten.
-    fn forget(&self, budget: usize, retention_ms: u64, most: usize) -> usize {
+    /// Forgets, of the next `budget` leases in name order, those `sweep`
+    /// lets go, stopping at its most.
+    fn forget(&self, budget: usize, sweep: &retention::Sweep) -> usize {
         let shared = &self.shared;
         let names: Vec<CompactString> = {
             let mut cursor = lock(&shared.sweep_cursor);
@@ -890,15 +903,10 @@ impl LeaseStore {
             };
             names
         };
-        let sweep = retention::Sweep {
-            now_ms: shared.clock.now_ms(),
-            retention_ms,
-            unsettled_until_ms: shared.unsettled_until_ms,
-        };
         let mut forgotten = 0;
         for name in names {
             let removed = shared.leases.remove_if(name.as_str(), |_, slot| {
-                if !slot.may_forget(&sweep) {
+                if !slot.may_forget(sweep) {
                     return false;
                 }
                 // Under the lease's lock: no grant of this name can come
@@ -913,7 +921,7 @@ impl LeaseStore {
             });
             if removed.is_some() {
                 forgotten += 1;
-                if forgotten == most {
+                if forgotten == sweep.most {
                     break;
                 }
             }

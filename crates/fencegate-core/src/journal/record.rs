@@ -280,6 +280,26 @@ impl Record {
         }
     }
 
+    /// Whether the lease store waits for the record to be durable before
+    /// it answers: a grant (its token must survive any crash once a client
+    /// holds it) and a release (an answered release must stay one).
+    /// Renewals and forgets are lazy: losing one is safe (a renewal's
+    /// hint only ends a term earlier after a restart; a lease not
+    /// forgotten is still kept). The writer syncs a batch holding an
+    /// awaited record ([`crate::journal::writer::batch_syncs`]); the file
+    /// journal's `persist_*` and `record_*` methods follow this.
+    pub fn awaited(&self) -> bool {
+        match self {
+            Record::Grant { .. } => true,
+            Record::Release { .. } => !planted(Mutant::ReleaseLazy),
+            Record::Renew { .. }
+            | Record::Forget { .. }
+            | Record::State(_)
+            | Record::Noop
+            | Record::Identity { .. } => false,
+        }
+    }
+
     /// The lease the record is about (`None` for [`Record::Noop`]).
     pub fn lease(&self) -> Option<&str> {
         match self {

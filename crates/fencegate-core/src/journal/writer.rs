@@ -38,12 +38,35 @@ pub fn encode_batch<'a>(records: impl IntoIterator<Item = &'a Record>, buf: &mut
     max_token
 }
 
-/// Whether a batch must be made durable before its answers go out. Each
-/// record comes with whether someone waits for it to be durable.
-pub fn batch_syncs<'a>(healthy: bool, batch: impl IntoIterator<Item = (&'a Record, bool)>) -> bool {
-    !healthy
-        || batch.into_iter().any(|(record, awaited)| {
-            (awaited && !planted(Mutant::AwaitedNotSynced))
+/// Whether the journal takes durable writes, as its writer last saw.
+/// Unhealthy, the store is not ready (`/_fence/readyz`), grants fail, and
+/// every batch is synced: a batch that then succeeds shows the disk takes
+/// durable writes again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Health {
+    Healthy,
+    Unhealthy,
+}
+
+impl Health {
+    /// The health after an append (a batch, or a change of identity) that
+    /// was `written` in full (and synced, if it was to be) or failed.
+    pub fn after(written: bool) -> Self {
+        if written {
+            Health::Healthy
+        } else {
+            Health::Unhealthy
+        }
+    }
+}
+
+/// Whether a batch of `records` must be made durable before its answers
+/// go out: one holds a record someone waits for ([`Record::awaited`]) or a
+/// renewal's wall-clock hint, or the journal is unhealthy.
+pub fn batch_syncs<'a>(health: Health, records: impl IntoIterator<Item = &'a Record>) -> bool {
+    health == Health::Unhealthy
+        || records.into_iter().any(|record| {
+            (record.awaited() && !planted(Mutant::AwaitedNotSynced))
                 || matches!(record, Record::Renew { wall_ms, .. } if *wall_ms != 0)
         })
 }
@@ -155,11 +178,19 @@ mod tests {
     #[test]
     fn awaited_records_and_hints_are_synced_lazy_ones_are_not() {
         let (hint, no_hint, forget) = (renew(5), renew(0), forget());
-        assert!(batch_syncs(true, [(&forget, true)]));
-        assert!(batch_syncs(true, [(&forget, false), (&hint, false)]));
-        assert!(!batch_syncs(true, [(&forget, false), (&no_hint, false)]));
-        assert!(batch_syncs(false, [(&forget, false)]));
-        assert!(!batch_syncs(true, []));
+        let release = Record::Release {
+            lease: "a".into(),
+            token: 1,
+            quiet: false,
+        };
+        let ok = Health::Healthy;
+        assert!(batch_syncs(ok, [&forget, &release]));
+        assert!(batch_syncs(ok, [&forget, &hint]));
+        assert!(!batch_syncs(ok, [&forget, &no_hint]));
+        assert!(batch_syncs(Health::Unhealthy, [&forget]));
+        assert!(!batch_syncs(ok, []));
+        assert_eq!(Health::after(false), Health::Unhealthy);
+        assert_eq!(Health::after(true), Health::Healthy);
     }
 
     #[test]

@@ -20,9 +20,56 @@ pub struct Sweep {
     pub retention_ms: u64,
     /// The end of the store's restart (or takeover) window.
     pub unsettled_until_ms: u64,
+    /// How many leases the pass forgets at most.
+    pub most: usize,
+}
+
+/// A request naming a lease, for its last use ([`refreshes_last_use`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Named {
+    Acquire,
+    Renew,
+    Release,
+    /// `GET /_fence/leases/{name}`.
+    Inspect,
+    /// A write the fence admitted.
+    AdmittedWrite,
+    /// A write the fence refused.
+    RefusedWrite,
+}
+
+/// Whether a request naming a lease counts as its use, which the
+/// retention time runs from (`touched_ms` of [`Sweep::may_forget`]):
+/// every one but an admitted write, whose live term keeps the lease anyway
+/// (and which then touches no shared line). Only the courtesy rests on it:
+/// a forgotten lease's tokens continue above its mark.
+pub fn refreshes_last_use(by: Named) -> bool {
+    !matches!(by, Named::AdmittedWrite)
 }
 
 impl Sweep {
+    /// The sweep's pass: forgets every lease quiet for `retention_ms`.
+    pub fn idle(now_ms: u64, retention_ms: u64, unsettled_until_ms: u64) -> Self {
+        Self {
+            now_ms,
+            retention_ms,
+            unsettled_until_ms,
+            most: usize::MAX,
+        }
+    }
+
+    /// The store is full and a new name asks in: forgets one lease with no
+    /// live term and nothing waiting on or writing under it, however
+    /// recently it was named.
+    pub fn making_room(now_ms: u64, unsettled_until_ms: u64) -> Self {
+        Self {
+            now_ms,
+            retention_ms: 0,
+            unsettled_until_ms,
+            most: 1,
+        }
+    }
+
     /// Whether a lease may be forgotten now: no live term; no request
     /// naming it (`touched_ms`) and no term ending for the retention time;
     /// no write of it from before the restart that may still be unfinished
@@ -79,11 +126,7 @@ mod tests {
             .acquire(0, "a", 100, LeaseId::from_bytes([1; 16]))
             .unwrap();
         let none = || None::<&mut Inflight>;
-        let sweep = |now_ms, retention_ms| Sweep {
-            now_ms,
-            retention_ms,
-            unsettled_until_ms: 500,
-        };
+        let sweep = |now_ms, retention_ms| Sweep::idle(now_ms, retention_ms, 500);
         assert!(
             !sweep(50, 0).may_forget(&state, 0, SETTLED, false, none),
             "held"
