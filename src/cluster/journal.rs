@@ -701,7 +701,7 @@ impl Journal for EtcdJournal {
             let mark = cache
                 .entry(String::new())
                 .or_insert_with(|| StoredLease::forgotten_mark(0));
-            mark.last_token = mark.last_token.max(mark_above);
+            mark.last_token = crate::journal::record::forgotten_above(mark.last_token, mark_above);
         }
     }
 

@@ -492,14 +492,10 @@ impl FileJournal {
         self.tx.as_ref().expect("only dropped with the journal")
     }
 
-    /// Queues `record` and completes once it is durable: a record the lease
-    /// store waits for (the core's `Record::awaited`; only a planted bug
-    /// makes a grant or a release lazy, and it then completes at once).
+    /// Queues `record` and completes once it is written (and synced, if
+    /// the core's `writer::batch_syncs` says so: always for a record the
+    /// lease store waits for).
     fn send_durable(&self, record: Record) -> JournalFuture {
-        if !record.awaited() {
-            self.send_lazy(record);
-            return Box::pin(std::future::ready(Ok(())));
-        }
         let (ack, done) = oneshot::channel();
         let command = Command {
             record,

@@ -104,15 +104,21 @@ pub enum Mutant {
     /// persisting it has passed on the term
     /// ([`crate::lease::machine::Grant::expires_in_ms`]).
     PersistTimePromised,
-    /// A release is recorded lazily ([`crate::journal::record::Record::awaited`]):
-    /// its batch is not synced before the release is answered, and a power
-    /// cut brings the released term back.
+    /// Nobody waits for a release's record
+    /// ([`crate::journal::record::awaited`]): the release is answered at
+    /// once, its batch not synced, and a power cut brings the released term
+    /// back.
     ReleaseLazy,
+    /// Forgetting a lease (in the store, in a replay, in etcd's state) sets
+    /// the mark every lease not kept continues above to that lease's own,
+    /// lowering it ([`crate::journal::record::forgotten_above`]): a lease
+    /// forgotten before reissues tokens.
+    ForgottenAboveLowered,
 }
 
 impl Mutant {
     /// Every mutant, in the order the tests try them.
-    pub const ALL: [Mutant; 26] = [
+    pub const ALL: [Mutant; 27] = [
         Mutant::BarrierOff,
         Mutant::RestartWindowSkipped,
         Mutant::HeaderBeforeSync,
@@ -139,6 +145,7 @@ impl Mutant {
         Mutant::ForgetMarkBelowLastToken,
         Mutant::PersistTimePromised,
         Mutant::ReleaseLazy,
+        Mutant::ForgottenAboveLowered,
     ];
 
     /// The mutant's name on command lines and in `FENCEGATE_TEST_MUTANT`.
@@ -170,6 +177,7 @@ impl Mutant {
             Mutant::ForgetMarkBelowLastToken => "forget-mark-below-last-token",
             Mutant::PersistTimePromised => "persist-time-promised",
             Mutant::ReleaseLazy => "release-lazy",
+            Mutant::ForgottenAboveLowered => "forgotten-above-lowered",
         }
     }
 

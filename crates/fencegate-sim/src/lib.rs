@@ -81,17 +81,24 @@
 //! that runs fast (it is measured on the proxy's clock).
 //!
 //! Every decision the shell takes by a rule, the world takes by the same
-//! core function: among the last moved, which records are awaited and
-//! synced (`Record::awaited`, `writer::batch_syncs`), the file journal's
-//! health (`writer::Health::after`), a primacy deadline only moving forward
-//! (`cluster::primacy_confirmed`), which requests count as a lease's last
-//! use (`retention::refreshes_last_use`) and how many leases a pass forgets
+//! core function: among the last moved, which records the answer waits for
+//! and which batches are synced (`record::awaited`, `writer::batch_syncs`),
+//! the file journal's health (`writer::Health::after`), the deadlines and
+//! marks that only move forward (`cluster::primacy_confirmed`,
+//! `inflight::settling_until`, `record::forgotten_above`,
+//! `retention::last_use`), which requests count as a lease's use
+//! (`retention::refreshes_last_use`) and how many leases a pass forgets
 //! (`retention::Sweep::idle` and `making_room`). What the world writes
 //! itself is the shell's plumbing in simulated time: its messages and their
-//! order (a grant or release answered once its batch is written, a write
-//! counted in flight once admitted), each marked as the shell's where it
-//! is done.
-//!
+//! order (an awaited record answered once its batch is written, a write
+//! counted in flight once admitted), each marked as the shell's where it is
+//! done. Where the order differs: a member checks its primacy before each
+//! keepalive here, after it in the shell (whose late confirmation may
+//! revive a lapsed primacy: not played); a member's last keepalive's send
+//! time only moves forward here (the shell's keepalives are sequential);
+//! the sweep forgets nothing on a member that is not primary (the shell's
+//! then fails to journal it).
+
 //! What it checks (see [`Violation`]):
 //! - the backend never applies a write of a term after one of a later term
 //!   of the same lease (within the bound);

@@ -7,13 +7,13 @@ use std::collections::BTreeMap;
 
 use fencegate_core::cluster;
 use fencegate_core::journal::append::{self, Step};
-use fencegate_core::journal::record::{Header, LeaseRecord, Record};
+use fencegate_core::journal::record::{self, Header, LeaseRecord, Record};
 use fencegate_core::journal::recovery::{self, Meta, MetaFile};
 use fencegate_core::journal::stored::{StoredGrant, StoredState};
 use fencegate_core::journal::writer::{self, Health, IdentityStep};
 use fencegate_core::lease::admission::{self, Decision, TermChange, WriteCheck};
 use fencegate_core::lease::id::LeaseId;
-use fencegate_core::lease::inflight::{Inflight, WriteLife};
+use fencegate_core::lease::inflight::{self, Inflight, WriteLife};
 use fencegate_core::lease::machine::{AcquireRefused, Grant, LeaseState, Term};
 use fencegate_core::lease::restart::{self, RestartRule};
 use fencegate_core::lease::retention::{self, Named};
@@ -517,7 +517,8 @@ enum Ack {
     /// Made durable, as the lease store's dropped `persist_release` future
     /// asks, with nobody to answer.
     Durable,
-    /// Nobody waits (a renewal's record).
+    /// Nobody waits (a renewal's or a forget's record, or any the core's
+    /// `record::awaited` says nobody waits for).
     None,
 }
 
@@ -1421,13 +1422,21 @@ impl World {
                         release_issued: false,
                     },
                 );
-                let ack = Ack::Grant {
-                    req,
-                    grant,
-                    lease_id: lease_id.to_text(),
-                    previous,
-                };
-                self.queue(record, ack);
+                let lease_id = lease_id.to_text();
+                // As the lease store: the answer waits for the record if
+                // the core's rule says so.
+                if record.awaited() {
+                    let ack = Ack::Grant {
+                        req,
+                        grant,
+                        lease_id,
+                        previous,
+                    };
+                    self.queue(record, ack);
+                } else {
+                    self.queue(record, Ack::None);
+                    self.grant_done(req, (grant, lease_id), previous, true);
+                }
             }
             Err(AcquireRefused::Held(held)) => {
                 self.stats.held_refusals += 1;
@@ -1525,7 +1534,12 @@ impl World {
                     token: req.token,
                     quiet,
                 };
-                self.queue(record, Ack::Release { req });
+                if record.awaited() {
+                    self.queue(record, Ack::Release { req });
+                } else {
+                    self.queue(record, Ack::None);
+                    self.release_done(&req, true);
+                }
             }
             Err(_) => self.reply(&req, Answer::Refused),
         }
@@ -1821,7 +1835,7 @@ impl World {
             // As the lease store counts an ended write: its settling time
             // holds back a handover too.
             if let Some(at) = ended.and_then(|e| e.settles_at_ms) {
-                px.settling_until_ms = px.settling_until_ms.max(at);
+                px.settling_until_ms = inflight::settling_until(px.settling_until_ms, at);
             }
         }
         self.connection_gone(w);
@@ -2079,7 +2093,7 @@ impl World {
                 continue;
             };
             let mark = retention::forgotten_mark(&slot.state);
-            proxy.rule.forgotten_above = proxy.rule.forgotten_above.max(mark);
+            proxy.rule.forgotten_above = record::forgotten_above(proxy.rule.forgotten_above, mark);
             self.stats.forgotten += 1;
             let record = Record::Forget {
                 lease: lease_name(lease),
@@ -2098,7 +2112,7 @@ impl World {
         let p = self.proxy_now();
         let proxy = self.proxy.as_mut().expect("only a running proxy is asked");
         if let Some(slot) = proxy.slots.get_mut(&lease) {
-            slot.touched_ms = slot.touched_ms.max(p);
+            slot.touched_ms = retention::last_use(slot.touched_ms, p);
         }
     }
 
@@ -2245,17 +2259,7 @@ impl World {
                     lease_id,
                     previous,
                 } => self.grant_done(req, (grant, lease_id), previous, ok),
-                Ack::Release { req } => {
-                    if ok {
-                        self.stats.releases += 1;
-                        if let Some(t) = self.truth[req.lease].terms.get_mut(&req.token) {
-                            t.release_acked = true;
-                        }
-                        self.reply(&req, Answer::Released);
-                    } else {
-                        self.reply(&req, Answer::Failed);
-                    }
-                }
+                Ack::Release { req } => self.release_done(&req, ok),
                 Ack::Durable | Ack::None => {}
             }
         }
@@ -2268,6 +2272,20 @@ impl World {
         } else {
             let inc = proxy.inc;
             self.after(0, Ev::Flush(inc));
+        }
+    }
+
+    /// A release's record is durable (`ok`) or not, or nobody waits for it:
+    /// its answer.
+    fn release_done(&mut self, req: &Req, ok: bool) {
+        if ok {
+            self.stats.releases += 1;
+            if let Some(t) = self.truth[req.lease].terms.get_mut(&req.token) {
+                t.release_acked = true;
+            }
+            self.reply(req, Answer::Released);
+        } else {
+            self.reply(req, Answer::Failed);
         }
     }
 
@@ -3358,7 +3376,6 @@ fn lease_index(name: &str) -> Option<usize> {
     name.strip_prefix('l')?.parse().ok()
 }
 
-/// The recovered leases in name order (the core hands them over in a map).
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -32,11 +32,12 @@ use gauges::{InflightCount, LiveTerms};
 
 use super::admission::{self, TermChange};
 use super::id::LeaseId;
-use super::inflight::Inflight;
+use super::inflight::{self, Inflight};
 use super::machine::{AcquireRefused, Grant, Held, LeaseState, Reject, Term, View};
 use super::restart::{self, RestartRule, SETTLED};
 use super::retention::{self, Named};
 use crate::clock::Clock;
+use crate::journal::record::{self, Kind};
 use crate::journal::{GrantRecord, Journal, JournalError, JournalFuture, LeaseRecord};
 use crate::names::{Holder, LeaseName};
 
@@ -171,7 +172,11 @@ impl Slot {
     #[inline]
     fn named(&self, by: Named, now_ms: u64) {
         if retention::refreshes_last_use(by) {
-            self.touched_ms.fetch_max(now_ms, Ordering::Relaxed);
+            let _ = self
+                .touched_ms
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| {
+                    Some(retention::last_use(t, now_ms))
+                });
         }
     }
 
@@ -578,15 +583,18 @@ impl LeaseStore {
         );
         let wall_ms = self.shared.clock.wall_ms();
         slot.wall_deadline_ms = restart::wall_deadline(wall_ms, ttl_ms);
-        let persisted = self.shared.journal.persist_grant(GrantRecord {
-            lease: name.as_str().to_owned(),
-            token: grant.token,
-            holder: holder.as_str().to_owned(),
-            ttl_ms,
-            lease_id: lease_id.to_text(),
-            quiet,
-            wall_ms,
-        });
+        let persisted = awaited(
+            Kind::Grant,
+            self.shared.journal.persist_grant(GrantRecord {
+                lease: name.as_str().to_owned(),
+                token: grant.token,
+                holder: holder.as_str().to_owned(),
+                ttl_ms,
+                lease_id: lease_id.to_text(),
+                quiet,
+                wall_ms,
+            }),
+        );
         Ok(Pending {
             grant,
             lease_id,
@@ -808,7 +816,10 @@ impl LeaseStore {
             now_ms,
             self.shared.unsettled_until_ms,
         );
-        let persisted = self.shared.journal.persist_release(name, token, quiet);
+        let persisted = awaited(
+            Kind::Release,
+            self.shared.journal.persist_release(name, token, quiet),
+        );
         slot.notify_waiters();
         Ok(persisted)
     }
@@ -912,7 +923,11 @@ impl LeaseStore {
                 // Under the lease's lock: no grant of this name can come
                 // between the mark, the journal's record and the removal.
                 let mark = retention::forgotten_mark(&slot.state);
-                shared.forgotten_above.fetch_max(mark, Ordering::AcqRel);
+                let _ = shared.forgotten_above.fetch_update(
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                    |above| Some(record::forgotten_above(above, mark)),
+                );
                 shared.journal.record_forget(&name, mark);
                 lock(&shared.names).remove(name.as_str());
                 let holder = slot.state.term().map(|t| t.holder.as_str());
@@ -1105,9 +1120,11 @@ impl LeaseStore {
         // that finished (the usual case) costs the counter alone. Before
         // the count (Release): a drain that sees it gone sees this too.
         if let Some(at) = settles_at_ms {
-            self.shared
-                .settling_until_ms
-                .fetch_max(at, Ordering::Release);
+            let _ = self.shared.settling_until_ms.fetch_update(
+                Ordering::Release,
+                Ordering::Relaxed,
+                |until| Some(inflight::settling_until(until, at)),
+            );
         }
         self.shared
             .inflight_writes
@@ -1127,6 +1144,17 @@ fn new_lease_id() -> Result<LeaseId, AcquireError> {
 
 fn live_deadline(state: &LeaseState) -> Option<u64> {
     state.term().filter(|t| !t.released).map(|t| t.deadline_ms)
+}
+
+/// The journal's answer to a record of `kind`, if the answer waits for it
+/// (the core's `record::awaited`); else one that is ready at once, the
+/// record queued all the same.
+fn awaited(kind: Kind, persisted: JournalFuture) -> JournalFuture {
+    if record::awaited(kind) {
+        persisted
+    } else {
+        Box::pin(std::future::ready(Ok(())))
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -210,6 +210,43 @@ pub enum Record {
     Identity { id: u64 },
 }
 
+/// The mark every lease not in the store continues above, after a lease
+/// whose own mark ([`crate::lease::retention::forgotten_mark`]) is `mark` was forgotten: it only
+/// rises (a lower mark would let a lease forgotten before start below its
+/// own tokens).
+pub fn forgotten_above(above: u64, mark: u64) -> u64 {
+    if planted(Mutant::ForgottenAboveLowered) {
+        return mark;
+    }
+    above.max(mark)
+}
+
+/// What a record records, for whether anyone waits for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Grant,
+    Renew,
+    Release,
+    Forget,
+    /// The journal's own: a lease's state, a probe, an identity.
+    Own,
+}
+
+/// Whether the lease store waits for a record of `kind` to be durable
+/// before it answers: a grant (its token must survive any crash once a
+/// client holds it) and a release (an answered release must stay one).
+/// Renewals and forgets are lazy: losing one is safe (a renewal's hint
+/// only ends a term earlier after a restart; a lease not forgotten is
+/// still kept). The writer syncs a batch holding an awaited record
+/// ([`crate::journal::writer::batch_syncs`]).
+pub fn awaited(kind: Kind) -> bool {
+    match kind {
+        Kind::Grant => true,
+        Kind::Release => !planted(Mutant::ReleaseLazy),
+        Kind::Renew | Kind::Forget | Kind::Own => false,
+    }
+}
+
 /// Why bytes are not a record.
 #[derive(Debug, PartialEq, Eq)]
 pub struct DecodeError(pub &'static str);
@@ -280,24 +317,20 @@ impl Record {
         }
     }
 
-    /// Whether the lease store waits for the record to be durable before
-    /// it answers: a grant (its token must survive any crash once a client
-    /// holds it) and a release (an answered release must stay one).
-    /// Renewals and forgets are lazy: losing one is safe (a renewal's
-    /// hint only ends a term earlier after a restart; a lease not
-    /// forgotten is still kept). The writer syncs a batch holding an
-    /// awaited record ([`crate::journal::writer::batch_syncs`]); the file
-    /// journal's `persist_*` and `record_*` methods follow this.
-    pub fn awaited(&self) -> bool {
+    /// What the record records ([`awaited`] reads it).
+    pub fn kind(&self) -> Kind {
         match self {
-            Record::Grant { .. } => true,
-            Record::Release { .. } => !planted(Mutant::ReleaseLazy),
-            Record::Renew { .. }
-            | Record::Forget { .. }
-            | Record::State(_)
-            | Record::Noop
-            | Record::Identity { .. } => false,
+            Record::Grant { .. } => Kind::Grant,
+            Record::Renew { .. } => Kind::Renew,
+            Record::Release { .. } => Kind::Release,
+            Record::Forget { .. } => Kind::Forget,
+            Record::State(_) | Record::Noop | Record::Identity { .. } => Kind::Own,
         }
+    }
+
+    /// Whether the lease store waits for this record ([`awaited`]).
+    pub fn awaited(&self) -> bool {
+        awaited(self.kind())
     }
 
     /// The lease the record is about (`None` for [`Record::Noop`]).

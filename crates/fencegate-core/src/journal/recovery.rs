@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use crate::mutant::{planted, Mutant};
 
 use super::record::{
-    log_image, read_frame, Frame, Header, LeaseRecord, Record, FILE_MAGIC, FILE_MAGIC_V1,
+    self, log_image, read_frame, Frame, Header, LeaseRecord, Record, FILE_MAGIC, FILE_MAGIC_V1,
     FRAME_MAGIC, HEADER_LEN,
 };
 
@@ -181,7 +181,7 @@ pub fn replay(bytes: &[u8], start: usize, torn_from: u64) -> Result<Folded, Refu
                     identity = id;
                 } else if let Some((lease, last_token)) = record.forgets() {
                     state.remove(lease);
-                    forgotten_above = u64::max(forgotten_above, last_token);
+                    forgotten_above = record::forgotten_above(forgotten_above, last_token);
                 } else if let Some(lease) = record.lease() {
                     let entry = state
                         .entry(lease.to_owned())

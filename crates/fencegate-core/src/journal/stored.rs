@@ -162,7 +162,8 @@ impl StoredState {
         if state.forgotten {
             self.leases.remove(&lease);
             if !planted(Mutant::ForgottenMarkDropped) {
-                self.forgotten_above = self.forgotten_above.max(state.last_token);
+                self.forgotten_above =
+                    crate::journal::record::forgotten_above(self.forgotten_above, state.last_token);
             }
         } else {
             self.leases.insert(lease, state);

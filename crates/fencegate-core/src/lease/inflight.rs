@@ -210,6 +210,13 @@ pub struct Ended {
     pub settles_at_ms: Option<u64>,
 }
 
+/// Until when the store counts writes of unknown outcome settling (a
+/// handover waits for it, `cluster::handover_drained`), after one more
+/// that settles at `settles_at_ms`: the later of the two.
+pub fn settling_until(until_ms: u64, settles_at_ms: u64) -> u64 {
+    until_ms.max(settles_at_ms)
+}
+
 impl WriteLife {
     /// A write of `token` just counted by [`Inflight::add`]; `settle_ms`:
     /// how long the backend may take to apply a write after fencegate

@@ -103,6 +103,13 @@ impl Sweep {
     }
 }
 
+/// A lease's last use after a request that counts as one
+/// ([`refreshes_last_use`]) at `now_ms`: never earlier than it was (two
+/// requests may be counted out of order).
+pub fn last_use(touched_ms: u64, now_ms: u64) -> u64 {
+    touched_ms.max(now_ms)
+}
+
 /// The mark a forgotten lease leaves: every lease not in the store
 /// (this one now too) continues above it, so it is at least the lease's
 /// last token; the journal's record of the forget carries it.
