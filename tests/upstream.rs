@@ -522,6 +522,67 @@ async fn a_timed_out_dedicated_connection_is_never_reused() {
     proxy.stop().await;
 }
 
+#[tokio::test]
+async fn a_kept_connection_gets_a_fresh_deadline_for_each_exchange() {
+    use std::sync::atomic::Ordering;
+    // The connection keeps one timer for every exchange on it (see
+    // `backend::h1::Timed`): the second exchange, well after the first's
+    // deadline passed, must get its own. Real time: the upstream timeout
+    // runs on tokio's clock over real sockets. 1 s for an answer from a
+    // loopback backend is a wide margin on a loaded machine; the 1.5 s
+    // pause is within the 4 s a connection may sit idle and be reused.
+    let (url, accepted) = counting_backend(true).await;
+    let h = proxy_to(&url, 1_000);
+    let proxy = spawn(h.app.clone()).await;
+    let a = h.acquire("orders", "A", 60_000).await;
+    let c = HttpClient::new(&proxy.url());
+    put_each(&c, &a, 1).await;
+    tokio::time::sleep(std::time::Duration::from_millis(1_500)).await;
+    put_each(&c, &a, 2).await;
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        1,
+        "the connection was kept"
+    );
+    proxy.stop().await;
+}
+
+/// A client that stops sending its body halfway meets the upstream
+/// deadline on its dedicated connection (504), not the longer body read
+/// timeout: the wait for the client's next piece is under the deadline
+/// too. Seen failing with that wait outside it (the test's 30 s ran out).
+/// Real time (the deadline is tokio's, over real sockets): 300 ms against
+/// a body read timeout of 60 s and a read timeout of 30 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_body_that_stalls_meets_the_upstream_deadline() {
+    let (url, _accepted) = counting_backend(true).await;
+    let h = proxy_with(&url, 300, |c| c.limits.body_read_timeout_ms = 60_000);
+    let proxy = spawn(h.app.clone()).await;
+    let a = h.acquire("orders", "A", 60_000).await;
+    let addr = proxy.addr;
+    let head = tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.write_all(put_head("/kv/orders/1", &a, 100).as_bytes())
+            .unwrap();
+        s.write_all(b"hello").unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+            .unwrap();
+        let mut buf = Vec::new();
+        let mut b = [0u8; 4096];
+        while whole_message(&buf).is_none() {
+            let n = s.read(&mut b).expect("an answer within 30 s");
+            assert!(n > 0, "closed without an answer");
+            buf.extend_from_slice(&b[..n]);
+        }
+        whole_message(&buf).unwrap().0
+    })
+    .await
+    .unwrap();
+    assert!(head.starts_with("http/1.1 504"), "{head}");
+    proxy.stop().await;
+}
+
 /// An upstream that never answers and records every byte of each connection
 /// once fencegate closes it.
 async fn recorder() -> (String, Arc<Mutex<Vec<Vec<u8>>>>) {

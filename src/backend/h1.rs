@@ -190,6 +190,114 @@ impl AsyncWrite for Stream {
     }
 }
 
+/// A connection's I/O under the deadline of its exchange: a kept timer
+/// (one per connection, made at its first exchange) moved to each
+/// exchange's deadline, instead of a timer per request around the
+/// exchange. Armed from the request's first byte to the answer's head
+/// (the answer's body is read without it); while armed, a read or write
+/// that would wait past the deadline fails with [`Expired`], as does the
+/// wait for the client's next piece of body.
+pub(crate) struct Timed {
+    io: Stream,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    armed: bool,
+}
+
+/// The exchange's deadline passed (an `io::Error` of kind `TimedOut`
+/// carries it): the answer is the upstream timeout's.
+#[derive(Debug)]
+pub(crate) struct Expired;
+
+impl std::fmt::Display for Expired {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the exchange's deadline passed")
+    }
+}
+
+impl std::error::Error for Expired {}
+
+/// Whether `err` is the exchange's deadline passing ([`Expired`]).
+pub(crate) fn is_expired(err: &(dyn std::error::Error + 'static)) -> bool {
+    err.downcast_ref::<io::Error>()
+        .and_then(|e| e.get_ref())
+        .is_some_and(|inner| inner.is::<Expired>())
+}
+
+impl Timed {
+    fn new(io: Stream) -> Self {
+        Self {
+            io,
+            timer: None,
+            armed: false,
+        }
+    }
+
+    /// Arms the deadline at `deadline`: the kept timer moves there (while
+    /// it has not fired and the deadline is later, a compare-and-swap).
+    fn arm(&mut self, deadline: tokio::time::Instant) {
+        match self.timer.as_mut() {
+            Some(timer) => timer.as_mut().reset(deadline),
+            None => self.timer = Some(Box::pin(tokio::time::sleep_until(deadline))),
+        }
+        self.armed = true;
+    }
+
+    /// `Pending` while the deadline is ahead (or not armed), waking the
+    /// task at it; `Ready` with the error once it passed.
+    fn poll_expired(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
+        match self.timer.as_mut() {
+            Some(timer) if self.armed => {
+                std::task::ready!(timer.as_mut().poll(cx));
+                Poll::Ready(io::Error::new(io::ErrorKind::TimedOut, Expired))
+            }
+            _ => Poll::Pending,
+        }
+    }
+
+    /// `poll`, or the deadline's error once it passed while `poll` waits.
+    fn or_expired<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        poll: impl FnOnce(&mut Stream, &mut Context<'_>) -> Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        match poll(&mut self.io, cx) {
+            Poll::Pending => self.poll_expired(cx).map(Err),
+            ready => ready,
+        }
+    }
+}
+
+impl AsyncRead for Timed {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        self.get_mut()
+            .or_expired(cx, |io, cx| Pin::new(io).poll_read(cx, buf))
+    }
+}
+
+impl AsyncWrite for Timed {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.get_mut()
+            .or_expired(cx, |io, cx| Pin::new(io).poll_write(cx, buf))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.get_mut()
+            .or_expired(cx, |io, cx| Pin::new(io).poll_flush(cx))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
 /// An exchange that broke the protocol or ended early; its words are
 /// hyper's, which the failure's kind (`upstream::failure_kind`) reads.
 #[derive(Debug)]
@@ -217,7 +325,7 @@ impl std::fmt::Debug for Outgoing {
 
 /// One upstream connection and its buffers.
 pub(crate) struct Conn {
-    io: Stream,
+    io: Timed,
     /// Bytes read and not yet used.
     buf: BytesMut,
     /// The request head being written (kept for its capacity).
@@ -271,7 +379,7 @@ enum Reading {
 impl Conn {
     pub(crate) fn new(io: Stream, max_buf: usize) -> Self {
         Self {
-            io,
+            io: Timed::new(io),
             buf: BytesMut::new(),
             out: Vec::new(),
             max_buf,
@@ -303,7 +411,7 @@ impl Conn {
         let mut cx = Context::from_waker(std::task::Waker::noop());
         // Pending: nothing arrived; anything else is a close, a failure or
         // bytes nobody asked for.
-        Pin::new(&mut self.io)
+        Pin::new(&mut self.io.io)
             .poll_read(&mut cx, &mut probe)
             .is_pending()
     }
@@ -318,7 +426,9 @@ impl Conn {
         &mut self,
         out: &Outgoing,
         added: &Added,
+        deadline: tokio::time::Instant,
     ) -> impl Future<Output = io::Result<()>> + Send + '_ {
+        self.io.arm(deadline);
         self.out.clear();
         encode_head(&mut self.out, &out.parts, added, out.http10);
         let fits = |data: &Bytes| {
@@ -337,8 +447,8 @@ impl Conn {
     }
 
     async fn write_first(&mut self) -> io::Result<()> {
-        if let Stream::Tcp(tcp) = &mut self.io {
-            let n = tcp.write(&self.out).await?;
+        if let Stream::Tcp(_) = &self.io.io {
+            let n = self.io.write(&self.out).await?;
             self.out.drain(..n);
         }
         Ok(())
@@ -415,7 +525,7 @@ impl Conn {
             }
         }
         while !ended {
-            match next_data(&mut body).await? {
+            match self.next_data(&mut body).await? {
                 Some(data) => {
                     *sent += data.len() as u64;
                     if let Sending::Length(n) = sending {
@@ -439,6 +549,17 @@ impl Conn {
             }
         }
         Ok(Ok(()))
+    }
+
+    /// The client's next piece of body, or the deadline's error once it
+    /// passed while waiting for it.
+    async fn next_data(&mut self, body: &mut Body) -> Result<Option<Bytes>, BoxError> {
+        let mut next = std::pin::pin!(next_data(body));
+        std::future::poll_fn(|cx| match next.as_mut().poll(cx) {
+            Poll::Pending => self.io.poll_expired(cx).map(|e| Err(e.into())),
+            ready => ready,
+        })
+        .await
     }
 
     /// Writes one piece of the body (and the last chunk, if it `ends` a
@@ -587,12 +708,14 @@ impl Conn {
     /// The answer with its body; the connection goes home now if the
     /// answer has no body and may be reused.
     fn answer(
-        self,
+        mut self,
         head: Response<()>,
         reading: Reading,
         keep_alive: bool,
         home: &Arc<IdleConn>,
     ) -> Response<Body> {
+        // The deadline ends with the head (the body is read without it).
+        self.io.armed = false;
         let (parts, ()) = head.into_parts();
         let body = match reading {
             Reading::Done | Reading::Length(0) => {

@@ -622,16 +622,19 @@ impl Shared {
             .body(body::empty())
             .map_err(|_| "the exchange broke off")?;
         let slot = Arc::new(Mutex::new(None));
+        let timeout_ms = u64::try_from(self.connect_timeout.as_millis()).unwrap_or(u64::MAX);
+        let deadline = Stopwatch::start().deadline_after_ms(timeout_ms);
+        // No body to wait for: the connection's deadline covers it all.
         let exchange = async {
             let out = h1::Outgoing::new(req).await?;
             let mut conn = conn;
-            conn.begin(&out, &h1::Added::new()).await?;
+            conn.begin(&out, &h1::Added::new(), deadline).await?;
             conn.send(out, &slot).await
         };
-        match tokio::time::timeout(self.connect_timeout, exchange).await {
-            Ok(Ok(_answer)) => Ok(()),
-            Ok(Err(e)) => Err(failure_kind(&*e)),
-            Err(_) => Err("no answer in time"),
+        match exchange.await {
+            Ok(_answer) => Ok(()),
+            Err(e) if h1::is_expired(&*e) => Err("no answer in time"),
+            Err(e) => Err(failure_kind(&*e)),
         }
     }
 
@@ -751,52 +754,57 @@ impl Shared {
             watch,
         } = staged;
         let deadline = watch.deadline_after_ms(timeout_ms);
-        // The block is built in the call, not bound first: a bound one
-        // would keep its own room in this future beside the timeout's.
-        let sent = tokio::time::timeout_at(deadline, async {
-            match to {
-                To::Pool(pooled) => {
-                    let (pool, req) = *pooled;
-                    match pool.request(req).await {
-                        Ok(res) => Exchanged::Answer(Ok(res.map(body::boxed))),
-                        // The pool could not connect: nothing was sent.
-                        Err(e) if e.is_connect() => Exchanged::Unsent(BoxError::from(e)),
-                        Err(e) => Exchanged::Answer(Err(BoxError::from(e))),
-                    }
+        let sent = match to {
+            // hyper's pooled client: a timer around the exchange.
+            To::Pool(pooled) => {
+                let (pool, req) = *pooled;
+                match tokio::time::timeout_at(deadline, pool.request(req)).await {
+                    Ok(Ok(res)) => Exchanged::Answer(Ok(res.map(body::boxed))),
+                    // The pool could not connect: nothing was sent.
+                    Ok(Err(e)) if e.is_connect() => Exchanged::Unsent(BoxError::from(e)),
+                    Ok(Err(e)) => Exchanged::Answer(Err(BoxError::from(e))),
+                    Err(_) => Exchanged::Expired,
                 }
-                To::Dedicated(mut dedicated) => {
-                    let d = &mut *dedicated;
-                    if let Err(e) = d.conn.begin(&d.out, &d.added).await {
-                        // The write failed outright: not a byte of the
-                        // request left.
-                        if !d.reused {
-                            return Exchanged::Unsent(e.into());
-                        }
+            }
+            // The connection's own kept timer holds the deadline (see
+            // `h1::Timed`): no timer per request.
+            To::Dedicated(mut dedicated) => {
+                let d = &mut *dedicated;
+                match d.conn.begin(&d.out, &d.added, deadline).await {
+                    Err(e) if h1::is_expired(&e) => Exchanged::Expired,
+                    // The write failed outright: not a byte of the
+                    // request left.
+                    Err(e) if !d.reused => Exchanged::Unsent(e.into()),
+                    Err(e) => {
                         // The upstream closed or reset the idle connection
                         // as the request went out: it may go again on a
                         // fresh one (once), staged anew and checked first.
                         tracing::debug!(upstream = %this.authority, error = %e, "an idle upstream connection failed before the request left: staged again on a new one");
-                        return Exchanged::Again(dedicated);
+                        Exchanged::Again(dedicated)
                     }
-                    let Dedicated {
-                        slot, out, conn, ..
-                    } = *dedicated;
-                    Exchanged::Answer(conn.send(out, &slot).await)
+                    Ok(()) => {
+                        let Dedicated {
+                            slot, out, conn, ..
+                        } = *dedicated;
+                        match conn.send(out, &slot).await {
+                            Err(e) if h1::is_expired(&*e) => Exchanged::Expired,
+                            answer => Exchanged::Answer(answer),
+                        }
+                    }
                 }
             }
-        })
-        .await;
+        };
         match sent {
-            Ok(Exchanged::Answer(result)) => this.ended(watch, result, client.as_ref()),
-            Ok(Exchanged::Unsent(err)) => Sent::NotSent(this.failed(watch, &*err)),
-            Ok(Exchanged::Again(dedicated)) => Sent::Again(Staged {
+            Exchanged::Answer(result) => this.ended(watch, result, client.as_ref()),
+            Exchanged::Unsent(err) => Sent::NotSent(this.failed(watch, &*err)),
+            Exchanged::Again(dedicated) => Sent::Again(Staged {
                 upstream: this,
                 to: To::Dedicated(dedicated),
                 client,
                 timeout_ms,
                 watch,
             }),
-            Err(_) => Sent::Unknown(this.timed_out(watch, timeout_ms)),
+            Exchanged::Expired => Sent::Unknown(this.timed_out(watch, timeout_ms)),
         }
     }
 
@@ -1093,6 +1101,8 @@ enum Exchanged {
     Unsent(BoxError),
     /// The reused idle connection had been closed: nothing left.
     Again(Box<Dedicated>),
+    /// The exchange's deadline passed (whatever of it left).
+    Expired,
 }
 
 /// Where a staged request goes.
