@@ -439,7 +439,7 @@ async fn call(
     to: To,
     headers: &[(&str, &str)],
     body: Bytes,
-) -> Result<Answer, String> {
+) -> Result<Answer, LoadtestError> {
     let (lease, path) = match to {
         To::Url(url) => {
             return send(shared, method, url, headers, body, false)
@@ -504,7 +504,7 @@ async fn send(
     headers: &[(&str, &str)],
     body: Bytes,
     to_target: bool,
-) -> Result<Answer, (String, bool)> {
+) -> Result<Answer, (LoadtestError, bool)> {
     // The bearer secret goes to the fencegate under test only, never to a
     // storage URL (--direct, --history elsewhere).
     let bearer = shared.bearer.as_ref().filter(|_| to_target);
@@ -519,19 +519,17 @@ async fn send(
         req = sign_s3(s3, req, &body).map_err(|e| (e, false))?;
     }
     let client = &shared.client;
-    let req = req
-        .body(Full::new(body))
-        .map_err(|e| (e.to_string(), false))?;
+    let req = req.body(Full::new(body)).map_err(|e| (failed(e), false))?;
     let limit = Duration::from_millis(shared.args.request_timeout);
     match tokio::time::timeout(limit, exchange(shared, client, req, to_target)).await {
         Ok(answer) => answer,
         Err(_) => {
             shared.timed_out.fetch_add(1, Ordering::Relaxed);
             Err((
-                format!(
+                failed(format!(
                     "no answer within {} ms (--request-timeout)",
                     shared.args.request_timeout
-                ),
+                )),
                 false,
             ))
         }
@@ -544,11 +542,11 @@ async fn exchange(
     client: &HttpsClient,
     req: Request<Full<Bytes>>,
     to_target: bool,
-) -> Result<Answer, (String, bool)> {
+) -> Result<Answer, (LoadtestError, bool)> {
     let res = client
         .request(req)
         .await
-        .map_err(|e| (e.to_string(), e.is_connect()))?;
+        .map_err(|e| (failed(&e), e.is_connect()))?;
     // An answer a member relayed from another: the shard map is out of
     // date (the shard moved).
     if to_target && res.headers().contains_key(FENCEGATE_FORWARDED) {
@@ -558,7 +556,7 @@ async fn exchange(
     let body = http_body_util::Limited::new(res.into_body(), MAX_ANSWER_BYTES)
         .collect()
         .await
-        .map_err(|e| (e.to_string(), false))?
+        .map_err(|e| (failed(e), false))?
         .to_bytes();
     let json = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
     Ok(Answer { status, json, body })
@@ -571,7 +569,7 @@ fn sign_s3(
     s3: &sigv4::S3Signer,
     req: http::request::Builder,
     body: &Bytes,
-) -> Result<http::request::Builder, String> {
+) -> Result<http::request::Builder, LoadtestError> {
     let uri = req.uri_ref().cloned().unwrap_or_default();
     let path_and_query = uri.path_and_query().map_or("/", |pq| pq.as_str());
     if path_and_query.starts_with("/_fence/") {
@@ -617,7 +615,7 @@ struct Term {
 /// One writer: acquires a random lease, writes with it (sometimes pausing
 /// past its term and writing on with the old token, as a stale writer
 /// would), releases it if it still holds it, and again until the run is done.
-async fn writer(index: u32, shared: Arc<Shared>, seed: u64) -> Result<(), String> {
+async fn writer(index: u32, shared: Arc<Shared>, seed: u64) -> Result<(), LoadtestError> {
     let name = format!("{}-w{index}", shared.run_id);
     let skew_ms = if index % 2 == 1 { shared.args.skew } else { 0 };
     let mut writer = Writer {
@@ -665,7 +663,7 @@ impl Writer {
     /// Acquires a random lease: `None` to try again (held past the wait,
     /// the store briefly unavailable, rate-limited, or the proxy
     /// unreachable for less than the limit).
-    async fn acquire(&mut self) -> Result<Option<Term>, String> {
+    async fn acquire(&mut self) -> Result<Option<Term>, LoadtestError> {
         let args = &self.shared.args;
         let lease = format!("lt-{}", self.rng.below(u64::from(args.leases)));
         let sent_ms = self.shared.started.elapsed_ms();
@@ -689,10 +687,10 @@ impl Writer {
                 let now_ms = self.shared.started.elapsed_ms();
                 let since_ms = self.shared.answered_ms.load(Ordering::Relaxed);
                 if now_ms.saturating_sub(since_ms) >= args.unreachable_limit {
-                    return Err(format!(
+                    return Err(failed(format!(
                         "cannot reach {} for {} ms: {e}",
                         args.target, args.unreachable_limit
-                    ));
+                    )));
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 return Ok(None);
@@ -716,19 +714,19 @@ impl Writer {
                 let since_ms = self.shared.granted_ms.load(Ordering::Relaxed);
                 if now_ms.saturating_sub(since_ms) >= args.unreachable_limit {
                     let reason = answer.json["reason"].as_str().unwrap_or("no reason given");
-                    return Err(format!(
+                    return Err(failed(format!(
                         "no term granted for {} ms (--unreachable-limit): {} answered {} {reason}",
                         args.unreachable_limit, args.target, answer.status
-                    ));
+                    )));
                 }
                 tokio::time::sleep(Duration::from_millis(5)).await;
                 return Ok(None);
             }
             other => {
-                return Err(format!(
+                return Err(failed(format!(
                     "acquire at {} answered {other}: {}",
                     args.target, answer.json
-                ))
+                )))
             }
         }
         let expires = answer.json["expires_in_ms"].as_u64().unwrap_or(0);
@@ -894,7 +892,7 @@ async fn write(
             }
             None => Outcome::Failed(format!("status {}", a.status)),
         },
-        Err(e) => Outcome::Failed(e),
+        Err(e) => Outcome::Failed(e.to_string()),
     };
     shared.sent.fetch_add(1, Ordering::Relaxed);
     let record = ClientWrite {
@@ -925,7 +923,7 @@ async fn write_reading_first(
     to: To,
     headers: &[(&str, &str)],
     body: Bytes,
-) -> Result<Answer, String> {
+) -> Result<Answer, LoadtestError> {
     let again = match &to {
         To::Lease(lease, path) => Some(To::Lease(lease.clone(), path.clone())),
         To::Target(path) => Some(To::Target(path.clone())),
@@ -1075,6 +1073,11 @@ impl std::fmt::Display for LoadtestError {
 impl std::error::Error for LoadtestError {}
 
 /// The steps of a run say what failed in words; any of them ends it.
+/// A step's failure, in words.
+fn failed(why: impl std::fmt::Display) -> LoadtestError {
+    LoadtestError::Failed(why.to_string())
+}
+
 impl From<String> for LoadtestError {
     fn from(why: String) -> Self {
         Self::Failed(why)
@@ -1360,7 +1363,7 @@ fn prepare(args: &LoadtestArgs, total: Option<u64>) -> Result<Arc<Shared>, Loadt
 
 /// Runs the writers (and the progress line) until they are done; the first
 /// writer that fails stops the others.
-async fn drive(shared: &Arc<Shared>, total: Option<u64>, seed: u64) -> Result<(), String> {
+async fn drive(shared: &Arc<Shared>, total: Option<u64>, seed: u64) -> Result<(), LoadtestError> {
     let bar = tokio::spawn(progress(shared.clone(), total));
     let mut seeds = Rng(seed);
     let tasks: Vec<_> = (0..shared.args.writers)
@@ -1384,7 +1387,7 @@ async fn drive(shared: &Arc<Shared>, total: Option<u64>, seed: u64) -> Result<()
 }
 
 /// p50, p99 and p99.9 of the writes' latencies, in microseconds.
-fn latency_quantiles(writes: &[ClientWrite]) -> Result<BTreeMap<String, u64>, String> {
+fn latency_quantiles(writes: &[ClientWrite]) -> Result<BTreeMap<String, u64>, LoadtestError> {
     let mut hist = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3)
         .map_err(|e| e.to_string())?;
     for w in writes {
@@ -1398,14 +1401,16 @@ fn latency_quantiles(writes: &[ClientWrite]) -> Result<BTreeMap<String, u64>, St
 
 /// Starts the relay of `--late-writes`, if asked: it holds that fraction of
 /// the writers' writes (seeded with the run) for `--late-by`.
-async fn start_relay(args: &LoadtestArgs, seed: u64) -> Result<Option<relay::Relay>, String> {
+async fn start_relay(
+    args: &LoadtestArgs,
+    seed: u64,
+) -> Result<Option<relay::Relay>, LoadtestError> {
     let Some(fraction) = args.late_writes else {
         return Ok(None);
     };
-    let to = args
-        .relay_to
-        .as_deref()
-        .ok_or("--late-writes needs --relay-to, the storage the relay forwards to")?;
+    let to = args.relay_to.as_deref().ok_or_else(|| {
+        failed("--late-writes needs --relay-to, the storage the relay forwards to")
+    })?;
     let listen: std::net::SocketAddr = args
         .relay_listen
         .parse()
@@ -1425,7 +1430,7 @@ async fn start_relay(args: &LoadtestArgs, seed: u64) -> Result<Option<relay::Rel
     relay::Relay::start(listen, to, client, hold)
         .await
         .map(Some)
-        .map_err(|e| format!("the relay cannot listen on {listen}: {e}"))
+        .map_err(|e| failed(format!("the relay cannot listen on {listen}: {e}")))
 }
 
 /// The verdict of a run with `--late-writes`, where its findings decide it:
@@ -1515,7 +1520,10 @@ fn verdict(findings: &Findings, truncated: bool, min_stale: u64) -> (bool, Strin
 }
 
 /// Reads the storage's apply log at `history_url` (default: the target).
-async fn read_history(shared: &Shared, history_url: Option<&str>) -> Result<History, String> {
+async fn read_history(
+    shared: &Shared,
+    history_url: Option<&str>,
+) -> Result<History, LoadtestError> {
     let (base, shown) = match history_url {
         Some(url) => (Some(url.to_owned()), url.to_owned()),
         None => (None, shared.args.target.clone()),
@@ -1535,10 +1543,10 @@ async fn read_history(shared: &Shared, history_url: Option<&str>) -> Result<Hist
             .await
             .map_err(|e| format!("cannot read the apply log at {shown}: {e}"))?;
         if answer.status != StatusCode::OK {
-            return Err(format!(
+            return Err(failed(format!(
                 "{shown}{HISTORY_PATH} answered {}: run the backend with --record (or [embedded] record = true)",
                 answer.status
-            ));
+            )));
         }
         let page: History = serde_json::from_value(answer.json.clone())
             .map_err(|e| format!("the apply log is not readable: {e}"))?;

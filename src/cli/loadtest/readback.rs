@@ -13,7 +13,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use super::check::{ClientWrite, Read};
-use super::{call, layout, Shared, To};
+use super::{call, layout, LoadtestError, Shared, To};
 use crate::clock::Stopwatch;
 use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
 
@@ -186,13 +186,13 @@ async fn clean_lease(shared: &Shared, lease: &str, keys: &[String]) -> Cleanup {
             None => {
                 // A refused delete (the term ended meanwhile) is tried once
                 // more under a fresh term.
-                let mut outcome = Err(String::new());
+                let mut outcome = Err(LoadtestError::Failed(String::new()));
                 for _ in 0..2 {
                     let h = match hold(shared, lease, &mut held).await {
                         Ok(h) => h,
                         Err(e) => {
                             done.failed += (keys.len() - i) as u64;
-                            done.error.get_or_insert(e);
+                            done.error.get_or_insert(e.to_string());
                             return done;
                         }
                     };
@@ -214,7 +214,7 @@ async fn clean_lease(shared: &Shared, lease: &str, keys: &[String]) -> Cleanup {
             Ok(()) => done.deleted += 1,
             Err(e) => {
                 done.failed += 1;
-                done.error.get_or_insert(e);
+                done.error.get_or_insert(e.to_string());
             }
         }
     }
@@ -235,7 +235,7 @@ async fn hold<'a>(
     shared: &Shared,
     lease: &str,
     held: &'a mut Option<Held>,
-) -> Result<&'a Held, String> {
+) -> Result<&'a Held, LoadtestError> {
     let ttl = shared.args.ttl;
     if let Some(h) = held.as_ref() {
         if h.renewed.elapsed_ms() < ttl / 3 {
@@ -287,11 +287,11 @@ async fn hold<'a>(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    Err(last)
+    Err(LoadtestError::Failed(last))
 }
 
 /// A DELETE: done if the key is gone (2xx, or 404: it was never there).
-async fn delete(shared: &Shared, to: To, headers: &[(&str, &str)]) -> Result<(), String> {
+async fn delete(shared: &Shared, to: To, headers: &[(&str, &str)]) -> Result<(), LoadtestError> {
     let shown = match &to {
         To::Url(url) | To::Target(url) | To::Lease(_, url) => url.clone(),
     };
@@ -299,7 +299,10 @@ async fn delete(shared: &Shared, to: To, headers: &[(&str, &str)]) -> Result<(),
     // first (428).
     match super::write_reading_first(shared, Method::DELETE, to, headers, Bytes::new()).await {
         Ok(a) if a.status.is_success() || a.status == StatusCode::NOT_FOUND => Ok(()),
-        Ok(a) => Err(format!("DELETE {shown} answered {}", a.status)),
-        Err(e) => Err(format!("DELETE {shown}: {e}")),
+        Ok(a) => Err(LoadtestError::Failed(format!(
+            "DELETE {shown} answered {}",
+            a.status
+        ))),
+        Err(e) => Err(LoadtestError::Failed(format!("DELETE {shown}: {e}"))),
     }
 }
