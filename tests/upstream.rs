@@ -583,6 +583,48 @@ async fn a_client_body_that_stalls_meets_the_upstream_deadline() {
     proxy.stop().await;
 }
 
+/// An answer whose body takes longer than the upstream timeout is relayed
+/// whole: the deadline ends with the answer's head (the body comes at the
+/// storage's pace, as the client reads it). Seen failing with the
+/// deadline left armed after the head (the body was cut off). Real time:
+/// a 1 s timeout, the body's second half 2.5 s after its first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_body_may_take_longer_than_the_upstream_deadline() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut b = [0u8; 4096];
+                while whole_message(&buf).is_none() {
+                    match sock.read(&mut b).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&b[..n]),
+                    }
+                }
+                let head = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhello";
+                let _ = sock.write_all(head).await;
+                tokio::time::sleep(std::time::Duration::from_millis(2_500)).await;
+                let _ = sock.write_all(b"world").await;
+                tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+            });
+        }
+    });
+    let h = proxy_to(&url, 1_000);
+    let proxy = spawn(h.app.clone()).await;
+    let a = h.acquire("orders", "A", 60_000).await;
+    let r = HttpClient::new(&proxy.url())
+        .send(Req::new("PUT", "/kv/orders/1").held(&a).body("x"))
+        .await;
+    assert_eq!(
+        (r.status.as_u16(), r.text()),
+        (200, "helloworld".to_owned())
+    );
+    proxy.stop().await;
+}
+
 /// An upstream that never answers and records every byte of each connection
 /// once fencegate closes it.
 async fn recorder() -> (String, Arc<Mutex<Vec<Vec<u8>>>>) {

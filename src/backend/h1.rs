@@ -233,7 +233,10 @@ impl Timed {
     }
 
     /// Arms the deadline at `deadline`: the kept timer moves there (while
-    /// it has not fired and the deadline is later, a compare-and-swap).
+    /// it has not fired and the deadline is later, a compare-and-swap; else
+    /// it is registered again). Disarmed, the timer stays in tokio's wheel
+    /// until its old deadline, and then wakes the connection's task once
+    /// for nothing.
     fn arm(&mut self, deadline: tokio::time::Instant) {
         match self.timer.as_mut() {
             Some(timer) => timer.as_mut().reset(deadline),
@@ -243,11 +246,17 @@ impl Timed {
     }
 
     /// `Pending` while the deadline is ahead (or not armed), waking the
-    /// task at it; `Ready` with the error once it passed.
+    /// task at it; `Ready` with the error once it passed. Whether tokio's
+    /// driver fired the timer is read first: a stream that stays ready uses
+    /// up the task's coop budget, and inside it the timer's own poll would
+    /// answer `Pending` too, so such a stream would never be cut (tokio's
+    /// `Timeout` polls its timer outside the budget for the same reason).
     fn poll_expired(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
         match self.timer.as_mut() {
             Some(timer) if self.armed => {
-                std::task::ready!(timer.as_mut().poll(cx));
+                if !timer.is_elapsed() {
+                    std::task::ready!(timer.as_mut().poll(cx));
+                }
                 Poll::Ready(io::Error::new(io::ErrorKind::TimedOut, Expired))
             }
             _ => Poll::Pending,
@@ -494,6 +503,11 @@ impl Conn {
             written = self.io.flush().await;
         }
         if let Err(e) = written {
+            if is_expired(&e) {
+                // The deadline passed while the request went out: the
+                // upstream timeout's answer, whatever the upstream said.
+                return Err(e.into());
+            }
             // An answer sent before the upstream closed (a 413 for a body
             // it would not take) is relayed; otherwise the write's error.
             return match self.read_head(&method, true).await {
@@ -1089,5 +1103,45 @@ impl http_body::Body for Incoming {
             Reading::Done => SizeHint::with_exact(0),
             _ => SizeHint::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A deadline cuts a read that never has to wait: a peer keeps the
+    /// socket full, each read is ready, and the reads use up the task's
+    /// coop budget, in which the timer itself would answer `Pending` too.
+    /// Seen failing (the test's 20 s ran out) with the timer polled inside
+    /// that budget. Real time: the timer is tokio's over a real socket; a
+    /// 200 ms deadline against 20 s.
+    #[tokio::test]
+    async fn a_deadline_cuts_reads_that_never_wait() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let flooder = std::thread::spawn(move || {
+            use std::io::Write;
+            let (mut sock, _) = listener.accept().unwrap();
+            let block = vec![b'x'; 64 * 1024];
+            while sock.write_all(&block).is_ok() {}
+        });
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let mut timed = Timed::new(Stream::Tcp(tcp));
+        timed.arm(crate::clock::Stopwatch::start().deadline_after_ms(200));
+        let read_until_cut = async {
+            let mut small = [0u8; 64];
+            loop {
+                if let Err(e) = timed.read(&mut small).await {
+                    return e;
+                }
+            }
+        };
+        let err = tokio::time::timeout(std::time::Duration::from_secs(20), read_until_cut)
+            .await
+            .expect("the deadline never cut the reads");
+        assert!(is_expired(&err), "{err}");
+        drop(timed);
+        flooder.join().unwrap();
     }
 }

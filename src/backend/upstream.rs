@@ -694,7 +694,8 @@ impl Shared {
                 let slot = peer.0.upstream.clone();
                 // Usually ready at once (the body's first piece is in, an
                 // idle connection open): a timer only if it must wait. The
-                // block is built in place (see `send`).
+                // block is pinned where it is built: moved into the timeout,
+                // it would also keep its room in this future.
                 let ready = {
                     let mut ready = std::pin::pin!(async {
                         let out = h1::Outgoing::new(req).await?;
@@ -867,8 +868,8 @@ impl Shared {
         }
     }
 
-    /// The exchange ran out of time. Dropping its future closed any
-    /// connection it held, so that one is never reused.
+    /// The exchange ran out of time. Any connection it held was dropped
+    /// with it, and so closed: it is never reused.
     fn timed_out(&self, watch: Stopwatch, timeout_ms: u64) -> Response<Body> {
         if let Some(m) = self.metrics.get() {
             m.upstream_latency(watch.elapsed_us() as f64 / 1e6);
