@@ -94,12 +94,11 @@
 //! counted in flight once admitted), each marked as the shell's where it is
 //! done. Where the order differs: a member checks its primacy before each
 //! keepalive here, after it in the shell (whose late confirmation may
-//! revive a lapsed primacy: not played); a member's last keepalive's send
-//! time only moves forward here (the shell's keepalives are sequential);
-//! the sweep forgets nothing on a member that is not primary (the shell's
-//! then fails to journal it); room is made on three sweeps in ten, not when
-//! a new name finds the store full, and a pass looks at every lease in
-//! order, not at the next few hundred names from where the last stopped.
+//! revive a lapsed primacy: not played); the sweep forgets nothing on a
+//! member that is not primary (the shell's then fails to journal it); room
+//! is made on three sweeps in ten, not when a new name finds the store
+//! full, and a pass looks at every lease in order, not at the next few
+//! hundred names from where the last stopped.
 //!
 //! What it checks (see [`Violation`]):
 //! - the backend never applies a write of a term after one of a later term

@@ -3194,8 +3194,10 @@ impl World {
                 self.after(beat, Ev::Beat { member: m, session });
             }
             EtcdReply::KeptAlive { session } if current == Some(session) => {
+                // As the shell's elector: the renewed session is the one
+                // this answer confirmed.
                 if let Some(s) = self.members[m].session.as_mut() {
-                    s.sent_ms = s.sent_ms.max(sent_ms);
+                    s.sent_ms = sent_ms;
                 }
                 let until = fencegate_core::cluster::primacy_deadline(sent_ms, ttl_s, margin_ms);
                 if let Some(p) = self.proxy.as_mut().and_then(|p| p.primacy.as_mut()) {
