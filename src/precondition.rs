@@ -1,7 +1,8 @@
 //! Storage-side preconditions (SPEC §10), the shell side: the table of key
 //! states the core decides with ([`fencegate_core::precondition`]), shared
-//! by the connections of one term of primacy, and the few header reads and
-//! writes that carry its decisions out.
+//! by every connection and emptied at each new term of primacy
+//! ([`KeyStateTable::take_over`]), and the few header reads and writes that
+//! carry its decisions out.
 //!
 //! The fence asks [`KeyStateTable::plan`] what a write on a `preconditions`
 //! route gets (a precondition added, its own kept, or 428), and hands every
@@ -23,7 +24,8 @@ pub use fencegate_core::precondition::{
 /// lookup or one update, never across I/O, so a few are plenty.
 const PARTS: usize = 16;
 
-/// The key states of one term of primacy: at most `capacity` keys, split
+/// The key states this member learned since its term of primacy began
+/// ([`KeyStateTable::take_over`] empties it): at most `capacity` keys, split
 /// over `PARTS` (16) independently locked parts by a keyed hash of the key
 /// (so a client cannot pile its keys onto one part).
 #[derive(Debug)]

@@ -29,7 +29,7 @@ use crate::clock::Clock;
 use crate::etcd::{Compare, EtcdClient, EtcdError, Op};
 use crate::lease::{LeaseStore, Primacy};
 use fencegate_core::cluster::{
-    handover_drained, may_campaign, primacy_deadline, takeover_clean, takeover_rule, CampaignView,
+    may_campaign, primacy_deadline, takeover_clean, takeover_rule, CampaignView,
 };
 
 use super::journal::{self, Election, EtcdJournal, Limits};
@@ -390,13 +390,7 @@ impl<S: Send + Sync + 'static> Elector<S> {
     async fn drain(&self, store: &LeaseStore, bound_ms: u64) -> bool {
         let bound = self.clock.now_ms() + bound_ms;
         loop {
-            // The count first: a write that leaves it has set how long it
-            // settles before (see the store's `count_ended`).
-            if handover_drained(
-                store.inflight_count(),
-                store.settling_left_ms(),
-                store.window_left_ms(),
-            ) {
+            if store.handover_drained() {
                 return true;
             }
             if self.clock.now_ms() >= bound {

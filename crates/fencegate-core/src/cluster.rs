@@ -34,16 +34,22 @@ pub fn primacy_confirmed(until_ms: u64, confirmed_ms: u64) -> u64 {
 }
 
 /// Whether a primary handing a shard over (or stopping), its primacy
-/// revoked, may record the handover as clean: only once none of its
-/// admitted writes is unfinished (`in_flight`: awaiting or streaming its
-/// answer), none whose outcome became unknown is still settling (for
-/// `settling_left_ms` more: the storage may still apply it), and its own
-/// takeover window is over (`window_left_ms`: a write of the primary
-/// before it may still be on its way). The next primary then admits newer
-/// terms at once instead of waiting out a takeover window of its own.
-pub fn handover_drained(in_flight: u64, settling_left_ms: u64, window_left_ms: u64) -> bool {
-    let settled = settling_left_ms == 0 || planted(Mutant::HandoverIgnoresSettling);
-    (in_flight == 0 && settled && window_left_ms == 0) || planted(Mutant::HandoverUndrained)
+/// revoked, may record the handover as clean at `now_ms`: only once none
+/// of its admitted writes is unfinished (`in_flight`: awaiting or
+/// streaming its answer), none whose outcome became unknown is still
+/// settling (until `settling_until_ms`: the storage may still apply it),
+/// and its own takeover window is over (`window_until_ms`: a write of the
+/// primary before it may still be on its way). The next primary then
+/// admits newer terms at once instead of waiting out a takeover window of
+/// its own.
+pub fn handover_drained(
+    in_flight: u64,
+    now_ms: u64,
+    settling_until_ms: u64,
+    window_until_ms: u64,
+) -> bool {
+    let settled = now_ms >= settling_until_ms || planted(Mutant::HandoverIgnoresSettling);
+    (in_flight == 0 && settled && now_ms >= window_until_ms) || planted(Mutant::HandoverUndrained)
 }
 
 /// How often a member with etcd leases of `ttl_ms` renews them and checks
@@ -299,13 +305,13 @@ mod tests {
 
     #[test]
     fn a_handover_is_clean_only_with_nothing_unfinished_or_settling() {
-        assert!(handover_drained(0, 0, 0));
-        assert!(!handover_drained(1, 0, 0), "a write in flight");
+        assert!(handover_drained(0, 10, 10, 10));
+        assert!(!handover_drained(1, 10, 0, 0), "a write in flight");
         assert!(
-            !handover_drained(0, 1, 0),
+            !handover_drained(0, 10, 11, 0),
             "a write of unknown outcome settling"
         );
-        assert!(!handover_drained(0, 0, 1), "the takeover window open");
+        assert!(!handover_drained(0, 10, 0, 11), "the takeover window open");
     }
 
     #[test]

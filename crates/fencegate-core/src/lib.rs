@@ -28,8 +28,10 @@
 //! - [`mutant`]: planted bugs, switchable only with the `mutants` feature,
 //!   so the simulator and the power-cut tests can prove they catch them.
 //! - [`cluster`]: cluster mode's rules on the member's clock: the
-//!   self-fencing deadline, when a handover may be recorded as clean and
-//!   when a takeover may trust it, and the clock check's verdict.
+//!   self-fencing deadline and how a confirmation moves it, how often a
+//!   member renews and looks, when it campaigns for a shard, when a
+//!   handover may be recorded as clean and when a takeover may trust it,
+//!   and the clock check's verdict.
 //! - [`shard`]: which shard a lease belongs to, which member should lead
 //!   each shard, and a batch split by shard and merged back, for sharding
 //!   leases over cluster members.

@@ -14,7 +14,7 @@
 //!   under a term they released or lost (zombies), and that aim writes at
 //!   the very millisecond their term ends;
 //! - the proxy, its clock restarting at every start, its wall clock off by
-//!   up to the tolerance, and a journal writer that appends, syncs and
+//!   up to half the tolerance, and a journal writer that appends, syncs and
 //!   writes headers in the order `fencegate_core::journal::append` gives,
 //!   syncs the batches `fencegate_core::journal::writer` says must be,
 //!   starts by the steps `fencegate_core::journal::recovery::open_plan`
@@ -41,9 +41,9 @@
 //! - crashes and power cuts at any step, and restarts;
 //! - the lease store's sweep, forgetting by the core's rule
 //!   (`fencegate_core::lease::retention`) leases quiet for the retention
-//!   time, or for none as when it makes room (the shell then forgets one
-//!   lease, the simulator every one the rule allows), each journaled, its
-//!   tokens kept by the mark new names start above;
+//!   time, or for none as when it makes room (then one lease, as in the
+//!   shell), each journaled, its tokens kept by the mark new names start
+//!   above;
 //! - in cluster mode (even seeds), three members sharing the lease state
 //!   through a simulated etcd (sessions that expire on etcd's clock, one
 //!   election key, transactions that commit only for the session holding
@@ -88,7 +88,14 @@
 //! `inflight::settling_until`, `record::forgotten_above`,
 //! `retention::last_use`), which requests count as a lease's use
 //! (`retention::refreshes_last_use`) and how many leases a pass forgets
-//! (`retention::Sweep::idle` and `making_room`). What the world writes
+//! (`retention::Sweep::idle` and `making_room`). Of these, a planted bug
+//! can show only the first two (`release-lazy`, `awaited-not-synced`) and
+//! the forgotten mark (`forgotten-above-lowered`): the others decide availability (health, a
+//! primacy deadline moved back) or the retention's courtesy (last use, how
+//! many are forgotten: a forgotten lease's tokens continue above its
+//! mark), and a settle time can only move back where two threads race to
+//! count their writes ended (each is the end plus `settle_ms`, on a
+//! monotonic clock), which the world does not play. What the world writes
 //! itself is the shell's plumbing in simulated time: its messages and their
 //! order (an awaited record answered once its batch is written, a write
 //! counted in flight once admitted), each marked as the shell's where it is
@@ -97,8 +104,10 @@
 //! revive a lapsed primacy: not played); the sweep forgets nothing on a
 //! member that is not primary (the shell's then fails to journal it); room
 //! is made on three sweeps in ten, not when a new name finds the store
-//! full, and a pass looks at every lease in order, not at the next few
-//! hundred names from where the last stopped.
+//! full, and a pass looks at every lease in order, not at the next
+//! thousand names from where the last stopped (256 when making room). The
+//! etcd journal answers a release that changes nothing in etcd's state at
+//! once; here it waits for its commit like any other.
 //!
 //! What it checks (see [`Violation`]):
 //! - the backend never applies a write of a term after one of a later term

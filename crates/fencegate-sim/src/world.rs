@@ -1330,14 +1330,13 @@ impl World {
             return;
         }
         self.open.insert(req.id, (req.client, inc));
-        // As the lease store: acquires, renewals and releases name the
-        // lease as they arrive, a write once the fence decides (a read is
-        // forwarded without the lease store).
+        // As the lease store: renewals and releases name the lease as they
+        // arrive, an acquire once its entry exists, a write once the fence
+        // decides (a read is forwarded without the lease store).
         match req.op {
-            Op::Acquire { .. } => self.named(req.lease, Named::Acquire),
             Op::Renew => self.named(req.lease, Named::Renew),
             Op::Release => self.named(req.lease, Named::Release),
-            Op::Write { .. } | Op::Read { .. } => {}
+            Op::Acquire { .. } | Op::Write { .. } | Op::Read { .. } => {}
         }
         match req.op {
             Op::Acquire { ttl_ms } => self.acquire(req, ttl_ms),
@@ -1356,17 +1355,20 @@ impl World {
         let holder = self.clients[req.client].holder.clone();
         let proxy = self.proxy.as_mut().expect("arrive checked");
         let rule = proxy.rule;
-        let slot = proxy.slots.entry(req.lease).or_insert_with(|| {
+        proxy.slots.entry(req.lease).or_insert_with(|| {
             let (state, unsettled_from) = restart::new_lease(&rule);
             Slot {
                 state,
                 inflight: Inflight::default(),
                 unsettled_from,
                 wall_deadline_ms: 0,
-                touched_ms: p,
+                touched_ms: 0,
                 waiting: 0,
             }
         });
+        self.named(req.lease, Named::Acquire);
+        let proxy = self.proxy.as_mut().expect("arrive checked");
+        let slot = proxy.slots.get_mut(&req.lease).expect("made above");
         let previous = slot.state.term().cloned();
         let lease_id = LeaseId::from_bytes(raw);
         match slot.state.acquire(p, &holder, ttl_ms, lease_id.clone()) {
@@ -2970,8 +2972,9 @@ impl World {
         let in_flight: u64 = proxy.slots.values().map(|s| s.inflight.len()).sum();
         let clean = fencegate_core::cluster::handover_drained(
             in_flight,
-            proxy.settling_until_ms.saturating_sub(now_ms),
-            proxy.unsettled_until_ms.saturating_sub(now_ms),
+            now_ms,
+            proxy.settling_until_ms,
+            proxy.unsettled_until_ms,
         );
         if !clean && now_ms < bound_ms {
             self.after(

@@ -1081,13 +1081,22 @@ impl LeaseStore {
             .saturating_sub(self.shared.clock.now_ms())
     }
 
-    /// How long this store's restart (or takeover) window still holds back
-    /// later terms of leases whose earlier writes may be unfinished, in
-    /// milliseconds: 0 once it is over.
-    pub fn window_left_ms(&self) -> u64 {
-        self.shared
-            .unsettled_until_ms
-            .saturating_sub(self.shared.clock.now_ms())
+    /// Whether a primary handing its shard over, its primacy revoked, may
+    /// record the handover as clean now (the core's
+    /// `cluster::handover_drained`): no admitted write unfinished, none of
+    /// unknown outcome still settling, and this store's own restart (or
+    /// takeover) window over.
+    pub fn handover_drained(&self) -> bool {
+        // The count first: a write that leaves it has set how long it
+        // settles before (see `count_ended`).
+        let in_flight = self.inflight_count();
+        let settling_until_ms = self.shared.settling_until_ms.load(Ordering::Acquire);
+        fencegate_core::cluster::handover_drained(
+            in_flight,
+            self.shared.clock.now_ms(),
+            settling_until_ms,
+            self.shared.unsettled_until_ms,
+        )
     }
 
     /// How many leases have a live term now, counting those whose deadline
