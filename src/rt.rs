@@ -62,17 +62,22 @@ impl TimerSlot {
     /// Once dropped it goes back to the slot.
     pub fn sleep_until(&self, deadline: Instant) -> Reused {
         let kept = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let sleep = match kept {
-            Some(mut sleep) => {
-                sleep.as_mut().reset(deadline);
-                sleep
-            }
-            None => Box::pin(tokio::time::sleep_until(deadline)),
-        };
         Reused {
-            sleep: Some(sleep),
+            sleep: Some(moved_or_new(kept, deadline)),
             home: self.clone(),
         }
+    }
+}
+
+/// The `kept` timer moved to `deadline` (see [`TimerSlot`] for what that
+/// costs), or a new one if none is kept.
+pub fn moved_or_new(kept: Option<Pin<Box<Sleep>>>, deadline: Instant) -> Pin<Box<Sleep>> {
+    match kept {
+        Some(mut sleep) => {
+            sleep.as_mut().reset(deadline);
+            sleep
+        }
+        None => Box::pin(tokio::time::sleep_until(deadline)),
     }
 }
 

@@ -238,10 +238,7 @@ impl Timed {
     /// until its old deadline, and then wakes the connection's task once
     /// for nothing.
     fn arm(&mut self, deadline: tokio::time::Instant) {
-        match self.timer.as_mut() {
-            Some(timer) => timer.as_mut().reset(deadline),
-            None => self.timer = Some(Box::pin(tokio::time::sleep_until(deadline))),
-        }
+        self.timer = Some(crate::rt::moved_or_new(self.timer.take(), deadline));
         self.armed = true;
     }
 

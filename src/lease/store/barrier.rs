@@ -189,7 +189,9 @@ impl LeaseStore {
         };
         let admit = match admission::check(&slot.state, now_ms, &write) {
             Ok(admit) => {
-                // Not a use by the core's rule (nothing to do here).
+                // Whether an admitted write counts as the lease's use is
+                // the core's rule (today it does not: its live term keeps
+                // the lease, and the call does nothing).
                 slot.named(Named::AdmittedWrite, now_ms);
                 admit
             }
