@@ -71,10 +71,10 @@ fn put(path: &str) -> Request<fencegate::body::Body> {
         .expect("request")
 }
 
-fn answer(tag: &str) -> Response<()> {
+fn answer(tag: &str) -> Response<fencegate::body::Body> {
     Response::builder()
         .header("etag", tag)
-        .body(())
+        .body(fencegate::body::empty())
         .expect("response")
 }
 
@@ -82,28 +82,40 @@ fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let keys = if quick { 10_000 } else { 100_000 };
     let requests: Vec<_> = (0..keys).map(|i| put(&key(i))).collect();
-    let answers: Vec<_> = (0..keys).map(|i| answer(&etag(i, 1))).collect();
-    // Room for all of them: a full generation of a part is dropped whole.
-    let table = std::sync::Arc::new(KeyStateTable::new(2 * keys));
+    let mut answers: Vec<_> = (0..keys).map(|i| Some(answer(&etag(i, 1)))).collect();
+    // Room for all of them: keys only read take half the table, and a full
+    // generation of a part is dropped whole.
+    let table = std::sync::Arc::new(KeyStateTable::new(4 * keys));
 
+    // The relayed answers stay alive, so that only the table's bytes count.
+    let mut relayed = Vec::with_capacity(keys);
     let before = LIVE.load(Ordering::Relaxed);
     for (i, req) in requests.iter().enumerate() {
         let get = Request::get(req.uri().clone()).body(()).expect("request");
         let read = table.read(&key(i), &get);
         let observed = fencegate::precondition::Observed {
             table: table.clone(),
-            key: fencegate::precondition::Key::of(req, false).expect("key"),
+            key: fencegate::precondition::Key::of(req.uri().path()),
             exchange: read,
         };
-        observed.learn(&answers[i]);
+        relayed.push(observed.learn(answers[i].take().expect("an answer")));
     }
     let held = LIVE.load(Ordering::Relaxed) - before;
     assert_eq!(table.len(), keys, "every key is remembered");
 
     // A write of a known key: its plan, then the tag its answer carries.
+    // (The key's first write moves it from the readers' half of the table
+    // to the writers': the next one is measured.)
     let i = keys / 2;
     let path = key(i);
-    let next = answer(&etag(i, 2));
+    let (_, exchange) = table.plan(&path, &requests[i]);
+    let first = fencegate::precondition::Observed {
+        table: table.clone(),
+        key: fencegate::precondition::Key::of(&path),
+        exchange,
+    };
+    drop(first.learn(answer(&etag(i, 2))));
+    let next = answer(&etag(i, 3));
     let allocations = || ALLOCATIONS.load(Ordering::Relaxed);
     let a0 = allocations();
     let (plan, exchange) = table.plan(&path, &requests[i]);
@@ -111,12 +123,13 @@ fn main() {
     assert!(matches!(plan, Plan::IfMatch(_)), "{plan:?}");
     let observed = fencegate::precondition::Observed {
         table: table.clone(),
-        key: fencegate::precondition::Key::of(&requests[i], false).expect("key"),
+        key: fencegate::precondition::Key::of(&path),
         exchange,
     };
     let a1 = allocations();
-    observed.learn(&next);
+    let relayed = observed.learn(next);
     let learned = allocations() - a1;
+    drop(relayed);
 
     println!("key states of {keys} keys (30-byte S3 paths, 34-byte quoted MD5 tags)");
     println!(

@@ -292,7 +292,7 @@ fn compose<S>(
         primacy,
         key_states: key_states
             .unwrap_or_else(|| Arc::new(KeyStateTable::new(config.fence.precondition_keys))),
-        key_with_host: config.proxy.preserve_host,
+        hosts: config.hosts()?,
     };
     let data = FenceLayer::new(policy).layer(backend);
     let api = Api::new(leases, config.fence.require_lease_id, draining, metrics)

@@ -596,6 +596,7 @@ impl Config {
         }
         self.tls.files()?;
         self.upstream_target()?;
+        self.hosts()?;
         self.fence.compile_routes()?;
         let l = &self.leases;
         if l.min_ttl_ms == 0 || l.min_ttl_ms > l.max_ttl_ms {
@@ -645,6 +646,25 @@ impl Config {
             ));
         }
         Ok(())
+    }
+
+    /// How the storage reads the client's `Host` (`proxy.preserve_host`
+    /// on), for the fence to route virtual-hosted requests by their bucket;
+    /// `None` when the storage never gets it.
+    pub fn hosts(&self) -> Result<Option<crate::hosts::Hosts>, ConfigError> {
+        let p = &self.proxy;
+        if !p.preserve_host {
+            if !p.virtual_host_domains.is_empty() || !p.path_style_hosts.is_empty() {
+                return Err(setting!(
+                    "proxy.virtual_host_domains and proxy.path_style_hosts say how the storage \
+                     reads the client's Host, which it gets only with proxy.preserve_host = true"
+                ));
+            }
+            return Ok(None);
+        }
+        crate::hosts::Hosts::new(&p.virtual_host_domains, &p.path_style_hosts)
+            .map(Some)
+            .map_err(|bad| setting!("{}", bad.0))
     }
 
     /// The listener address.

@@ -455,22 +455,28 @@ impl Problem {
     /// `known` is the state the client should name itself.
     pub fn precondition_required(
         lease: &str,
-        known: Option<crate::precondition::KeyState>,
+        required: crate::precondition::Required,
         signed: bool,
     ) -> Self {
-        use crate::precondition::KeyState;
-        let detail = match (&known, signed) {
-            (Some(_), _) => "this request's signature (Azure Shared Key) covers If-Match and If-None-Match, so fencegate cannot add the precondition this route needs: send the one in this problem's if_match or if_none_match member yourself (nothing was sent to the storage)",
-            (None, true) => "this route needs a precondition on every write, fencegate knows no state of this key, and this request's signature (Azure Shared Key) covers the precondition headers: read the key once through fencegate (GET or HEAD), then send If-Match or If-None-Match yourself (nothing was sent to the storage)",
-            (None, false) => "this route needs a precondition on every write and fencegate knows no state of this key: read it once through fencegate (GET or HEAD) and send the write again, or send If-Match or If-None-Match yourself (nothing was sent to the storage)",
+        use crate::precondition::{KeyState, Required};
+        let detail: std::borrow::Cow<'static, str> = match (&required, signed) {
+            (Required::Send(_), _) => "this request's signature (Azure Shared Key) covers If-Match and If-None-Match, so fencegate cannot add the precondition this route needs: send the one in this problem's if_match or if_none_match member yourself (nothing was sent to the storage)".into(),
+            (Required::Unknown, true) => "this route needs a precondition on every write, fencegate knows no state of this key, and this request's signature (Azure Shared Key) covers the precondition headers: read the key once through fencegate (GET or HEAD), then send If-Match or If-None-Match yourself (nothing was sent to the storage)".into(),
+            (Required::Unknown, false) => "this route needs a precondition on every write and fencegate knows no state of this key: read it once through fencegate (GET or HEAD) and send the write again, or send If-Match or If-None-Match yourself (nothing was sent to the storage)".into(),
+            (Required::DeleteOfAbsent, _) => "fencegate last saw this key absent, and no precondition a storage evaluates on a DELETE names an absent key (S3 compares If-Match only), so a late DELETE could remove what a later term writes: there is nothing to delete; if the key may have been written since, read it once through fencegate and send the DELETE again (nothing was sent to the storage)".into(),
+            (Required::Unprotected(why), _) => format!(
+                "this write's own precondition protects nothing the storage will compare: {}; send one that does, or none and fencegate adds one (nothing was sent to the storage)",
+                why.why()
+            )
+            .into(),
         };
         let mut p = Self::new(Reason::PreconditionRequired, detail).lease(lease);
-        match known {
-            Some(KeyState::Tagged(tag)) => {
+        match required {
+            Required::Send(KeyState::Tagged(tag)) => {
                 p.0.if_match = Some(String::from_utf8_lossy(&tag).into_owned());
             }
-            Some(KeyState::Absent) => p.0.if_none_match = Some("*"),
-            None => {}
+            Required::Send(KeyState::Absent) => p.0.if_none_match = Some("*"),
+            _ => {}
         }
         p
     }

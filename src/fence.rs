@@ -40,6 +40,7 @@ use crate::auth::{Caller, Identity};
 use crate::backend::{Exchange, RequestContext, Sent};
 use crate::body::{Body, ResponseFuture};
 use crate::error::{Problem, Reason};
+use crate::hosts::{virtual_path, Hosts};
 use crate::lease::{Admission, AdmitError, AdmitOptions, LeaseStore, Primacy, WriteGuard};
 use crate::metrics::Metrics;
 use crate::names::LeaseName;
@@ -75,9 +76,11 @@ pub struct FencePolicy {
     /// The key states of the routes with preconditions (SPEC §10), for
     /// this term of primacy.
     pub key_states: Arc<KeyStateTable>,
-    /// Whether a key is named with the client's `Host` (the storage gets
-    /// it: `proxy.preserve_host`, e.g. S3's virtual-hosted buckets).
-    pub key_with_host: bool,
+    /// How the storage reads the client's `Host`, where it gets it
+    /// (`proxy.preserve_host`): a virtual-hosted request is routed, fenced
+    /// and named by its bucket and path ([`virtual_path`]). `None`: the
+    /// storage gets its own host, and every request is path-style.
+    pub hosts: Option<Hosts>,
 }
 
 /// Whether `method` changes state at the backend. Everything but the safe
@@ -212,7 +215,16 @@ impl FencePolicy {
             req.headers_mut().remove(http::header::AUTHORIZATION);
         }
         let write = is_write(req.method());
-        let matched = match self.routes.resolve(req.uri().path(), write) {
+        // A virtual-hosted request's path at the storage: its bucket first.
+        let vpath = match virtual_path(req, self.hosts.as_ref()) {
+            Ok(vpath) => vpath,
+            Err(unreadable) => return Decision::Reject(Problem::invalid_request(unreadable.0)),
+        };
+        let virtual_hosted = vpath.is_some();
+        let matched = match self
+            .routes
+            .resolve(vpath.as_deref().unwrap_or(req.uri().path()), write)
+        {
             Ok(matched) => matched,
             Err(bad) => return Decision::Reject(Problem::invalid_request(bad.0)),
         };
@@ -222,16 +234,23 @@ impl FencePolicy {
                 return Decision::Reject(Problem::unrouted_write());
             }
             if write {
-                if let Err(bad) = self.routes.check_unrouted_write(req.uri().path()) {
+                let path = vpath.as_deref().unwrap_or(req.uri().path());
+                if let Err(bad) = self.routes.check_unrouted_write(path) {
                     return Decision::Reject(Problem::invalid_request(bad.0));
                 }
-                if let Err(problem) = self.check_destination(req.headers(), None) {
+                if let Err(problem) = self.check_destination(req.headers(), None, virtual_hosted) {
                     return Decision::Reject(problem);
                 }
             }
             return Decision::Pass(None);
         };
         if let Some(path) = route.upstream_path(req.uri().path(), req.uri().query()) {
+            if virtual_hosted {
+                // The prefix is the path's; the bucket is the Host's.
+                return Decision::Reject(Problem::invalid_request(
+                    "a route with an upstream_prefix takes path-style requests only, and this one is virtual-hosted (its Host names the bucket)",
+                ));
+            }
             match path.parse::<http::Uri>() {
                 Ok(uri) => *req.uri_mut() = uri,
                 Err(_) => {
@@ -247,14 +266,11 @@ impl FencePolicy {
         let timeout_ms = route.timeout_ms.unwrap_or(self.upstream_timeout_ms);
         let conditioned = match route.preconditions {
             Preconditions::Off => None,
-            Preconditions::Etag => match Key::of(req, self.key_with_host) {
-                Some(key) => Some((key, write)),
-                None => {
-                    return Decision::Reject(Problem::invalid_request(
-                        "the Host header is not text, so it names no key",
-                    ))
-                }
-            },
+            // The key as the storage will act on it (a prefix rewritten
+            // above is the storage's too).
+            Preconditions::Etag => {
+                Some((Key::of(vpath.as_deref().unwrap_or(req.uri().path())), write))
+            }
         };
         if !write && !route.fence_reads {
             req.headers_mut().remove(&LEASE_ID_NAME);
@@ -269,7 +285,7 @@ impl FencePolicy {
                 })
             }
         };
-        if let Err(problem) = self.check_destination(req.headers(), Some(&lease)) {
+        if let Err(problem) = self.check_destination(req.headers(), Some(&lease), virtual_hosted) {
             return Decision::Reject(problem);
         }
         if conditioned.is_some() && write && req.headers().contains_key(DESTINATION_NAME) {
@@ -327,11 +343,15 @@ impl FencePolicy {
             return Ok(Some(self.read_of(key, req)));
         }
         let (plan, exchange) = self.key_states.plan(key.as_str(), req);
-        if let Plan::Required(known) = plan {
+        if let Plan::Required(required) = plan {
             self.metrics
                 .write_rejected(Reason::PreconditionRequired.slug());
             let signed = precondition::signature_covers_preconditions(req.headers());
-            return Err(Problem::precondition_required(&fenced.lease, known, signed));
+            return Err(Problem::precondition_required(
+                &fenced.lease,
+                required,
+                signed,
+            ));
         }
         precondition::add(&plan, req.headers_mut());
         Ok(exchange.teaches().then(|| Observed {
@@ -346,7 +366,12 @@ impl FencePolicy {
     /// allowed unrouted write), or a holder of one lease, or an unrouted
     /// write, could write into another lease's keys. At most one
     /// `Destination` is accepted.
-    fn check_destination(&self, headers: &HeaderMap, lease: Option<&str>) -> Result<(), Problem> {
+    fn check_destination(
+        &self,
+        headers: &HeaderMap,
+        lease: Option<&str>,
+        virtual_hosted: bool,
+    ) -> Result<(), Problem> {
         let mut values = headers.get_all(DESTINATION_NAME).iter();
         let Some(dest) = values.next() else {
             return Ok(());
@@ -358,6 +383,12 @@ impl FencePolicy {
                 None => problem,
             }
         };
+        if virtual_hosted {
+            // WebDAV names no bucket in a Host.
+            return Err(bad(
+                "a Destination on a virtual-hosted request (its Host names a bucket) is not taken",
+            ));
+        }
         if values.next().is_some() {
             return Err(bad("Destination must appear at most once"));
         }
@@ -687,9 +718,10 @@ async fn exchange<S: Exchange>(
             },
         }
     };
-    if let Some(observed) = &observed {
-        observed.learn(&res);
-    }
+    let res = match observed {
+        Some(observed) => observed.learn(res),
+        None => res,
+    };
     Ok(attach_guard(res, guard))
 }
 
@@ -790,10 +822,10 @@ where
             }
             FenceFutureProj::Forward { fut, observed } => {
                 let res = std::task::ready!(fut.poll(cx))?;
-                if let Some(observed) = observed.take() {
-                    observed.learn(&res);
-                }
-                Poll::Ready(Ok(res))
+                Poll::Ready(Ok(match observed.take() {
+                    Some(observed) => observed.learn(res),
+                    None => res,
+                }))
             }
             FenceFutureProj::Boxed { fut } => fut.as_mut().poll(cx),
         }

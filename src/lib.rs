@@ -31,7 +31,8 @@
 //! - [`fence`]: the tower layer that admits or rejects a write, and hands an
 //!   admitted one to the backend in the two steps of a
 //!   [`backend::Exchange`], checking it again between them; [`route`] maps
-//!   paths to the leases that guard them; [`precondition`] keeps the key
+//!   paths to the leases that guard them ([`hosts`]: the bucket a
+//!   virtual-hosted request's `Host` names); [`precondition`] keeps the key
 //!   states of routes with storage-side preconditions (SPEC §10) and adds
 //!   the precondition the core plans for each write.
 //! - [`backend`]: the embedded key-value store and the HTTP(S) upstream client.
@@ -74,12 +75,12 @@
 //!
 //! - `serve` → `app`, `auth`, `backend`, `clock`, `cluster`, `config`, `etcd`, `fence`, `journal`, `lease`, `metrics`, `precondition`, `server`, `tls`
 //! - `cluster` → `api`, `app`, `auth`, `backend`, `body`, `clock`, `error`, `etcd`, `hex`, `journal`, `lease`, `metrics`, `route`, `rt`, `tls`, `wire`
-//! - `config` → `auth`, `backend`, `clock`, `lease`, `route`, `server`
+//! - `config` → `auth`, `backend`, `clock`, `hosts`, `lease`, `route`, `server`
 //! - `server` → `backend`, `body`, `framing`, `rt`
 //! - `app` → `api`, `auth`, `backend`, `body`, `config`, `error`, `fence`, `lease`, `metrics`, `precondition`, `wire`
 //! - `api` → `auth`, `backend`, `body`, `clock`, `error`, `fence`, `lease`, `metrics`, `names`, `route`, `wire`
 //! - `cli` → `backend`, `client`, `clock`, `fence`, `hex`, `names`, `wire`
-//! - `fence` → `auth`, `backend`, `body`, `error`, `lease`, `metrics`, `names`, `precondition`, `route`, `wire`
+//! - `fence` → `auth`, `backend`, `body`, `error`, `hosts`, `lease`, `metrics`, `names`, `precondition`, `route`, `wire`
 //! - `backend` → `auth`, `body`, `clock`, `error`, `h1`, `metrics`, `names`, `rt`, `tls`, `wire`
 //! - `etcd` → `error`, `rt`, `tls`
 //! - `error` → `body`, `lease`, `precondition`, `wire`
@@ -90,7 +91,7 @@
 //! - `route` → `names`
 //! - `framing` → `h1`
 //! - `rt` → `clock`
-//! - `body`, `clock`, `h1`, `journal`, `tls`, `wire` → nothing
+//! - `body`, `clock`, `h1`, `hosts`, `journal`, `tls`, `wire` → nothing
 //!
 //! (`names` and `hex` are the core's; `client` is the client crate.)
 //!
@@ -110,6 +111,7 @@ pub mod etcd;
 pub mod fence;
 pub mod framing;
 pub mod h1;
+pub mod hosts;
 pub use fencegate_core::hex;
 pub mod journal;
 pub mod lease;

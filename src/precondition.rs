@@ -12,12 +12,19 @@ use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use http::header::{AUTHORIZATION, ETAG, HOST, IF_MATCH, IF_NONE_MATCH};
-use http::{HeaderMap, HeaderValue, Method, Request, Response};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::header::{HeaderName, AUTHORIZATION, ETAG, IF_MATCH, IF_NONE_MATCH};
+use http::{HeaderMap, HeaderValue, Request, Response};
+use http_body::Body as _;
 use smallvec::SmallVec;
 
+use crate::body::Body;
+
 pub use fencegate_core::precondition::{
-    write_shape, Answer, Exchange, KeyState, KeyStates, Plan, WriteShape,
+    Answer, Exchange, KeyState, KeyStates, Operation, Own, Plan, Required, Sent,
 };
 
 /// How many locks the table is split over: a key's lock is held for one
@@ -54,21 +61,25 @@ impl KeyStateTable {
         self.parts[i].lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// What to do with a write to `key` (see [`KeyStates::plan_write`]).
+    /// What to do with a write to `key` (see [`KeyStates::plan_write`]):
+    /// its operation by its method and query, as the storage reads them,
+    /// and the preconditions it carries itself.
     pub fn plan(&self, key: &str, req: &Request<crate::body::Body>) -> (Plan, Exchange) {
         let headers = req.headers();
-        let shape = write_shape(req.method().as_str(), req.uri().query());
-        let own = headers.contains_key(IF_MATCH) || headers.contains_key(IF_NONE_MATCH);
+        let op = Operation::of(req.method().as_str(), req.uri().query());
+        let own = Own {
+            if_match: sent(headers, &IF_MATCH),
+            if_none_match: sent(headers, &IF_NONE_MATCH),
+        };
         let may_add = !signature_covers_preconditions(headers);
-        let delete = req.method() == Method::DELETE;
-        self.part(key).plan_write(key, shape, delete, own, may_add)
+        self.part(key).plan_write(key, op, &own, may_add)
     }
 
     /// A read of `key` (`req`'s method and query say whether it reads the
     /// key's current representation).
     pub fn read<B>(&self, key: &str, req: &Request<B>) -> Exchange {
-        let get_or_head = matches!(*req.method(), Method::GET | Method::HEAD);
-        self.part(key).read(get_or_head, req.uri().query())
+        self.part(key)
+            .read(req.method().as_str(), req.uri().query())
     }
 
     /// Learns from `answer` to `exchange` about `key`.
@@ -110,6 +121,16 @@ impl KeyStateTable {
     }
 }
 
+/// How `headers` carry the precondition header `name`.
+fn sent<'h>(headers: &'h HeaderMap, name: &HeaderName) -> Sent<'h> {
+    let mut values = headers.get_all(name).iter();
+    match (values.next(), values.next()) {
+        (None, _) => Sent::Absent,
+        (Some(one), None) => Sent::One(one.as_bytes()),
+        (Some(_), Some(_)) => Sent::Several,
+    }
+}
+
 /// Whether the request's signature covers `If-Match` and `If-None-Match`,
 /// so a precondition added to it would break it: Azure's Shared Key
 /// (`Authorization: SharedKey account:signature`; Shared Key Lite does not
@@ -122,30 +143,22 @@ pub fn signature_covers_preconditions(headers: &HeaderMap) -> bool {
     })
 }
 
-/// A key as the table names it: the path the storage gets (and, where the
-/// storage gets the client's `Host`, that host first), kept inline up to a
-/// few hundred bytes so naming it allocates nothing.
+/// A key as the table names it: the path the storage acts on (with a
+/// virtual-hosted request's bucket first, as `/bucket/key`: see
+/// `crate::route::StoragePath`), whatever address the client reached
+/// fencegate at; kept inline up to a few hundred bytes so naming it
+/// allocates nothing.
 #[derive(Clone, Debug)]
 pub struct Key(SmallVec<[u8; 192]>);
 
 impl Key {
-    /// The key of `req` (its URI already the one the storage gets); with
-    /// `host`, the client's `Host` first. `None` if the host is not text.
-    pub fn of<B>(req: &Request<B>, host: bool) -> Option<Self> {
-        let mut key = SmallVec::new();
-        if host {
-            let host = match req.headers().get(HOST) {
-                Some(h) => h.to_str().ok()?,
-                None => req.uri().authority().map_or("", |a| a.as_str()),
-            };
-            key.extend_from_slice(host.as_bytes());
-        }
-        key.extend_from_slice(req.uri().path().as_bytes());
-        Some(Self(key))
+    /// The key of the storage path `path`.
+    pub fn of(path: &str) -> Self {
+        Self(SmallVec::from_slice(path.as_bytes()))
     }
 
     pub fn as_str(&self) -> &str {
-        // Built from a `&str` host and a URI path, both text.
+        // Built from a `&str`.
         std::str::from_utf8(&self.0).unwrap_or_default()
     }
 }
@@ -178,10 +191,31 @@ pub struct Observed {
 impl Observed {
     /// Learns from `res`, the storage's answer to this exchange (a read's
     /// answer fencegate made up, a timeout's, teaches nothing about the
-    /// key either way).
-    pub fn learn<B>(&self, res: &Response<B>) {
-        self.table
-            .learn(self.key.as_str(), &self.exchange, answer(res));
+    /// key either way), and gives it back to be relayed. An answer whose
+    /// lesson depends on the error code in its body (a 404 to a read: S3's
+    /// `NoSuchKey` says the key is absent, `NoSuchVersion` does not) is
+    /// learned from once the first [`CODE_SCAN_BYTES`] of its body have
+    /// passed on their way to the client, or it ended; one the client stops
+    /// reading before teaches nothing.
+    pub fn learn(self, res: Response<Body>) -> Response<Body> {
+        let status = res.status().as_u16();
+        let code = res
+            .headers()
+            .get(&X_MS_ERROR_CODE)
+            .map(HeaderValue::as_bytes);
+        if !self.exchange.needs_code(status) || code.is_some() || res.body().is_end_stream() {
+            self.table
+                .learn(self.key.as_str(), &self.exchange, answer(&res, code));
+            return res;
+        }
+        let etag = single_etag(&res).map(Bytes::copy_from_slice);
+        res.map(|inner| {
+            crate::body::boxed(CodeScan {
+                inner,
+                seen: Vec::new(),
+                learning: Some((self, status, etag)),
+            })
+        })
     }
 
     /// Learns that this exchange's outcome is unknown: the storage may
@@ -192,24 +226,102 @@ impl Observed {
     }
 }
 
-/// The storage's answer `res`, as the core reads it.
-fn answer<B>(res: &Response<B>) -> Answer<'_> {
+/// How much of an answer's body is read for its error code: S3's and
+/// Azure's error documents name it in their first hundred bytes.
+pub const CODE_SCAN_BYTES: usize = 1024;
+
+/// Azure's error code header (on every error answer, a `HEAD`'s too).
+const X_MS_ERROR_CODE: HeaderName = HeaderName::from_static("x-ms-error-code");
+
+/// An answer's body on its way to the client, its first
+/// [`CODE_SCAN_BYTES`] kept to read the error code they name; the answer is
+/// learned from when they are in or the body ended.
+struct CodeScan {
+    inner: Body,
+    seen: Vec<u8>,
+    /// What to learn from, until it is learned.
+    learning: Option<(Observed, u16, Option<Bytes>)>,
+}
+
+impl CodeScan {
+    fn learn(&mut self) {
+        if let Some((observed, status, etag)) = self.learning.take() {
+            let code = fencegate_core::precondition::error_code(&self.seen);
+            let answer = Answer::Storage {
+                status,
+                etag: etag.as_deref(),
+                code,
+            };
+            observed
+                .table
+                .learn(observed.key.as_str(), &observed.exchange, answer);
+            self.seen = Vec::new();
+        }
+    }
+}
+
+impl http_body::Body for CodeScan {
+    type Data = Bytes;
+    type Error = crate::body::BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) if self.learning.is_some() => {
+                if let Some(data) = frame.data_ref() {
+                    let room = CODE_SCAN_BYTES - self.seen.len();
+                    let take = data.len().min(room);
+                    self.seen.extend_from_slice(&data[..take]);
+                    if self.seen.len() >= CODE_SCAN_BYTES {
+                        self.learn();
+                    }
+                }
+            }
+            Poll::Ready(None) => self.learn(),
+            // A broken body shows nothing for sure: nothing is learned.
+            Poll::Ready(Some(Err(_))) => self.learning = None,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The answer's `ETag`, if it has exactly one.
+fn single_etag<B>(res: &Response<B>) -> Option<&[u8]> {
     let mut tags = res.headers().get_all(ETAG).iter();
-    let etag = match (tags.next(), tags.next()) {
+    match (tags.next(), tags.next()) {
         (Some(tag), None) => Some(tag.as_bytes()),
         _ => None,
-    };
+    }
+}
+
+/// The storage's answer `res`, as the core reads it, with the error
+/// `code` it names.
+fn answer<'a, B>(res: &'a Response<B>, code: Option<&'a [u8]>) -> Answer<'a> {
     Answer::Storage {
         status: res.status().as_u16(),
-        etag,
+        etag: single_etag(res),
+        code,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http_body_util::BodyExt;
 
-    fn req(method: &str, uri: &str, headers: &[(&str, &str)]) -> Request<crate::body::Body> {
+    fn req(method: &str, uri: &str, headers: &[(&str, &str)]) -> Request<Body> {
         let mut b = Request::builder().method(method).uri(uri);
         for (k, v) in headers {
             b = b.header(*k, *v);
@@ -217,30 +329,28 @@ mod tests {
         b.body(crate::body::empty()).unwrap()
     }
 
-    #[test]
-    fn keys_name_the_path_and_the_host_where_it_counts() {
-        let r = req("PUT", "/b/k?x=1", &[("host", "bucket.example")]);
-        assert_eq!(Key::of(&r, false).unwrap().as_str(), "/b/k");
-        assert_eq!(Key::of(&r, true).unwrap().as_str(), "bucket.example/b/k");
+    fn observed(table: &std::sync::Arc<KeyStateTable>, exchange: Exchange) -> Observed {
+        Observed {
+            table: table.clone(),
+            key: Key::of("/b/k"),
+            exchange,
+        }
     }
 
     #[test]
     fn plans_carry_out_the_core() {
         let table = std::sync::Arc::new(KeyStateTable::new(64));
         let put = req("PUT", "/b/k", &[]);
-        assert_eq!(table.plan("/b/k", &put).0, Plan::Required(None));
+        assert_eq!(
+            table.plan("/b/k", &put).0,
+            Plan::Required(Required::Unknown)
+        );
         let get = req("GET", "/b/k", &[]);
-        let read = table.read("/b/k", &get);
         let ok = Response::builder()
             .header("etag", "\"e1\"")
-            .body(())
+            .body(crate::body::empty())
             .unwrap();
-        Observed {
-            table: table.clone(),
-            key: Key::of(&put, false).unwrap(),
-            exchange: read,
-        }
-        .learn(&ok);
+        let _ = observed(&table, table.read("/b/k", &get)).learn(ok);
         let (plan, _) = table.plan("/b/k", &put);
         let mut headers = HeaderMap::new();
         add(&plan, &mut headers);
@@ -249,12 +359,79 @@ mod tests {
         let signed = req("PUT", "/b/k", &[("authorization", "SharedKey acct:c2ln")]);
         assert!(matches!(
             table.plan("/b/k", &signed).0,
-            Plan::Required(Some(_))
+            Plan::Required(Required::Send(_))
         ));
         let own = req("PUT", "/b/k", &[("if-none-match", "*")]);
         assert_eq!(table.plan("/b/k", &own).0, Plan::AsSent);
+        // Sent twice: which one the storage takes is its own.
+        let twice = req(
+            "PUT",
+            "/b/k",
+            &[("if-none-match", "*"), ("if-none-match", "*")],
+        );
+        assert!(matches!(
+            table.plan("/b/k", &twice).0,
+            Plan::Required(Required::Unprotected(_))
+        ));
         assert_eq!(table.len(), 1);
         table.take_over();
         assert!(table.is_empty());
+    }
+
+    /// A 404's error code is read from its body as it passes: S3's
+    /// `NoSuchVersion` teaches nothing, `NoSuchKey` that the key is absent.
+    #[tokio::test]
+    async fn a_not_found_teaches_by_its_error_code() {
+        let table = std::sync::Arc::new(KeyStateTable::new(64));
+        let get = req("GET", "/b/k", &[]);
+        let not_found = |body: &'static str| {
+            Response::builder()
+                .status(404)
+                .body(crate::body::full(body))
+                .unwrap()
+        };
+        let tagged = Response::builder()
+            .header("etag", "\"e1\"")
+            .body(crate::body::empty())
+            .unwrap();
+        let _ = observed(&table, table.read("/b/k", &get)).learn(tagged);
+        let doc = "<?xml version=\"1.0\"?><Error><Code>NoSuchVersion</Code></Error>";
+        let res = observed(&table, table.read("/b/k", &get)).learn(not_found(doc));
+        // Nothing is learned before the body passed.
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(body, doc.as_bytes(), "relayed unchanged");
+        let known = || table.part("/b/k").known("/b/k").cloned();
+        assert!(matches!(known(), Some(KeyState::Tagged(_))));
+        let doc = "<Error><Code>NoSuchKey</Code></Error>";
+        let res = observed(&table, table.read("/b/k", &get)).learn(not_found(doc));
+        assert!(matches!(known(), Some(KeyState::Tagged(_))));
+        res.into_body().collect().await.unwrap();
+        assert_eq!(known(), Some(KeyState::Absent));
+        // Azure names it in a header, a HEAD's answer too.
+        let _ = observed(&table, table.read("/b/k", &get)).learn(
+            Response::builder()
+                .header("etag", "\"e2\"")
+                .body(crate::body::empty())
+                .unwrap(),
+        );
+        let head = req("HEAD", "/b/k", &[]);
+        let res = Response::builder()
+            .status(404)
+            .header("x-ms-error-code", "ContainerNotFound")
+            .body(crate::body::empty())
+            .unwrap();
+        let _ = observed(&table, table.read("/b/k", &head)).learn(res);
+        assert!(matches!(known(), Some(KeyState::Tagged(_))));
+        // A client that stops reading teaches nothing.
+        let res = observed(&table, table.read("/b/k", &get)).learn(not_found(doc));
+        drop(res);
+        assert!(matches!(known(), Some(KeyState::Tagged(_))));
+        // A HEAD's 404 has no body: absent.
+        let res = Response::builder()
+            .status(404)
+            .body(crate::body::empty())
+            .unwrap();
+        let _ = observed(&table, table.read("/b/k", &head)).learn(res);
+        assert_eq!(known(), Some(KeyState::Absent));
     }
 }

@@ -374,7 +374,8 @@ fn the_check_finds_a_cycle() {
 }
 
 /// The crates `fencegate-core` may depend on, on any target: pure
-/// computation (hashing, checksums, byte buffers, inline strings) and the
+/// computation (hashing, checksums, byte buffers, inline strings,
+/// percent-decoding) and the
 /// macros they are built with. `libc` comes only through `cpufeatures`
 /// (sha2's CPU feature probe, which reads the auxiliary vector on ARM).
 const CORE_MAY_USE: &[&str] = &[
@@ -391,6 +392,7 @@ const CORE_MAY_USE: &[&str] = &[
     "generic-array",
     "itoa",
     "libc",
+    "percent-encoding",
     "rustversion",
     "sha2",
     "static_assertions",

@@ -47,6 +47,11 @@ struct Storage {
 impl Storage {
     /// A request of `method` to `path` with `body`, as this storage takes it.
     fn req(&self, method: &str, path: &str, body: &str) -> Req {
+        self.req_to("127.0.0.1", method, path, body)
+    }
+
+    /// [`Self::req`], sent with `Host: host` (and signed for it).
+    fn req_to(&self, host: &str, method: &str, path: &str, body: &str) -> Req {
         let path = format!("{path}{}", self.query);
         let mut r = Req::new(method, &path)
             .header("x-ms-version", "2021-08-06")
@@ -58,9 +63,9 @@ impl Storage {
         }
         if let Some(signer) = &self.signer {
             let unix_s = fencegate::clock::unix_now_ms() / 1000;
-            let signed = signer.sign(method, "127.0.0.1", &path, body.as_bytes(), unix_s);
+            let signed = signer.sign(method, host, &path, body.as_bytes(), unix_s);
             r = r
-                .header("host", "127.0.0.1")
+                .header("host", host)
                 .header("authorization", &signed.authorization)
                 .header("x-amz-date", &signed.amz_date)
                 .header("x-amz-content-sha256", &signed.content_sha256);
@@ -141,6 +146,15 @@ async fn azure() -> Storage {
 
 /// fencegate (manual clock) in front of a relay in front of `storage`.
 async fn stack(storage: &Storage, preconditions: Preconditions) -> (Harness, Relay, HttpClient) {
+    stack_with(storage, preconditions, |_| {}).await
+}
+
+/// [`stack`], with `tune` applied to fencegate's configuration.
+async fn stack_with(
+    storage: &Storage,
+    preconditions: Preconditions,
+    tune: impl FnOnce(&mut Config),
+) -> (Harness, Relay, HttpClient) {
     let client = http_client(&storage.server.url, None).unwrap();
     let hold = Arc::new(|parts: &http::request::Parts| {
         if parts.headers.contains_key("x-test-hold") {
@@ -171,6 +185,7 @@ async fn stack(storage: &Storage, preconditions: Preconditions) -> (Harness, Rel
         upstream_prefix: None,
         preconditions,
     }];
+    tune(&mut config);
     let up = Upstream::new(&url.parse().unwrap(), &config.upstream_options()).unwrap();
     let h = Harness::with_backend(config, Backend::Upstream(up), EmbeddedStore::new());
     let fg = spawn(h.app.clone()).await;
@@ -183,13 +198,25 @@ async fn stack(storage: &Storage, preconditions: Preconditions) -> (Harness, Rel
 /// A write through fencegate under `held`; on `428 precondition-required`
 /// the key is read once and the write sent again, as the clients do.
 async fn write(s: &Storage, c: &HttpClient, method: &str, held: &Held, body: &str) -> Resp {
-    let send = || s.req(method, &s.key, body).held(held);
+    write_at(s, c, &s.key, method, held, body).await
+}
+
+/// [`write`] of `key`.
+async fn write_at(
+    s: &Storage,
+    c: &HttpClient,
+    key: &str,
+    method: &str,
+    held: &Held,
+    body: &str,
+) -> Resp {
+    let send = || s.req(method, key, body).held(held);
     let r = c.send(send()).await;
     if r.status != 428 {
         return r;
     }
     assert_eq!(r.reason(), "precondition-required");
-    let read = c.send(s.req("HEAD", &s.key, "")).await;
+    let read = c.send(s.req("HEAD", key, "")).await;
     assert!(
         read.status == 200 || read.status == 404,
         "the read: {read:?}"
@@ -199,8 +226,13 @@ async fn write(s: &Storage, c: &HttpClient, method: &str, held: &Held, body: &st
 
 /// What the key holds at the storage, read straight from it.
 async fn stored(s: &Storage) -> Option<String> {
+    stored_at(s, &s.key).await
+}
+
+/// [`stored`], of `key`.
+async fn stored_at(s: &Storage, key: &str) -> Option<String> {
     let r = HttpClient::new(&s.server.url)
-        .send(s.req("GET", &s.key, ""))
+        .send(s.req("GET", key, ""))
         .await;
     match r.status.as_u16() {
         200 => Some(r.text()),
@@ -461,4 +493,326 @@ async fn shared_key_requests_send_their_own_precondition() {
     let r = c.send(fenced("v1", &[("if-match", tag.as_str())])).await;
     assert_eq!(r.status, 201, "the client's own, signed: {}", r.text());
     assert_eq!(stored(&s).await.as_deref(), Some("v1"));
+}
+
+/// How a shape's key is readied before the late request.
+#[derive(Clone, Copy, Debug)]
+enum Prep {
+    /// A wrote the key: fencegate knows its tag.
+    Written,
+    /// The key is absent, and A read it once with this method (a 404).
+    ReadAbsent(&'static str),
+    /// A wrote the key and deleted it: fencegate saw the delete succeed.
+    Deleted,
+    /// A wrote the key; then a read that needs no credential asked for a
+    /// version that does not exist (`?version%49d=x`, which the storage
+    /// decodes to `versionId`): 404 `NoSuchVersion`.
+    VersionRead,
+    /// The key is absent (read once), and a multipart upload of it is
+    /// started, its one part sent: the late request completes it.
+    Upload,
+}
+
+/// One request shape the issue found taking a late write of an old term
+/// past the guarantee, on today's main then: `method`, `query` (with
+/// `UPLOAD` standing for the upload's id), `headers`, after `prep`.
+struct LateShape {
+    prep: Prep,
+    method: &'static str,
+    query: &'static str,
+    headers: &'static [(&'static str, &'static str)],
+}
+
+const fn late(
+    prep: Prep,
+    method: &'static str,
+    query: &'static str,
+    headers: &'static [(&'static str, &'static str)],
+) -> LateShape {
+    LateShape {
+        prep,
+        method,
+        query,
+        headers,
+    }
+}
+
+/// Every shape of the issue's items 1 to 4.
+const LATE_SHAPES: [LateShape; 22] = [
+    // 1. A DELETE of a key fencegate saw absent went with If-None-Match: *,
+    // which DeleteObject does not evaluate.
+    late(Prep::ReadAbsent("GET"), "DELETE", "", &[]),
+    late(Prep::ReadAbsent("HEAD"), "DELETE", "", &[]),
+    late(Prep::ReadAbsent("GET"), "DELETE", "?x-id=DeleteObject", &[]),
+    late(Prep::Deleted, "DELETE", "", &[]),
+    // 2. Writes sorted as aside by their parameter names alone, which the
+    // storage executes as PutObject, DeleteObject or
+    // CompleteMultipartUpload.
+    late(Prep::Written, "PUT", "?uploads", &[]),
+    late(Prep::Written, "PUT", "?restore", &[]),
+    late(Prep::Written, "PUT", "?select", &[]),
+    late(Prep::Written, "PUT", "?comp=block", &[]),
+    late(Prep::Written, "DELETE", "?acl", &[]),
+    late(Prep::Written, "DELETE", "?uploads", &[]),
+    late(Prep::Written, "DELETE", "?retention", &[]),
+    late(Prep::Written, "DELETE", "?legal-hold", &[]),
+    late(Prep::Written, "DELETE", "?restore", &[]),
+    late(Prep::Written, "DELETE", "?comp=block", &[]),
+    late(Prep::Upload, "POST", "?uploadId=UPLOAD&partNumber=1", &[]),
+    // 3. A read of another version (encoded) taught "absent" for a key
+    // that exists; the holder's next DELETE then went with If-None-Match.
+    late(Prep::VersionRead, "DELETE", "", &[]),
+    late(Prep::VersionRead, "PUT", "", &[]),
+    // 4. A client's own precondition that protects nothing.
+    late(Prep::Written, "PUT", "", &[("if-none-match", "\"x\"")]),
+    late(Prep::Written, "PUT", "", &[("if-match", "")]),
+    late(Prep::Written, "DELETE", "", &[("if-match", "*")]),
+    late(Prep::Written, "PUT", "", &[("if-match", "*")]),
+    late(Prep::Written, "DELETE", "", &[("if-none-match", "*")]),
+];
+
+/// A multipart upload of `key` started at the storage, with one part
+/// sent: the upload's id and the part's entity tag.
+async fn started_upload(s: &Storage, key: &str) -> (String, String) {
+    let direct = HttpClient::new(&s.server.url);
+    let r = direct
+        .send(s.req("POST", &format!("{key}?uploads"), ""))
+        .await;
+    let text = r.text();
+    let upload = text
+        .split("<UploadId>")
+        .nth(1)
+        .and_then(|t| t.split("</UploadId>").next())
+        .expect("an upload id")
+        .to_owned();
+    let r = direct
+        .send(s.req(
+            "PUT",
+            &format!("{key}?partNumber=1&uploadId={upload}"),
+            "part",
+        ))
+        .await;
+    assert_eq!(r.status, 200, "the part");
+    (upload, r.headers["etag"].to_str().unwrap().to_owned())
+}
+
+/// Every request shape the issue found a late write of an old term
+/// slipping through with, against moto behind the late-delivering relay:
+/// fencegate refuses it before the storage sees it (428), or it reaches
+/// the storage with a precondition that operation evaluates and the
+/// storage refuses it (412); either way the later term's bytes stay.
+///
+/// Seen failing on the main of 2026-12-07 (9165242): 21 of the 22 shapes.
+/// Nineteen landed late over B's bytes (B's object deleted, or replaced by
+/// A's late bytes or the upload's part), and after the read of a missing
+/// version the holder's own next write was refused (412). The one that
+/// passed there is a PUT with its own `If-Match: *`, which moto 5.2.6
+/// refuses (it takes `*` on a DELETE).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_request_shape_takes_a_late_write_past_moto() {
+    let s = s3().await;
+    let (h, relay, c) = stack(&s, Preconditions::Etag).await;
+    let mut failures = Vec::new();
+    for (i, shape) in LATE_SHAPES.iter().enumerate() {
+        let lease = format!("shape{i}");
+        let key = format!("/orders-bucket/{lease}/42");
+        let what = format!(
+            "{:?} then {} {}{} {:?}",
+            shape.prep, shape.method, key, shape.query, shape.headers
+        );
+        let a = h.acquire(&lease, "A", 1_000).await;
+        let send = |method: &str, body: &str| c.send(s.req(method, &key, body).held(&a));
+        let read = |method: &str| c.send(s.req(method, &key, ""));
+        let mut query = shape.query.to_owned();
+        let mut body = match shape.method {
+            "DELETE" => String::new(),
+            _ => "a-late".to_owned(),
+        };
+        match shape.prep {
+            Prep::Written | Prep::Deleted | Prep::VersionRead => {
+                assert_eq!(read("HEAD").await.status, 404, "{what}: a fresh key");
+                let r = send("PUT", "a-1").await;
+                assert_eq!(r.status, 200, "{what}: A's write: {}", r.text());
+            }
+            Prep::ReadAbsent(method) => assert_eq!(read(method).await.status, 404, "{what}"),
+            Prep::Upload => {
+                assert_eq!(read("HEAD").await.status, 404, "{what}");
+                let (upload, part) = started_upload(&s, &key).await;
+                query = query.replace("UPLOAD", &upload);
+                body = format!(
+                    "<CompleteMultipartUpload><Part><PartNumber>1</PartNumber><ETag>{part}</ETag></Part></CompleteMultipartUpload>"
+                );
+            }
+        }
+        if let Prep::Deleted = shape.prep {
+            let r = send("DELETE", "").await;
+            assert_eq!(r.status, 204, "{what}: A's delete: {}", r.text());
+        }
+        if let Prep::VersionRead = shape.prep {
+            let r = read_path(&s, &c, &format!("{key}?version%49d=x")).await;
+            assert!(r.contains("NoSuchVersion"), "{what}: {r}");
+            // The holder's next write goes (it went with If-None-Match: *,
+            // and the storage refused it: 412).
+            let r = send("PUT", "a-2").await;
+            if r.status != 200 {
+                failures.push(format!("{what}: A's write after the read: {}", r.status));
+            }
+        }
+        let mut late = s
+            .req(shape.method, &format!("{key}{query}"), &body)
+            .held(&a)
+            .header("x-test-hold", "1");
+        for (k, v) in shape.headers {
+            late = late.header(k, v);
+        }
+        let held = c.send(late).await;
+        let refused_here = held.status == 428;
+        if refused_here {
+            assert_eq!(held.reason(), "precondition-required", "{what}");
+        } else {
+            assert_eq!(held.status, 502, "{what}: the held write: {}", held.text());
+        }
+        h.advance(1_000 + 1_000);
+        let b = h.acquire(&lease, "B", 1_000).await;
+        let r = write_at(&s, &c, &key, "PUT", &b, "b-1").await;
+        assert!(r.status.is_success(), "{what}: B's write: {r:?}");
+        let delivered = relay.release().await;
+        let kept = stored_at(&s, &key).await;
+        let statuses: Vec<u16> = delivered.iter().map(|d| d.status).collect();
+        let safe = kept.as_deref() == Some("b-1")
+            && match statuses.as_slice() {
+                [] => refused_here,
+                [412] => !refused_here,
+                _ => false,
+            };
+        if !safe {
+            failures.push(format!(
+                "{what}: fencegate answered {}, the storage {statuses:?}, the key holds {kept:?}",
+                held.status
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The body of a read of `path` through fencegate (`c`).
+async fn read_path(s: &Storage, c: &HttpClient, path: &str) -> String {
+    c.send(s.req("GET", path, "")).await.text()
+}
+
+/// With `proxy.preserve_host`, S3 (moto too) reads a request to
+/// `<bucket>.<domain>` as one of that bucket, with the whole path as the
+/// key: fencegate routes, fences and names it so (`/<bucket><path>`), and
+/// refuses a `Host` it cannot read one way only.
+///
+/// Seen failing on the main of 2026-12-07 (9165242), which routed by the
+/// path alone: the holder of lease `M` overwrote lease `orders-bucket`'s
+/// object `orders-bucket/M/x` (`Host: orders-bucket.s3.local`, `PUT
+/// /orders-bucket/M/x`: 200).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn virtual_hosted_requests_are_fenced_by_the_bucket_they_name() {
+    let s = s3().await;
+    let direct = HttpClient::new(&s.server.url);
+    let r = direct.send(s.req("PUT", "/other-bucket", "")).await;
+    assert_eq!(r.status, 200, "create the other bucket: {}", r.text());
+    let (h, _relay, c) = stack_with(&s, Preconditions::Etag, |config| {
+        config.proxy.preserve_host = true;
+        config.proxy.virtual_host_domains = vec!["s3.local".into()];
+    })
+    .await;
+    let vhost = "orders-bucket.s3.local";
+    // Lease orders-bucket's object orders-bucket/M/x, written path-style.
+    let victim = "/orders-bucket/orders-bucket/M/x";
+    let owner = h.acquire("orders-bucket", "owner", 60_000).await;
+    let r = write_at(&s, &c, victim, "PUT", &owner, "owner's").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+
+    let m = h.acquire("M", "m", 60_000).await;
+    let send = |host: &str, method: &str, path: &str, body: &str| {
+        c.send(s.req_to(host, method, path, body).held(&m))
+    };
+    // The issue's requests, after a read (which needs no credential):
+    // refused, nothing reaches the storage. (Both terms are their lease's
+    // first: the same token, another id.)
+    let r = c
+        .send(s.req_to(vhost, "HEAD", "/orders-bucket/M/x", ""))
+        .await;
+    assert_eq!(r.status, 200, "the victim, read virtual-hosted");
+    let r = send(vhost, "PUT", "/orders-bucket/M/x", "stolen").await;
+    assert_eq!(
+        r.reason(),
+        "lease-id-mismatch",
+        "another lease's key: {}",
+        r.text()
+    );
+    assert_eq!(r.json()["lease"], "orders-bucket");
+    let r = send(vhost, "DELETE", "/orders-bucket/M/x", "").await;
+    assert_eq!(r.reason(), "lease-id-mismatch", "{}", r.text());
+    assert_eq!(stored_at(&s, victim).await.as_deref(), Some("owner's"));
+    let r = send(
+        "other-bucket.s3.local",
+        "PUT",
+        "/orders-bucket/M/x",
+        "elsewhere",
+    )
+    .await;
+    assert_eq!(r.reason(), "unrouted-write", "{}", r.text());
+    assert_eq!(stored_at(&s, "/other-bucket/orders-bucket/M/x").await, None);
+    for host in [
+        "fencegate.example.net",
+        "a.b.s3.local",
+        "Orders-Bucket.s3.local",
+    ] {
+        let r = send(host, "PUT", "/M/x", "?").await;
+        assert_eq!(r.reason(), "invalid-request", "{host}: {}", r.text());
+        let r = c.send(s.req_to(host, "GET", "/M/x", "")).await;
+        assert_eq!(r.reason(), "invalid-request", "a read too ({host})");
+    }
+    // The holder of lease M writes its key virtual-hosted: fenced by M,
+    // stored at orders-bucket's key M/x.
+    let r = send(vhost, "PUT", "/M/x", "m's").await;
+    assert_eq!(r.reason(), "precondition-required", "{}", r.text());
+    let r = c.send(s.req_to(vhost, "HEAD", "/M/x", "")).await;
+    assert_eq!(r.status, 404);
+    let r = send(vhost, "PUT", "/M/x", "m's").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        stored_at(&s, "/orders-bucket/M/x").await.as_deref(),
+        Some("m's")
+    );
+    // Path-style and virtual-hosted name the same key: no read needed.
+    let r = c
+        .send(s.req("PUT", "/orders-bucket/M/x", "m's 2").held(&m))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        stored_at(&s, "/orders-bucket/M/x").await.as_deref(),
+        Some("m's 2")
+    );
+}
+
+/// A path-style key is one key whatever address reached fencegate: with
+/// `proxy.preserve_host` on, a key read through one name and written
+/// through another needs no second read (seen failing on the main of
+/// 2026-12-07, which named keys by the Host too: 428).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_path_style_key_is_one_key_at_every_address() {
+    let s = s3().await;
+    let (h, _relay, c) = stack_with(&s, Preconditions::Etag, |config| {
+        config.proxy.preserve_host = true;
+    })
+    .await;
+    let key = "/orders-bucket/orders/9";
+    let a = h.acquire("orders", "A", 60_000).await;
+    let r = c.send(s.req_to("127.0.0.1:9000", "HEAD", key, "")).await;
+    assert_eq!(r.status, 404);
+    let r = c
+        .send(s.req_to("localhost:9000", "PUT", key, "v1").held(&a))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = c
+        .send(s.req_to("[::1]:9000", "PUT", key, "v2").held(&a))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(stored_at(&s, key).await.as_deref(), Some("v2"));
 }

@@ -58,6 +58,14 @@ pub struct UpstreamOptions {
     pub pool_max_idle: usize,
     /// Pass the client's `Host` header on instead of the upstream's.
     pub preserve_host: bool,
+    /// With `preserve_host`: domains under which the storage reads a host's
+    /// first label as a bucket (S3's virtual-hosted style), such as
+    /// `s3.us-east-1.amazonaws.com` (see `crate::hosts`). Read by the
+    /// fence, not the upstream client.
+    pub virtual_host_domains: Vec<String>,
+    /// With `preserve_host`: hosts with a dot whose requests are
+    /// path-style (an IP address or a name without a dot always is).
+    pub path_style_hosts: Vec<String>,
     /// Add `X-Forwarded-For`, `X-Forwarded-Proto` and `X-Forwarded-Host`.
     pub x_forwarded: bool,
     /// Add an RFC 7239 `Forwarded` header.
@@ -106,6 +114,8 @@ impl Default for UpstreamOptions {
             pool_idle_timeout_ms: 4_000,
             pool_max_idle: 64,
             preserve_host: false,
+            virtual_host_domains: Vec::new(),
+            path_style_hosts: Vec::new(),
             x_forwarded: true,
             forwarded: false,
             upstream_connections: ConnectionMode::default(),

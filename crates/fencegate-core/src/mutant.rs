@@ -114,11 +114,30 @@ pub enum Mutant {
     /// lowering it ([`crate::journal::record::forgotten_above`]): a lease
     /// forgotten before reissues tokens.
     ForgottenAboveLowered,
+    /// A DELETE of a key seen absent goes with `If-None-Match: *`, which
+    /// S3's DeleteObject does not evaluate
+    /// ([`crate::precondition::KeyStates::plan_write`]): a late one removes
+    /// what a later term wrote.
+    DeleteOfAbsentConditioned,
+    /// A write is sorted as one that changes no key by its query's
+    /// parameter names, whatever its method
+    /// ([`crate::precondition::Operation::of`]): `PUT ?uploads` and `DELETE
+    /// ?acl`, which the storage executes as PutObject and DeleteObject, go
+    /// with no precondition.
+    AsideByName,
+    /// A client's own precondition is passed on whatever it names
+    /// ([`crate::precondition::Own::protects`]): `If-None-Match: "x"` on a
+    /// PUT or `If-Match: *` on a DELETE, which protect nothing.
+    OwnPreconditionTrusted,
+    /// A read teaches the key's state whatever its query
+    /// ([`crate::precondition::reads_the_key`]): a read of a missing version
+    /// (`?versionId=…`, or `?version%49d=…`) teaches that the key is absent.
+    ReadParamsIgnored,
 }
 
 impl Mutant {
     /// Every mutant, in the order the tests try them.
-    pub const ALL: [Mutant; 27] = [
+    pub const ALL: [Mutant; 31] = [
         Mutant::BarrierOff,
         Mutant::RestartWindowSkipped,
         Mutant::HeaderBeforeSync,
@@ -146,6 +165,10 @@ impl Mutant {
         Mutant::PersistTimePromised,
         Mutant::ReleaseLazy,
         Mutant::ForgottenAboveLowered,
+        Mutant::DeleteOfAbsentConditioned,
+        Mutant::AsideByName,
+        Mutant::OwnPreconditionTrusted,
+        Mutant::ReadParamsIgnored,
     ];
 
     /// The mutant's name on command lines and in `FENCEGATE_TEST_MUTANT`.
@@ -178,6 +201,10 @@ impl Mutant {
             Mutant::PersistTimePromised => "persist-time-promised",
             Mutant::ReleaseLazy => "release-lazy",
             Mutant::ForgottenAboveLowered => "forgotten-above-lowered",
+            Mutant::DeleteOfAbsentConditioned => "delete-of-absent-conditioned",
+            Mutant::AsideByName => "aside-by-name",
+            Mutant::OwnPreconditionTrusted => "own-precondition-trusted",
+            Mutant::ReadParamsIgnored => "read-params-ignored",
         }
     }
 

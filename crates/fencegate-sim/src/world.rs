@@ -17,10 +17,10 @@ use fencegate_core::lease::inflight::{self, Inflight, WriteLife};
 use fencegate_core::lease::machine::{AcquireRefused, Grant, LeaseState, Term};
 use fencegate_core::lease::restart::{self, RestartRule};
 use fencegate_core::lease::retention::{self, Named};
-use fencegate_core::precondition::{self, KeyStates, Plan, WriteShape};
+use fencegate_core::precondition::{self, KeyStates, Operation, Own, Plan, Sent};
 
 use crate::disk::File;
-use crate::storage::{KeyWrite, Keys, Outcome, State, TagKind};
+use crate::storage::{self as s3, KeyWrite, Keys, Outcome, State, TagKind};
 
 /// The wall clock's Unix time at the simulation's start.
 const WALL_BASE_MS: u64 = 1_800_000_000_000;
@@ -273,10 +273,15 @@ enum Op {
         key: usize,
         delete: bool,
         content: u64,
+        /// Which request: an index into `storage::PUTS` or
+        /// `storage::DELETES`.
+        shape: usize,
     },
-    /// On a route with preconditions: a read of a key.
+    /// On a route with preconditions: a read of a key (`shape`: an index
+    /// into `storage::READS`).
     Read {
         key: usize,
+        shape: usize,
     },
 }
 
@@ -688,7 +693,9 @@ struct Read {
     sent_ms: u64,
     client: usize,
     req: u64,
-    /// What the storage answered, once it served it.
+    /// The request (an entry of `storage::READS`).
+    shape: s3::Shape,
+    /// What the key held when the storage served it.
     state: Option<State>,
 }
 
@@ -754,6 +761,10 @@ impl LeaseTruth {
 struct World {
     cfg: Config,
     rng: fastrand::Rng,
+    /// Picks the shape of the requests on routes with preconditions: a
+    /// stream of its own, so the rest of a seed's run draws as it did
+    /// before shapes were drawn.
+    shapes: fastrand::Rng,
     now: u64,
     seq: u64,
     step: u64,
@@ -815,6 +826,7 @@ impl World {
             .collect();
         let mut world = Self {
             truth: (0..cfg.leases).map(|_| LeaseTruth::default()).collect(),
+            shapes: fastrand::Rng::with_seed(cfg.seed ^ 0x5348_4150_4553),
             cfg,
             rng,
             now: 0,
@@ -1110,7 +1122,8 @@ impl World {
                     // A read of one of the lease's keys, racing its writes.
                     34..=37 if lease < self.cfg.precondition_leases => {
                         let key = self.rng.usize(0..self.cfg.keys_per_lease);
-                        self.send(c, lease, 0, [0; 32], Op::Read { key }, None);
+                        let shape = self.shape(s3::READS.len());
+                        self.send(c, lease, 0, [0; 32], Op::Read { key, shape }, None);
                     }
                     _ => {
                         let op = self.new_write();
@@ -1126,11 +1139,30 @@ impl World {
     /// then a DELETE), for a lease on a route with preconditions; the
     /// other leases ignore which.
     fn new_write(&mut self) -> Op {
+        let key = self.rng.usize(0..self.cfg.keys_per_lease);
+        let delete = self.rng.u32(0..5) == 0;
+        let content = self.rng.u64(0..3);
+        let shapes = if delete {
+            s3::DELETES.len()
+        } else {
+            s3::PUTS.len()
+        };
         Op::Write {
             first_try_ms: None,
-            key: self.rng.usize(0..self.cfg.keys_per_lease),
-            delete: self.rng.u32(0..5) == 0,
-            content: self.rng.u64(0..3),
+            key,
+            delete,
+            content,
+            shape: self.shape(shapes),
+        }
+    }
+
+    /// A request shape out of `n`: the plain one (the first) three times
+    /// in four, any other the rest.
+    fn shape(&mut self, n: usize) -> usize {
+        if self.shapes.u32(0..4) == 0 {
+            self.shapes.usize(1..n)
+        } else {
+            0
         }
     }
 
@@ -1209,7 +1241,7 @@ impl World {
             // The client reads the key once, as the 428 asks; its next
             // write of the key may then go.
             self.clients[c].outstanding = self.clients[c].outstanding.saturating_sub(1);
-            self.send(c, lease, 0, [0; 32], Op::Read { key }, None);
+            self.send(c, lease, 0, [0; 32], Op::Read { key, shape: 0 }, None);
             return;
         }
         let client = &mut self.clients[c];
@@ -1343,7 +1375,7 @@ impl World {
             Op::Renew => self.renew(req),
             Op::Release => self.release(req),
             Op::Write { .. } => self.write(req),
-            Op::Read { key } => self.read(req, key),
+            Op::Read { key, shape } => self.read(req, key, shape),
         }
     }
 
@@ -1631,12 +1663,14 @@ impl World {
                         key,
                         delete,
                         content,
+                        shape,
                         ..
                     } => Op::Write {
                         first_try_ms: Some(first),
                         key,
                         delete,
                         content,
+                        shape,
                     },
                     other => other,
                 };
@@ -1858,6 +1892,7 @@ impl World {
             key,
             delete,
             content,
+            shape,
             ..
         } = req.op
         else {
@@ -1866,6 +1901,11 @@ impl World {
         if req.lease >= self.cfg.precondition_leases {
             return Ok(None);
         }
+        let shape = if delete {
+            s3::DELETES[shape]
+        } else {
+            s3::PUTS[shape]
+        };
         let name = key_name(req.lease, key);
         let m = self.serving_member(inc);
         let member = &mut self.members[m];
@@ -1873,15 +1913,30 @@ impl World {
             .key_states
             .as_mut()
             .expect("a serving process has key states");
-        let (plan, exchange) = states.plan_write(&name, WriteShape::Key, delete, false, true);
-        let precondition = match plan {
+        // The shell's reading of the request, the core's plan.
+        let sent = |h: Option<&'static str>| h.map_or(Sent::Absent, |v| Sent::One(v.as_bytes()));
+        let own = Own {
+            if_match: sent(shape.if_match),
+            if_none_match: sent(shape.if_none_match),
+        };
+        let op = Operation::of(shape.method, shape.query);
+        let (plan, exchange) = states.plan_write(&name, op, &own, true);
+        let own_header = |h: Option<&'static str>| h.map(|v| s3::Header::parse(v.as_bytes()));
+        let (added, if_match, if_none_match) = match plan {
             Plan::Required(_) => return Err(key),
-            Plan::IfMatch(tag) => Some(State::from_etag(&tag).expect("a tag the storage gave")),
-            Plan::IfNoneMatchAny => Some(State::Absent),
-            Plan::AsSent => None,
+            Plan::IfMatch(tag) => {
+                let state = State::from_etag(&tag).expect("a tag the storage gave");
+                (Some(state), Some(s3::Header::parse(&tag)), None)
+            }
+            Plan::IfNoneMatchAny => (Some(State::Absent), None, Some(s3::Header::Any)),
+            Plan::AsSent => (
+                None,
+                own_header(shape.if_match),
+                own_header(shape.if_none_match),
+            ),
         };
         let (since, generation) = (member.primacy_since_ms, member.generation);
-        if let Some(state) = precondition {
+        if let Some(state) = added {
             if !self.keys.held_between(&name, state, since, self.now) {
                 self.fail(format!(
                     "member {m} sent a write of {name} naming {state:?}, a state the key has not \
@@ -1893,8 +1948,9 @@ impl World {
             key: name,
             write: KeyWrite {
                 token: req.token,
-                precondition,
-                delete,
+                shape,
+                if_match,
+                if_none_match,
                 content,
             },
             exchange,
@@ -1924,11 +1980,14 @@ impl World {
         let (m, generation, sent_ms) = (cond.member, cond.generation, cond.sent_ms);
         let key = cond.key.clone();
         let exchange = cond.exchange.clone();
+        let deleted =
+            s3::s3_operation(cond.write.shape.method, cond.write.shape.query) == s3::S3Op::Delete;
         let (status, etag) = match (unknown, cond.outcome) {
             (false, Some(Outcome::Applied(state))) => {
-                (if cond.write.delete { 204 } else { 200 }, state.etag())
+                (if deleted { 204 } else { 200 }, state.etag())
             }
             (false, Some(Outcome::Refused)) => (412, None),
+            (false, Some(Outcome::Untouched)) => (200, None),
             _ => (0, None),
         };
         let answer = match status {
@@ -1936,6 +1995,7 @@ impl World {
             status => precondition::Answer::Storage {
                 status,
                 etag: etag.as_deref().map(str::as_bytes),
+                code: None,
             },
         };
         let Some(states) = self.key_states(m, generation) else {
@@ -1982,16 +2042,17 @@ impl World {
 
     /// A read of a key on a route with preconditions: the storage serves it
     /// a moment later, and its answer teaches the member's process.
-    fn read(&mut self, req: Req, key: usize) {
+    fn read(&mut self, req: Req, key: usize, shape: usize) {
         let inc = self.proxy.as_ref().expect("arrive checked").inc;
         let m = self.serving_member(inc);
         let member = &self.members[m];
         let generation = member.generation;
+        let shape = s3::READS[shape];
         let exchange = member
             .key_states
             .as_ref()
             .expect("a serving process has key states")
-            .read(true, None);
+            .read(shape.method, shape.query);
         self.stats.key_reads += 1;
         let r = self.reads.len();
         self.reads.push(Read {
@@ -2003,6 +2064,7 @@ impl World {
             sent_ms: self.now,
             client: req.client,
             req: req.id,
+            shape,
             state: None,
         });
         let served = self.rng.u64(0..=3);
@@ -2017,10 +2079,14 @@ impl World {
         let (key, exchange) = (read.key.clone(), read.exchange.clone());
         let (client, req, inc) = (read.client, read.req, read.inc);
         let state = read.state.expect("served before answered");
-        let etag = state.etag();
+        // As S3 answers it (the shell reads a GET's error code from its
+        // body, a HEAD's 404 has none).
+        let (status, tagged, code) = s3::read_answer(read.shape, state);
+        let etag = tagged.and_then(State::etag);
         let answer = precondition::Answer::Storage {
-            status: if state == State::Absent { 404 } else { 200 },
+            status,
             etag: etag.as_deref().map(str::as_bytes),
+            code: code.map(str::as_bytes),
         };
         if let Some(states) = self.key_states(m, generation) {
             let before = states.known(&key).cloned();
