@@ -5,8 +5,9 @@
 //! [`Stopwatch`].) `.clippy.toml` bans reading std's and tokio's clocks
 //! anywhere else in the workspace, but for the benchmarks (they measure
 //! wall time), one function in the `fencegate-client` crate (its guard's
-//! deadlines, on tokio's monotonic clock) and the time budget of the
-//! simulator's test and example.
+//! deadlines, on tokio's monotonic clock plus the time suspended, as this
+//! clock counts it) and the time budget of the simulator's test and
+//! example.
 //!
 //! Lease deadlines live on a monotonic millisecond timeline that starts when the
 //! process starts. Wall time is never used for deadlines, so a clock step (NTP,

@@ -64,7 +64,7 @@ def test_a_holder_paused_past_its_term_finds_it_lost_and_its_write_refused(
         b = fencegate.Client(fg.url).acquire("job", "B", ttl=60.0)
         headers = {"Fencing-Token": str(b.token), "Fencing-Lease-Id": b.lease_id}
         assert raw("PUT", f"{fg.url}/kv/job/out", b"B", headers)[0] == 204
-        # The child's own (real, monotonic) clock must pass its local
+        # The child's own (real) clock must pass its local
         # deadline while it is stopped: at most 1.8 s after its last
         # renewal, sent before the stop. 3 s of real time leaves margin on
         # a loaded machine; nothing here depends on fencegate's timing.

@@ -294,6 +294,72 @@ def test_released_once_never_twice() -> None:
     assert not term._thread.is_alive()
 
 
+# -- the default clock counts suspend -------------------------------------
+
+boottime = pytest.mark.skipif(
+    not hasattr(time, "CLOCK_BOOTTIME"), reason="no CLOCK_BOOTTIME on this platform"
+)
+
+
+class Suspend:
+    """A suspend of the machine, simulated: ``CLOCK_BOOTTIME`` runs on by
+    ``seconds`` while ``CLOCK_MONOTONIC`` (``time.monotonic()``, the
+    timers, asyncio's loop time) stands still, as across a real one."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.seconds = 0.0
+        real = time.clock_gettime
+
+        def clock_gettime(clock_id: int) -> float:
+            t = real(clock_id)
+            return t + self.seconds if clock_id == time.CLOCK_BOOTTIME else t
+
+        monkeypatch.setattr(time, "clock_gettime", clock_gettime)
+
+
+# This test and the next were seen failing against the old clocks
+# (MonotonicClock and LoopClock read time.monotonic(), which stands still
+# in a suspend): "DID NOT RAISE LeaseLost", the term still held after it.
+@boottime
+def test_a_deadline_that_passed_while_the_machine_was_suspended_has_passed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    suspend = Suspend(monkeypatch)
+    client = FakeClient(ManualClock(), ttl=9.0)
+    # The default clock; the renewer waits (real time) for its first
+    # renewal, 3 s away, and is released long before.
+    term = Term._start(client, "orders", "w1", 9.0, 0.0, None, None)
+    term.check()
+    suspend.seconds = 60.0  # past the local deadline, 8.1 s after the acquire
+    with pytest.raises(fencegate.LeaseLost, match="deadline"):
+        term.check()
+    assert term.lost.is_set() and client.renewals == []
+    term.release()
+    assert client.releases == 1, "lost here, not at fencegate: released"
+
+
+@boottime
+def test_async_a_deadline_that_passed_while_the_machine_was_suspended_has_passed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    suspend = Suspend(monkeypatch)
+
+    async def run() -> None:
+        client = FakeClient(ManualAsyncClock(), ttl=9.0)
+        async with AsyncTerm(client, "orders", "w1", 9.0, 0.0, None, None) as term:
+            term.check()
+            suspend.seconds = 60.0
+            # From the loop and from another thread alike.
+            with pytest.raises(fencegate.LeaseLost, match="deadline"):
+                await asyncio.to_thread(term.check)
+            with pytest.raises(fencegate.LeaseLost, match="deadline"):
+                term.headers()
+            assert client.renewals == []
+        assert client.releases == 1
+
+    asyncio.run(run())
+
+
 # -- against the real binary --------------------------------------------
 
 

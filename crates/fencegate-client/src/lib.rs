@@ -28,12 +28,18 @@
 //! preconditions (SPEC §10), reading the key once when fencegate answers
 //! `428 precondition-required`.
 //!
-//! The client measures its deadlines on tokio's monotonic clock: it never
-//! compares wall clocks with the proxy.
+//! The client measures its deadlines on tokio's monotonic clock plus the
+//! time the machine spent suspended, as the proxy's clock does: on Linux,
+//! how far `CLOCK_BOOTTIME` (which counts a suspend) ran ahead of
+//! `CLOCK_MONOTONIC` (which tokio reads, and which stands still while the
+//! machine sleeps). So a deadline that passed while a laptop slept has
+//! passed when it wakes; elsewhere the deadlines are on tokio's clock alone.
+//! It never compares wall clocks with the proxy.
 
 #![forbid(unsafe_code)]
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,10 +62,83 @@ use fencegate_core::wire::{FENCEGATE_FORWARDED, FENCING_LEASE_ID, FENCING_TOKEN}
 
 /// Now on tokio's monotonic clock, for deadlines handed to tokio's timers;
 /// it stands still while a test pauses tokio's time. The client's only
-/// reading of a clock.
+/// reading of tokio's clock (a guard's deadlines add [`SuspendClock`]'s
+/// count of the time suspended).
 fn instant_now() -> Instant {
     #[allow(clippy::disallowed_methods)] // the one place, as the proxy's clock.rs
     Instant::now()
+}
+
+/// The clock a guard's deadlines are measured on: tokio's monotonic
+/// [`Instant`] (so tests that pause tokio's time pause it too) plus the time
+/// the machine spent suspended since the clock started, as the proxy's
+/// clock counts it (`src/clock.rs`). tokio's timers still run on the
+/// monotonic clock: a renewer asleep across a suspend wakes that much late,
+/// and then sees the right time; [`LeaseGuard::lost_reason`] and
+/// [`LeaseGuard::write`] read the clock themselves, so they see it at once.
+#[derive(Debug)]
+struct SuspendClock {
+    /// `CLOCK_BOOTTIME - CLOCK_MONOTONIC` when the clock started, in ns.
+    start_ns: u64,
+    /// The suspended time seen so far, in ns: it only grows, so the
+    /// nanoseconds between the two clocks' readings never make the clock go
+    /// back.
+    seen_ns: AtomicU64,
+    /// Where the offset comes from (a fake one in tests).
+    offset_ns: fn() -> u64,
+}
+
+impl SuspendClock {
+    /// The system's clock, counting suspend from now on.
+    fn system() -> Self {
+        Self::new(boot_minus_monotonic_ns)
+    }
+
+    fn new(offset_ns: fn() -> u64) -> Self {
+        Self {
+            start_ns: offset_ns(),
+            seen_ns: AtomicU64::new(0),
+            offset_ns,
+        }
+    }
+
+    /// How long the machine was suspended since the clock started.
+    fn suspended(&self) -> Duration {
+        let now = (self.offset_ns)().saturating_sub(self.start_ns);
+        let seen = self.seen_ns.fetch_max(now, Ordering::Relaxed).max(now);
+        Duration::from_nanos(seen)
+    }
+
+    /// Now: tokio's instant, plus the time suspended. Never goes back.
+    fn now(&self) -> Instant {
+        instant_now() + self.suspended()
+    }
+
+    /// The tokio instant at which this clock reaches `at` if the machine
+    /// does not suspend again: what tokio's timers are given.
+    fn timer_at(&self, at: Instant) -> Instant {
+        at.checked_sub(self.suspended()).unwrap_or_else(instant_now)
+    }
+}
+
+/// `CLOCK_BOOTTIME - CLOCK_MONOTONIC` in nanoseconds: the time the machine
+/// has spent suspended since it booted (0 where there is no such clock).
+fn boot_minus_monotonic_ns() -> u64 {
+    #[cfg(target_os = "linux")]
+    {
+        use rustix::time::{clock_gettime, ClockId};
+        // The two readings are nanoseconds apart: the difference is that
+        // much short of the time suspended, each time alike.
+        let boot = clock_gettime(ClockId::Boottime);
+        let mono = clock_gettime(ClockId::Monotonic);
+        boot.checked_sub(mono)
+            .and_then(|d| Duration::try_from(d).ok())
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        0
+    }
 }
 
 /// A granted or renewed term.
@@ -924,23 +1003,24 @@ impl LeaseClient {
         wait_ms: u64,
         options: GuardOptions,
     ) -> Result<LeaseGuard, ClientError> {
-        let sent = instant_now();
+        let clock = SuspendClock::system();
+        let sent = clock.now();
         let grant = self.acquire(lease, holder, ttl_ms, wait_ms).await?;
         // The local deadline counts from when the request was sent, the only
         // instant known to be before the server's answer. After a wait that
         // instant says nothing useful (the term began when the wait ended),
         // so a renewal right away gives the deadline a fresh start.
-        if instant_now() - sent < Duration::from_millis(grant.ttl_ms / 10) {
-            return Ok(LeaseGuard::start(self.clone(), grant, sent, options));
+        if clock.now() - sent < Duration::from_millis(grant.ttl_ms / 10) {
+            return Ok(LeaseGuard::start(self.clone(), grant, clock, sent, options));
         }
-        let sent = instant_now();
+        let sent = clock.now();
         match self.renew(lease, grant.token, &grant.lease_id, None).await {
             Ok(renewed) => {
                 let grant = Grant {
                     expires_in_ms: renewed.expires_in_ms,
                     ..grant
                 };
-                Ok(LeaseGuard::start(self.clone(), grant, sent, options))
+                Ok(LeaseGuard::start(self.clone(), grant, clock, sent, options))
             }
             Err(e) => {
                 let _ = self.release(lease, grant.token, &grant.lease_id).await;
@@ -1007,25 +1087,99 @@ impl std::fmt::Display for Lost {
 pub struct LeaseGuard {
     client: LeaseClient,
     grant: Grant,
-    lost: watch::Receiver<Option<Lost>>,
+    term: Arc<Term>,
     renewer: tokio::task::JoinHandle<()>,
 }
 
+/// What a guard and its renewer share: the clock, the local deadline and
+/// the loss.
+#[derive(Debug)]
+struct Term {
+    clock: SuspendClock,
+    /// The local deadline, on `clock`; each successful renewal moves it. A
+    /// std mutex: it is held only to read or set an instant, never across
+    /// an `.await`.
+    deadline: std::sync::Mutex<Instant>,
+    /// Why the term is lost, once it is (the guard's clones wait on it).
+    lost: watch::Sender<Option<Lost>>,
+    /// The renewer has ended, however (returned, panicked, aborted): a
+    /// loss too, even with no reason recorded.
+    stopped: AtomicBool,
+}
+
+impl Term {
+    fn deadline(&self) -> Instant {
+        *self
+            .deadline
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records the loss, unless one is recorded already (the first reason
+    /// stays).
+    fn lose(&self, why: Lost) {
+        self.lost.send_if_modified(|lost| {
+            let first = lost.is_none();
+            if first {
+                *lost = Some(why);
+            }
+            first
+        });
+    }
+
+    fn is_lost(&self) -> bool {
+        self.lost.borrow().is_some()
+    }
+
+    /// Why the term is lost, reading the clock: a local deadline that has
+    /// passed (if only by a suspend no timer has woken for) is a loss now.
+    fn lost_reason(&self) -> Option<Lost> {
+        if !self.is_lost() && self.clock.now() >= self.deadline() {
+            self.lose(Lost::DeadlinePassed);
+        }
+        self.lost.borrow().clone()
+    }
+}
+
+/// Held by the renew task (an argument, so even a task aborted before it
+/// first ran drops it): when the task ends, however it ends, the term says
+/// so and wakes [`LeaseGuard::lost`]. A renew loop that stops is a loss,
+/// never silence.
+struct Renewing(Arc<Term>);
+
+impl Drop for Renewing {
+    fn drop(&mut self) {
+        self.0.stopped.store(true, Ordering::Release);
+        self.0.lost.send_modify(|_| ());
+    }
+}
+
 impl LeaseGuard {
-    fn start(client: LeaseClient, grant: Grant, sent: Instant, options: GuardOptions) -> Self {
-        let (tx, rx) = watch::channel(None);
+    fn start(
+        client: LeaseClient,
+        grant: Grant,
+        clock: SuspendClock,
+        sent: Instant,
+        options: GuardOptions,
+    ) -> Self {
         let margin = Duration::from_millis(options.margin_ms.unwrap_or(grant.ttl_ms / 10));
+        let term = Arc::new(Term {
+            clock,
+            deadline: std::sync::Mutex::new(local_deadline(sent, grant.expires_in_ms, margin)),
+            lost: watch::Sender::new(None),
+            stopped: AtomicBool::new(false),
+        });
         let renewer = tokio::spawn(renew_loop(
             client.clone(),
             grant.clone(),
             sent,
             margin,
-            Arc::new(tx),
+            Renewing(term.clone()),
         ));
         Self {
             client,
             grant,
-            lost: rx,
+            term,
             renewer,
         }
     }
@@ -1045,16 +1199,28 @@ impl LeaseGuard {
         &self.grant
     }
 
-    /// Why the lease is lost, if it is.
+    /// Why the lease is lost, if it is. It reads the clock itself: a local
+    /// deadline that passed while the machine was suspended is
+    /// [`Lost::DeadlinePassed`] as soon as it wakes, whatever the renewer
+    /// is doing.
     pub fn lost_reason(&self) -> Option<Lost> {
-        self.lost.borrow().clone()
+        self.term.lost_reason()
     }
 
-    /// Completes when the lease is lost: stop writing at once.
+    /// Completes when the lease is lost, or its renewer has stopped: stop
+    /// writing at once. (At once if it is lost when called; a suspend that
+    /// ends the term while this waits is seen when the renewer wakes, at
+    /// most a third of the TTL after the machine does, or when a
+    /// [`LeaseGuard::write`] or [`LeaseGuard::lost_reason`] finds it.)
     pub async fn lost(&self) {
-        let mut rx = self.lost.clone();
-        // An error means the renewer is gone: that is loss too.
-        let _ = rx.wait_for(Option::is_some).await;
+        let mut rx = self.term.lost.subscribe();
+        // Checked after subscribing and after each change, so a change made
+        // between a check and the wait is not missed (`changed` sees it).
+        while self.lost_reason().is_none() && !self.term.stopped.load(Ordering::Acquire) {
+            if rx.changed().await.is_err() {
+                return; // never: the guard keeps the sender
+            }
+        }
     }
 
     /// Sends a write (`method`, e.g. `PUT`, to the proxied `path`, e.g.
@@ -1097,14 +1263,15 @@ impl LeaseGuard {
         self.client.exchange(lease, method, path, &all, body).await
     }
 
-    /// `Err` once the term is lost.
+    /// `Err` once the term is lost (its local deadline read from the clock
+    /// here).
     fn check_held(&self) -> Result<(), ClientError> {
-        if self.renewer.is_finished() && self.lost_reason().is_none() {
-            // A renewer that ended without saying why is a loss too.
-            return Err(ClientError::Lost(Lost::DeadlinePassed));
-        }
         match self.lost_reason() {
             Some(why) => Err(ClientError::Lost(why)),
+            // A renewer that ended without saying why is a loss too.
+            None if self.term.stopped.load(Ordering::Acquire) => {
+                Err(ClientError::Lost(Lost::DeadlinePassed))
+            }
             None => Ok(()),
         }
     }
@@ -1124,56 +1291,78 @@ impl Drop for LeaseGuard {
     }
 }
 
+/// A term's local deadline: `expires_in_ms` after the renewal (or the
+/// acquire) was sent, less the margin, on the guard's clock.
+fn local_deadline(sent: Instant, expires_in_ms: u64, margin: Duration) -> Instant {
+    (sent + Duration::from_millis(expires_in_ms))
+        .checked_sub(margin)
+        .unwrap_or(sent)
+}
+
+/// Renews `grant` every third of its TTL until the term is lost. Every
+/// instant here is on the term's clock (it counts suspend); tokio's timers
+/// are given [`SuspendClock::timer_at`] of them.
 async fn renew_loop(
     client: LeaseClient,
     grant: Grant,
     sent: Instant,
     margin: Duration,
-    lost: Arc<watch::Sender<Option<Lost>>>,
+    renewing: Renewing,
 ) {
+    let term = &renewing.0;
+    let clock = &term.clock;
     let ttl = Duration::from_millis(grant.ttl_ms);
-    let mut deadline = (sent + Duration::from_millis(grant.expires_in_ms))
-        .checked_sub(margin)
-        .unwrap_or(sent);
     let mut next_renew = sent + ttl / 3;
     loop {
-        tokio::select! {
-            () = tokio::time::sleep_until(deadline) => {
-                let _ = lost.send(Some(Lost::DeadlinePassed));
-                return;
-            }
-            () = tokio::time::sleep_until(next_renew) => {}
+        let deadline = term.deadline();
+        tokio::time::sleep_until(clock.timer_at(deadline.min(next_renew))).await;
+        // Woken by its timer, or late, after a suspend: the clock decides.
+        let now = clock.now();
+        if now >= deadline {
+            term.lose(Lost::DeadlinePassed);
+            return;
         }
-        let sent = instant_now();
+        if term.is_lost() {
+            return; // the guard found the deadline passed meanwhile
+        }
+        if now < next_renew {
+            continue;
+        }
+        let sent = now;
         // The renewal itself is bounded by the local deadline.
         let renewal = tokio::time::timeout_at(
-            deadline,
+            clock.timer_at(deadline),
             client.renew(&grant.lease, grant.token, &grant.lease_id, None),
         )
         .await;
         match renewal {
             Err(_) => {
-                let _ = lost.send(Some(Lost::DeadlinePassed));
+                term.lose(Lost::DeadlinePassed);
                 return;
             }
+            // A term lost meanwhile (the guard saw its deadline pass) is
+            // never renewed again, even by a renewal that was under way.
+            Ok(Ok(_)) if term.is_lost() => return,
             Ok(Ok(renewed)) => {
-                deadline = (sent + Duration::from_millis(renewed.expires_in_ms))
-                    .checked_sub(margin)
-                    .unwrap_or(sent);
+                *term
+                    .deadline
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                    local_deadline(sent, renewed.expires_in_ms, margin);
                 next_renew = sent + ttl / 3;
             }
             // A cluster between primaries: the term may well be alive at
             // the next one; the deadline decides.
             Ok(Err(ClientError::Problem { reason, .. })) if reason == "not-primary" => {
-                next_renew = instant_now() + Duration::from_millis(100);
+                next_renew = clock.now() + Duration::from_millis(100);
             }
             Ok(Err(ClientError::Problem { reason, .. })) => {
-                let _ = lost.send(Some(Lost::Refused(reason)));
+                term.lose(Lost::Refused(reason));
                 return;
             }
             // Unreachable for now: retry soon, until the deadline decides.
             Ok(Err(_)) => {
-                next_renew = instant_now() + Duration::from_millis(50);
+                next_renew = clock.now() + Duration::from_millis(50);
             }
         }
     }
@@ -1263,6 +1452,99 @@ mod tests {
         );
         let mut fresh = Follow::new(4, PAUSE);
         assert!(!fresh.again(&servers, "http://b", Answered::Done).await);
+    }
+
+    /// A guard holding a 9 s term (its local deadline 8.1 s after it
+    /// began, its first renewal 3 s after) on a clock whose suspended time
+    /// comes from `offset_ns`. Its client points at a port nobody listens
+    /// on; the tests end before any renewal is due.
+    fn guard_on(offset_ns: fn() -> u64) -> LeaseGuard {
+        let clock = SuspendClock::new(offset_ns);
+        let sent = clock.now();
+        let grant = Grant {
+            lease: "orders".to_owned(),
+            holder: "w".to_owned(),
+            token: 7,
+            lease_id: "id-7".to_owned(),
+            ttl_ms: 9_000,
+            expires_in_ms: 9_000,
+        };
+        let client = LeaseClient::new("http://127.0.0.1:9");
+        LeaseGuard::start(client, grant, clock, sent, GuardOptions::default())
+    }
+
+    /// A local deadline that passed while the machine was suspended has
+    /// passed when it wakes, though tokio's clock (and every timer on it)
+    /// stood still: the guard reads its clock when asked, and nothing is
+    /// written. A real suspend cannot be had in a test: the offset
+    /// `CLOCK_BOOTTIME - CLOCK_MONOTONIC` is faked. Seen failing with
+    /// `SuspendClock::suspended` returning zero (the guard's deadlines on
+    /// tokio's clock alone, as before): `lost_reason()` was `None` after
+    /// the suspend.
+    #[tokio::test(start_paused = true)]
+    async fn a_deadline_passed_during_a_suspend_is_a_loss_on_waking() {
+        static OFFSET_NS: AtomicU64 = AtomicU64::new(5_000_000_000);
+        fn fake() -> u64 {
+            OFFSET_NS.load(Ordering::Relaxed)
+        }
+        let guard = guard_on(fake);
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert_eq!(guard.lost_reason(), None);
+        // Suspended for 60 s.
+        OFFSET_NS.fetch_add(60_000_000_000, Ordering::Relaxed);
+        assert_eq!(guard.lost_reason(), Some(Lost::DeadlinePassed));
+        let err = guard
+            .write(Method::PUT, "/kv/orders/1", &[], Bytes::new())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, ClientError::Lost(Lost::DeadlinePassed)),
+            "{err}"
+        );
+        guard.lost().await;
+    }
+
+    /// The renewer, asleep across the suspend on tokio's timer, finds the
+    /// deadline passed when it wakes for its next round (1 s on), not when
+    /// tokio's clock reaches the deadline (6.1 s on). Seen failing with the
+    /// same switch as the test above: the loss came later than 2 s on.
+    #[tokio::test(start_paused = true)]
+    async fn the_renewer_finds_a_deadline_passed_during_a_suspend() {
+        static OFFSET_NS: AtomicU64 = AtomicU64::new(5_000_000_000);
+        fn fake() -> u64 {
+            OFFSET_NS.load(Ordering::Relaxed)
+        }
+        let guard = guard_on(fake);
+        tokio::time::advance(Duration::from_secs(2)).await;
+        OFFSET_NS.fetch_add(60_000_000_000, Ordering::Relaxed);
+        let woke = instant_now();
+        // The channel alone: `lost()` would read the clock itself.
+        let mut lost = guard.term.lost.subscribe();
+        lost.wait_for(Option::is_some).await.unwrap();
+        assert!(instant_now() - woke < Duration::from_secs(2));
+        assert_eq!(*lost.borrow(), Some(Lost::DeadlinePassed));
+    }
+
+    /// A renewer that ends without a reason (here aborted before it first
+    /// ran; a panic ends it alike) is a loss: `lost()` completes, nothing
+    /// is written. Seen failing ("lost() did not complete": the guard's
+    /// own sender keeps the channel open) with `Renewing`'s drop doing
+    /// nothing, and with the task making its `Renewing` only once it ran.
+    #[tokio::test(start_paused = true)]
+    async fn a_renewer_that_stops_is_a_loss() {
+        fn none() -> u64 {
+            0
+        }
+        let guard = guard_on(none);
+        guard.renewer.abort();
+        tokio::time::timeout(Duration::from_secs(1), guard.lost())
+            .await
+            .expect("lost() did not complete");
+        let err = guard
+            .write(Method::PUT, "/kv/orders/1", &[], Bytes::new())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ClientError::Lost(_)), "{err}");
     }
 
     #[tokio::test(start_paused = true)]

@@ -3,10 +3,12 @@
 The rules (each has a test):
 
 - a term is renewed every third of its TTL;
-- its local deadline is the monotonic time the last successful renewal
-  (or the acquire) was *sent*, plus the ``expires_in`` fencegate answered,
-  minus a margin (default a tenth of the TTL): never wall time, and never
-  later than fencegate's own deadline;
+- its local deadline is the time the last successful renewal (or the
+  acquire) was *sent*, plus the ``expires_in`` fencegate answered, minus a
+  margin (default a tenth of the TTL), on a clock that counts the time the
+  machine spent suspended, as fencegate's does (``CLOCK_BOOTTIME`` where the
+  platform has it, Linux; elsewhere the monotonic clock): never wall time,
+  and never later than fencegate's own deadline;
 - a renewal gives up at the local deadline, however many members it tries;
 - the term is lost when a renewal is refused, when the local deadline
   passes without a successful renewal, or when the renewer dies: a renew
@@ -39,10 +41,33 @@ if TYPE_CHECKING:
 _ENDED = ("lease-expired", "lease-released", "stale-fencing-token")
 
 
+#: ``CLOCK_BOOTTIME`` where the platform has it (Linux), else ``None``.
+_BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+def _system_time() -> float:
+    """Seconds on the clock a term's deadline is measured on. Where the
+    platform has it (Linux), ``CLOCK_BOOTTIME``: monotonic, and it goes on
+    while the machine is suspended, as fencegate's own clock does, so a
+    deadline that passed while the machine slept has passed when it wakes
+    (``CLOCK_MONOTONIC``, which :func:`time.monotonic` and asyncio's loop
+    time read, stands still during a suspend). Elsewhere
+    :func:`time.monotonic`.
+
+    Only the checks read it: the waits (``Event.wait``, ``asyncio.sleep``)
+    stay relative, on the normal timers, so a renewer asleep across a
+    suspend wakes that much late and then sees the right time."""
+    if _BOOTTIME is None:
+        return time.monotonic()
+    return time.clock_gettime(_BOOTTIME)
+
+
 class Clock(Protocol):
     """Where the renewer reads time and waits (tests give a manual one)."""
 
-    def monotonic(self) -> float: ...
+    def monotonic(self) -> float:
+        """Seconds on a clock that never goes back (its origin is its own)."""
+        ...
 
     def wait(self, event: threading.Event, timeout: float) -> bool:
         """Waits until ``event`` is set or ``timeout`` seconds pass:
@@ -50,11 +75,12 @@ class Clock(Protocol):
         ...
 
 
-class MonotonicClock:
-    """The process's monotonic clock."""
+class SystemClock:
+    """The system's clock that counts suspend (``CLOCK_BOOTTIME`` on
+    Linux; see :func:`_system_time`), with the normal timers for waits."""
 
     def monotonic(self) -> float:
-        return time.monotonic()
+        return _system_time()
 
     def wait(self, event: threading.Event, timeout: float) -> bool:
         return event.wait(max(0.0, timeout))
@@ -63,17 +89,22 @@ class MonotonicClock:
 class AsyncClock(Protocol):
     """Where the asyncio renewer reads time and sleeps."""
 
-    def monotonic(self) -> float: ...
+    def monotonic(self) -> float:
+        """As :meth:`Clock.monotonic`."""
+        ...
 
     async def sleep(self, seconds: float) -> None: ...
 
 
 class LoopClock:
-    """The monotonic clock asyncio's loops run on, readable from any
-    thread (a fenced call run with ``asyncio.to_thread`` checks the term)."""
+    """:class:`SystemClock`'s time, readable from any thread (a fenced
+    call run with ``asyncio.to_thread`` checks the term), with asyncio's
+    sleep for the renewer. Deadlines are never compared with the loop's
+    own time (``loop.time()``, the monotonic clock): the sleeps are
+    relative."""
 
     def monotonic(self) -> float:
-        return time.monotonic()
+        return _system_time()
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))
@@ -175,7 +206,7 @@ class Term:
         clock: Clock | None = None,
     ) -> Term:
         margin = _margin(ttl, margin)
-        clock = clock or MonotonicClock()
+        clock = clock or SystemClock()
         sent = clock.monotonic()
         grant = client.acquire(lease, holder, ttl, wait)
         # After a wait, the send time says nothing of when the term began:
@@ -202,8 +233,8 @@ class Term:
     def check(self) -> None:
         """Raises :class:`~fencegate.LeaseLost` unless the term is held
         right now: not released, not lost, its local deadline not passed
-        (read from the monotonic clock here, whatever the renewer is doing),
-        and its renewer alive."""
+        (read from the clock here, whatever the renewer is doing: after a
+        suspend, at once), and its renewer alive."""
         if self._released:
             raise LeaseLost("the term was released")
         if self._loss.reason is None:
