@@ -73,7 +73,7 @@
 //! every `use` and every path of `src/` (tests included) and holds the code
 //! to it.
 //!
-//! - `serve` → `app`, `auth`, `backend`, `clock`, `cluster`, `config`, `etcd`, `fence`, `journal`, `lease`, `metrics`, `precondition`, `server`, `tls`
+//! - `serve` → `app`, `auth`, `backend`, `body`, `clock`, `cluster`, `config`, `etcd`, `fence`, `hosts`, `journal`, `lease`, `metrics`, `precondition`, `server`, `tls`
 //! - `cluster` → `api`, `app`, `auth`, `backend`, `body`, `clock`, `error`, `etcd`, `hex`, `journal`, `lease`, `metrics`, `route`, `rt`, `tls`, `wire`
 //! - `config` → `auth`, `backend`, `clock`, `hosts`, `lease`, `route`, `server`
 //! - `server` → `backend`, `body`, `framing`, `rt`

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::Method;
+use http::Request;
 use tokio::net::TcpListener;
 
 use crate::app::{self, App, Parts};
@@ -429,8 +429,13 @@ async fn join(
             };
             let reader = app::build(&config, parts).map_err(StartError::Config)?;
             let routes = config.fence.compile_routes().map_err(StartError::Config)?;
-            let classify: Classify = Arc::new(move |method: &Method, path: &str| {
-                let write = is_write(method);
+            let hosts = config.hosts().map_err(StartError::Config)?;
+            let classify: Classify = Arc::new(move |req: &Request<crate::body::Body>| {
+                let write = is_write(req.method());
+                // The path the storage acts on, as the fence reads it (a
+                // Host it cannot read is refused by the reader's fence).
+                let vpath = crate::hosts::virtual_path(req, hosts.as_ref()).ok()?;
+                let path = vpath.as_deref().unwrap_or(req.uri().path());
                 let matched = routes.resolve(path, write).ok()??;
                 // A read on a route with preconditions goes to the member
                 // that knows the key's state: the one that writes it.

@@ -46,9 +46,9 @@ const SHARD_NAME: HeaderName = HeaderName::from_static(FENCEGATE_SHARD);
 const MAX_SHARD_ANSWER_BYTES: usize = 32 * 1024 * 1024;
 
 /// The lease that fences a proxied request (a write, or a read on a route
-/// that fences reads), by method and raw path; `None` for a request no
-/// lease fences.
-pub type Classify = Arc<dyn Fn(&Method, &str) -> Option<String> + Send + Sync>;
+/// that fences reads), by its method, path and (for a virtual-hosted one)
+/// `Host`; `None` for a request no lease fences.
+pub type Classify = Arc<dyn Fn(&Request<Body>) -> Option<String> + Send + Sync>;
 
 /// What a member with several shards needs besides its shards' apps.
 pub(super) struct Sharded<S> {
@@ -389,7 +389,7 @@ where
         let target = if path.starts_with(crate::wire::PREFIX) {
             api_target(shards, req.method(), path, pinned.as_ref())
         } else {
-            match (sharded.classify)(req.method(), path) {
+            match (sharded.classify)(&req) {
                 Some(lease) => Target::Shard(shard_of(&lease, shards)),
                 None => Target::Any,
             }
