@@ -52,9 +52,9 @@
 //!   service (the primary's app, or standby answers), and the lease state
 //!   in etcd behind the `Journal` seam; [`etcd`]: an etcd v3 client over
 //!   etcd's JSON gateway (keys, transactions, leases; TLS, authentication,
-//!   several endpoints); [`rt`]: where hyper-util's clients run their
-//!   connections' tasks, and the timer each accepted connection keeps for
-//!   its header read timeout.
+//!   several endpoints); [`rt`]: where hyper-util's clients (etcd, the
+//!   members' forwarding) run their connections' tasks, and the timer each
+//!   accepted connection keeps for its header read timeout.
 //! - [`error`]: the one mapping from errors to problem+json (the `Reason`
 //!   table: status, slug and title, and an error's chain for a log line);
 //!   [`body`]: the body type shared by all services; [`wire`]: header

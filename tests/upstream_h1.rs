@@ -1,5 +1,7 @@
-//! The lean upstream client of dedicated connections (`backend/h1.rs`)
-//! against hyper's client, which the pooled mode uses: the same requests,
+//! fencegate's lean upstream client (`backend/h1.rs`, both connection
+//! modes) against hyper's client (`Upstream::call_with_hyper`: the same
+//! request preparation and relay, hyper-util's client in between): the
+//! same requests,
 //! to a scripted backend that answers each with the same bytes, must relay
 //! the same answer (status, version, reason, headers, body, trailers, or
 //! the same failure) and reach the backend as the same request (request
@@ -270,15 +272,28 @@ impl http_body::Body for Pieces {
     }
 }
 
-/// Sends `ask` through an upstream client in `mode` to a fresh scripted
+/// Which client an exchange goes through.
+#[derive(Clone, Copy, Debug)]
+enum Via {
+    /// fencegate's, in this mode.
+    Lean(ConnectionMode),
+    /// hyper's.
+    Hyper,
+}
+
+/// Sends `ask` through an upstream client (`via`) to a fresh scripted
 /// backend answering `answer`: what the client relayed and what the backend
 /// read.
 async fn exchange(
-    mode: ConnectionMode,
+    via: Via,
     ask: &Ask,
     answer: &'static [u8],
     read_buffer: usize,
 ) -> (Relayed, Vec<Received>) {
+    let mode = match via {
+        Via::Lean(mode) => mode,
+        Via::Hyper => ConnectionMode::Pooled,
+    };
     let (url, seen) = scripted(answer).await;
     let options = UpstreamOptions {
         upstream_connections: mode,
@@ -288,7 +303,10 @@ async fn exchange(
         ..UpstreamOptions::default()
     };
     let mut up = Upstream::new(&format!("{url}/base").parse().unwrap(), &options).unwrap();
-    let res: Response<Body> = up.call(build(ask)).await.unwrap();
+    let res: Response<Body> = match via {
+        Via::Lean(_) => up.call(build(ask)).await.unwrap(),
+        Via::Hyper => up.call_with_hyper(build(ask)).await,
+    };
     let relayed = relayed(res).await;
     let seen = std::mem::take(&mut *seen.lock().unwrap());
     (relayed, seen)
@@ -387,8 +405,16 @@ async fn compare(
     answer: &'static [u8],
     read_buffer: usize,
 ) -> Option<String> {
-    let (hyper, hyper_seen) = exchange(ConnectionMode::Pooled, ask, answer, read_buffer).await;
-    let (lean, lean_seen) = exchange(ConnectionMode::PerClient, ask, answer, read_buffer).await;
+    let (hyper, hyper_seen) = exchange(Via::Hyper, ask, answer, read_buffer).await;
+    let (lean, lean_seen) = exchange(
+        Via::Lean(ConnectionMode::PerClient),
+        ask,
+        answer,
+        read_buffer,
+    )
+    .await;
+    let (pooled, pooled_seen) =
+        exchange(Via::Lean(ConnectionMode::Pooled), ask, answer, read_buffer).await;
     // Each backend has an address of its own: compare without it.
     let norm = |seen: Vec<Received>| {
         seen.into_iter()
@@ -399,6 +425,11 @@ async fn compare(
             .collect::<Vec<_>>()
     };
     let (hyper_seen, lean_seen) = (norm(hyper_seen), norm(lean_seen));
+    assert_eq!(
+        (&pooled, &norm(pooled_seen)),
+        (&lean, &lean_seen),
+        "{name}: the two modes differ"
+    );
     let mut shown = format!("{lean:?}");
     shown.truncate(200);
     println!("{name}: {shown}");
@@ -745,7 +776,7 @@ async fn an_answer_with_a_length_and_a_coding_is_not_relayed() {
     ];
     for answer in answers {
         for mode in [ConnectionMode::Pooled, ConnectionMode::PerClient] {
-            let (relayed, _) = exchange(mode, &put(BODY), answer, 32 * 1024).await;
+            let (relayed, _) = exchange(Via::Lean(mode), &put(BODY), answer, 32 * 1024).await;
             match &relayed {
                 Relayed::Problem(502, reason, detail) => {
                     assert_eq!(reason, "upstream-error");

@@ -1,18 +1,20 @@
-//! The lean HTTP/1.1 client of a dedicated upstream connection: one
-//! exchange at a time on a connection fencegate owns, with no task of its
-//! own.
+//! fencegate's lean HTTP/1.1 client, for both connection modes: one
+//! exchange at a time on an upstream connection fencegate owns (a client
+//! connection's own, or one of its client's pool: `pool.rs`), with no task
+//! of its own.
 //!
 //! The upstream is the user's own storage, a trusted peer, and the request
 //! arrives already parsed and checked by hyper's server: its head is
 //! written from those parts in one write together with the first piece of
 //! its body, and the answer's head is parsed with `httparse` and relayed,
 //! its body streamed to the client as it comes, the connection going back
-//! to its client connection's slot once the body ended. Lengths, codings
-//! and chunked bodies are read with the codec the framing guard uses
-//! ([`crate::h1`]). The rules are hyper's client's
-//! (`hyper::proto::h1::role::Client`), which the pooled mode still uses;
-//! `tests/upstream_h1.rs` sends both the same corpus of answers and
-//! compares what each relays and what the backend received:
+//! home (a [`Home`]: its client connection's slot, or the pool) once the
+//! body ended. Lengths, codings and chunked bodies are read with the codec
+//! the framing guard uses ([`crate::h1`]). The rules are hyper's client's
+//! (`hyper::proto::h1::role::Client`); `tests/upstream_h1.rs` sends both
+//! the same corpus of answers (hyper's through
+//! `Upstream::call_with_hyper`) and compares what each relays and what the
+//! backend received:
 //! - the request: `Content-Length` as the client sent it, else the body's
 //!   exact size, else chunked (no body for a `GET`, `HEAD` or `CONNECT` of
 //!   unknown length); an HTTP/1.0 request never chunks and never keeps the
@@ -74,7 +76,7 @@ pub(crate) enum Put {
 }
 
 /// Puts `added` into a header map (for hyper's client, which writes the
-/// map as it is).
+/// map as it is: `Upstream::call_with_hyper`).
 pub(crate) fn apply(headers: &mut HeaderMap, added: Added) {
     for (name, value, put) in added {
         match put {
@@ -105,6 +107,14 @@ impl Outgoing {
     /// The request's head.
     pub(crate) fn parts(&self) -> &http::request::Parts {
         &self.parts
+    }
+
+    /// Whether it may go once more on a fresh connection if a reused one
+    /// fails before any byte of the answer: a `GET` or `HEAD` with no body
+    /// (safe, and whole in its head).
+    fn replayable(&self) -> bool {
+        matches!(self.parts.method, Method::GET | Method::HEAD)
+            && self.sending == Sending::Length(0)
     }
 
     /// Waits for the first piece of `req`'s body (none for a body it
@@ -143,6 +153,20 @@ impl Outgoing {
 /// Where an idle connection waits for its client connection's next
 /// request.
 pub(crate) type IdleConn = Mutex<Option<Conn>>;
+
+/// Where a connection goes back to once its exchange is over and it may be
+/// reused: a client connection's slot ([`IdleConn`]), or the pooled mode's
+/// pool (`super::pool`).
+pub(crate) trait Home: Send + Sync + 'static {
+    /// Takes `conn` back, idle from now (or drops it, closing it).
+    fn put(&self, conn: Conn);
+}
+
+impl Home for IdleConn {
+    fn put(&self, conn: Conn) {
+        *self.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn);
+    }
+}
 
 /// The connection to the upstream, plain or TLS.
 pub(crate) enum Stream {
@@ -323,6 +347,69 @@ fn closed_early() -> BoxError {
 
 const CLOSED_EARLY: &str = "connection closed before message completed";
 
+/// A reused connection that failed before any byte of the answer came (the
+/// upstream closed or reset it as the request went out: it closes idle
+/// connections on a timer of its own), with the request, a `GET` or `HEAD`
+/// with no body: it never reached the upstream's application, and may go
+/// once more on a fresh connection ([`unanswered`]).
+#[derive(Debug)]
+pub(crate) struct Unanswered {
+    parts: http::request::Parts,
+    http10: bool,
+    /// What failed.
+    cause: BoxError,
+}
+
+impl std::fmt::Display for Unanswered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "a reused connection failed before the answer: {}",
+            self.cause
+        )
+    }
+}
+
+impl std::error::Error for Unanswered {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.cause)
+    }
+}
+
+/// The request to send again, if `err` is [`Unanswered`]; else `err`.
+pub(crate) fn unanswered(err: BoxError) -> Result<Outgoing, BoxError> {
+    let again = err.downcast::<Unanswered>()?;
+    let Unanswered { parts, http10, .. } = *again;
+    Ok(Outgoing {
+        parts,
+        body: crate::body::empty(),
+        first: None,
+        ended: true,
+        sending: Sending::Length(0),
+        http10,
+    })
+}
+
+/// Whether an error of a read or write is the upstream closing or
+/// resetting the connection (rather than, say, the deadline).
+fn is_closed(err: &(dyn std::error::Error + 'static)) -> bool {
+    if err
+        .downcast_ref::<Broken>()
+        .is_some_and(|b| b.0 == CLOSED_EARLY)
+    {
+        return true;
+    }
+    err.downcast_ref::<io::Error>().is_some_and(|e| {
+        matches!(
+            e.kind(),
+            io::ErrorKind::ConnectionReset
+                | io::ErrorKind::ConnectionAborted
+                | io::ErrorKind::BrokenPipe
+                | io::ErrorKind::UnexpectedEof
+        )
+    })
+}
+
 impl std::fmt::Debug for Outgoing {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Outgoing").finish_non_exhaustive()
@@ -422,6 +509,41 @@ impl Conn {
             .is_pending()
     }
 
+    /// Whether the kernel holds nothing for this connection: no bytes and
+    /// no close, asked of the socket itself with a non-blocking peek.
+    /// [`Self::is_open`] asks tokio, whose readiness of a socket is updated
+    /// only when its driver runs, so on a busy runtime it may not know yet
+    /// of bytes that arrived; the pool asks here too before a connection
+    /// serves another of its clients (one extra system call).
+    pub(crate) fn is_quiet(&self) -> bool {
+        let tcp = match &self.io.io {
+            Stream::Tcp(tcp) => tcp,
+            Stream::Tls(tls) => tls.get_ref().0,
+        };
+        let mut one = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+        matches!(
+            socket2::SockRef::from(tcp).peek(&mut one),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock
+        )
+    }
+
+    /// Has the kernel acknowledge what arrived at once (`TCP_QUICKACK`) rather
+    /// than with the next request: a storage that holds a small write back
+    /// until the last one is acknowledged (Nagle's algorithm) then sends
+    /// what it held now, where [`Self::is_quiet`] sees it before the
+    /// connection serves another client. Best effort: an error changes
+    /// nothing.
+    pub(crate) fn ack_now(&self) {
+        let tcp = match &self.io.io {
+            Stream::Tcp(tcp) => tcp,
+            Stream::Tls(tls) => tls.get_ref().0,
+        };
+        #[cfg(target_os = "linux")]
+        let _ = socket2::SockRef::from(tcp).set_tcp_quickack(true);
+        #[cfg(not(target_os = "linux"))]
+        let _ = tcp;
+    }
+
     /// Writes `out`'s head (its `added` lines with it) and, if small, the
     /// body's first piece, in one write: `Err` if that write fails
     /// outright, and then nothing of the request reached the upstream (the
@@ -463,11 +585,16 @@ impl Conn {
     /// Sends the rest of `out` after [`Self::begin`], and reads the
     /// answer's head; the answer's body owns the connection and puts it
     /// back in `home` once read to its end (at once when there is none).
-    pub(crate) async fn send(
+    /// `reused`: the connection was idle before this exchange; if it then
+    /// fails before any byte of the answer, a `GET` or `HEAD` with no body
+    /// comes back as [`Unanswered`], to go once more on a fresh one.
+    pub(crate) async fn send<H: Home>(
         mut self,
         out: Outgoing,
-        home: &Arc<IdleConn>,
+        home: &Arc<H>,
+        reused: bool,
     ) -> Result<Response<Body>, BoxError> {
+        let replay = reused && out.replayable();
         let Outgoing {
             parts,
             body,
@@ -476,8 +603,18 @@ impl Conn {
             sending,
             http10,
         } = out;
-        // Only the method is needed from here on (a smaller future).
-        let method = parts.method;
+        let method = parts.method.clone();
+        // The head is kept only for a request that may go again (a
+        // smaller future otherwise).
+        let parts = replay.then_some(parts);
+        let unanswered = |cause: BoxError, parts: Option<http::request::Parts>| match parts {
+            Some(parts) if is_closed(&*cause) => Box::new(Unanswered {
+                parts,
+                http10,
+                cause,
+            }) as BoxError,
+            _ => cause,
+        };
         let mut sent: u64 = 0;
         if let Some(data) = first.take() {
             sent += data.len() as u64;
@@ -509,13 +646,19 @@ impl Conn {
             // it would not take) is relayed; otherwise the write's error.
             return match self.read_head(&method, true).await {
                 Ok((res, reading, _)) => Ok(self.answer(res, reading, false, home)),
-                Err(_) => Err(e.into()),
+                Err(_) => Err(unanswered(e.into(), parts)),
             };
         }
         if matches!(sending, Sending::Length(n) if sent < n) {
             return Err(Box::new(Broken("request body ended early")));
         }
-        let (res, reading, keep_alive) = self.read_head(&method, false).await?;
+        let (res, reading, keep_alive) = match self.read_head(&method, false).await {
+            Ok(head) => head,
+            // Nothing of an answer came: the upstream closed the connection
+            // as the request went out.
+            Err(e) if self.buf.is_empty() => return Err(unanswered(e, parts)),
+            Err(e) => return Err(e),
+        };
         Ok(self.answer(res, reading, keep_alive && !http10, home))
     }
 
@@ -610,10 +753,23 @@ impl Conn {
         method: &Method,
         salvage: bool,
     ) -> Result<(Response<()>, Reading, bool), BoxError> {
+        // An interim answer shows the upstream's application had the
+        // request: a failure after one is never [`Unanswered`].
+        let mut interim = false;
+        let after_interim = |interim: bool, e: BoxError| -> BoxError {
+            if interim {
+                Box::new(Broken("connection closed after an interim answer"))
+            } else {
+                e
+            }
+        };
         loop {
             match self.parse_head(method)? {
                 Answer::Head(head, reading, keep_alive) => return Ok((head, reading, keep_alive)),
-                Answer::Interim => continue,
+                Answer::Interim => {
+                    interim = true;
+                    continue;
+                }
                 Answer::Partial => {}
             }
             if self.buf.len() >= self.max_buf {
@@ -633,12 +789,14 @@ impl Conn {
                         other => other,
                     }
                 })
-                .await?
+                .await
             } else {
-                self.io.read_buf(&mut (&mut self.buf).limit(room)).await?
+                self.io.read_buf(&mut (&mut self.buf).limit(room)).await
             };
-            if n == 0 {
-                return Err(closed_early());
+            match n {
+                Ok(0) => return Err(after_interim(interim, closed_early())),
+                Ok(_) => {}
+                Err(e) => return Err(after_interim(interim, e.into())),
             }
         }
     }
@@ -718,12 +876,12 @@ impl Conn {
 
     /// The answer with its body; the connection goes home now if the
     /// answer has no body and may be reused.
-    fn answer(
+    fn answer<H: Home>(
         mut self,
         head: Response<()>,
         reading: Reading,
         keep_alive: bool,
-        home: &Arc<IdleConn>,
+        home: &Arc<H>,
     ) -> Response<Body> {
         // The deadline ends with the head (the body is read without it).
         self.io.armed = false;
@@ -731,27 +889,33 @@ impl Conn {
         let body = match reading {
             Reading::Done | Reading::Length(0) => {
                 if keep_alive {
-                    self.go_home(home);
+                    self.go_home(&**home);
                 }
                 crate::body::empty()
             }
-            reading => crate::body::boxed(Incoming {
-                conn: Some(self),
-                reading,
-                trailers: BytesMut::new(),
-                keep_alive,
-                home: Arc::downgrade(home),
-            }),
+            reading => {
+                let home: Weak<H> = Arc::downgrade(home);
+                let home: Weak<dyn Home> = home;
+                crate::body::boxed(Incoming {
+                    conn: Some(self),
+                    reading,
+                    trailers: BytesMut::new(),
+                    keep_alive,
+                    home,
+                })
+            }
         };
         Response::from_parts(parts, body)
     }
 
-    /// Back to the slot, if nothing unexpected is buffered.
-    fn go_home(mut self, home: &IdleConn) {
+    /// Back home, if nothing unexpected is buffered (bytes after the
+    /// answer's end are an answer nobody asked for: the connection is
+    /// closed, never reused).
+    fn go_home(mut self, home: &dyn Home) {
         if self.buf.is_empty() {
             self.buf = BytesMut::new();
             self.idle = Some(crate::clock::Stopwatch::start());
-            *home.lock().unwrap_or_else(|p| p.into_inner()) = Some(self);
+            home.put(self);
         }
     }
 }
@@ -925,7 +1089,7 @@ struct Incoming {
     /// bounds it).
     trailers: BytesMut,
     keep_alive: bool,
-    home: Weak<IdleConn>,
+    home: Weak<dyn Home>,
 }
 
 impl Incoming {
@@ -935,7 +1099,7 @@ impl Incoming {
         if let Some(conn) = self.conn.take() {
             if self.keep_alive {
                 if let Some(home) = self.home.upgrade() {
-                    conn.go_home(&home);
+                    conn.go_home(&*home);
                 }
             }
         }

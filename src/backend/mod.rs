@@ -8,6 +8,7 @@
 
 pub mod embedded;
 mod h1;
+mod pool;
 pub mod upstream;
 
 use std::convert::Infallible;
@@ -102,9 +103,11 @@ pub enum Sent<S> {
     /// Fencegate's answer when not a byte of the request left (the
     /// connection could not be had, or its first write failed outright).
     NotSent(Response<Body>),
-    /// Nothing left, on an idle connection the storage had closed: the
-    /// request may go again on a fresh one, staged anew
-    /// ([`Exchange::restage`]) and checked first.
+    /// It may go again on a fresh connection, staged anew
+    /// ([`Exchange::restage`]) and checked first: nothing of it left on a
+    /// reused connection the storage had closed, or it is a `GET` or
+    /// `HEAD` with no body whose reused connection failed before any byte
+    /// of the answer (the storage's application never had it).
     Again(S),
 }
 
@@ -113,8 +116,7 @@ pub enum Sent<S> {
 pub enum Staged {
     /// The embedded store's: nothing comes before sending.
     Embedded(EmbeddedStore, Request<Body>),
-    /// The upstream's: its first body piece read, a connection open (or,
-    /// pooled, taken when sent).
+    /// The upstream's: its first body piece read, a connection open.
     Upstream(upstream::Staged),
 }
 
