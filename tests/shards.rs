@@ -907,15 +907,18 @@ async fn a_member_keeping_key_states_across_takeovers_names_an_old_state() {
     );
 }
 
-/// A client's `Fencegate-Shard` crosses no second hop and names no shard
-/// that is not there: without `Fencegate-Forwarded` (which only members
-/// set) it is ignored, so the listing fans out once from the member asked,
-/// as without it; with it, a pin that names no shard is refused (400), and
-/// the request is never forwarded again. Seen failing before: a pin to
-/// another member's shard was forwarded there and fanned out again (two
-/// hops), and `99`, `-1` or `abc` answered 200 with an empty list.
+/// A client's `Fencegate-Shard` and `Fencegate-Forwarded` count for
+/// nothing: they are honoured only with the cluster's member key (kept in
+/// etcd, sent by the forwarding member), so a client's pin is ignored and
+/// the listing fans out once from the member asked, as without it, whatever
+/// the client marks; with the key, a pin that names no shard is refused
+/// (400). Seen failing before: a pin to another member's shard was
+/// forwarded there and fanned out again (two hops), `99`, `-1` or `abc`
+/// answered 200 with an empty list, and (on the main of 2026-12-07) a
+/// client that set `Fencegate-Forwarded` itself had its pin honoured: it
+/// listed one shard (or was refused 400 for a pin that names none).
 #[tokio::test]
-async fn a_clients_shard_headers_cross_no_second_hop() {
+async fn a_clients_shard_headers_count_for_nothing() {
     let m = Members::start(3, &sharded(&[])).await;
     let leaders = balanced(&m, Duration::from_secs(30)).await;
     let c = m.client(0);
@@ -937,25 +940,46 @@ async fn a_clients_shard_headers_cross_no_second_hop() {
     let once = forwarded_total(&m).await - before;
     assert_eq!(names(&plain).len(), SHARDS as usize);
     let elsewhere = leaders.iter().position(|l| l != "m0").unwrap();
-    for pin in [
+    let pins = [
         elsewhere.to_string(),
+        "0".into(),
         "99".into(),
         "-1".into(),
         "abc".into(),
-    ] {
-        let before = forwarded_total(&m).await;
-        let r = c
-            .send(Req::new("GET", "/_fence/leases").header("fencegate-shard", &pin))
-            .await;
-        assert_eq!(r.status, 200, "{pin}: {}", r.text());
-        assert_eq!(names(&r), names(&plain), "{pin}");
-        assert_eq!(forwarded_total(&m).await - before, once, "{pin}: hops");
+    ];
+    for pin in &pins {
+        for marked in [None, Some("m9"), Some("m1")] {
+            let mut req = Req::new("GET", "/_fence/leases").header("fencegate-shard", pin);
+            if let Some(member) = marked {
+                req = req
+                    .header("fencegate-forwarded", member)
+                    .header("fencegate-member-key", "a guess");
+            }
+            let before = forwarded_total(&m).await;
+            let r = c.send(req).await;
+            assert_eq!(r.status, 200, "{pin} {marked:?}: {}", r.text());
+            assert_eq!(names(&r), names(&plain), "{pin} {marked:?}");
+            assert_eq!(
+                forwarded_total(&m).await - before,
+                once,
+                "{pin} {marked:?}: hops"
+            );
+        }
     }
+    // With the cluster's key (a member's), the mark and the pin count.
+    let key = m
+        .etcd_client()
+        .get(b"/fencegate/member-key")
+        .await
+        .unwrap()
+        .expect("the members made a key");
+    let key = String::from_utf8(key.value).unwrap();
     for pin in ["99", "-1", "abc"] {
         let r = c
             .send(
                 Req::new("GET", "/_fence/leases")
                     .header("fencegate-forwarded", "m9")
+                    .header("fencegate-member-key", &key)
                     .header("fencegate-shard", pin),
             )
             .await;

@@ -379,6 +379,11 @@ struct Shared<S> {
     /// What etcd said of the number of shards, once it answered: `Err`
     /// with why the member cannot take part.
     checked: tokio::sync::watch::Sender<Option<Result<(), ClusterError>>>,
+    /// The cluster's member key (in etcd at `{prefix}member-key`), once
+    /// read: a request forwarded by a member carries it
+    /// (`Fencegate-Member-Key`), which proves its `Fencegate-Forwarded`
+    /// mark and `Fencegate-Shard` pin came from a member.
+    member_key: std::sync::OnceLock<http::HeaderValue>,
     stats: Arc<ClusterStats>,
     /// With several shards: where requests go.
     sharded: Option<shards::Sharded<S>>,
@@ -609,6 +614,7 @@ where
             stopping: tokio::sync::watch::channel(false).0,
             left: tokio::sync::watch::channel(0).0,
             checked: tokio::sync::watch::channel(None).0,
+            member_key: std::sync::OnceLock::new(),
             stats,
             committer: (shards > 1).then(|| committer::Committer::start(client.clone())),
             sharded,

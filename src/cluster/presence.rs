@@ -87,7 +87,16 @@ impl<S: Send + Sync + 'static> Presence<S> {
     async fn settle_shard_count(&self) -> bool {
         let mut said = false;
         while !self.member.is_stopping() {
-            match check_shard_count(&self.client, &self.options).await {
+            let checked = match check_shard_count(&self.client, &self.options).await {
+                Ok(ShardCount::Agrees) => {
+                    member_key(&self.client, &self.options).await.map(|key| {
+                        let _ = self.member.shared.member_key.set(key);
+                        ShardCount::Agrees
+                    })
+                }
+                other => other,
+            };
+            match checked {
                 Ok(ShardCount::Agrees) => {
                     self.member.view_mut().shards_checked = true;
                     self.member.shared.checked.send_replace(Some(Ok(())));
@@ -294,6 +303,54 @@ impl<S: Send + Sync + 'static> Presence<S> {
             check.failing = true;
         }
     }
+}
+
+/// The cluster's member key, kept in etcd at `{prefix}member-key`: made
+/// (32 random bytes from the OS, in hex) by the first member that finds
+/// none, read by every other. Whoever can read the cluster's prefix in etcd
+/// is a member.
+async fn member_key(
+    client: &EtcdClient,
+    options: &ClusterOptions,
+) -> Result<http::HeaderValue, EtcdError> {
+    let key = format!("{}member-key", options.prefix).into_bytes();
+    let value = match client.get(&key).await? {
+        Some(kv) => kv.value,
+        None => {
+            let mut raw = [0u8; 32];
+            if getrandom::fill(&mut raw).is_err() {
+                return Err(EtcdError::Refused(
+                    "the OS gave no random bytes for the member key".into(),
+                ));
+            }
+            let made = crate::hex::encode(&raw).into_bytes();
+            let created = client
+                .txn(
+                    &[Compare::CreateRevision(key.clone(), 0)],
+                    &[Op::Put {
+                        key: key.clone(),
+                        value: made.clone(),
+                        lease: 0,
+                    }],
+                    &[Op::Get { key: key.clone() }],
+                )
+                .await?;
+            if created.succeeded {
+                made
+            } else {
+                created
+                    .reads
+                    .first()
+                    .and_then(|kvs| kvs.first())
+                    .map(|kv| kv.value.clone())
+                    .unwrap_or_default()
+            }
+        }
+    };
+    http::HeaderValue::from_bytes(&value)
+        .ok()
+        .filter(|v| !v.is_empty())
+        .ok_or_else(|| EtcdError::Refused("the member key in etcd is not a header value".into()))
 }
 
 /// Whether etcd keeps `options.shards` for the prefix, recording it if

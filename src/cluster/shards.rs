@@ -32,7 +32,7 @@ use crate::error::cause;
 use crate::error::{Problem, Reason};
 use crate::metrics::ClusterStats;
 use crate::route::decode_path;
-use crate::wire::{FENCEGATE_FORWARDED, FENCEGATE_SHARD};
+use crate::wire::{FENCEGATE_FORWARDED, FENCEGATE_MEMBER_KEY, FENCEGATE_SHARD};
 use fencegate_core::names::LeaseName;
 use fencegate_core::shard::{shard_of, Split};
 
@@ -40,6 +40,7 @@ use super::{ClusterError, ClusterOptions, Member, Peer};
 
 const FORWARDED_NAME: HeaderName = HeaderName::from_static(FENCEGATE_FORWARDED);
 const SHARD_NAME: HeaderName = HeaderName::from_static(FENCEGATE_SHARD);
+const MEMBER_KEY_NAME: HeaderName = HeaderName::from_static(FENCEGATE_MEMBER_KEY);
 
 /// The largest answer one shard may give to a listing or a batch renewal
 /// (a page holds at most `PAGE_MAX` leases).
@@ -195,10 +196,11 @@ impl Forwarder {
         })
     }
 
-    /// Sends `req` to `to` and relays its answer; a member that does not
-    /// take the connection is answered for as `not-primary` (nothing was
-    /// sent).
-    async fn send(&self, to: &Peer, mut req: Request<Body>) -> Response<Body> {
+    /// Sends `req` to `to`, marked as forwarded and proved so with the
+    /// cluster's member `key`, and relays its answer; a member that does
+    /// not take the connection is answered for as `not-primary` (nothing
+    /// was sent).
+    async fn send(&self, to: &Peer, mut req: Request<Body>, key: &HeaderValue) -> Response<Body> {
         let target = format!(
             "{}{}",
             to.url.trim_end_matches('/'),
@@ -211,6 +213,7 @@ impl Forwarder {
         *req.uri_mut() = uri;
         strip_hop_by_hop(req.headers_mut());
         req.headers_mut().insert(FORWARDED_NAME, self.me.clone());
+        req.headers_mut().insert(MEMBER_KEY_NAME, key.clone());
         self.stats.forwarded.fetch_add(1, Relaxed);
         match tokio::time::timeout(self.timeout, self.client.request(req)).await {
             Ok(Ok(res)) => {
@@ -364,13 +367,15 @@ where
         if let Err(problem) = check_head(req, &sharded.limits) {
             return problem.into_response();
         }
-        // Only members set these, and the storage never sees them. A
-        // request marked forwarded is never forwarded again (one hop, even
-        // if a client set the mark: it only gives up being forwarded); a
-        // shard pin counts only on such a request, so a client's pin never
-        // sends a listing on a second hop, and one that names no shard is
-        // refused, never answered from no shard.
-        let forwarded = req.headers_mut().remove(FORWARDED_NAME).is_some();
+        // Only members set these, and the storage never sees them. The
+        // mark counts only with the cluster's member key (a client cannot
+        // know it): a request marked so is never forwarded again (one hop),
+        // and only on it a shard pin counts, so a client's pin never picks
+        // a shard, and a member's that names no shard is refused, never
+        // answered from no shard.
+        let key = req.headers_mut().remove(MEMBER_KEY_NAME);
+        let marked = req.headers_mut().remove(FORWARDED_NAME).is_some();
+        let forwarded = marked && key.is_some_and(|k| self.is_member_key(&k));
         let pinned = req.headers_mut().remove(SHARD_NAME).filter(|_| forwarded);
         if let Some(pin) = &pinned {
             let shard = pin.to_str().ok().and_then(|v| v.parse::<u32>().ok());
@@ -406,6 +411,16 @@ where
         }
     }
 
+    /// Whether `presented` is the cluster's member key (compared in
+    /// constant time; never, before this member has read it).
+    fn is_member_key(&self, presented: &HeaderValue) -> bool {
+        use subtle::ConstantTimeEq;
+        self.shared.member_key.get().is_some_and(|mine| {
+            let (a, b) = (mine.as_bytes(), presented.as_bytes());
+            a.len() == b.len() && bool::from(a.ct_eq(b))
+        })
+    }
+
     /// Whether a request that fans out to every shard may (with
     /// authentication on, it carries a known secret): the shards check it
     /// again, this saves them the work.
@@ -433,8 +448,9 @@ where
         if let Some(app) = app {
             return serve(app, req).await;
         }
-        match primary.filter(|p| p.name != self.shared.me.name) {
-            Some(to) if forward => self.sharded().forwarder.send(&to, req).await,
+        let key = self.shared.member_key.get();
+        match (primary.filter(|p| p.name != self.shared.me.name), key) {
+            (Some(to), Some(key)) if forward => self.sharded().forwarder.send(&to, req, key).await,
             _ => self.not_primary(shard, req.uri().path()),
         }
     }

@@ -19,7 +19,13 @@ pub const PREFIX: &str = "/_fence/";
 
 /// On a request one cluster member forwards to another: the forwarding
 /// member's name. A member never forwards such a request again (one hop).
+/// Honoured only with [`FENCEGATE_MEMBER_KEY`].
 pub const FENCEGATE_FORWARDED: &str = "fencegate-forwarded";
+
+/// On a request one cluster member forwards to another: the cluster's
+/// member key (kept in etcd), which proves the mark came from a member.
+/// Never forwarded to the storage, never logged.
+pub const FENCEGATE_MEMBER_KEY: &str = "fencegate-member-key";
 
 /// On a forwarded listing (`GET /_fence/leases`): the one shard to list.
 pub const FENCEGATE_SHARD: &str = "fencegate-shard";
