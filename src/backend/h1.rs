@@ -604,12 +604,12 @@ impl Conn {
             http10,
         } = out;
         let method = parts.method.clone();
-        // The head is kept only for a request that may go again (a
-        // smaller future otherwise).
-        let parts = replay.then_some(parts);
-        let unanswered = |cause: BoxError, parts: Option<http::request::Parts>| match parts {
+        // The head is kept only for a request that may go again, boxed: the
+        // future of every other exchange stays as small as it was.
+        let parts = replay.then(|| Box::new(parts));
+        let unanswered = |cause: BoxError, parts: Option<Box<http::request::Parts>>| match parts {
             Some(parts) if is_closed(&*cause) => Box::new(Unanswered {
-                parts,
+                parts: *parts,
                 http10,
                 cause,
             }) as BoxError,

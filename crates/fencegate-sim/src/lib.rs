@@ -32,12 +32,16 @@
 //!   their writes go to a few keys of a storage ([`storage`]) that names
 //!   states with entity tags of one of two kinds (new on every write, or
 //!   naming the content, so a key can return to an earlier state) and
-//!   evaluates each write's precondition when it applies it, however late;
-//!   the proxy plans each precondition with the core
-//!   (`fencegate_core::precondition`), from what the answers to its writes
-//!   and to its clients' reads taught a table that outlives its terms of
-//!   primacy, and answers 428 (the client then reads the key) where it
-//!   knows nothing;
+//!   executes each request as S3 does, evaluating only the preconditions
+//!   that operation evaluates, however late it applies it; the clients send
+//!   the request shapes that once let late writes through (a sub-resource
+//!   of another method, a DELETE of a key seen absent, their own
+//!   preconditions that protect nothing, reads of another version) beside
+//!   plain PUTs, DELETEs and reads; the proxy plans each precondition with
+//!   the core (`fencegate_core::precondition`), from what the answers to
+//!   its writes and to its clients' reads taught a table that outlives its
+//!   terms of primacy, and answers 428 (the client then reads the key)
+//!   where it knows nothing or no precondition would protect the write;
 //! - crashes and power cuts at any step, and restarts;
 //! - the lease store's sweep, forgetting by the core's rule
 //!   (`fencegate_core::lease::retention`) leases quiet for the retention
