@@ -1094,6 +1094,88 @@ fn a_storage_that_trickles_its_reads_makes_the_run_inconclusive() {
     );
 }
 
+/// A storage that trickles every answer (writes, reads and deletes alike:
+/// the head at once, then a byte every 300 ms, never ending), with
+/// `--request-timeout 1s`: once the first request got no answer the run
+/// can no longer pass, so the writers stop, the read-back and the cleanup
+/// each get one more timeout, and the run ends INCONCLUSIVE, counting the
+/// keys it did not read.
+///
+/// Seen failing on the old code: it did not end within 30 s (left to
+/// itself against the same kind of storage with the same flags, it ended
+/// after 161 s: 17 s of writes, then every key read three times at the full
+/// timeout and deleted twice, one key of a lease after the other). Now it
+/// ends in about 4 s. The 30 s bound is wide on purpose: the suite runs
+/// beside other work on two cores, and the run's own bound (docs/
+/// loadtest.md: five more timeouts once a request went unanswered for one)
+/// is far inside it.
+#[test]
+fn a_storage_that_trickles_every_answer_ends_the_run_within_a_few_timeouts() {
+    let dir = TempDir::new("loadtest-trickle-all");
+    let storage = serve_on_a_thread(|_req| async move {
+        let (tx, body) =
+            http_body_util::channel::Channel::<bytes::Bytes, std::convert::Infallible>::new(1);
+        tokio::spawn(async move {
+            let mut tx = tx;
+            loop {
+                if tx.send_data(bytes::Bytes::from_static(b"x")).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            }
+        });
+        http::Response::new(fencegate::body::boxed(body))
+    });
+    let proxy = proxy_to(&dir, &storage, &[]);
+    let json = dir.path().join("trickle-all.json");
+    let started = fencegate::clock::Stopwatch::start();
+    // Two reads at a time: the run has at least four keys (four leases are
+    // granted at once, and each holder's first write goes out before any
+    // request times out), so some are never read whichever way the race
+    // at the read-back's end goes between a read's own timeout (failed)
+    // and the read-back's (not read).
+    let (code, stdout, stderr) = loadtest_within(
+        &[
+            "--target",
+            &proxy.url,
+            "--writes",
+            "200",
+            "--request-timeout",
+            "1s",
+            "--read-concurrency",
+            "2",
+        ],
+        &json,
+        std::time::Duration::from_secs(30),
+    );
+    eprintln!("the run took {} ms", started.elapsed_ms());
+    assert_eq!(code, 1, "{stdout}\n{stderr}");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(r["safe"], false, "{stdout}");
+    assert!(
+        stdout.contains("\nINCONCLUSIVE: ") && stdout.contains("--request-timeout"),
+        "{stdout}\n{stderr}"
+    );
+    // Every key the run wrote is counted: none was read, each could not be
+    // read or was not; the cleanup tried (or gave up on) every one.
+    let f = &r["findings"];
+    let count = |v: &serde_json::Value| v.as_u64().unwrap();
+    let cleanup = &r["cleanup"];
+    let keys = count(&cleanup["deleted"]) + count(&cleanup["failed"]);
+    assert_eq!(count(&f["keys_read"]), 0, "{stdout}");
+    assert_eq!(
+        count(&f["reads_failed"]) + count(&f["keys_not_read"]),
+        keys,
+        "{stdout}"
+    );
+    assert!(count(&f["keys_not_read"]) > 0, "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains(" not read: stopped once a request got no answer)"),
+        "{stdout}\n{stderr}"
+    );
+}
+
 /// A target that answers every request `503 not-primary` (no member
 /// serves): the writers stop once no term was granted for
 /// `--unreachable-limit`, and the run says why it stopped (seen failing: it

@@ -85,6 +85,11 @@ pub struct Findings {
     pub keys_read: u64,
     #[serde(default)]
     pub reads_failed: u64,
+    /// Read-back: keys it did not read, because it stopped once the verdict
+    /// could no longer change (see `readback::read_keys`); they leave the
+    /// run inconclusive too.
+    #[serde(default)]
+    pub keys_not_read: u64,
     /// Read-back: keys that consecutive terms of a lease both write, and
     /// those whose final value came from a lower term than a write to it
     /// that was acknowledged (a stale write landed after a newer one), or
@@ -129,6 +134,7 @@ impl Findings {
             f.unknown_in_log = f.unknown_in_log.max(other.unknown_in_log);
             f.keys_read = f.keys_read.max(other.keys_read);
             f.reads_failed = f.reads_failed.max(other.reads_failed);
+            f.keys_not_read = f.keys_not_read.max(other.keys_not_read);
             f.shared_keys_checked = f.shared_keys_checked.max(other.shared_keys_checked);
             for e in &other.examples {
                 example(&mut f.examples, e.clone());
@@ -258,8 +264,9 @@ pub enum Read {
     Failed(String),
 }
 
-/// Checks what reads of every key the run wrote (`reads`, by key) found
-/// against the clients' `writes` (already [`mark_superseded`]):
+/// Checks what reads of every key the run wrote (`reads`, by key; a key
+/// not in it was not read) found against the clients' `writes` (already
+/// [`mark_superseded`]):
 /// - a key of one write: an acknowledged write must be there, a refused
 ///   one must not, and a superseded one (sent after a newer term of its
 ///   lease was granted) that is there is a stale write applied;
@@ -275,27 +282,43 @@ pub fn read_back(reads: &HashMap<String, Read>, writes: &[ClientWrite]) -> Findi
         by_key.entry(w.key.as_str()).or_default().push(w);
     }
     for (key, to_key) in by_key {
-        let read = match reads.get(key) {
-            Some(Read::Failed(_)) | None => {
-                f.reads_failed += 1;
-                continue;
-            }
-            Some(read) => read,
-        };
-        f.keys_read += 1;
-        let found = match read {
-            Read::Holds(Some((id, _))) => to_key.iter().find(|w| w.write_id == *id).copied(),
-            _ => None,
-        };
-        if let [w] = to_key[..] {
-            if w.key == w.write_id {
-                one_write(&mut f, w, read, found.is_some());
-                continue;
-            }
+        match reads.get(key) {
+            Some(read) => read_key(&mut f, key, &to_key, read),
+            None => f.keys_not_read += 1,
         }
-        shared_key(&mut f, key, &to_key, read, found);
     }
     f
+}
+
+/// Whether what a read of `key` found proves a safety violation by itself
+/// (`to_key`: every write the run sent to it): the read-back's verdict is
+/// then UNSAFE whatever the other keys hold. The same checks as
+/// [`read_back`].
+pub fn read_proves_violation(key: &str, to_key: &[ClientWrite], read: &Read) -> bool {
+    let to_key: Vec<&ClientWrite> = to_key.iter().collect();
+    let mut f = Findings::default();
+    read_key(&mut f, key, &to_key, read);
+    f.violations() > 0
+}
+
+/// The checks of one key read back, which the writes `to_key` wrote.
+fn read_key(f: &mut Findings, key: &str, to_key: &[&ClientWrite], read: &Read) {
+    if let Read::Failed(_) = read {
+        f.reads_failed += 1;
+        return;
+    }
+    f.keys_read += 1;
+    let found = match read {
+        Read::Holds(Some((id, _))) => to_key.iter().find(|w| w.write_id == *id).copied(),
+        _ => None,
+    };
+    if let [w] = to_key[..] {
+        if w.key == w.write_id {
+            one_write(f, w, read, found.is_some());
+            return;
+        }
+    }
+    shared_key(f, key, to_key, read, found);
 }
 
 /// The checks of a key only `w` wrote.
@@ -654,6 +677,33 @@ mod tests {
         assert_eq!((f.acknowledged_missing, f.rejected_present), (2, 1));
         assert_eq!((f.keys_read, f.reads_failed), (3, 1));
         assert_eq!(f.violations(), 3);
+    }
+
+    /// A key the read-back did not get to is not read, not failed; a key
+    /// whose read proves a violation is told apart, as the read-back
+    /// needs to stop once one does.
+    #[test]
+    fn keys_not_read_are_counted_and_a_read_can_prove_a_violation() {
+        let writes = [
+            write("a1", "l", 1, false, Outcome::Acknowledged),
+            write("a2", "l", 1, false, Outcome::Acknowledged),
+            write("x1", "l", 1, true, rejected("lease-expired")),
+        ];
+        let r = reads(&[
+            ("a1", holds("a1", 1)),
+            ("x1", Read::Failed("no answer".into())),
+        ]);
+        let f = read_back(&r, &writes);
+        assert_eq!((f.keys_read, f.reads_failed, f.keys_not_read), (1, 1, 1));
+        assert_eq!(f.violations(), 0, "{f:?}");
+        assert!(!read_proves_violation("a1", &writes[..1], &holds("a1", 1)));
+        assert!(read_proves_violation("a2", &writes[1..2], &Read::Absent));
+        assert!(read_proves_violation("x1", &writes[2..], &holds("x1", 1)));
+        assert!(!read_proves_violation(
+            "x1",
+            &writes[2..],
+            &Read::Failed("503".into())
+        ));
     }
 
     #[test]

@@ -13,6 +13,11 @@
 //! With `--direct URL` the writes go straight to the storage at URL (leases
 //! still come from `--target`), to show what lands without the proxy.
 //!
+//! Every request has `--request-timeout` for its whole answer. Once one got
+//! no answer in that time the run can no longer pass, and it winds down:
+//! the writers send no more writes, and the read-back and the cleanup each
+//! have one more `--request-timeout` (docs/loadtest.md says the bound).
+//!
 //! Afterwards a checker says what landed: the storage's apply log
 //! (`--verify history`, [`check::check`]) or reads of every key the run
 //! wrote (`--verify read-back`, [`check::read_back`], which any storage
@@ -136,7 +141,9 @@ pub struct LoadtestArgs {
     #[arg(long, default_value = "30s", value_parser = parse_duration_ms)]
     pub unreachable_limit: u64,
     /// Give up on any one request (a write, a read, a lease call, the apply
-    /// log) after this long; a run in which one did is INCONCLUSIVE.
+    /// log) after this long, its whole answer included. A run in which one
+    /// did is INCONCLUSIVE and winds down: no more writes, and one more
+    /// timeout each to read back and to clean up.
     #[arg(long, default_value = "60s", value_parser = parse_duration_ms)]
     pub request_timeout: u64,
     /// A file holding the bearer secret, for a target with authentication
@@ -301,6 +308,16 @@ pub struct Report {
     pub late_writes: Option<LateWrites>,
     /// Requests that got no answer within `--request-timeout`.
     pub requests_timed_out: u64,
+    /// `--request-timeout`: every request's deadline, and what is left of
+    /// the run once one went unanswered.
+    pub request_timeout_ms: u64,
+    /// Why the writers stopped before the run's writes or duration were
+    /// used up (absent if they did not).
+    pub writes_stopped: Option<String>,
+    /// Why the read-back stopped before reading every key, one
+    /// `--request-timeout` after it (absent if it read them all, or did not
+    /// run); `findings.keys_not_read` counts the keys it left.
+    pub read_back_stopped: Option<String>,
     pub safe: bool,
     pub verdict: String,
 }
@@ -351,7 +368,15 @@ struct Shared {
     granted_ms: AtomicU64,
     /// Requests that got no answer within `--request-timeout`.
     timed_out: AtomicU64,
+    /// When a request first got no answer within `--request-timeout`, in
+    /// milliseconds since the run started ([`NEVER`] while every request
+    /// has been answered): from then on the run cannot pass, and what is
+    /// left of it is bounded (see [`Shared::time_left`]).
+    unanswered_ms: AtomicU64,
 }
+
+/// No time at all: a request of the run has not gone unanswered.
+const NEVER: u64 = u64::MAX;
 
 /// A term as the run saw it: from its grant to its end (release, or the
 /// proxy's deadline as of its last renewal), in milliseconds since the run
@@ -370,7 +395,7 @@ pub struct TermSpan {
 
 impl Shared {
     fn done(&self) -> bool {
-        if self.stop.load(Ordering::Relaxed) {
+        if self.stop.load(Ordering::Relaxed) || self.unanswered_since_ms().is_some() {
             return true;
         }
         match self.args.duration {
@@ -379,15 +404,54 @@ impl Shared {
         }
     }
 
-    /// Claims one write of the budget.
+    /// Claims one write of the budget; none once a request got no answer
+    /// within `--request-timeout` (the run can no longer pass, and more
+    /// writes to a storage that does not answer would each take that long).
     fn claim_write(&self) -> bool {
-        if self.stop.load(Ordering::Relaxed) {
+        if self.stop.load(Ordering::Relaxed) || self.unanswered_since_ms().is_some() {
             return false;
         }
         match self.args.duration {
             Some(ms) => self.started.elapsed_ms() < ms,
             None => self.writes_left.fetch_sub(1, Ordering::Relaxed) > 0,
         }
+    }
+
+    /// When a request of the run first got no answer within
+    /// `--request-timeout`, in milliseconds since the run started.
+    fn unanswered_since_ms(&self) -> Option<u64> {
+        Some(self.unanswered_ms.load(Ordering::Relaxed)).filter(|&ms| ms != NEVER)
+    }
+
+    /// What is left of a phase of the run that began at `began_ms` and
+    /// stops one `--request-timeout` after `settled_ms` (or after
+    /// `began_ms`, if that is later), both in milliseconds since the run
+    /// started: `None` (no bound) while `settled_ms` is.
+    fn time_left(&self, began_ms: u64, settled_ms: Option<u64>) -> Option<Duration> {
+        let settled_ms = settled_ms?;
+        let end_ms = settled_ms
+            .max(began_ms)
+            .saturating_add(self.args.request_timeout);
+        let now_ms = self.started.elapsed_ms();
+        Some(Duration::from_millis(end_ms.saturating_sub(now_ms)))
+    }
+
+    /// Whether the writers stopped before the run's writes (or its
+    /// duration) were used up, because a request got no answer.
+    fn stopped_writing_early(&self) -> bool {
+        self.unanswered_since_ms()
+            .is_some_and(|ms| match self.args.duration {
+                Some(duration_ms) => ms < duration_ms,
+                None => self.writes_left.load(Ordering::Relaxed) > 0,
+            })
+    }
+
+    /// How long an acquire may wait for a held lease (`wait_ms`): four
+    /// TTLs, at most a minute, and at most half of `--request-timeout`, so
+    /// that waiting for a lease is never taken for a storage that does not
+    /// answer.
+    fn lease_wait_ms(&self, ttl_ms: u64) -> u64 {
+        (ttl_ms * 4).min(60_000).min(self.args.request_timeout / 2)
     }
 }
 
@@ -525,8 +589,10 @@ async fn send(
         Ok(answer) => answer,
         Err(_) => {
             shared.timed_out.fetch_add(1, Ordering::Relaxed);
+            let now_ms = shared.started.elapsed_ms();
+            shared.unanswered_ms.fetch_min(now_ms, Ordering::Relaxed);
             Err((
-                failed(format!(
+                LoadtestError::NoAnswer(format!(
                     "no answer within {} ms (--request-timeout)",
                     shared.args.request_timeout
                 )),
@@ -667,7 +733,8 @@ impl Writer {
         let args = &self.shared.args;
         let lease = format!("lt-{}", self.rng.below(u64::from(args.leases)));
         let sent_ms = self.shared.started.elapsed_ms();
-        let mut body = json!({"ttl_ms": args.ttl, "wait_ms": (args.ttl * 4).min(60_000)});
+        let wait_ms = self.shared.lease_wait_ms(args.ttl);
+        let mut body = json!({"ttl_ms": args.ttl, "wait_ms": wait_ms});
         // With authentication on, the caller is the holder.
         if self.shared.bearer.is_none() {
             body["holder"] = self.name.clone().into();
@@ -767,6 +834,10 @@ impl Writer {
         let mut zombie_writes = 0u32;
         let mut holding = true;
         for _ in 0..(3 + self.rng.below(10)) {
+            // No pause or renewal for a write the run will not send.
+            if shared.unanswered_since_ms().is_some() {
+                break;
+            }
             if zombie_writes == 0 && self.rng.chance(shared.args.pause_prob) {
                 tokio::time::sleep(Duration::from_millis(shared.pause_ms)).await;
                 zombie_writes = 2;
@@ -951,8 +1022,9 @@ async fn write_reading_first(
 /// applied; `None`: the probe could not tell; with what it saw.
 async fn probe_preconditions(shared: &Shared) -> (Option<bool>, String) {
     let lease = format!("{}-probe", shared.run_id);
-    let body =
-        json!({"holder": format!("{}-probe", shared.run_id), "ttl_ms": 30_000, "wait_ms": 10_000});
+    let holder = format!("{}-probe", shared.run_id);
+    let wait_ms = shared.lease_wait_ms(30_000).min(10_000);
+    let body = json!({"holder": holder, "ttl_ms": 30_000, "wait_ms": wait_ms});
     let acquired = call(
         shared,
         Method::POST,
@@ -1052,20 +1124,23 @@ async fn progress(shared: Arc<Shared>, total: Option<u64>) {
     }
 }
 
-/// Why a load test could not run, or broke off; its message is said to the
-/// user as it is.
+/// Why a load test could not run, or broke off, or why one of its requests
+/// failed; its message is said to the user as it is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LoadtestError {
     /// The arguments (or the environment they name) cannot work.
     Usage(String),
     /// The run could not start, or broke off.
     Failed(String),
+    /// A request got no answer within `--request-timeout`: trying it again
+    /// would most likely take as long.
+    NoAnswer(String),
 }
 
 impl std::fmt::Display for LoadtestError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Usage(why) | Self::Failed(why) => f.write_str(why),
+            Self::Usage(why) | Self::Failed(why) | Self::NoAnswer(why) => f.write_str(why),
         }
     }
 }
@@ -1123,12 +1198,25 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), LoadtestError> 
     let relay = start_relay(&args, seed).await?;
     drive(&shared, total, seed).await?;
     let duration_ms = shared.started.elapsed_ms().max(1);
+    let writes_stopped = shared
+        .stopped_writing_early()
+        .then_some(readback::NO_ANSWER);
     let late_writes = match &relay {
         Some(relay) => {
-            // Every held write reaches the storage before anything is read.
-            let limit = Duration::from_millis(args.late_by.saturating_add(30_000));
+            // Every held write reaches the storage before anything is read:
+            // each is delivered `--late-by` after it came, and its answer
+            // has a request timeout.
+            let limit = Duration::from_millis(args.late_by.saturating_add(args.request_timeout));
             let report = relay.finish(limit).await;
-            let (evaluates, probe) = probe_preconditions(&shared).await;
+            // A storage that has left a request unanswered would keep the
+            // probe's few requests waiting too, and the run cannot pass.
+            let (evaluates, probe) = match shared.unanswered_since_ms() {
+                Some(_) => (
+                    None,
+                    "not probed: a request got no answer within --request-timeout".to_owned(),
+                ),
+                None => probe_preconditions(&shared).await,
+            };
             Some(LateWrites {
                 fraction: args.late_writes.unwrap_or(0.0),
                 late_by_ms: args.late_by,
@@ -1156,12 +1244,22 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), LoadtestError> 
             .collect();
         by_checker.insert(HISTORY, check::check(&log, &writes));
     }
-    let reads = if verify.contains(&READ_BACK) {
-        Some(readback::read_keys(&shared, &writes).await)
+    let read_back = if verify.contains(&READ_BACK) {
+        // Proven before a key is read: the verdict is UNSAFE whatever the
+        // keys hold.
+        let mut known = Findings::default();
+        check::issued_twice(&mut known, &terms);
+        let proven = by_checker
+            .values()
+            .chain([&known])
+            .any(|f| f.violations() > 0);
+        let proven = proven.then_some(readback::VIOLATION_FOUND);
+        Some(readback::read_keys(&shared, &writes, proven).await)
     } else {
         None
     };
-    if let Some(reads) = &reads {
+    let reads = read_back.as_ref().map(|r| &r.reads);
+    if let Some(reads) = reads {
         by_checker.insert(READ_BACK, check::read_back(reads, &writes));
     }
     for f in by_checker.values_mut() {
@@ -1169,19 +1267,14 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), LoadtestError> 
     }
     let all: Vec<Findings> = by_checker.values().cloned().collect();
     let findings = Findings::merge(&all);
-    let (mut safe, mut verdict, mut status) = match late_verdict(late_writes.as_ref()) {
-        Some(late) => late,
-        None => verdict(&findings, truncated, args.min_stale),
-    };
     let timed_out = shared.timed_out.load(Ordering::Relaxed);
-    if timed_out > 0 && findings.violations() == 0 {
-        // What did not answer cannot be checked: no SAFE on what is missing.
-        (safe, status) = (false, 1);
-        verdict = format!(
-            "INCONCLUSIVE: {timed_out} requests got no answer within {} ms (--request-timeout)",
-            args.request_timeout
-        );
-    }
+    let (safe, mut verdict, status) = run_verdict(
+        late_verdict(late_writes.as_ref()),
+        &findings,
+        truncated,
+        args.min_stale,
+        (timed_out, args.request_timeout),
+    );
     if let Some(late) = late_writes.as_ref().filter(|_| safe && status == 0) {
         verdict.push_str(&match late.relay.late_stale_refused {
             0 => "; no late write reached the storage after a later term's write to its key (raise --late-writes or --late-by)".to_owned(),
@@ -1191,7 +1284,7 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), LoadtestError> 
     let cleanup = if args.keep {
         None
     } else {
-        Some(readback::clean_up(&shared, &writes, reads.as_ref()).await)
+        Some(readback::clean_up(&shared, &writes, reads).await)
     };
     let report = Report {
         target: args.target.clone(),
@@ -1215,6 +1308,9 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), LoadtestError> 
         cleanup,
         late_writes,
         requests_timed_out: timed_out,
+        request_timeout_ms: args.request_timeout,
+        writes_stopped: writes_stopped.map(str::to_owned),
+        read_back_stopped: read_back.and_then(|r| r.stopped).map(str::to_owned),
         safe,
         verdict,
     };
@@ -1354,6 +1450,7 @@ fn prepare(args: &LoadtestArgs, total: Option<u64>) -> Result<Arc<Shared>, Loadt
         answered_ms: AtomicU64::new(0),
         granted_ms: AtomicU64::new(0),
         timed_out: AtomicU64::new(0),
+        unanswered_ms: AtomicU64::new(NEVER),
         started: Stopwatch::start(),
         sent: AtomicU64::new(0),
         log: Mutex::new(Vec::new()),
@@ -1480,15 +1577,8 @@ fn verdict(findings: &Findings, truncated: bool, min_stale: u64) -> (bool, Strin
             "INCONCLUSIVE: the apply log was truncated".to_owned(),
             1,
         )
-    } else if findings.reads_failed > 0 {
-        (
-            false,
-            format!(
-                "INCONCLUSIVE: {} keys could not be read back",
-                findings.reads_failed
-            ),
-            1,
-        )
+    } else if let Some(unread) = unread(findings) {
+        (false, format!("INCONCLUSIVE: {unread}"), 1)
     } else if findings.stale_attempts < min_stale {
         (
             true,
@@ -1517,6 +1607,50 @@ fn verdict(findings: &Findings, truncated: bool, min_stale: u64) -> (bool, Strin
             0,
         )
     }
+}
+
+/// The keys the read-back could not read, or did not, in words (`None`:
+/// it read every key it was to read).
+fn unread(findings: &Findings) -> Option<String> {
+    match (findings.reads_failed, findings.keys_not_read) {
+        (0, 0) => None,
+        (failed, 0) => Some(format!("{failed} keys could not be read back")),
+        (0, left) => Some(format!("{left} keys were not read back")),
+        (failed, left) => Some(format!(
+            "{failed} keys could not be read back and {left} were not read"
+        )),
+    }
+}
+
+/// The run's `(safe, verdict line, exit status)`: the late writes' verdict
+/// (`late`, a fact the relay and the probe proved) or the findings'
+/// ([`verdict`]); but a run in which `timed_out.0` requests got no answer
+/// within `timed_out.1` ms is not SAFE on what is missing, and is
+/// INCONCLUSIVE unless something unsafe was proven.
+fn run_verdict(
+    late: Option<(bool, String, u8)>,
+    findings: &Findings,
+    truncated: bool,
+    min_stale: u64,
+    timed_out: (u64, u64),
+) -> (bool, String, u8) {
+    let proven = late.is_some() || findings.violations() > 0;
+    let found = match late {
+        Some(late) => late,
+        None => verdict(findings, truncated, min_stale),
+    };
+    let (count, timeout_ms) = timed_out;
+    if count == 0 || proven {
+        return found;
+    }
+    let mut line = format!(
+        "INCONCLUSIVE: {count} requests got no answer within {timeout_ms} ms (--request-timeout)"
+    );
+    if let Some(unread) = unread(findings) {
+        line.push_str("; ");
+        line.push_str(&unread);
+    }
+    (false, line, 1)
 }
 
 /// Reads the storage's apply log at `history_url` (default: the target).
@@ -1623,7 +1757,13 @@ pub fn summary(r: &Report) -> String {
         }
     };
     let rows = [
-        ("writes attempted", f.writes_attempted.to_string()),
+        (
+            "writes attempted",
+            match &r.writes_stopped {
+                Some(why) => format!("{} (stopped once {why})", f.writes_attempted),
+                None => f.writes_attempted.to_string(),
+            },
+        ),
         ("acknowledged", f.acknowledged.to_string()),
         (
             "rejected",
@@ -1681,11 +1821,16 @@ pub fn summary(r: &Report) -> String {
                 format!("{} of {}", f.shared_key_regressions, f.shared_keys_checked),
             ),
         );
+        let stopped = match (&r.read_back_stopped, f.keys_not_read) {
+            (_, 0) => String::new(),
+            (Some(why), left) => format!(", {left} not read: stopped once {why}"),
+            (None, left) => format!(", {left} not read"),
+        };
         rows.insert(
             at + 1,
             (
                 "keys read back",
-                format!("{} ({} failed)", f.keys_read, f.reads_failed),
+                format!("{} ({} failed{stopped})", f.keys_read, f.reads_failed),
             ),
         );
     }
@@ -1764,6 +1909,58 @@ mod tests {
             ..f
         };
         assert_eq!(verdict(&f, false, 1).2, 0);
+    }
+
+    /// The keys the read-back did not read leave the run INCONCLUSIVE, and
+    /// the verdict says how many, with or without requests that timed out;
+    /// a proven violation stays UNSAFE, and a late write of an old term
+    /// that landed is not turned INCONCLUSIVE by a timeout (seen failing:
+    /// it was).
+    #[test]
+    fn keys_not_read_back_are_inconclusive_and_proof_stays_unsafe() {
+        let f = Findings {
+            stale_attempts: 5,
+            stale_attempts_rejected: 5,
+            reads_failed: 3,
+            keys_not_read: 8,
+            ..Findings::default()
+        };
+        let (safe, line, status) = run_verdict(None, &f, false, 1, (0, 1000));
+        assert_eq!((safe, status), (false, 1));
+        assert_eq!(
+            line,
+            "INCONCLUSIVE: 3 keys could not be read back and 8 were not read"
+        );
+        let (_, line, _) = run_verdict(None, &f, false, 1, (9, 1000));
+        assert_eq!(
+            line,
+            "INCONCLUSIVE: 9 requests got no answer within 1000 ms (--request-timeout); \
+             3 keys could not be read back and 8 were not read"
+        );
+        let f = Findings {
+            reads_failed: 0,
+            ..f
+        };
+        let (_, line, _) = run_verdict(None, &f, false, 1, (0, 1000));
+        assert_eq!(line, "INCONCLUSIVE: 8 keys were not read back");
+        let unsafe_f = Findings {
+            stale_writes_applied: 1,
+            ..f.clone()
+        };
+        let (_, line, status) = run_verdict(None, &unsafe_f, false, 1, (9, 1000));
+        assert_eq!((line.as_str(), status), ("UNSAFE: 1 safety violations", 1));
+        let late = (
+            false,
+            "UNSAFE: 2 late writes of an old term landed".to_owned(),
+            1,
+        );
+        let (_, line, _) = run_verdict(Some(late), &f, false, 1, (9, 1000));
+        assert!(line.starts_with("UNSAFE"), "{line}");
+        let all_read = Findings {
+            keys_not_read: 0,
+            ..f
+        };
+        assert_eq!(run_verdict(None, &all_read, false, 1, (0, 1000)).2, 0);
     }
 
     #[test]

@@ -1,10 +1,16 @@
 //! After the run: reading back every key it wrote (bounded concurrency,
-//! with progress on a terminal), and deleting the run's keys.
+//! with progress on a terminal) until the verdict can no longer change,
+//! and deleting the run's keys.
+//!
+//! Both are bounded once the storage stops answering: the read-back stops
+//! one `--request-timeout` after the verdict was settled (see
+//! [`read_keys`]), and the cleanup one `--request-timeout` after a request
+//! of the run first got no answer (or after it began, if later).
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,13 +18,25 @@ use http::{Method, StatusCode};
 use serde::Serialize;
 use serde_json::json;
 
-use super::check::{ClientWrite, Read};
+use super::check::{self, ClientWrite, Read};
 use super::{call, layout, LoadtestError, Shared, To};
 use crate::clock::Stopwatch;
 use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
 
-/// Tries per read before it counts as failed.
+/// Tries per read before it counts as failed, when the storage answers
+/// with an error (or the connection fails); a read that got no answer
+/// within `--request-timeout` is not tried again.
 const READ_TRIES: u32 = 3;
+
+/// Why the read-back stopped: a request of the run got no answer within
+/// `--request-timeout` (the run can no longer pass).
+pub(super) const NO_ANSWER: &str = "a request got no answer";
+/// Why the read-back stopped: a key could not be read (the run can no
+/// longer pass).
+pub(super) const KEY_UNREAD: &str = "a key could not be read";
+/// Why the read-back stopped: a safety violation was proven (the verdict
+/// is UNSAFE).
+pub(super) const VIOLATION_FOUND: &str = "a safety violation was found";
 
 /// Every key the run tried to write, once: `(lease, key)`.
 fn keys(writes: &[ClientWrite]) -> Vec<(String, String)> {
@@ -45,26 +63,112 @@ fn read_url(shared: &Shared, path: String) -> To {
     }
 }
 
-/// Reads every key the run tried to write; what each holds, by key.
+/// What reading back found.
+pub(super) struct ReadBack {
+    /// What each key read holds, by key; a key not in it was not read.
+    pub reads: HashMap<String, Read>,
+    /// Why it stopped before reading every key (`None`: it read them all).
+    pub stopped: Option<&'static str>,
+}
+
+/// A key to read, and every write the run sent to it.
+struct ToRead {
+    lease: String,
+    key: String,
+    writes: Vec<ClientWrite>,
+}
+
+/// The read-back's clock: when it began, and when (and why) its verdict
+/// was settled, in milliseconds since the run started.
+struct Reading {
+    began_ms: u64,
+    settled: OnceLock<(u64, &'static str)>,
+}
+
+impl Reading {
+    /// Notes that the verdict is settled, and why (the first reason wins).
+    fn settle(&self, shared: &Shared, why: &'static str) {
+        let _ = self.settled.set((shared.started.elapsed_ms(), why));
+    }
+
+    /// When the verdict was settled, and why: by what the read-back found,
+    /// or by a request of the run (a write, a read) that got no answer.
+    fn settled(&self, shared: &Shared) -> Option<(u64, &'static str)> {
+        let unanswered = shared.unanswered_since_ms().map(|ms| (ms, NO_ANSWER));
+        // On a tie (the read that got no answer), the request says more.
+        [unanswered, self.settled.get().copied()]
+            .into_iter()
+            .flatten()
+            .min_by_key(|&(ms, _)| ms)
+    }
+
+    /// What is left of the read-back: `None` (no bound) while the verdict
+    /// can still change.
+    fn time_left(&self, shared: &Shared) -> Option<Duration> {
+        shared.time_left(self.began_ms, self.settled(shared).map(|(ms, _)| ms))
+    }
+}
+
+/// Reads every key the run tried to write, `--read-concurrency` at a time,
+/// until the verdict can no longer change.
+///
+/// Settled means: a safety violation is proven (`proven` before a key is
+/// read, or a key's read proves one: UNSAFE whatever the rest hold), or the
+/// run can no longer pass for want of answers (a key could not be read, or
+/// a request of the run got no answer within `--request-timeout`: at best
+/// INCONCLUSIVE, and only more violations could still change that). From
+/// then on the read-back has one more `--request-timeout` (counted from
+/// when it began, if it was settled before): what answers in that time
+/// still counts, and a read in flight at its end is abandoned. The keys it
+/// did not read are left out of the answer (the checker counts them as not
+/// read). While every read is answered in time and nothing is proven, every
+/// key is read.
 pub(super) async fn read_keys(
     shared: &Arc<Shared>,
     writes: &[ClientWrite],
-) -> HashMap<String, Read> {
-    let keys = Arc::new(keys(writes));
+    proven: Option<&'static str>,
+) -> ReadBack {
+    let mut to_key: BTreeMap<(String, String), Vec<ClientWrite>> = BTreeMap::new();
+    for w in writes {
+        let at = (w.lease.clone(), w.key.clone());
+        to_key.entry(at).or_default().push(w.clone());
+    }
+    let keys: Arc<Vec<ToRead>> = Arc::new(
+        to_key
+            .into_iter()
+            .map(|((lease, key), writes)| ToRead { lease, key, writes })
+            .collect(),
+    );
+    let reading = Arc::new(Reading {
+        began_ms: shared.started.elapsed_ms(),
+        settled: OnceLock::new(),
+    });
+    if let Some(why) = proven {
+        reading.settle(shared, why);
+    }
     let next = Arc::new(AtomicUsize::new(0));
-    let reading = Stopwatch::start();
+    let watch = Stopwatch::start();
     let bar = tokio::spawn(progress(next.clone(), keys.len()));
     let readers: Vec<_> = (0..shared.args.read_concurrency.max(1))
         .map(|_| {
             let (shared, keys, next) = (shared.clone(), keys.clone(), next.clone());
+            let reading = reading.clone();
             tokio::spawn(async move {
                 let mut found = Vec::new();
-                loop {
+                while reading.time_left(&shared) != Some(Duration::ZERO) {
                     let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some((lease, key)) = keys.get(i) else {
+                    let Some(k) = keys.get(i) else {
                         break;
                     };
-                    found.push((key.clone(), read_one(&shared, lease, key).await));
+                    let Some(read) = read_one(&shared, &reading, &k.lease, &k.key).await else {
+                        break;
+                    };
+                    if let Read::Failed(_) = read {
+                        reading.settle(&shared, KEY_UNREAD);
+                    } else if check::read_proves_violation(&k.key, &k.writes, &read) {
+                        reading.settle(&shared, VIOLATION_FOUND);
+                    }
+                    found.push((k.key.clone(), read));
                 }
                 found
             })
@@ -77,14 +181,21 @@ pub(super) async fn read_keys(
         }
     }
     bar.abort();
-    if std::io::stderr().is_terminal() && reading.elapsed_ms() >= 1000 {
+    if std::io::stderr().is_terminal() && watch.elapsed_ms() >= 1000 {
         eprintln!();
     }
-    reads
+    let stopped = if reads.len() < keys.len() {
+        reading.settled(shared).map(|(_, why)| why)
+    } else {
+        None
+    };
+    ReadBack { reads, stopped }
 }
 
-/// Reads one key, a few times if the storage fails to answer.
-async fn read_one(shared: &Shared, lease: &str, key: &str) -> Read {
+/// Reads one key: a few times if the storage answers with an error, once
+/// if it does not answer within `--request-timeout`. `None`: the read-back
+/// ran out of time first (the key was not read).
+async fn read_one(shared: &Shared, reading: &Reading, lease: &str, key: &str) -> Option<Read> {
     let path = shared.path.render(lease, key);
     let mut why = String::new();
     for attempt in 0..READ_TRIES {
@@ -92,14 +203,25 @@ async fn read_one(shared: &Shared, lease: &str, key: &str) -> Read {
             tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
         }
         let to = read_url(shared, path.clone());
-        match call(shared, Method::GET, to, &[], Bytes::new()).await {
-            Ok(a) if a.status.is_success() => return Read::Holds(layout::find_value(&a.body)),
-            Ok(a) if a.status == StatusCode::NOT_FOUND => return Read::Absent,
+        let read = call(shared, Method::GET, to, &[], Bytes::new());
+        // Past the read-back's end, the read is abandoned.
+        let answer = match reading.time_left(shared) {
+            Some(left) => tokio::time::timeout(left, read).await.ok()?,
+            None => read.await,
+        };
+        match answer {
+            Ok(a) if a.status.is_success() => {
+                return Some(Read::Holds(layout::find_value(&a.body)))
+            }
+            Ok(a) if a.status == StatusCode::NOT_FOUND => return Some(Read::Absent),
             Ok(a) => why = format!("{path} answered {}", a.status),
+            Err(e @ LoadtestError::NoAnswer(_)) => {
+                return Some(Read::Failed(format!("{path}: {e}")))
+            }
             Err(e) => why = format!("{path}: {e}"),
         }
     }
-    Read::Failed(why)
+    Some(Read::Failed(why))
 }
 
 /// "reading back 1234/5000 keys" on a terminal's stderr, once reading has
@@ -134,11 +256,16 @@ pub struct Cleanup {
 /// without a read-back, every key the run tried to write. Through fencegate
 /// under a term of a lease of the run's own per lease (deletes are writes);
 /// with `--direct`, straight to the storage.
+///
+/// Once a request of the run got no answer within `--request-timeout`, the
+/// cleanup has one more `--request-timeout` (counted from when it began, if
+/// later): the keys it has not deleted by then are counted as failed.
 pub(super) async fn clean_up(
     shared: &Arc<Shared>,
     writes: &[ClientWrite],
     reads: Option<&HashMap<String, Read>>,
 ) -> Cleanup {
+    let began_ms = shared.started.elapsed_ms();
     let mut by_lease: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for (lease, key) in keys(writes) {
         if reads.is_some_and(|r| r.get(&key) == Some(&Read::Absent)) {
@@ -150,7 +277,7 @@ pub(super) async fn clean_up(
         .into_iter()
         .map(|(lease, keys)| {
             let shared = shared.clone();
-            tokio::spawn(async move { clean_lease(&shared, &lease, &keys).await })
+            tokio::spawn(async move { clean_lease(&shared, &lease, &keys, began_ms).await })
         })
         .collect();
     let mut total = Cleanup::default();
@@ -174,47 +301,46 @@ struct Held {
     renewed: Stopwatch,
 }
 
-/// Deletes `keys` of `lease`; gives up on the rest once the lease cannot be
-/// acquired (the cleanup is bounded even when fencegate is not there).
-async fn clean_lease(shared: &Shared, lease: &str, keys: &[String]) -> Cleanup {
+/// Why a key of the cleanup was not deleted.
+enum NotDeleted {
+    /// The delete failed; the next key is tried.
+    Failed(LoadtestError),
+    /// No term of the lease could be acquired: the rest of its keys are
+    /// not tried (the cleanup is bounded even when fencegate is not there).
+    NoTerm(LoadtestError),
+}
+
+/// Deletes `keys` of `lease`, within what is left of a cleanup that began
+/// at `began_ms` (see [`clean_up`]).
+async fn clean_lease(shared: &Shared, lease: &str, keys: &[String], began_ms: u64) -> Cleanup {
     let mut done = Cleanup::default();
     let mut held: Option<Held> = None;
+    let time_left = || shared.time_left(began_ms, shared.unanswered_since_ms());
     for (i, key) in keys.iter().enumerate() {
         let path = shared.path.render(lease, key);
-        let outcome = match &shared.args.direct {
-            Some(direct) => delete(shared, To::Url(format!("{direct}{path}")), &[]).await,
-            None => {
-                // A refused delete (the term ended meanwhile) is tried once
-                // more under a fresh term.
-                let mut outcome = Err(LoadtestError::Failed(String::new()));
-                for _ in 0..2 {
-                    let h = match hold(shared, lease, &mut held).await {
-                        Ok(h) => h,
-                        Err(e) => {
-                            done.failed += (keys.len() - i) as u64;
-                            done.error.get_or_insert(e.to_string());
-                            return done;
-                        }
-                    };
-                    let headers = [
-                        (FENCING_TOKEN, h.token.as_str()),
-                        (FENCING_LEASE_ID, h.lease_id.as_str()),
-                    ];
-                    outcome =
-                        delete(shared, To::Lease(lease.to_owned(), path.clone()), &headers).await;
-                    if outcome.is_ok() {
-                        break;
-                    }
-                    held = None;
-                }
-                outcome
-            }
+        let deleting = delete_key(shared, lease, path, &mut held);
+        let outcome = match time_left() {
+            Some(left) => tokio::time::timeout(left, deleting).await.ok(),
+            None => Some(deleting.await),
         };
         match outcome {
-            Ok(()) => done.deleted += 1,
-            Err(e) => {
+            Some(Ok(())) => done.deleted += 1,
+            Some(Err(NotDeleted::Failed(e))) => {
                 done.failed += 1;
                 done.error.get_or_insert(e.to_string());
+            }
+            Some(Err(NotDeleted::NoTerm(e))) => {
+                done.failed += (keys.len() - i) as u64;
+                done.error.get_or_insert(e.to_string());
+                return done;
+            }
+            None => {
+                done.failed += (keys.len() - i) as u64;
+                done.error.get_or_insert(format!(
+                    "not tried: stopped once a request had got no answer within {} ms (--request-timeout)",
+                    shared.args.request_timeout
+                ));
+                return done;
             }
         }
     }
@@ -224,9 +350,51 @@ async fn clean_lease(shared: &Shared, lease: &str, keys: &[String]) -> Cleanup {
             (FENCING_LEASE_ID, h.lease_id.as_str()),
         ];
         let to = To::Lease(lease.to_owned(), format!("/_fence/leases/{lease}"));
-        let _ = call(shared, Method::DELETE, to, &headers, Bytes::new()).await;
+        let release = call(shared, Method::DELETE, to, &headers, Bytes::new());
+        // Out of time, the term is left to expire (a TTL).
+        match time_left() {
+            Some(left) => {
+                let _ = tokio::time::timeout(left, release).await;
+            }
+            None => {
+                let _ = release.await;
+            }
+        }
     }
     done
+}
+
+/// Deletes the key of `lease` at `path`: straight to the storage with
+/// `--direct`, else through fencegate under the cleanup's term of the lease
+/// (`held`, acquired or renewed as needed).
+async fn delete_key(
+    shared: &Shared,
+    lease: &str,
+    path: String,
+    held: &mut Option<Held>,
+) -> Result<(), NotDeleted> {
+    if let Some(direct) = &shared.args.direct {
+        let to = To::Url(format!("{direct}{path}"));
+        return delete(shared, to, &[]).await.map_err(NotDeleted::Failed);
+    }
+    // A refused delete (the term ended meanwhile) is tried once more under
+    // a fresh term; one that got no answer is not.
+    let mut outcome = Err(LoadtestError::Failed(String::new()));
+    for _ in 0..2 {
+        let h = hold(shared, lease, held)
+            .await
+            .map_err(NotDeleted::NoTerm)?;
+        let headers = [
+            (FENCING_TOKEN, h.token.as_str()),
+            (FENCING_LEASE_ID, h.lease_id.as_str()),
+        ];
+        outcome = delete(shared, To::Lease(lease.to_owned(), path.clone()), &headers).await;
+        if matches!(outcome, Ok(()) | Err(LoadtestError::NoAnswer(_))) {
+            break;
+        }
+        *held = None;
+    }
+    outcome.map_err(NotDeleted::Failed)
 }
 
 /// The cleanup's term of `lease`: acquired (waiting for the lease), or
@@ -256,7 +424,7 @@ async fn hold<'a>(
             _ => *held = None,
         }
     }
-    let mut body = json!({"ttl_ms": ttl, "wait_ms": (ttl * 4).min(60_000)});
+    let mut body = json!({"ttl_ms": ttl, "wait_ms": shared.lease_wait_ms(ttl)});
     if shared.bearer.is_none() {
         body["holder"] = format!("{}-cleanup", shared.run_id).into();
     }
@@ -303,6 +471,9 @@ async fn delete(shared: &Shared, to: To, headers: &[(&str, &str)]) -> Result<(),
             "DELETE {shown} answered {}",
             a.status
         ))),
+        Err(e @ LoadtestError::NoAnswer(_)) => {
+            Err(LoadtestError::NoAnswer(format!("DELETE {shown}: {e}")))
+        }
         Err(e) => Err(LoadtestError::Failed(format!("DELETE {shown}: {e}"))),
     }
 }
