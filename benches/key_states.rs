@@ -22,7 +22,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
-use fencegate::precondition::{KeyStateTable, Plan};
+use fencegate::precondition::{Dialect, KeyStateTable, Plan};
 use http::{Request, Response};
 
 /// The system allocator, counting live bytes and allocations made.
@@ -108,7 +108,7 @@ fn main() {
     // to the writers': the next one is measured.)
     let i = keys / 2;
     let path = key(i);
-    let (_, exchange) = table.plan(&path, &requests[i]);
+    let (_, exchange) = table.plan(&path, &requests[i], Dialect::S3);
     let first = fencegate::precondition::Observed {
         table: table.clone(),
         key: fencegate::precondition::Key::of(&path),
@@ -118,7 +118,7 @@ fn main() {
     let next = answer(&etag(i, 3));
     let allocations = || ALLOCATIONS.load(Ordering::Relaxed);
     let a0 = allocations();
-    let (plan, exchange) = table.plan(&path, &requests[i]);
+    let (plan, exchange) = table.plan(&path, &requests[i], Dialect::S3);
     let planned = allocations() - a0;
     assert!(matches!(plan, Plan::IfMatch(_)), "{plan:?}");
     let observed = fencegate::precondition::Observed {

@@ -361,8 +361,10 @@ pub struct RouteConfig {
     /// Replaces the pattern's leading literal segments upstream.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream_prefix: Option<String>,
-    /// `"etag"`: every write that changes a key reaches the storage with a
-    /// precondition (SPEC §10); `"off"` by default.
+    /// `"s3"`, `"azure"` or `"etag"` (any other storage): every write the
+    /// storage may execute as a change to a key reaches it with a
+    /// precondition that operation evaluates (SPEC §10); `"off"` by
+    /// default.
     #[serde(default, skip_serializing_if = "Preconditions::is_off")]
     pub preconditions: Preconditions,
 }

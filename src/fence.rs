@@ -45,7 +45,8 @@ use crate::lease::{Admission, AdmitError, AdmitOptions, LeaseStore, Primacy, Wri
 use crate::metrics::Metrics;
 use crate::names::LeaseName;
 use crate::precondition::{self, Key, KeyStateTable, Observed, Plan};
-use crate::route::{Preconditions, Routes};
+use crate::route::Routes;
+use fencegate_core::precondition::Dialect;
 
 pub use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
 
@@ -179,6 +180,14 @@ enum Decision {
     Fenced(Fenced),
 }
 
+/// A request on a route with preconditions: the key, whether it writes
+/// it, and the storage's API.
+struct Conditioned {
+    key: Key,
+    write: bool,
+    dialect: Dialect,
+}
+
 /// A request the lease store must admit.
 struct Fenced {
     lease: LeaseName,
@@ -189,7 +198,7 @@ struct Fenced {
     /// The longest wait at the barrier (the route's upstream deadline).
     max_wait_ms: u64,
     /// On a route with preconditions: the key it writes (or reads).
-    conditioned: Option<(Key, bool)>,
+    conditioned: Option<Conditioned>,
 }
 
 impl Fenced {
@@ -264,17 +273,16 @@ impl FencePolicy {
             RequestContext::of_mut(req).timeout_ms = Some(timeout_ms);
         }
         let timeout_ms = route.timeout_ms.unwrap_or(self.upstream_timeout_ms);
-        let conditioned = match route.preconditions {
-            Preconditions::Off => None,
-            // The key as the storage will act on it (a prefix rewritten
-            // above is the storage's too).
-            Preconditions::Etag => {
-                Some((Key::of(vpath.as_deref().unwrap_or(req.uri().path())), write))
-            }
-        };
+        // The key as the storage will act on it (a prefix rewritten above
+        // is the storage's too), and the storage's API.
+        let conditioned = route.preconditions.dialect().map(|dialect| Conditioned {
+            key: Key::of(vpath.as_deref().unwrap_or(req.uri().path())),
+            write,
+            dialect,
+        });
         if !write && !route.fence_reads {
             req.headers_mut().remove(&LEASE_ID_NAME);
-            return Decision::Pass(conditioned.map(|(key, _)| self.read_of(key, req)));
+            return Decision::Pass(conditioned.map(|c| self.read_of(c.key, req)));
         }
         let lease = match route.lease {
             Ok(lease) => lease,
@@ -336,13 +344,18 @@ impl FencePolicy {
         req: &mut Request<Body>,
         fenced: &mut Fenced,
     ) -> Result<Option<Observed>, Problem> {
-        let Some((key, write)) = fenced.conditioned.take() else {
+        let Some(Conditioned {
+            key,
+            write,
+            dialect,
+        }) = fenced.conditioned.take()
+        else {
             return Ok(None);
         };
         if !write {
             return Ok(Some(self.read_of(key, req)));
         }
-        let (plan, exchange) = self.key_states.plan(key.as_str(), req);
+        let (plan, exchange) = self.key_states.plan(key.as_str(), req, dialect);
         if let Plan::Required(required) = plan {
             self.metrics
                 .write_rejected(Reason::PreconditionRequired.slug());

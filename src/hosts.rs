@@ -59,10 +59,15 @@ impl Hosts {
                                 && l.bytes()
                                     .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
                         });
-                    if valid {
-                        Ok(h)
-                    } else {
+                    if !valid {
                         Err(BadHost(format!("{what}: {h:?} is not a host name")))
+                    } else if h.ends_with(".svc.cluster.local") {
+                        // moto reads every such host path-style.
+                        Err(BadHost(format!(
+                            "{what}: {h:?}: storages read hosts under .svc.cluster.local path-style"
+                        )))
+                    } else {
+                        Ok(h)
                     }
                 })
                 .collect()
@@ -77,7 +82,14 @@ impl Hosts {
     /// all).
     pub fn style<'h>(&self, host: &'h str) -> Result<Style<'h>, UnreadableHost> {
         let name = strip_port(host).ok_or(UnreadableHost("the Host header is not a host"))?;
-        let is_ip = name.starts_with('[') || name.parse::<std::net::Ipv4Addr>().is_ok();
+        let is_ip = match name.strip_prefix('[').and_then(|n| n.strip_suffix(']')) {
+            Some(v6) => {
+                v6.parse::<std::net::Ipv6Addr>()
+                    .map_err(|_| UnreadableHost("the Host header is not a host"))?;
+                true
+            }
+            None => name.parse::<std::net::Ipv4Addr>().is_ok(),
+        };
         if is_ip || !name.contains('.') {
             return Ok(Style::Path);
         }
@@ -93,12 +105,19 @@ impl Hosts {
                 continue;
             };
             // A bucket as S3 names one, one label: a dotted bucket
-            // (`a.b.domain`) is `a.b` to S3 and `a` to others.
+            // (`a.b.domain`) is `a.b` to S3 and `a` to others. Labels some
+            // storages read otherwise are refused too: moto takes a host
+            // that starts with `localhost` or `localstack` for path-style,
+            // and drops a leading `www.`.
             let bucket = &name[..label.len()];
             let plain = !bucket.is_empty()
                 && bucket
                     .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !["localhost", "localstack"]
+                    .iter()
+                    .any(|p| bucket.starts_with(p))
+                && bucket != "www";
             return if plain {
                 Ok(Style::Virtual(bucket))
             } else {
@@ -156,11 +175,10 @@ pub fn virtual_path<B>(
         (Some(h), None) => h
             .to_str()
             .map_err(|_| UnreadableHost("the Host header is not text"))?,
-        (None, _) => match req.uri().authority() {
-            Some(a) => a.as_str(),
-            // The storage gets the upstream's own host.
-            None => return Ok(None),
-        },
+        // No Host line (an absolute-form request may name an authority
+        // all the same): the storage gets the upstream's own host, and
+        // reads the request path-style.
+        (None, _) => return Ok(None),
     };
     match hosts.style(host)? {
         Style::Path => Ok(None),
@@ -214,12 +232,17 @@ mod tests {
             "s3.local:port",
             "a b",
             "[::1",
+            "[anything]",
             "host:1:2",
+            "localhost-x.s3.local",
+            "localstack.s3.local",
+            "www.s3.local",
         ] {
             assert!(h.style(host).is_err(), "{host}");
         }
         assert!(Hosts::new(&["a..b".into()], &[]).is_err());
         assert!(Hosts::new(&[], &["".into()]).is_err());
+        assert!(Hosts::new(&["s3.ns.svc.cluster.local".into()], &[]).is_err());
     }
 
     #[test]
@@ -248,7 +271,10 @@ mod tests {
         r.headers_mut()
             .append("host", "b.s3.local".parse().unwrap());
         assert!(virtual_path(&r, Some(&h)).is_err());
-        let r = req(None, "http://b2.s3.local/k");
-        assert_eq!(path(&r, Some(&h)).as_deref(), Some("/b2/k"));
+        // The storage gets the upstream's Host, not the URI's authority
+        // (seen failing when the authority was read: fenced as bucket b2,
+        // written path-style to bucket k).
+        let r = req(None, "http://b2.s3.local/k/x");
+        assert_eq!(path(&r, Some(&h)), None);
     }
 }

@@ -24,7 +24,7 @@ use smallvec::SmallVec;
 use crate::body::Body;
 
 pub use fencegate_core::precondition::{
-    Answer, Exchange, KeyState, KeyStates, Operation, Own, Plan, Required, Sent,
+    Answer, Dialect, Exchange, KeyState, KeyStates, Operation, Own, Plan, Required, Sent,
 };
 
 /// How many locks the table is split over: a key's lock is held for one
@@ -62,11 +62,26 @@ impl KeyStateTable {
     }
 
     /// What to do with a write to `key` (see [`KeyStates::plan_write`]):
-    /// its operation by its method and query, as the storage reads them,
-    /// and the preconditions it carries itself.
-    pub fn plan(&self, key: &str, req: &Request<crate::body::Body>) -> (Plan, Exchange) {
+    /// its operation by its method and query, as a storage that speaks
+    /// `dialect` reads them, and the preconditions it carries itself.
+    pub fn plan(
+        &self,
+        key: &str,
+        req: &Request<crate::body::Body>,
+        dialect: Dialect,
+    ) -> (Plan, Exchange) {
         let headers = req.headers();
-        let op = Operation::of(req.method().as_str(), req.uri().query());
+        // Azure's DELETE of the blob's snapshots only leaves the blob.
+        let snapshots_only = dialect == Dialect::Azure
+            && headers
+                .get(&X_MS_DELETE_SNAPSHOTS)
+                .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"only"));
+        let op = Operation::of(
+            dialect,
+            req.method().as_str(),
+            req.uri().query(),
+            snapshots_only,
+        );
         let own = Own {
             if_match: sent(headers, &IF_MATCH),
             if_none_match: sent(headers, &IF_NONE_MATCH),
@@ -233,6 +248,10 @@ pub const CODE_SCAN_BYTES: usize = 1024;
 /// Azure's error code header (on every error answer, a `HEAD`'s too).
 const X_MS_ERROR_CODE: HeaderName = HeaderName::from_static("x-ms-error-code");
 
+/// Azure's choice of what a DELETE removes: `include` (the blob and its
+/// snapshots) or `only` (its snapshots).
+const X_MS_DELETE_SNAPSHOTS: HeaderName = HeaderName::from_static("x-ms-delete-snapshots");
+
 /// An answer's body on its way to the client, its first
 /// [`CODE_SCAN_BYTES`] kept to read the error code they name; the answer is
 /// learned from when they are in or the body ended.
@@ -342,7 +361,7 @@ mod tests {
         let table = std::sync::Arc::new(KeyStateTable::new(64));
         let put = req("PUT", "/b/k", &[]);
         assert_eq!(
-            table.plan("/b/k", &put).0,
+            table.plan("/b/k", &put, Dialect::S3).0,
             Plan::Required(Required::Unknown)
         );
         let get = req("GET", "/b/k", &[]);
@@ -351,18 +370,18 @@ mod tests {
             .body(crate::body::empty())
             .unwrap();
         let _ = observed(&table, table.read("/b/k", &get)).learn(ok);
-        let (plan, _) = table.plan("/b/k", &put);
+        let (plan, _) = table.plan("/b/k", &put, Dialect::S3);
         let mut headers = HeaderMap::new();
         add(&plan, &mut headers);
         assert_eq!(headers["if-match"], "\"e1\"");
         // Shared Key signs If-Match: fencegate may not add it.
         let signed = req("PUT", "/b/k", &[("authorization", "SharedKey acct:c2ln")]);
         assert!(matches!(
-            table.plan("/b/k", &signed).0,
+            table.plan("/b/k", &signed, Dialect::Azure).0,
             Plan::Required(Required::Send(_))
         ));
         let own = req("PUT", "/b/k", &[("if-none-match", "*")]);
-        assert_eq!(table.plan("/b/k", &own).0, Plan::AsSent);
+        assert_eq!(table.plan("/b/k", &own, Dialect::S3).0, Plan::AsSent);
         // Sent twice: which one the storage takes is its own.
         let twice = req(
             "PUT",
@@ -370,7 +389,7 @@ mod tests {
             &[("if-none-match", "*"), ("if-none-match", "*")],
         );
         assert!(matches!(
-            table.plan("/b/k", &twice).0,
+            table.plan("/b/k", &twice, Dialect::S3).0,
             Plan::Required(Required::Unprotected(_))
         ));
         assert_eq!(table.len(), 1);

@@ -139,20 +139,39 @@ impl Matched<'_> {
 }
 
 /// How a route's writes are conditioned at the storage (SPEC §10): `off`
-/// (the default), or `etag`: every write that changes a key carries a
-/// precondition, the client's own or one naming the key's state as the
-/// storage's answers showed it.
+/// (the default), or on: every write the storage may execute as a change
+/// to a key carries a precondition that operation evaluates, the client's
+/// own or one naming the key's state as the storage's answers showed it.
+/// Which API the storage speaks decides what its requests are
+/// (`fencegate_core::precondition::Dialect`): `s3`, `azure`, or `etag` for
+/// any other (no write is sorted as one that changes no key).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Preconditions {
     #[default]
     Off,
+    /// A storage fencegate knows nothing of (WebDAV, the embedded store).
     Etag,
+    /// Amazon S3 and the stores that copy its API.
+    S3,
+    /// Azure Blob Storage.
+    Azure,
 }
 
 impl Preconditions {
     pub fn is_off(&self) -> bool {
         *self == Preconditions::Off
+    }
+
+    /// The storage's API, on a route with preconditions.
+    pub fn dialect(&self) -> Option<fencegate_core::precondition::Dialect> {
+        use fencegate_core::precondition::Dialect;
+        match self {
+            Preconditions::Off => None,
+            Preconditions::Etag => Some(Dialect::Any),
+            Preconditions::S3 => Some(Dialect::S3),
+            Preconditions::Azure => Some(Dialect::Azure),
+        }
     }
 }
 

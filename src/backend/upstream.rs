@@ -295,11 +295,14 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 
 /// Headers a `Connection` header may not remove: those fencegate sets or
 /// relies on (the fencing token the backend may check, the request id, the
-/// forwarding headers, `Host`, the checked WebDAV `Destination`) and the
-/// body's framing. A client listing them in `Connection` cannot strip them
-/// on their way to the backend.
-const KEPT_ON_THE_WAY: [HeaderName; 9] = [
+/// forwarding headers, `Host`, the checked WebDAV `Destination`, the
+/// precondition a route's storage is to evaluate) and the body's framing.
+/// A client listing them in `Connection` cannot strip them on their way to
+/// the backend.
+const KEPT_ON_THE_WAY: [HeaderName; 11] = [
     HOST,
+    http::header::IF_MATCH,
+    http::header::IF_NONE_MATCH,
     http::header::CONTENT_LENGTH,
     HeaderName::from_static("fencing-token"),
     HeaderName::from_static("x-request-id"),
@@ -1255,12 +1258,16 @@ mod tests {
     }
 
     /// Seen failing before: `Connection: close, fencing-token` removed the
-    /// token, defeating a backend's own token check.
+    /// token, defeating a backend's own token check; and `Connection:
+    /// If-Match` removed the precondition a route with preconditions had
+    /// added (or judged), so a late write went unconditioned.
     #[test]
     fn connection_cannot_name_what_fencegate_sets_or_relies_on() {
         let mut h = HeaderMap::new();
         let kept = [
             "host",
+            "if-match",
+            "if-none-match",
             "content-length",
             "fencing-token",
             "x-request-id",

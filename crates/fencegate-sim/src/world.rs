@@ -17,7 +17,7 @@ use fencegate_core::lease::inflight::{self, Inflight, WriteLife};
 use fencegate_core::lease::machine::{AcquireRefused, Grant, LeaseState, Term};
 use fencegate_core::lease::restart::{self, RestartRule};
 use fencegate_core::lease::retention::{self, Named};
-use fencegate_core::precondition::{self, KeyStates, Operation, Own, Plan, Sent};
+use fencegate_core::precondition::{self, Dialect, KeyStates, Operation, Own, Plan, Sent};
 
 use crate::disk::File;
 use crate::storage::{self as s3, KeyWrite, Keys, Outcome, State, TagKind};
@@ -1919,7 +1919,7 @@ impl World {
             if_match: sent(shape.if_match),
             if_none_match: sent(shape.if_none_match),
         };
-        let op = Operation::of(shape.method, shape.query);
+        let op = Operation::of(Dialect::S3, shape.method, shape.query, false);
         let (plan, exchange) = states.plan_write(&name, op, &own, true);
         let own_header = |h: Option<&'static str>| h.map(|v| s3::Header::parse(v.as_bytes()));
         let (added, if_match, if_none_match) = match plan {

@@ -1539,7 +1539,7 @@ fn late_verdict(late: Option<&LateWrites>) -> Option<(bool, String, u8)> {
     if r.late_stale_applied > 0 {
         let why = match late.storage_evaluates_if_match {
             Some(false) => "the storage ignores preconditions (a PUT whose If-Match named no state of its key was applied), so it takes a write of an old term however late it comes; only fence.settle_ms bounds that",
-            _ if r.writes_without_precondition > 0 => "writes reached the storage without a precondition: set preconditions = \"etag\" on the route (docs/preconditions.md)",
+            _ if r.writes_without_precondition > 0 => "writes reached the storage without a precondition: set preconditions (\"s3\", \"azure\" or \"etag\") on the route (docs/preconditions.md)",
             _ => "their keys had returned to the state their preconditions named (the same bytes written again under an entity tag that names the content, or deleted again: docs/preconditions.md)",
         };
         return Some((

@@ -1,6 +1,7 @@
 //! Storage-side preconditions (SPEC §10): fencing with no timing bound.
 //!
-//! On a route with `preconditions = "etag"`, every write the storage may
+//! On a route with preconditions (`"s3"`, `"azure"` or `"etag"`: the
+//! storage's API, [`Dialect`]), every write the storage may
 //! execute as a change to a key reaches it with an HTTP precondition (RFC
 //! 9110 §13) that the storage evaluates for that operation
 //! ([`Operation`]): the client's own `If-Match` or `If-None-Match`, passed
@@ -63,7 +64,7 @@ use bytes::Bytes;
 
 use crate::mutant::{planted, Mutant};
 
-pub use request::{decode, reads_the_key, Operation, Own, Sent, Unprotected};
+pub use request::{decode, reads_the_key, Classified, Dialect, Operation, Own, Sent, Unprotected};
 
 /// A key's state as an answer of the storage showed it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -106,6 +107,9 @@ pub enum Required {
     DeleteOfAbsent,
     /// Its own precondition names no state the storage will compare.
     Unprotected(Unprotected),
+    /// It changes what the key holds, but the storage evaluates no
+    /// precondition on it ([`Operation::Unconditional`]).
+    NotEvaluated,
 }
 
 /// What an exchange was, so its answer can be learned from
@@ -123,10 +127,12 @@ enum Kind {
     /// A `GET` or `HEAD` (`head`) of the key itself.
     Read { head: bool },
     /// A key write of `op`; `sent`: the state its added precondition named
-    /// (`None`: it went with the client's own).
+    /// (`None`: it went with the client's own); `plain`: its answer shows
+    /// the state it left ([`Classified::plain`]).
     Write {
         op: Operation,
         sent: Option<KeyState>,
+        plain: bool,
     },
 }
 
@@ -145,6 +151,7 @@ impl Exchange {
             Kind::Read { head } => !head && matches!(status, 404 | 410),
             Kind::Write {
                 op: Operation::Delete,
+                plain: true,
                 ..
             } => status == 404,
             _ => false,
@@ -357,31 +364,37 @@ impl KeyStates {
         self.written.get(key).or_else(|| self.read.get(key))
     }
 
-    /// What to do with a write `op` to `key`; `own`: the preconditions it
-    /// carries itself; `may_add`: a precondition may be added to it (not
+    /// What to do with a write to `key` (`write`: its operation, and
+    /// whether it is the plain write of the key); `own`: the preconditions
+    /// it carries itself; `may_add`: a precondition may be added to it (not
     /// when its signature covers the precondition headers, as Azure's
     /// Shared Key does). With the exchange to learn its answer from.
     pub fn plan_write(
         &mut self,
         key: &str,
-        op: Operation,
+        write: Classified,
         own: &Own<'_>,
         may_add: bool,
     ) -> (Plan, Exchange) {
+        let Classified { op, plain } = write;
         let nothing = |s: &Self| s.exchange(Kind::Nothing);
-        if op == Operation::Aside {
-            return (Plan::AsSent, nothing(self));
+        let sent_with = |sent| Kind::Write { op, sent, plain };
+        match op {
+            Operation::Aside => return (Plan::AsSent, nothing(self)),
+            Operation::Unconditional => {
+                return (Plan::Required(Required::NotEvaluated), nothing(self))
+            }
+            _ => {}
         }
         if !own.is_none() {
             return match own.protects(op) {
-                Ok(()) => (Plan::AsSent, self.exchange(Kind::Write { op, sent: None })),
+                Ok(()) => (Plan::AsSent, self.exchange(sent_with(None))),
                 Err(why) => (Plan::Required(Required::Unprotected(why)), nothing(self)),
             };
         }
         let known = self.used(key).cloned();
         if planted(Mutant::PreconditionDropped) && known.is_some() {
-            let exchange = self.exchange(Kind::Write { op, sent: known });
-            return (Plan::AsSent, exchange);
+            return (Plan::AsSent, self.exchange(sent_with(known)));
         }
         let plan = match &known {
             None => return (Plan::Required(Required::Unknown), nothing(self)),
@@ -396,7 +409,7 @@ impl KeyStates {
             Some(KeyState::Absent) => Plan::IfNoneMatchAny,
             Some(KeyState::Tagged(tag)) => Plan::IfMatch(tag.clone()),
         };
-        (plan, self.exchange(Kind::Write { op, sent: known }))
+        (plan, self.exchange(sent_with(known)))
     }
 
     /// Learns what `answer` to `exchange` (an exchange about `key`) shows;
@@ -406,11 +419,13 @@ impl KeyStates {
     ///   it carries no strong one, a state that cannot be named: the key is
     ///   forgotten); a 404 or 410 whose code [`says_absent`] shows the key
     ///   absent; anything else shows nothing.
-    /// - A key write answered 2xx was applied: a `DELETE` leaves the key
-    ///   absent, any other write leaves it with the entity tag of the
-    ///   answer (none: forgotten). A `DELETE` answered 404 with a code that
-    ///   [`says_absent`] found it absent. A `DELETE` of a version leaves a
-    ///   state its answer does not show: the key is forgotten.
+    /// - A plain key write ([`Classified::plain`]) answered 2xx was
+    ///   applied: a `DELETE` leaves the key absent, any other write leaves
+    ///   it with the entity tag of the answer (none: forgotten). A plain
+    ///   `DELETE` answered 404 with a code that [`says_absent`] found it
+    ///   absent. Any other key write (a `DELETE` of a version, a write with
+    ///   a parameter fencegate does not know) leaves a state its answer may
+    ///   not show: the key is forgotten.
     /// - A key write refused (any other status) changed nothing the answer
     ///   names, and one whose outcome is unknown may still change the key:
     ///   the key is forgotten, if its state is still the one the write's
@@ -427,7 +442,7 @@ impl KeyStates {
                 404 | 410 if says_absent(code) => self.set(key, KeyState::Absent, false),
                 _ => {}
             },
-            (Kind::Write { op, sent }, answer) => {
+            (Kind::Write { op, sent, plain }, answer) => {
                 let applied = match answer {
                     Answer::Storage { status, .. } => (200..=299).contains(&status),
                     Answer::Unknown => false,
@@ -436,7 +451,7 @@ impl KeyStates {
                     planted(Mutant::RefusedWriteTeaches) && answer != Answer::Unknown;
                 let delete = *op == Operation::Delete;
                 match answer {
-                    _ if *op == Operation::DeleteVersion => self.forget(key),
+                    _ if *op == Operation::DeleteVersion || !plain => self.forget(key),
                     Answer::Storage {
                         status: 404, code, ..
                     } if delete && says_absent(code) => {

@@ -5,11 +5,21 @@
 //! whether a client's own precondition names a state the storage will
 //! compare ([`Own::protects`]).
 //!
+//! Storages read the same request differently: S3 executes `PUT
+//! ?comp=block` as a PutObject, Azure executes `PUT ?tagging` as a Put
+//! Blob. So a route says which storage's API it fronts ([`Dialect`]), and
+//! only that API's rules apply.
+//!
 //! Every rule here errs one way. A write is sorted as one that changes no
 //! key ([`Operation::Aside`]) only for the exact pairs of method and
-//! sub-resource that S3 and Azure document as such; anything else, a
-//! parameter fencegate does not know among them, is a key write and gets
-//! a precondition. A read teaches the key's state only when every
+//! sub-resource that the route's storage documents as such (none for a
+//! storage fencegate knows nothing of); anything else, a parameter
+//! fencegate does not know among them, is a key write and gets a
+//! precondition, or, for an Azure operation that changes the blob but
+//! evaluates no precondition (Undelete Blob, Set Blob Expiry, ...), is
+//! refused ([`Operation::Unconditional`]). Only a key write whose query has
+//! nothing but neutral parameters teaches the state its answer shows; the
+//! answer of any other may be a part's, a version's, a staged block's. A read teaches the key's state only when every
 //! parameter of its query is one that leaves it a read of the key (an
 //! SDK's hint, a presigned URL's or a SAS token's signature, a response
 //! override); anything else teaches nothing. Parameter names and values
@@ -21,6 +31,20 @@
 use std::borrow::Cow;
 
 use crate::mutant::{planted, Mutant};
+
+/// Whose API a route's storage speaks: what its sub-resources mean.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Dialect {
+    /// Nothing known of it: no write is sorted aside, every write carries
+    /// a precondition (the embedded store, WebDAV servers).
+    #[default]
+    Any,
+    /// Amazon S3 and the stores that copy its API (R2, Ceph, MinIO, GCS's
+    /// XML API, moto, Garage).
+    S3,
+    /// Azure Blob Storage (and Azurite).
+    Azure,
+}
 
 /// What a write on a route with preconditions does at the storage, by its
 /// method and query ([`Operation::of`]).
@@ -53,6 +77,24 @@ pub enum Operation {
     /// ?comp=block&blockid=…`). Storages evaluate no precondition on
     /// these: they go as they are and teach nothing.
     Aside,
+    /// It changes what the key holds (or may), but the storage evaluates
+    /// no precondition on it: Azure's Undelete Blob (`comp=undelete`, which
+    /// brings back what a later term deleted), Set Blob Expiry
+    /// (`comp=expiry`), Abort Copy Blob (`comp=copy`), and any `comp`
+    /// fencegate does not know. Refused (`428`): no precondition protects
+    /// it.
+    Unconditional,
+}
+
+/// A write as [`Operation::of`] reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Classified {
+    pub op: Operation,
+    /// Its query has only neutral parameters (an SDK's hint, a signature):
+    /// the request is the plain write of the key, and its answer shows the
+    /// state it left. The answer of any other write teaches nothing (a
+    /// part's, a version's, a sub-resource's entity tag is not the key's).
+    pub plain: bool,
 }
 
 /// A parameter name fencegate knows, as a bit of a request's set.
@@ -67,8 +109,15 @@ mod bit {
     pub(super) const RESTORE: u32 = 1 << 7;
     pub(super) const SELECT: u32 = 1 << 8;
     pub(super) const SELECT_TYPE: u32 = 1 << 9;
-    /// `comp=block` (Azure); any other `comp` is [`OTHER`].
+    /// `comp=block` (Azure).
     pub(super) const COMP_BLOCK: u32 = 1 << 10;
+    /// `comp=tags` (Azure).
+    pub(super) const COMP_TAGS: u32 = 1 << 15;
+    /// A `comp` whose operation evaluates preconditions
+    /// ([`super::AZURE_CONDITIONED`]).
+    pub(super) const COMP_CONDITIONED: u32 = 1 << 16;
+    /// Any other `comp`.
+    pub(super) const COMP_OTHER: u32 = 1 << 17;
     pub(super) const BLOCK_ID: u32 = 1 << 11;
     /// `versionId`, or (compared without case, as Azure does) `versionid`
     /// or `snapshot`.
@@ -79,21 +128,42 @@ mod bit {
     pub(super) const UNDECODABLE: u32 = 1 << 14;
 }
 
-/// The writes that change no key: a method, the parameters it must have,
+/// S3's writes that change no key: a method, the parameters it must have,
 /// and those it may have besides (parameters that never change what is
 /// done, [`NEUTRAL`], aside).
-const ASIDE: [(&str, u32, u32); 11] = [
+const S3_ASIDE: [(&str, u32, u32); 10] = [
     ("PUT", bit::TAGGING, bit::VERSION),
     ("PUT", bit::ACL, bit::VERSION),
     ("PUT", bit::RETENTION, bit::VERSION),
     ("PUT", bit::LEGAL_HOLD, bit::VERSION),
     ("PUT", bit::PART_NUMBER | bit::UPLOAD_ID, 0),
-    ("PUT", bit::COMP_BLOCK | bit::BLOCK_ID, 0),
     ("POST", bit::UPLOADS, 0),
     ("POST", bit::RESTORE, bit::VERSION),
     ("POST", bit::SELECT, bit::SELECT_TYPE | bit::VERSION),
     ("DELETE", bit::UPLOAD_ID, 0),
     ("DELETE", bit::TAGGING, bit::VERSION),
+];
+
+/// Azure's: Put Block stages a block only a Put Block List makes visible;
+/// Set Blob Tags changes neither the content nor the entity tag.
+const AZURE_ASIDE: [(&str, u32, u32); 2] = [
+    ("PUT", bit::COMP_BLOCK | bit::BLOCK_ID, 0),
+    ("PUT", bit::COMP_TAGS, bit::VERSION),
+];
+
+/// Azure's `comp` values whose operation evaluates `If-Match` and
+/// `If-None-Match` on the blob: Put Block List, Set Blob Metadata and
+/// Properties, Put Page, Append Block, Snapshot Blob, Lease Blob. Any
+/// other `comp` (but `block` and `tags`, aside) is
+/// [`Operation::Unconditional`].
+const AZURE_CONDITIONED: [&str; 7] = [
+    "blocklist",
+    "metadata",
+    "properties",
+    "page",
+    "appendblock",
+    "snapshot",
+    "lease",
 ];
 
 /// Parameters that leave a request what it is: SDK hints (`x-id`), the
@@ -196,7 +266,9 @@ fn bit_of(name: &str, value: &str) -> u32 {
         "blockid" => bit::BLOCK_ID,
         "comp" => match decode(value) {
             Some(v) if v == "block" => bit::COMP_BLOCK,
-            Some(_) => bit::OTHER,
+            Some(v) if v == "tags" => bit::COMP_TAGS,
+            Some(v) if AZURE_CONDITIONED.contains(&v.as_ref()) => bit::COMP_CONDITIONED,
+            Some(_) => bit::COMP_OTHER,
             None => bit::UNDECODABLE,
         },
         _ if name.eq_ignore_ascii_case("versionid") || name.eq_ignore_ascii_case("snapshot") => {
@@ -221,7 +293,10 @@ fn bits(query: &str) -> u32 {
             Some(name) => bit_of(&name, value),
             None => bit::UNDECODABLE,
         };
-        if b & set & !(bit::OTHER | bit::UNDECODABLE) != 0 {
+        let comp = bit::COMP_BLOCK | bit::COMP_TAGS | bit::COMP_CONDITIONED | bit::COMP_OTHER;
+        let twice =
+            b & set & !(bit::OTHER | bit::UNDECODABLE) != 0 || (b & comp != 0 && set & comp != 0);
+        if twice {
             set |= bit::OTHER;
         }
         set |= b;
@@ -231,30 +306,54 @@ fn bits(query: &str) -> u32 {
 
 impl Operation {
     /// The operation a write of `method` (`PUT`, `DELETE`, …) with `query`
-    /// (the request's query string, without `?`) is: see [`Operation`]'s
-    /// variants.
-    pub fn of(method: &str, query: Option<&str>) -> Operation {
+    /// (the request's query string, without `?`) is at a storage that
+    /// speaks `dialect`: see [`Operation`]'s variants. `snapshots_only`:
+    /// the request carries Azure's `x-ms-delete-snapshots: only` (a DELETE
+    /// of the blob's snapshots, not of the blob).
+    pub fn of(
+        dialect: Dialect,
+        method: &str,
+        query: Option<&str>,
+        snapshots_only: bool,
+    ) -> Classified {
         let set = query.map_or(0, bits);
+        let plain = set == 0;
         let by_name = planted(Mutant::AsideByName);
+        let pairs: &[(&str, u32, u32)] = match dialect {
+            Dialect::Any => &[],
+            Dialect::S3 => &S3_ASIDE,
+            Dialect::Azure => &AZURE_ASIDE,
+        };
         let aside = set != 0
-            && ASIDE.iter().any(|&(m, must, may)| {
+            && pairs.iter().any(|&(m, must, may)| {
                 (m == method || by_name) && set & must == must && set & !(must | may) == 0
             });
-        if aside {
-            return Operation::Aside;
-        }
-        match method {
-            // A name that may decode to `versionId` may delete a version.
-            "DELETE" if set & (bit::VERSION | bit::UNDECODABLE) != 0 => Operation::DeleteVersion,
-            "DELETE" => Operation::Delete,
-            _ => Operation::Write,
-        }
+        let op = if aside {
+            Operation::Aside
+        } else if dialect == Dialect::Azure
+            && set & (bit::COMP_OTHER | bit::COMP_BLOCK | bit::COMP_TAGS) != 0
+        {
+            // A comp whose operation evaluates no precondition (Put Block
+            // and Set Blob Tags with more than their own parameters too).
+            Operation::Unconditional
+        } else {
+            match method {
+                // A name that may decode to `versionId` may delete a
+                // version; Azure's snapshots-only DELETE leaves the blob.
+                "DELETE" if set & (bit::VERSION | bit::UNDECODABLE) != 0 || snapshots_only => {
+                    Operation::DeleteVersion
+                }
+                "DELETE" => Operation::Delete,
+                _ => Operation::Write,
+            }
+        };
+        Classified { op, plain }
     }
 
     /// Whether the storage evaluates preconditions on it and it changes
     /// what the key holds: it must carry one.
     pub fn is_key_write(self) -> bool {
-        self != Operation::Aside
+        !matches!(self, Operation::Aside | Operation::Unconditional)
     }
 
     /// Whether it deletes (the key, or a version of it).
@@ -372,11 +471,15 @@ impl Own<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use Operation::{Aside, Delete, DeleteVersion, Write};
+    use Operation::{Aside, Delete, DeleteVersion, Unconditional, Write};
+
+    fn op(dialect: Dialect, method: &str, query: Option<&str>) -> Operation {
+        Operation::of(dialect, method, query, false).op
+    }
 
     #[test]
-    fn writes_are_aside_only_for_exact_pairs() {
-        for (method, query, op) in [
+    fn s3_writes_are_aside_only_for_exact_pairs() {
+        for (method, query, want) in [
             ("PUT", None, Write),
             ("DELETE", None, Delete),
             ("POST", None, Write),
@@ -393,7 +496,6 @@ mod tests {
                 Some("uploadId=x&partNumber=2&x-id=UploadPart"),
                 Aside,
             ),
-            ("PUT", Some("comp=block&blockid=YQ"), Aside),
             ("POST", Some("uploads"), Aside),
             ("POST", Some("restore&versionId=1"), Aside),
             ("POST", Some("select&select-type=2"), Aside),
@@ -414,34 +516,115 @@ mod tests {
             ("DELETE", Some("retention"), Delete),
             ("DELETE", Some("legal-hold"), Delete),
             ("DELETE", Some("restore"), Delete),
-            ("DELETE", Some("comp=block"), Delete),
             ("POST", Some("uploadId=U&partNumber=1"), Write),
             ("POST", Some("uploadId=U"), Write),
             ("POST", Some("tagging"), Write),
-            // Other comps change the blob (or may): key writes.
-            ("PUT", Some("comp=blocklist"), Write),
-            ("PUT", Some("comp=metadata"), Write),
-            ("PUT", Some("comp=block"), Write),
+            // Azure's sub-resources are nothing to S3: PutObject.
+            ("PUT", Some("comp=block&blockid=YQ"), Write),
+            ("PUT", Some("comp=undelete"), Write),
+            ("DELETE", Some("comp=block"), Delete),
             // A pair plus anything fencegate does not know, or twice.
             ("PUT", Some("tagging&x=1"), Write),
             ("PUT", Some("tagging&tagging"), Write),
             ("PUT", Some("partNumber=1&uploadId=x&tagging"), Write),
-            ("PUT", Some("comp=block&comp=blocklist&blockid=YQ"), Write),
             // Case counts, as at S3.
             ("PUT", Some("Tagging"), Write),
             // Decoded as the storage decodes: a sub-resource still.
             ("PUT", Some("%74agging"), Aside),
-            ("PUT", Some("comp=bl%6Fck&blockid=YQ"), Aside),
             // A DELETE of a version may leave the key holding another.
             ("DELETE", Some("versionId=3"), DeleteVersion),
             ("DELETE", Some("version%49d=3"), DeleteVersion),
             ("DELETE", Some("versionid=3"), DeleteVersion),
-            ("DELETE", Some("snapshot=2026-01-01"), DeleteVersion),
             ("DELETE", Some("acl&versionId=3"), DeleteVersion),
             ("DELETE", Some("ver%zzsionId=3"), DeleteVersion),
             ("DELETE", Some("x-id=DeleteObject"), Delete),
         ] {
-            assert_eq!(Operation::of(method, query), op, "{method} {query:?}");
+            assert_eq!(op(Dialect::S3, method, query), want, "{method} {query:?}");
+        }
+    }
+
+    /// Azure reads S3's sub-resources as nothing (Put Blob, Delete Blob),
+    /// and refuses no precondition on the comps that evaluate none (seen
+    /// against Azurite: `PUT ?tagging` replaced the blob).
+    #[test]
+    fn azure_writes_are_aside_only_for_its_own_pairs() {
+        for (method, query, want) in [
+            ("PUT", None, Write),
+            ("PUT", Some("comp=block&blockid=YQ"), Aside),
+            ("PUT", Some("comp=bl%6Fck&blockid=YQ"), Aside),
+            ("PUT", Some("comp=tags"), Aside),
+            ("PUT", Some("comp=blocklist"), Write),
+            ("PUT", Some("comp=metadata"), Write),
+            ("PUT", Some("comp=properties"), Write),
+            ("PUT", Some("comp=page"), Write),
+            ("PUT", Some("comp=appendblock"), Write),
+            ("PUT", Some("comp=snapshot"), Write),
+            ("PUT", Some("comp=lease"), Write),
+            ("PUT", Some("comp=undelete"), Unconditional),
+            ("PUT", Some("comp=expiry"), Unconditional),
+            ("PUT", Some("comp=copy&copyid=1"), Unconditional),
+            ("PUT", Some("comp=tier"), Unconditional),
+            ("PUT", Some("comp=block"), Unconditional),
+            ("PUT", Some("comp=block&blockid=YQ&x=1"), Unconditional),
+            (
+                "PUT",
+                Some("comp=block&comp=blocklist&blockid=YQ"),
+                Unconditional,
+            ),
+            ("PUT", Some("tagging"), Write),
+            ("PUT", Some("partNumber=1&uploadId=x"), Write),
+            ("POST", Some("uploads"), Write),
+            ("DELETE", None, Delete),
+            ("DELETE", Some("tagging"), Delete),
+            ("DELETE", Some("uploadId=x"), Delete),
+            ("DELETE", Some("snapshot=2026-01-01"), DeleteVersion),
+            ("DELETE", Some("versionid=2026-01-01"), DeleteVersion),
+        ] {
+            assert_eq!(
+                op(Dialect::Azure, method, query),
+                want,
+                "{method} {query:?}"
+            );
+        }
+        let snapshots = Operation::of(Dialect::Azure, "DELETE", None, true);
+        assert_eq!(snapshots.op, DeleteVersion);
+    }
+
+    /// A storage fencegate knows nothing of: no write is aside.
+    #[test]
+    fn any_storage_has_no_writes_aside() {
+        for query in [
+            "tagging",
+            "uploads",
+            "partNumber=1&uploadId=x",
+            "comp=block&blockid=YQ",
+        ] {
+            assert_eq!(op(Dialect::Any, "PUT", Some(query)), Write, "{query}");
+            assert_eq!(op(Dialect::Any, "POST", Some(query)), Write, "{query}");
+        }
+        assert_eq!(op(Dialect::Any, "DELETE", Some("uploadId=x")), Delete);
+    }
+
+    /// Only a write whose query has nothing but neutral parameters is the
+    /// plain write of the key, whose answer shows its state (seen failing:
+    /// `PUT ?partNumber=1&uploadId=U&x=1`, moto's UploadPart, taught the
+    /// part's tag as the key's).
+    #[test]
+    fn only_plain_writes_teach() {
+        for (query, plain) in [
+            (None, true),
+            (Some("x-id=PutObject"), true),
+            (Some("X-Amz-Signature=ab&X-Amz-Date=1"), true),
+            (Some("partNumber=1&uploadId=U&x=1"), false),
+            (Some("x=1"), false),
+            (Some("comp=blocklist"), false),
+            (Some("versionId=1"), false),
+        ] {
+            assert_eq!(
+                Operation::of(Dialect::S3, "PUT", query, false).plain,
+                plain,
+                "{query:?}"
+            );
         }
     }
 
@@ -452,8 +635,8 @@ mod tests {
         for ambiguous in ["a+b", "%zz", "%4", "%", "%ff"] {
             assert_eq!(decode(ambiguous), None, "{ambiguous}");
         }
-        assert_eq!(Operation::of("PUT", Some("tag+ging")), Write);
-        assert_eq!(Operation::of("PUT", Some("tagging&%zz")), Write);
+        assert_eq!(op(Dialect::S3, "PUT", Some("tag+ging")), Write);
+        assert_eq!(op(Dialect::S3, "PUT", Some("tagging&%zz")), Write);
     }
 
     #[test]
