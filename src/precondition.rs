@@ -16,7 +16,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::header::{HeaderName, AUTHORIZATION, ETAG, IF_MATCH, IF_NONE_MATCH};
+use http::header::{HeaderName, AUTHORIZATION, CONTENT_TYPE, ETAG, IF_MATCH, IF_NONE_MATCH};
 use http::{HeaderMap, HeaderValue, Request, Response};
 use http_body::Body as _;
 use smallvec::SmallVec;
@@ -208,17 +208,26 @@ impl Observed {
     /// answer fencegate made up, a timeout's, teaches nothing about the
     /// key either way), and gives it back to be relayed. An answer whose
     /// lesson depends on the error code in its body (a 404 to a read: S3's
-    /// `NoSuchKey` says the key is absent, `NoSuchVersion` does not) is
-    /// learned from once the first [`CODE_SCAN_BYTES`] of its body have
-    /// passed on their way to the client, or it ended; one the client stops
-    /// reading before teaches nothing.
+    /// `NoSuchKey` says the key is absent, `NoSuchVersion` does not), an
+    /// XML document (or one of no stated type), is learned from once the
+    /// first [`CODE_SCAN_BYTES`] of its body have passed on their way to
+    /// the client, or it ended; one the client stops reading before teaches
+    /// nothing.
     pub fn learn(self, res: Response<Body>) -> Response<Body> {
         let status = res.status().as_u16();
         let code = res
             .headers()
             .get(&X_MS_ERROR_CODE)
             .map(HeaderValue::as_bytes);
-        if !self.exchange.needs_code(status) || code.is_some() || res.body().is_end_stream() {
+        // Only an XML document (or one of no stated type) can name an S3
+        // error code: another body (a problem document, a web page) is
+        // learned from at once.
+        let xml = res
+            .headers()
+            .get(CONTENT_TYPE)
+            .is_none_or(|t| memchr::memmem::find(t.as_bytes(), b"xml").is_some());
+        let at_once = code.is_some() || !xml || res.body().is_end_stream();
+        if !self.exchange.needs_code(status) || at_once {
             self.table
                 .learn(self.key.as_str(), &self.exchange, answer(&res, code));
             return res;
