@@ -461,5 +461,20 @@ mod tests {
             .unwrap();
         let _ = observed(&table, table.read("/b/k", &head)).learn(res);
         assert_eq!(known(), Some(KeyState::Absent));
+        // A 404 that is no XML document names no S3 code: absent at once,
+        // its body read or not.
+        let _ = observed(&table, table.read("/b/k", &get)).learn(
+            Response::builder()
+                .header("etag", "\"e3\"")
+                .body(crate::body::empty())
+                .unwrap(),
+        );
+        let problem = Response::builder()
+            .status(404)
+            .header("content-type", "application/problem+json")
+            .body(crate::body::full("{}"))
+            .unwrap();
+        drop(observed(&table, table.read("/b/k", &get)).learn(problem));
+        assert_eq!(known(), Some(KeyState::Absent));
     }
 }
