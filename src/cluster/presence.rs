@@ -305,6 +305,37 @@ impl<S: Send + Sync + 'static> Presence<S> {
     }
 }
 
+/// Puts `value` at `key` unless etcd holds one there already, in one
+/// transaction: whether it was put, and the value etcd holds now (ours, or
+/// the one another member put first).
+async fn put_if_absent(
+    client: &EtcdClient,
+    key: &[u8],
+    value: Vec<u8>,
+) -> Result<(bool, Vec<u8>), EtcdError> {
+    let created = client
+        .txn(
+            &[Compare::CreateRevision(key.to_vec(), 0)],
+            &[Op::Put {
+                key: key.to_vec(),
+                value: value.clone(),
+                lease: 0,
+            }],
+            &[Op::Get { key: key.to_vec() }],
+        )
+        .await?;
+    if created.succeeded {
+        return Ok((true, value));
+    }
+    let theirs = created
+        .reads
+        .first()
+        .and_then(|kvs| kvs.first())
+        .map(|kv| kv.value.clone())
+        .unwrap_or_default();
+    Ok((false, theirs))
+}
+
 /// The cluster's member key, kept in etcd at `{prefix}member-key`: made
 /// (32 random bytes from the OS, in hex) by the first member that finds
 /// none, read by every other. Whoever can read the cluster's prefix in etcd
@@ -323,28 +354,9 @@ async fn member_key(
                     "the OS gave no random bytes for the member key".into(),
                 ));
             }
-            let made = crate::hex::encode(&raw).into_bytes();
-            let created = client
-                .txn(
-                    &[Compare::CreateRevision(key.clone(), 0)],
-                    &[Op::Put {
-                        key: key.clone(),
-                        value: made.clone(),
-                        lease: 0,
-                    }],
-                    &[Op::Get { key: key.clone() }],
-                )
-                .await?;
-            if created.succeeded {
-                made
-            } else {
-                created
-                    .reads
-                    .first()
-                    .and_then(|kvs| kvs.first())
-                    .map(|kv| kv.value.clone())
-                    .unwrap_or_default()
-            }
+            put_if_absent(client, &key, crate::hex::encode(&raw).into_bytes())
+                .await?
+                .1
         }
     };
     http::HeaderValue::from_bytes(&value)
@@ -390,26 +402,10 @@ async fn check_shard_count(
         Some(kv) => kv.value,
         None => {
             let n = options.shards.to_string().into_bytes();
-            let created = client
-                .txn(
-                    &[Compare::CreateRevision(key.clone(), 0)],
-                    &[Op::Put {
-                        key: key.clone(),
-                        value: n.clone(),
-                        lease: 0,
-                    }],
-                    &[Op::Get { key: key.clone() }],
-                )
-                .await?;
-            if created.succeeded {
-                return Ok(ShardCount::Agrees);
+            match put_if_absent(client, &key, n).await? {
+                (true, _) => return Ok(ShardCount::Agrees),
+                (false, theirs) => theirs,
             }
-            created
-                .reads
-                .first()
-                .and_then(|kvs| kvs.first())
-                .map(|kv| kv.value.clone())
-                .unwrap_or_default()
         }
     };
     let theirs = String::from_utf8_lossy(&value);
