@@ -375,10 +375,11 @@ fn the_check_finds_a_cycle() {
 
 /// The crates `fencegate-core` may depend on, on any target: pure
 /// computation (hashing, checksums, byte buffers, inline strings,
-/// percent-decoding) and the
+/// percent-decoding, base64 and JSON for the bodies of SPEC §11) and the
 /// macros they are built with. `libc` comes only through `cpufeatures`
 /// (sha2's CPU feature probe, which reads the auxiliary vector on ARM).
 const CORE_MAY_USE: &[&str] = &[
+    "base64",
     "block-buffer",
     "bytes",
     "castaway",
@@ -392,12 +393,21 @@ const CORE_MAY_USE: &[&str] = &[
     "generic-array",
     "itoa",
     "libc",
+    "memchr",
     "percent-encoding",
+    "proc-macro2",
+    "quote",
     "rustversion",
+    "serde",
+    "serde_core",
+    "serde_derive",
+    "serde_json",
     "sha2",
     "static_assertions",
     "subtle",
+    "syn",
     "typenum",
+    "unicode-ident",
     "version_check",
     "zmij",
 ];

@@ -39,6 +39,10 @@
 //!   precondition a fenced write carries, what the storage's answers teach
 //!   about a key's state, what is forgotten when, in a table bounded in
 //!   keys.
+//! - [`body_keys`]: stores that name the key in the body (SPEC §11): the
+//!   keys a write to etcd's v3 JSON gateway touches, read as etcd reads
+//!   its body ([`body_keys::etcd`], over the strict JSON of
+//!   [`body_keys::json`]), and the one lease that guards them all.
 //! - [`names`]: lease and holder names, checked once where they enter.
 //! - [`hex`]: lowercase hex for ids and digests.
 //! - [`wire`]: the header names and path prefix the proxy and its clients
@@ -54,12 +58,13 @@
 //! - `cluster` → `lease`, `mutant`
 //! - `lease` → `hex`, `journal`, `mutant`, `names`
 //! - `journal`, `precondition` → `mutant`
-//! - `shard` → `names`
+//! - `body_keys`, `shard` → `names`
 //! - `hex`, `mutant`, `names`, `wire` → nothing
 //!
 
 #![forbid(unsafe_code)]
 
+pub mod body_keys;
 pub mod cluster;
 pub mod hex;
 pub mod journal;

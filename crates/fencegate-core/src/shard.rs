@@ -166,7 +166,7 @@ mod tests {
         );
         assert_eq!(
             Split::new([], 4).merge(Vec::<Result<Vec<u8>, u8>>::new(), 0),
-            []
+            Vec::<u8>::new()
         );
     }
 

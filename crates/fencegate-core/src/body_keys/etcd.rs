@@ -1,0 +1,424 @@
+//! etcd's v3 JSON gateway (SPEC §11): which call a request is, by its path,
+//! and what a write touches, read from its JSON body as etcd reads it.
+//!
+//! The gateway takes `POST` for everything, reads too, so a call is known
+//! by its path ([`Call::of`]): `/v3/kv/put`, `/v3/kv/deleterange` and
+//! `/v3/kv/txn` write keys (under `/v3beta/` and `/v3alpha/` as well, as
+//! etcd 3.4 still serves them); `/v3/kv/range`, watches and the lease
+//! calls that touch no key (grant, keep-alive, time-to-live, listing) read;
+//! any other call (a lease's revocation, which deletes every key attached
+//! to it; compaction; authentication; maintenance; locks and elections,
+//! which write keys of their own) is one no key route can fence.
+//!
+//! Bodies are read strictly ([`super::json`]): etcd's gateway takes each
+//! field under its proto name (`range_end`) and its JSON name
+//! (`rangeEnd`), so both are read, and a body that names one field twice,
+//! or a field fencegate does not know, is refused: what fencegate reads is
+//! what etcd will act on. Keys are standard base64 (with padding), as etcd
+//! writes them. A transaction's operations count at most [`MAX_OPS`] (etcd's
+//! own default limit) and nest at most [`MAX_NESTING`] deep.
+
+use base64::Engine as _;
+
+use super::json::Json;
+use super::Touched;
+
+/// The most operations a transaction may hold, nested ones included
+/// (etcd's `--max-txn-ops` default).
+pub const MAX_OPS: usize = 128;
+
+/// How deep transactions may nest (`request_txn` inside `request_txn`).
+pub const MAX_NESTING: usize = 4;
+
+/// What a request to etcd's gateway is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Call {
+    /// `kv/put`.
+    Put,
+    /// `kv/deleterange`.
+    DeleteRange,
+    /// `kv/txn`: a write, or a read if it touches no key.
+    Txn,
+    /// A read: `kv/range`, a watch, a lease call that touches no key.
+    Read,
+    /// A call no key route can fence.
+    Unfenced,
+}
+
+impl Call {
+    /// The call a request to `path` is, if `path` is one of the gateway's
+    /// (`/v3/…`, `/v3beta/…`, `/v3alpha/…`). The path is percent-decoded
+    /// first, as etcd's gateway reads it: `/v3/kv/%70ut` is a put.
+    pub fn of(path: &str) -> Option<Call> {
+        let decoded: Vec<u8> = percent_encoding::percent_decode_str(path).collect();
+        let rest = [&b"/v3/"[..], b"/v3beta/", b"/v3alpha/"]
+            .iter()
+            .find_map(|prefix| decoded.strip_prefix(*prefix))?;
+        Some(match rest {
+            b"kv/put" => Call::Put,
+            b"kv/deleterange" => Call::DeleteRange,
+            b"kv/txn" => Call::Txn,
+            b"kv/range"
+            | b"watch"
+            | b"lease/grant"
+            | b"lease/keepalive"
+            | b"lease/timetolive"
+            | b"lease/leases"
+            | b"kv/lease/timetolive"
+            | b"kv/lease/leases" => Call::Read,
+            _ => Call::Unfenced,
+        })
+    }
+}
+
+/// Why a body cannot be read as etcd would read it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Malformed(pub String);
+
+fn bad(why: impl Into<String>) -> Malformed {
+    Malformed(why.into())
+}
+
+/// What a write of `call` with `body` touches (empty for a transaction of
+/// reads only).
+pub fn touched(call: Call, body: &[u8]) -> Result<Vec<Touched>, Malformed> {
+    let doc =
+        Json::parse(body).map_err(|e| bad(format!("the body is not JSON etcd takes: {e}")))?;
+    let mut out = Vec::new();
+    let mut ops = 0;
+    match call {
+        Call::Put => put(&doc, &mut out)?,
+        Call::DeleteRange => delete_range(&doc, &mut out)?,
+        Call::Txn => txn(&doc, 1, &mut ops, &mut out)?,
+        Call::Read | Call::Unfenced => {}
+    }
+    Ok(out)
+}
+
+/// The fields of a message: each as its proto name and its JSON name (the
+/// same for one word).
+type Fields = &'static [(&'static str, &'static str)];
+
+const PUT: Fields = &[
+    ("key", "key"),
+    ("value", "value"),
+    ("lease", "lease"),
+    ("prev_kv", "prevKv"),
+    ("ignore_value", "ignoreValue"),
+    ("ignore_lease", "ignoreLease"),
+];
+
+const DELETE_RANGE: Fields = &[
+    ("key", "key"),
+    ("range_end", "rangeEnd"),
+    ("prev_kv", "prevKv"),
+];
+
+const RANGE: Fields = &[
+    ("key", "key"),
+    ("range_end", "rangeEnd"),
+    ("limit", "limit"),
+    ("revision", "revision"),
+    ("sort_order", "sortOrder"),
+    ("sort_target", "sortTarget"),
+    ("serializable", "serializable"),
+    ("keys_only", "keysOnly"),
+    ("count_only", "countOnly"),
+    ("min_mod_revision", "minModRevision"),
+    ("max_mod_revision", "maxModRevision"),
+    ("min_create_revision", "minCreateRevision"),
+    ("max_create_revision", "maxCreateRevision"),
+];
+
+const TXN: Fields = &[
+    ("compare", "compare"),
+    ("success", "success"),
+    ("failure", "failure"),
+];
+
+const COMPARE: Fields = &[
+    ("result", "result"),
+    ("target", "target"),
+    ("key", "key"),
+    ("version", "version"),
+    ("create_revision", "createRevision"),
+    ("mod_revision", "modRevision"),
+    ("value", "value"),
+    ("lease", "lease"),
+    ("range_end", "rangeEnd"),
+];
+
+const REQUEST_OP: Fields = &[
+    ("request_range", "requestRange"),
+    ("request_put", "requestPut"),
+    ("request_delete_range", "requestDeleteRange"),
+    ("request_txn", "requestTxn"),
+];
+
+/// `doc`'s fields as `fields` names them, by proto name: an object whose
+/// every member is a known field, named once under either name.
+fn fields<'a>(
+    doc: &'a Json,
+    what: &str,
+    fields: Fields,
+) -> Result<Vec<(&'static str, &'a Json)>, Malformed> {
+    let Json::Object(members) = doc else {
+        return Err(bad(format!("{what} must be an object, not {}", doc.kind())));
+    };
+    let mut out: Vec<(&'static str, &'a Json)> = Vec::with_capacity(members.len());
+    for (name, value) in members {
+        let Some(&(proto, _)) = fields.iter().find(|(p, j)| p == name || j == name) else {
+            return Err(bad(format!(
+                "{what} has a field etcd's fencing does not know: {name:?}"
+            )));
+        };
+        if out.iter().any(|(p, _)| *p == proto) {
+            return Err(bad(format!(
+                "{what} names {proto} twice (under both of its names)"
+            )));
+        }
+        out.push((proto, value));
+    }
+    Ok(out)
+}
+
+fn field<'a>(fields: &[(&'static str, &'a Json)], name: &str) -> Option<&'a Json> {
+    fields.iter().find(|(n, _)| *n == name).map(|(_, v)| *v)
+}
+
+/// Bytes as etcd's JSON writes them: standard base64, padded.
+fn bytes(value: &Json, what: &str) -> Result<Vec<u8>, Malformed> {
+    let Json::String(text) = value else {
+        return Err(bad(format!(
+            "{what} must be a base64 string, not {}",
+            value.kind()
+        )));
+    };
+    base64::engine::general_purpose::STANDARD
+        .decode(text)
+        .map_err(|_| bad(format!("{what} is not standard base64")))
+}
+
+fn key(fields: &[(&'static str, &Json)], what: &str) -> Result<Vec<u8>, Malformed> {
+    let key = field(fields, "key").ok_or_else(|| bad(format!("{what} names no key")))?;
+    bytes(key, &format!("{what}'s key"))
+}
+
+fn put(doc: &Json, out: &mut Vec<Touched>) -> Result<(), Malformed> {
+    let f = fields(doc, "a put", PUT)?;
+    out.push(Touched::Key(key(&f, "a put")?));
+    Ok(())
+}
+
+fn delete_range(doc: &Json, out: &mut Vec<Touched>) -> Result<(), Malformed> {
+    let f = fields(doc, "a range delete", DELETE_RANGE)?;
+    let from = key(&f, "a range delete")?;
+    let to = match field(&f, "range_end") {
+        Some(end) => bytes(end, "a range delete's range_end")?,
+        None => Vec::new(),
+    };
+    out.push(match to.as_slice() {
+        [] => Touched::Key(from),
+        [0] => Touched::From(from),
+        _ => Touched::Range { from, to },
+    });
+    Ok(())
+}
+
+fn txn(doc: &Json, depth: usize, ops: &mut usize, out: &mut Vec<Touched>) -> Result<(), Malformed> {
+    if depth > MAX_NESTING {
+        return Err(bad(format!("transactions nest deeper than {MAX_NESTING}")));
+    }
+    let f = fields(doc, "a transaction", TXN)?;
+    if let Some(compare) = field(&f, "compare") {
+        for c in array(compare, "a transaction's compare")? {
+            // A comparison reads; its fields must still be etcd's.
+            fields(c, "a comparison", COMPARE)?;
+        }
+    }
+    for branch in ["success", "failure"] {
+        let Some(list) = field(&f, branch) else {
+            continue;
+        };
+        for op in array(list, &format!("a transaction's {branch}"))? {
+            *ops += 1;
+            if *ops > MAX_OPS {
+                return Err(bad(format!(
+                    "a transaction holds more than {MAX_OPS} operations"
+                )));
+            }
+            request_op(op, depth, ops, out)?;
+        }
+    }
+    Ok(())
+}
+
+fn request_op(
+    doc: &Json,
+    depth: usize,
+    ops: &mut usize,
+    out: &mut Vec<Touched>,
+) -> Result<(), Malformed> {
+    let f = fields(doc, "an operation", REQUEST_OP)?;
+    let [(name, value)] = f.as_slice() else {
+        return Err(bad("an operation must be exactly one request"));
+    };
+    match *name {
+        "request_range" => fields(value, "a range read", RANGE).map(|_| ()),
+        "request_put" => put(value, out),
+        "request_delete_range" => delete_range(value, out),
+        _ => txn(value, depth + 1, ops, out),
+    }
+}
+
+fn array<'a>(value: &'a Json, what: &str) -> Result<&'a [Json], Malformed> {
+    match value {
+        Json::Array(items) => Ok(items),
+        other => Err(bad(format!(
+            "{what} must be an array, not {}",
+            other.kind()
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn b64(s: &str) -> String {
+        base64::engine::general_purpose::STANDARD.encode(s)
+    }
+
+    fn key(s: &str) -> Touched {
+        Touched::Key(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn calls_are_known_by_their_path() {
+        for (path, call) in [
+            ("/v3/kv/put", Some(Call::Put)),
+            ("/v3beta/kv/put", Some(Call::Put)),
+            ("/v3alpha/kv/deleterange", Some(Call::DeleteRange)),
+            ("/v3/kv/txn", Some(Call::Txn)),
+            ("/v3/kv/range", Some(Call::Read)),
+            ("/v3/watch", Some(Call::Read)),
+            ("/v3/lease/grant", Some(Call::Read)),
+            ("/v3/lease/revoke", Some(Call::Unfenced)),
+            ("/v3/kv/lease/revoke", Some(Call::Unfenced)),
+            ("/v3/kv/compaction", Some(Call::Unfenced)),
+            ("/v3/auth/enable", Some(Call::Unfenced)),
+            ("/v3/maintenance/defragment", Some(Call::Unfenced)),
+            ("/v3/lock/lock", Some(Call::Unfenced)),
+            ("/v3/kv/put/", Some(Call::Unfenced)),
+            ("/v3/kv/%70ut", Some(Call::Put)),
+            ("/%763/kv/txn", Some(Call::Txn)),
+            ("/v3/kv%2Fdeleterange", Some(Call::DeleteRange)),
+            ("/v2/keys/a", None),
+            ("/kv/put", None),
+        ] {
+            assert_eq!(Call::of(path), call, "{path}");
+        }
+    }
+
+    #[test]
+    fn writes_name_the_keys_they_touch() {
+        let body = format!(
+            r#"{{"key": "{}", "value": "{}"}}"#,
+            b64("/app/o/1"),
+            b64("v")
+        );
+        assert_eq!(
+            touched(Call::Put, body.as_bytes()),
+            Ok(vec![key("/app/o/1")])
+        );
+        let body = format!(r#"{{"key": "{}"}}"#, b64("/app/o/1"));
+        assert_eq!(
+            touched(Call::DeleteRange, body.as_bytes()),
+            Ok(vec![key("/app/o/1")])
+        );
+        let body = format!(
+            r#"{{"key": "{}", "rangeEnd": "{}"}}"#,
+            b64("/app/o/"),
+            b64("/app/o0")
+        );
+        assert_eq!(
+            touched(Call::DeleteRange, body.as_bytes()),
+            Ok(vec![Touched::Range {
+                from: b"/app/o/".to_vec(),
+                to: b"/app/o0".to_vec()
+            }])
+        );
+        let body = format!(r#"{{"key": "{}", "range_end": "AA=="}}"#, b64("/app/o/"));
+        assert_eq!(
+            touched(Call::DeleteRange, body.as_bytes()),
+            Ok(vec![Touched::From(b"/app/o/".to_vec())])
+        );
+        // A transaction, nested, under both spellings; compares and range
+        // reads touch nothing.
+        let body = format!(
+            r#"{{"compare": [{{"key": "{k1}", "target": "VERSION", "result": "EQUAL", "version": "0"}}],
+               "success": [{{"request_put": {{"key": "{k1}", "value": "{v}"}}}},
+                           {{"requestRange": {{"key": "{k2}"}}}},
+                           {{"request_txn": {{"success": [{{"requestDeleteRange": {{"key": "{k2}"}}}}]}}}}],
+               "failure": [{{"requestPut": {{"key": "{k3}", "value": "{v}"}}}}]}}"#,
+            k1 = b64("/app/o/1"),
+            k2 = b64("/app/o/2"),
+            k3 = b64("/app/o/3"),
+            v = b64("v"),
+        );
+        assert_eq!(
+            touched(Call::Txn, body.as_bytes()),
+            Ok(vec![key("/app/o/1"), key("/app/o/2"), key("/app/o/3")])
+        );
+        let reads = format!(
+            r#"{{"success": [{{"request_range": {{"key": "{}"}}}}]}}"#,
+            b64("/x")
+        );
+        assert_eq!(touched(Call::Txn, reads.as_bytes()), Ok(vec![]));
+    }
+
+    /// Whatever etcd might read otherwise than fencegate is refused: a
+    /// field named twice (under one name or both), a field fencegate does
+    /// not know, bytes that are not standard base64, too deep, too many.
+    #[test]
+    fn what_etcd_might_read_otherwise_is_refused() {
+        let k = b64("/app/o/1");
+        let many_ops: String = (0..=MAX_OPS)
+            .map(|_| format!(r#"{{"request_put": {{"key": "{k}"}}}}"#))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut nested = format!(r#"{{"request_put": {{"key": "{k}"}}}}"#);
+        for _ in 0..MAX_NESTING {
+            nested = format!(r#"{{"request_txn": {{"success": [{nested}]}}}}"#);
+        }
+        for (call, body) in [
+            (Call::Put, format!(r#"{{"key": "{k}", "key": "{k}"}}"#)),
+            (
+                Call::DeleteRange,
+                format!(r#"{{"key": "{k}", "range_end": "AA==", "rangeEnd": "AA=="}}"#),
+            ),
+            (Call::Put, format!(r#"{{"key": "{k}", "keys": "{k}"}}"#)),
+            (Call::Put, r#"{"key": "L2FwcC9vLzE"}"#.to_owned()),
+            (Call::Put, r#"{"key": "L2FwcC9vLzE_"}"#.to_owned()),
+            (Call::Put, r#"{"value": "dg=="}"#.to_owned()),
+            (Call::Put, format!(r#"[{{"key": "{k}"}}]"#)),
+            (
+                Call::Txn,
+                format!(
+                    r#"{{"success": [{{"request_put": {{"key": "{k}"}}, "request_range": {{"key": "{k}"}}}}]}}"#
+                ),
+            ),
+            (Call::Txn, r#"{"success": [{}]}"#.to_owned()),
+            (Call::Txn, format!(r#"{{"success": [{many_ops}]}}"#)),
+            (Call::Txn, format!(r#"{{"success": [{nested}]}}"#)),
+            (
+                Call::Txn,
+                format!(r#"{{"compare": [{{"key": "{k}", "bogus": 1}}]}}"#),
+            ),
+            (Call::Txn, r#"{"success": {"request_put": {}}}"#.to_owned()),
+            (Call::Txn, "{".to_owned()),
+        ] {
+            assert!(touched(call, body.as_bytes()).is_err(), "{body}");
+        }
+    }
+}
