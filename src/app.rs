@@ -29,6 +29,7 @@ use crate::api::{admin_listener_only, Api, Surface, PREFIX};
 use crate::auth::{Authenticator, Caller};
 use crate::backend::{Backend, RequestContext, Unstaged};
 use crate::body::{self, Body, BoxError, ResponseFuture};
+use crate::body_routes::BodyLimits;
 use crate::config::{Config, ConfigError};
 use crate::error::Problem;
 use crate::fence::{Fence, FenceLayer, FencePolicy};
@@ -293,6 +294,13 @@ fn compose<S>(
         key_states: key_states
             .unwrap_or_else(|| Arc::new(KeyStateTable::new(config.fence.precondition_keys))),
         hosts: config.hosts()?,
+        etcd: config.fence.compile_key_routes()?.map(|routes| {
+            let limits = BodyLimits {
+                max_bytes: usize::try_from(config.limits.max_body_bytes).unwrap_or(usize::MAX),
+                idle: Duration::from_millis(config.limits.body_read_timeout_ms),
+            };
+            (routes, limits)
+        }),
     };
     let data = FenceLayer::new(policy).layer(backend);
     let api = Api::new(leases, config.fence.require_lease_id, draining, metrics)

@@ -16,10 +16,13 @@ use serde::{Deserialize, Serialize};
 use crate::auth::AuthError;
 pub use crate::auth::{AuthConfig, AuthToken};
 use crate::backend::UpstreamOptions;
+use crate::body_routes::EtcdRoutes;
 use crate::clock::ClockKind;
 use crate::lease::{restart, AdmitOptions, LeaseLimits, RestartRule};
-use crate::route::{PathRules, Preconditions, Route, RouteError, Routes};
+use crate::names::LeaseName;
+use crate::route::{PathRules, Preconditions, Route, RouteError, RouteKind, Routes};
 use crate::server::ServerOptions;
+use fencegate_core::body_keys::{KeyPattern, KeyRoutes};
 
 /// Why a configuration cannot be used. Its message names the settings
 /// involved; `fencegate serve` prints it and stops.
@@ -347,6 +350,10 @@ pub struct FenceConfig {
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
+    /// What `pattern` is matched against: the request's path (`path`, the
+    /// default), or the keys an etcd v3 write touches (`etcd-v3`).
+    #[serde(default, skip_serializing_if = "RouteKind::is_path")]
+    pub kind: RouteKind,
     /// e.g. `/kv/{lease}`: guards `/kv/orders` and `/kv/orders/…`.
     pub pattern: String,
     /// A fixed lease, for patterns without `{lease}`.
@@ -414,6 +421,7 @@ impl Default for FenceConfig {
             settle_ms: 1_000,
             drain_barrier: true,
             routes: vec![RouteConfig {
+                kind: RouteKind::Path,
                 pattern: "/kv/{lease}".into(),
                 lease: None,
                 fence_reads: false,
@@ -600,6 +608,22 @@ impl Config {
         self.upstream_target()?;
         self.hosts()?;
         self.fence.compile_routes()?;
+        if self.fence.compile_key_routes()?.is_some() {
+            if self.upstream_target()? == UpstreamTarget::Embedded {
+                return Err(
+                    "etcd-v3 routes guard the keys of an etcd's v3 JSON gateway: set upstream \
+                     to its URL (http://127.0.0.1:2379)"
+                        .into(),
+                );
+            }
+            if self.cluster.shards > 1 {
+                return Err(
+                    "etcd-v3 routes name their lease in the body, which a member with several \
+                     shards does not read before it forwards: use cluster.shards = 1"
+                        .into(),
+                );
+            }
+        }
         let l = &self.leases;
         if l.min_ttl_ms == 0 || l.min_ttl_ms > l.max_ttl_ms {
             return Err(setting!(
@@ -768,10 +792,51 @@ impl Config {
 }
 
 impl FenceConfig {
-    /// The compiled route table.
+    /// The key routes of an etcd v3 gateway (`kind = "etcd-v3"`), if there
+    /// are any: each pattern matched against the keys a write touches.
+    pub fn compile_key_routes(&self) -> Result<Option<EtcdRoutes>, ConfigError> {
+        let etcd: Vec<&RouteConfig> = self
+            .routes
+            .iter()
+            .filter(|r| r.kind == RouteKind::EtcdV3)
+            .collect();
+        let patterns = etcd
+            .iter()
+            .map(|r| {
+                if r.timeout_ms == Some(0) {
+                    return Err(setting!(
+                        "route {:?}: timeout_ms must be greater than 0",
+                        r.pattern
+                    ));
+                }
+                let fixed = match r.lease.as_deref().map(LeaseName::new) {
+                    Some(Ok(l)) => Some(l),
+                    Some(Err(e)) => {
+                        return Err(setting!("route {:?}: lease: {e}", r.pattern));
+                    }
+                    None => None,
+                };
+                if r.fence_reads || r.upstream_prefix.is_some() || !r.preconditions.is_off() {
+                    return Err(setting!(
+                        "route {:?}: an etcd-v3 route takes pattern, lease and timeout_ms only",
+                        r.pattern
+                    ));
+                }
+                KeyPattern::new(&r.pattern, fixed)
+                    .map_err(|bad| setting!("route {:?}: {}", r.pattern, bad.0))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((!patterns.is_empty()).then(|| EtcdRoutes {
+            keys: KeyRoutes::new(patterns),
+            timeouts_ms: etcd.iter().map(|r| r.timeout_ms).collect(),
+        }))
+    }
+
+    /// The path routes (`kind = "path"`, the default).
     pub fn compile_routes(&self) -> Result<Routes, ConfigError> {
         self.routes
             .iter()
+            .filter(|r| r.kind.is_path())
             .map(|r| {
                 if r.timeout_ms == Some(0) {
                     return Err(setting!(

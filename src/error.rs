@@ -31,6 +31,8 @@ pub enum Reason {
     LeaseReleased,
     LeaseIdMismatch,
     UnroutedWrite,
+    UnroutedKey,
+    WriteSpansLeases,
     Forbidden,
     LeaseHeld,
     Unauthorized,
@@ -51,7 +53,7 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, for documentation and tests.
-    pub const ALL: [Reason; 29] = [
+    pub const ALL: [Reason; 31] = [
         Reason::MissingFencingToken,
         Reason::MissingLeaseId,
         Reason::PreconditionRequired,
@@ -65,6 +67,8 @@ impl Reason {
         Reason::LeaseReleased,
         Reason::LeaseIdMismatch,
         Reason::UnroutedWrite,
+        Reason::UnroutedKey,
+        Reason::WriteSpansLeases,
         Reason::Forbidden,
         Reason::LeaseHeld,
         Reason::Unauthorized,
@@ -144,6 +148,12 @@ impl Reason {
                 "Lease id mismatch",
             ),
             Reason::UnroutedWrite => (StatusCode::FORBIDDEN, "unrouted-write", "Unrouted write"),
+            Reason::UnroutedKey => (StatusCode::FORBIDDEN, "unrouted-key", "Unrouted key"),
+            Reason::WriteSpansLeases => (
+                StatusCode::BAD_REQUEST,
+                "write-spans-leases",
+                "Write spans leases",
+            ),
             Reason::Forbidden => (StatusCode::FORBIDDEN, "forbidden", "Forbidden"),
             Reason::LeaseHeld => (StatusCode::CONFLICT, "lease-held", "Lease held"),
             Reason::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized"),
@@ -395,6 +405,33 @@ impl Problem {
             Reason::UnroutedWrite,
             "no route guards this path, and unrouted writes are not allowed",
         )
+    }
+
+    /// A write to a store that names the key in the body (SPEC §11) that
+    /// one lease cannot fence: a key no route guards (403 `unrouted-key`),
+    /// keys of several leases or a range past one lease's keys (400
+    /// `write-spans-leases`).
+    pub fn not_one_lease(refusal: fencegate_core::body_keys::Refusal) -> Self {
+        use fencegate_core::body_keys::Refusal;
+        match refusal {
+            Refusal::Unrouted(key) => Self::new(
+                Reason::UnroutedKey,
+                format!("no key route guards the key {key:?}: nothing was sent to the storage"),
+            ),
+            Refusal::SpansLeases(a, b) => Self::new(
+                Reason::WriteSpansLeases,
+                format!(
+                    "one write may touch the keys of one lease only, and {a:?} and {b:?} belong to different leases: nothing was sent to the storage"
+                ),
+            ),
+            Refusal::RangeSpansLeases(from, to) => Self::new(
+                Reason::WriteSpansLeases,
+                format!(
+                    "the range from {from:?} to {to:?} reaches past one lease's keys (a range must lie inside one lease's prefix followed by /): nothing was sent to the storage"
+                ),
+            ),
+            Refusal::NoKey => Self::invalid_request("the write touches no key"),
+        }
     }
 
     pub fn payload_too_large(limit: u64) -> Self {

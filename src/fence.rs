@@ -39,6 +39,7 @@ use tower::{Layer, Service};
 use crate::auth::{Caller, Identity};
 use crate::backend::{Exchange, RequestContext, Sent};
 use crate::body::{Body, ResponseFuture};
+use crate::body_routes::{BodyLimits, EtcdRoutes, Touches};
 use crate::error::{Problem, Reason};
 use crate::hosts::{virtual_path, Hosts};
 use crate::lease::{Admission, AdmitError, AdmitOptions, LeaseStore, Primacy, WriteGuard};
@@ -46,6 +47,7 @@ use crate::metrics::Metrics;
 use crate::names::LeaseName;
 use crate::precondition::{self, Key, KeyStateTable, Observed, Plan};
 use crate::route::Routes;
+use fencegate_core::body_keys::etcd::Call;
 use fencegate_core::precondition::Dialect;
 
 pub use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
@@ -82,6 +84,10 @@ pub struct FencePolicy {
     /// and named by its bucket and path ([`virtual_path`]). `None`: the
     /// storage gets its own host, and every request is path-style.
     pub hosts: Option<Hosts>,
+    /// The key routes of an etcd v3 gateway (SPEC §11), with the bounds
+    /// of the bodies read to find a write's keys: every gateway call
+    /// (`/v3/…`) is decided by them, not by the path routes.
+    pub etcd: Option<(EtcdRoutes, BodyLimits)>,
 }
 
 /// Whether `method` changes state at the backend. Everything but the safe
@@ -178,6 +184,9 @@ enum Decision {
     Reject(Problem),
     /// A fenced request: admit it through the lease store.
     Fenced(Fenced),
+    /// A write to an etcd gateway: its body names the keys, and so the
+    /// lease (SPEC §11).
+    EtcdWrite(Call, Option<Caller>),
 }
 
 /// A request on a route with preconditions: the key, whether it writes
@@ -222,6 +231,9 @@ impl FencePolicy {
         let caller = RequestContext::of(req).and_then(|c| c.caller.clone());
         if caller.is_some() {
             req.headers_mut().remove(http::header::AUTHORIZATION);
+        }
+        if let Some(call) = self.etcd.as_ref().and_then(|_| Call::of(req.uri().path())) {
+            return self.decide_etcd(req, call, caller);
         }
         let write = is_write(req.method());
         // A virtual-hosted request's path at the storage: its bucket first.
@@ -323,6 +335,62 @@ impl FencePolicy {
             caller,
             max_wait_ms: timeout_ms,
             conditioned,
+        })
+    }
+
+    /// A call to an etcd gateway (SPEC §11), by its path whatever its
+    /// method (the gateway takes `POST` for reads too, and a header may
+    /// override the method): a read passes; a write is fenced by its
+    /// body's keys; any other call that can change data names no key to
+    /// fence, and is an unrouted write.
+    fn decide_etcd(&self, req: &mut Request<Body>, call: Call, caller: Option<Caller>) -> Decision {
+        match call {
+            Call::Read => {
+                req.headers_mut().remove(&LEASE_ID_NAME);
+                Decision::Pass(None)
+            }
+            Call::Unfenced => {
+                req.headers_mut().remove(&LEASE_ID_NAME);
+                if self.allow_unrouted_writes {
+                    Decision::Pass(None)
+                } else {
+                    Decision::Reject(Problem::new(
+                        Reason::UnroutedWrite,
+                        "this etcd call can change data and names no key a route can fence, and unrouted writes are not allowed",
+                    ))
+                }
+            }
+            Call::Put | Call::DeleteRange | Call::Txn => Decision::EtcdWrite(call, caller),
+        }
+    }
+
+    /// A write of `lease` found in its body, checked as a write on a path
+    /// route is: its headers, then admission.
+    fn fenced_by(
+        &self,
+        req: &mut Request<Body>,
+        lease: LeaseName,
+        route_timeout_ms: Option<u64>,
+        caller: Option<Caller>,
+    ) -> Result<Fenced, Problem> {
+        let (token, padded) = match presented(req.headers(), self.require_lease_id) {
+            Ok((token, sent, _)) => (token, sent.len() > 1 && sent.as_bytes()[0] == b'0'),
+            Err(p) => return Err(p.lease(&lease)),
+        };
+        if padded {
+            req.headers_mut()
+                .insert(TOKEN_NAME, HeaderValue::from(token));
+        }
+        if let Some(timeout_ms) = route_timeout_ms {
+            RequestContext::of_mut(req).timeout_ms = Some(timeout_ms);
+        }
+        Ok(Fenced {
+            lease,
+            token,
+            lease_id: req.headers_mut().remove(&LEASE_ID_NAME),
+            caller,
+            max_wait_ms: route_timeout_ms.unwrap_or(self.upstream_timeout_ms),
+            conditioned: None,
         })
     }
 
@@ -528,6 +596,7 @@ where
                 return FenceFuture::ready(problem.into_response());
             }
             Decision::Fenced(fenced) => fenced,
+            Decision::EtcdWrite(call, caller) => return self.etcd_write(req, call, caller),
         };
         let options = self.policy.admit_options(fenced.max_wait_ms);
         // The common case decides without waiting or allocating.
@@ -585,7 +654,7 @@ where
     fn wait_at_barrier(
         &mut self,
         req: Request<Body>,
-        mut fenced: Fenced,
+        fenced: Fenced,
         options: AdmitOptions,
     ) -> FenceFuture<S::Future> {
         // Call the instance that was polled ready later, and keep a clone
@@ -593,65 +662,134 @@ where
         let fresh = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, fresh);
         let policy = self.policy.clone();
+        FenceFuture::boxed(Box::pin(admit_then_exchange(
+            inner, policy, req, fenced, options,
+        )))
+    }
+
+    /// A write to an etcd gateway: its body is read to find the lease
+    /// that guards its keys, then it is admitted as any fenced write (a
+    /// transaction of reads only passes as a read).
+    fn etcd_write(
+        &mut self,
+        req: Request<Body>,
+        call: Call,
+        caller: Option<Caller>,
+    ) -> FenceFuture<S::Future> {
+        let fresh = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, fresh);
+        let policy = self.policy.clone();
         FenceFuture::boxed(Box::pin(async move {
-            let admitted = policy
-                .leases
-                .admit_write(
-                    &fenced.lease,
-                    fenced.token,
-                    fenced.presented(),
-                    fenced.holder(),
-                    options,
-                )
-                .await;
-            let admitted = match admitted {
-                Ok(admitted) => admitted,
-                Err(AdmitError::Rejected(reject)) => {
-                    return Ok(reject_write(&policy, &fenced, &req, reject));
-                }
-                Err(AdmitError::DrainTimeout {
-                    older_token,
-                    waited_ms,
-                    retry_after_ms,
-                }) => {
-                    policy
-                        .metrics
-                        .write_rejected(Reason::UpstreamTimeout.slug());
-                    tracing::warn!(
-                        lease = fenced.lease.as_str(),
-                        token = fenced.token,
-                        older_token,
-                        waited_ms,
-                        retry_after_ms,
-                        "write refused: an earlier term's writes did not finish in time"
-                    );
-                    let problem = Problem::barrier_timeout(&fenced.lease, retry_after_ms);
-                    return Ok(problem.into_response());
+            let read = match &policy.etcd {
+                Some((routes, limits)) => routes.read_write(req, call, *limits).await,
+                None => unreachable!("an etcd write is decided by etcd routes"),
+            };
+            let (mut req, touches) = match read {
+                Ok(read) => read,
+                Err(problem) => return Ok(refused(&policy, problem)),
+            };
+            let (lease, timeout_ms) = match touches {
+                Touches::Lease { lease, timeout_ms } => (lease, timeout_ms),
+                Touches::Nothing => {
+                    req.headers_mut().remove(&LEASE_ID_NAME);
+                    if let Some(refused) = policy.not_primary() {
+                        return Ok(refused);
+                    }
+                    return boxed_call(&mut inner, req).await;
                 }
             };
-            if let Some(refused) = policy.not_primary() {
-                admitted.guard.finish();
-                return Ok(refused);
-            }
-            let mut req = req;
-            let observed = match policy.condition(&mut req, &mut fenced) {
-                Ok(observed) => observed,
-                Err(problem) => {
-                    admitted.guard.finish();
-                    return Ok(problem.into_response());
-                }
+            let fenced = match policy.fenced_by(&mut req, lease, timeout_ms, caller) {
+                Ok(fenced) => fenced,
+                Err(problem) => return Ok(refused(&policy, problem)),
             };
-            tracing::debug!(lease = fenced.lease.as_str(), token = fenced.token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted after the handover barrier");
-            let write = AdmittedWrite {
-                lease: fenced.lease,
-                token: fenced.token,
-                caller: fenced.caller,
-                guard: admitted.guard,
-                observed,
-            };
-            exchange(inner, policy, req, write).await
+            let options = policy.admit_options(fenced.max_wait_ms);
+            admit_then_exchange(inner, policy, req, fenced, options).await
         }))
     }
+}
+
+/// `inner`'s answer to `req`, boxed (an async block that awaited
+/// `S::Future` itself could not be proven `Send`).
+fn boxed_call<S>(inner: &mut S, req: Request<Body>) -> ResponseFuture
+where
+    S: Exchange,
+    S::Future: Send + 'static,
+{
+    Box::pin(inner.call(req))
+}
+
+/// A request refused before anything was sent, counted.
+fn refused(policy: &FencePolicy, problem: Problem) -> Response<Body> {
+    policy.metrics.write_rejected(problem.reason().slug());
+    problem.into_response()
+}
+
+/// A fenced write admitted through the lease store, waiting at the
+/// handover barrier if older terms' writes are in flight, then sent (or
+/// refused if its term ends or the wait runs out first).
+async fn admit_then_exchange<S: Exchange>(
+    inner: S,
+    policy: Arc<FencePolicy>,
+    req: Request<Body>,
+    mut fenced: Fenced,
+    options: AdmitOptions,
+) -> Result<Response<Body>, Infallible> {
+    let admitted = policy
+        .leases
+        .admit_write(
+            &fenced.lease,
+            fenced.token,
+            fenced.presented(),
+            fenced.holder(),
+            options,
+        )
+        .await;
+    let admitted = match admitted {
+        Ok(admitted) => admitted,
+        Err(AdmitError::Rejected(reject)) => {
+            return Ok(reject_write(&policy, &fenced, &req, reject));
+        }
+        Err(AdmitError::DrainTimeout {
+            older_token,
+            waited_ms,
+            retry_after_ms,
+        }) => {
+            policy
+                .metrics
+                .write_rejected(Reason::UpstreamTimeout.slug());
+            tracing::warn!(
+                lease = fenced.lease.as_str(),
+                token = fenced.token,
+                older_token,
+                waited_ms,
+                retry_after_ms,
+                "write refused: an earlier term's writes did not finish in time"
+            );
+            let problem = Problem::barrier_timeout(&fenced.lease, retry_after_ms);
+            return Ok(problem.into_response());
+        }
+    };
+    if let Some(refused) = policy.not_primary() {
+        admitted.guard.finish();
+        return Ok(refused);
+    }
+    let mut req = req;
+    let observed = match policy.condition(&mut req, &mut fenced) {
+        Ok(observed) => observed,
+        Err(problem) => {
+            admitted.guard.finish();
+            return Ok(problem.into_response());
+        }
+    };
+    tracing::debug!(lease = fenced.lease.as_str(), token = fenced.token, waited_ms = admitted.waited_ms, method = %req.method(), "write admitted");
+    let write = AdmittedWrite {
+        lease: fenced.lease,
+        token: fenced.token,
+        caller: fenced.caller,
+        guard: admitted.guard,
+        observed,
+    };
+    exchange(inner, policy, req, write).await
 }
 
 /// An admitted write, as the fence hands it to [`exchange`].

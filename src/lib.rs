@@ -34,7 +34,9 @@
 //!   paths to the leases that guard them ([`hosts`]: the bucket a
 //!   virtual-hosted request's `Host` names); [`precondition`] keeps the key
 //!   states of routes with storage-side preconditions (SPEC §10) and adds
-//!   the precondition the core plans for each write.
+//!   the precondition the core plans for each write; [`body_routes`]
+//!   finds the lease of a write to a store that names its keys in the
+//!   body (etcd's v3 JSON gateway, SPEC §11), by the core's readings.
 //! - [`backend`]: the embedded key-value store and the HTTP(S) upstream client.
 //! - [`lease`]: the core's lease state machine and the concurrent store around
 //!   it (the handover barrier and the acquire rate limit in files of their
@@ -75,17 +77,18 @@
 //!
 //! - `serve` → `app`, `auth`, `backend`, `body`, `clock`, `cluster`, `config`, `etcd`, `fence`, `hosts`, `journal`, `lease`, `metrics`, `precondition`, `server`, `tls`
 //! - `cluster` → `api`, `app`, `auth`, `backend`, `body`, `clock`, `error`, `etcd`, `hex`, `journal`, `lease`, `metrics`, `route`, `rt`, `tls`, `wire`
-//! - `config` → `auth`, `backend`, `clock`, `hosts`, `lease`, `route`, `server`
+//! - `config` → `auth`, `backend`, `body_routes`, `clock`, `hosts`, `lease`, `names`, `route`, `server`
 //! - `server` → `backend`, `body`, `framing`, `rt`
-//! - `app` → `api`, `auth`, `backend`, `body`, `config`, `error`, `fence`, `lease`, `metrics`, `precondition`, `wire`
+//! - `app` → `api`, `auth`, `backend`, `body`, `body_routes`, `config`, `error`, `fence`, `lease`, `metrics`, `precondition`, `wire`
 //! - `api` → `auth`, `backend`, `body`, `clock`, `error`, `fence`, `lease`, `metrics`, `names`, `route`, `wire`
 //! - `cli` → `backend`, `client`, `clock`, `fence`, `hex`, `names`, `wire`
-//! - `fence` → `auth`, `backend`, `body`, `error`, `hosts`, `lease`, `metrics`, `names`, `precondition`, `route`, `wire`
+//! - `fence` → `auth`, `backend`, `body`, `body_routes`, `error`, `hosts`, `lease`, `metrics`, `names`, `precondition`, `route`, `wire`
 //! - `backend` → `auth`, `body`, `clock`, `error`, `h1`, `metrics`, `names`, `rt`, `tls`, `wire`
 //! - `etcd` → `error`, `rt`, `tls`
 //! - `error` → `body`, `lease`, `precondition`, `wire`
 //! - `metrics` → `clock`, `lease`
 //! - `lease` → `clock`, `journal`, `names`
+//! - `body_routes` → `body`, `error`, `names`
 //! - `precondition` → `body`
 //! - `auth` → `hex`, `names`
 //! - `route` → `names`
@@ -101,6 +104,7 @@ pub mod app;
 pub mod auth;
 pub mod backend;
 pub mod body;
+pub mod body_routes;
 pub mod cli;
 pub use fencegate_client as client;
 pub mod clock;

@@ -175,6 +175,24 @@ impl Preconditions {
     }
 }
 
+/// What a route's `pattern` is matched against: the request's path (the
+/// default), or, for a store that names the key in the body (SPEC §11),
+/// the keys its writes touch (`etcd-v3`: etcd's v3 JSON gateway).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RouteKind {
+    #[default]
+    Path,
+    #[serde(rename = "etcd-v3")]
+    EtcdV3,
+}
+
+impl RouteKind {
+    pub fn is_path(&self) -> bool {
+        *self == RouteKind::Path
+    }
+}
+
 /// A path fencegate refuses to route.
 #[derive(Debug, PartialEq, Eq)]
 pub struct BadPath(pub Cow<'static, str>);

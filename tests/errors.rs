@@ -585,6 +585,7 @@ async fn fixed_lease_routes_and_fenced_reads() {
     config.fence.routes.insert(
         0,
         RouteConfig {
+            kind: Default::default(),
             pattern: "/kv/secret".into(),
             lease: Some("vault".into()),
             fence_reads: true,

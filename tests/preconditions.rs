@@ -149,6 +149,7 @@ fn config(preconditions: Preconditions) -> Config {
         ..Config::default()
     };
     c.fence.routes = vec![RouteConfig {
+        kind: Default::default(),
         pattern: "/kv/{lease}".into(),
         lease: None,
         fence_reads: false,

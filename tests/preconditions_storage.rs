@@ -182,6 +182,7 @@ async fn stack_with(
         ..Config::default()
     };
     config.fence.routes = vec![RouteConfig {
+        kind: Default::default(),
         pattern: storage.pattern.into(),
         lease: None,
         fence_reads: false,

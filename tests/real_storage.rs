@@ -25,6 +25,7 @@ use support::{spawn, Harness, HttpClient, Req};
 
 fn route(pattern: &str, upstream_prefix: Option<&str>) -> RouteConfig {
     RouteConfig {
+        kind: Default::default(),
         pattern: pattern.into(),
         lease: None,
         fence_reads: false,
