@@ -1,6 +1,6 @@
 //! Every shipped example configuration (`config/examples/`), run as shipped
 //! by the real binary in front of the storage it is written for (nginx
-//! WebDAV, etcd's v2 keys API, Garage's S3 API, the embedded store); only the addresses and
+//! WebDAV, etcd's v2 keys API and its v3 JSON gateway, Garage's S3 API, the embedded store); only the addresses and
 //! the data directory are given on the command line, as a user would. Each
 //! is attacked the ways the path model and the reach check guard against.
 
@@ -9,7 +9,7 @@ mod support;
 use std::path::{Path, PathBuf};
 
 use support::proc::{Proc, TempDir};
-use support::servers::{etcd, garage, nginx, s3_client_venv, GARAGE_KEY};
+use support::servers::{etcd, etcd_v3, garage, nginx, s3_client_venv, GARAGE_KEY};
 use support::{held_from, Held, HttpClient, Req};
 
 fn example(name: &str) -> PathBuf {
@@ -168,6 +168,73 @@ async fn etcd_v2_example_as_shipped() {
             .status,
         404
     );
+}
+
+/// The etcd v3 example: keys in the body, the first segment naming the
+/// lease; what one lease cannot fence is refused and etcd keeps its data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_v3_example_as_shipped() {
+    use base64::Engine as _;
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    let put = |key: &str, value: &str| serde_json::json!({"key": b64(key), "value": b64(value)});
+    let etcd = etcd_v3(None).await;
+    let dir = TempDir::new("example-etcd-v3");
+    let fg = serve_example(&dir, "etcd-v3.toml", Some(&etcd.url));
+    let c = HttpClient::new(&fg.url);
+    let direct = HttpClient::new(&etcd.url);
+    let a = acquire(&c, "orders", "A", None).await;
+    let r = c
+        .send(
+            Req::new("POST", "/v3/kv/put")
+                .held(&a)
+                .json(put("orders/42", "shipped")),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let two = serde_json::json!({"success": [
+        {"request_put": put("orders/42", "x")},
+        {"request_put": put("payments/1", "x")},
+    ]});
+    for (path, body, want) in [
+        ("/v3/kv/txn", two, (400, "write-spans-leases")),
+        ("/v3/kv/put", put("/registry/x", "x"), (403, "unrouted-key")),
+        (
+            "/v3/kv/deleterange",
+            serde_json::json!({"key": b64("orders"), "range_end": b64("orders0")}),
+            (400, "write-spans-leases"),
+        ),
+        (
+            "/v3/lease/revoke",
+            serde_json::json!({"ID": "7"}),
+            (403, "unrouted-write"),
+        ),
+    ] {
+        assert_eq!(
+            status_reason(&c, Req::new("POST", path).held(&a).json(body.clone())).await,
+            (want.0, want.1.into()),
+            "{path} {body}"
+        );
+    }
+    release(&c, "orders", &a).await;
+    let _b = acquire(&c, "orders", "B", None).await;
+    assert_eq!(
+        status_reason(
+            &c,
+            Req::new("POST", "/v3/kv/put")
+                .held(&a)
+                .json(put("orders/42", "late"))
+        )
+        .await,
+        (412, "stale-fencing-token".into())
+    );
+    let r = direct
+        .send(Req::new("POST", "/v3/kv/range").json(serde_json::json!({"key": b64("orders/42")})))
+        .await;
+    assert_eq!(r.json()["kvs"][0]["value"], b64("shipped"));
+    let r = direct
+        .send(Req::new("POST", "/v3/kv/range").json(serde_json::json!({"key": b64("payments/1")})))
+        .await;
+    assert_eq!(r.json()["count"], serde_json::Value::Null, "{}", r.text());
 }
 
 /// The lease-per-key example fences reads: no read around the rewrite

@@ -1,6 +1,6 @@
 //! The README's walkthrough, run as written against the real binary: the
 //! block after `<!-- walkthrough -->`, with only the server's address
-//! replaced by a free port's. Every `#>` line in it is output the commands
+//! replaced by a free port's; the same for the docs' examples. Every `#>` line in it is output the commands
 //! must print, in order (`…` stands for a part that differs per run).
 
 mod support;
@@ -144,6 +144,40 @@ fn the_readme_tls_example_runs_as_written() {
     let script = block.replace("/tmp/fg-tls", &tmp).replace("8443", &port);
     let expected = block.replace("/tmp/fg-tls", &tmp).replace("8443", &port);
     run_and_check(&expected, &script, false);
+}
+
+/// The etcd v3 example (docs/stores.md), in front of an etcd started by the
+/// test, fencegate run with `config/examples/etcd-v3.toml` as shipped; the
+/// addresses replaced by the servers' own.
+#[test]
+fn the_etcd_v3_example_runs_as_written() {
+    support::tools::program("curl");
+    let block = readme_block("<!-- etcd-v3-example -->");
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let etcd = runtime.block_on(support::servers::etcd_v3(None));
+    let dir = TempDir::new("etcd-v3-example");
+    let config =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/examples/etcd-v3.toml");
+    let data = dir.path().join("data");
+    let p = Proc::start(
+        &[
+            "serve",
+            "--config",
+            config.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            &etcd.url,
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        &dir.path().join("fencegate.log"),
+        &[],
+    );
+    let script = block
+        .replace("http://127.0.0.1:8180", &p.url)
+        .replace("http://127.0.0.1:2379", &etcd.url);
+    run_and_check(&block, &script, false);
 }
 
 /// The cluster example (docs/cluster.md), with its directory replaced by a temporary
