@@ -42,7 +42,9 @@
 //! - [`body_keys`]: stores that name the key in the body (SPEC §11): the
 //!   keys a write to etcd's v3 JSON gateway touches, read as etcd reads
 //!   its body ([`body_keys::etcd`], over the strict JSON of
-//!   [`body_keys::json`]), and the one lease that guards them all.
+//!   [`body_keys::json`]), the one lease that guards them all, and the
+//!   transaction on the lease's fence key that makes etcd compare the
+//!   token, with the reading of etcd's answer to it.
 //! - [`names`]: lease and holder names, checked once where they enter.
 //! - [`hex`]: lowercase hex for ids and digests.
 //! - [`wire`]: the header names and path prefix the proxy and its clients
@@ -58,7 +60,8 @@
 //! - `cluster` → `lease`, `mutant`
 //! - `lease` → `hex`, `journal`, `mutant`, `names`
 //! - `journal`, `precondition` → `mutant`
-//! - `body_keys`, `shard` → `names`
+//! - `body_keys` → `mutant`, `names`
+//! - `shard` → `names`
 //! - `hex`, `mutant`, `names`, `wire` → nothing
 //!
 

@@ -281,6 +281,179 @@ fn array<'a>(value: &'a Json, what: &str) -> Result<&'a [Json], Malformed> {
     }
 }
 
+/// The path of a transaction under the gateway prefix `path` was sent to
+/// (`/v3/`, `/v3beta/` or `/v3alpha/`), for the transaction a write
+/// becomes.
+pub fn txn_path(path: &str) -> &'static str {
+    let decoded: Vec<u8> = percent_encoding::percent_decode_str(path).collect();
+    if decoded.starts_with(b"/v3beta/") {
+        "/v3beta/kv/txn"
+    } else if decoded.starts_with(b"/v3alpha/") {
+        "/v3alpha/kv/txn"
+    } else {
+        "/v3/kv/txn"
+    }
+}
+
+/// The fence key of `lease`: `prefix` followed by the lease's name.
+pub fn fence_key(prefix: &str, lease: &str) -> Vec<u8> {
+    [prefix.as_bytes(), lease.as_bytes()].concat()
+}
+
+/// A token as a fence key holds it: 20 decimal digits, zero-padded (a
+/// `u64` has at most 20), so that etcd, which compares values as bytes,
+/// orders tokens as numbers.
+pub fn token_text(token: u128) -> String {
+    format!("{token:020}")
+}
+
+fn b64(bytes: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// The transaction that carries out the write of `call` with `body` (as
+/// [`touched`] read it) only if the lease's fence key names no later term
+/// than `token`, and sets the fence key to `token` with it:
+///
+/// ```text
+/// compare: fence key's value < token + 1             (a term this late or later: none wrote)
+/// success: put fence key = token, the client's write
+/// failure: txn { compare: fence key's create_revision == 0   (no term wrote yet)
+///                success: put fence key = token, the client's write
+///                failure: range fence key }          (the later term, for the answer)
+/// ```
+///
+/// The client's write is its put or range delete as an operation, or its
+/// transaction nested whole, its own compares kept. etcd evaluates a
+/// value comparison on a missing key as false, hence the nested
+/// transaction for a lease's first write (or one after its fence key was
+/// deleted by hand, which makes the next write of any term the first).
+pub fn fenced(call: Call, body: &[u8], fence_key: &[u8], token: u64) -> Result<Vec<u8>, Malformed> {
+    let client: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| bad(format!("the body is not JSON etcd takes: {e}")))?;
+    let op = match call {
+        Call::Put => "request_put",
+        Call::DeleteRange => "request_delete_range",
+        Call::Txn => "request_txn",
+        Call::Read | Call::Unfenced => return Err(bad("not a write")),
+    };
+    let key = b64(fence_key);
+    let set = serde_json::json!({"request_put": {"key": key, "value": b64(token_text(token.into()).as_bytes())}});
+    let write = serde_json::json!({ op: client });
+    let no_later = serde_json::json!({
+        "key": key, "target": "VALUE", "result": "LESS",
+        "value": b64(token_text(u128::from(token) + 1).as_bytes()),
+    });
+    let first = serde_json::json!({
+        "key": key, "target": "CREATE", "result": "EQUAL", "create_revision": "0",
+    });
+    let txn = if crate::mutant::planted(crate::mutant::Mutant::EtcdCompareDropped) {
+        serde_json::json!({"success": [set, write]})
+    } else {
+        serde_json::json!({
+            "compare": [no_later],
+            "success": [set.clone(), write.clone()],
+            "failure": [{"request_txn": {
+                "compare": [first],
+                "success": [set, write],
+                "failure": [{"request_range": {"key": key}}],
+            }}],
+        })
+    };
+    Ok(txn.to_string().into_bytes())
+}
+
+/// What etcd's answer to a [`fenced`] transaction says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Answer {
+    /// The write was carried out: the answer to the call the client made,
+    /// shaped as etcd would have answered it (a put's, a range delete's, a
+    /// transaction's), with the transaction's header.
+    Applied(Vec<u8>),
+    /// etcd refused it: the fence key names a later term (its token, if
+    /// readable).
+    Refused { stored: Option<u64> },
+    /// Not an answer to that transaction.
+    Unreadable(String),
+}
+
+/// A member of an answer, under its proto name or its JSON name.
+fn member<'a>(
+    value: &'a serde_json::Value,
+    proto: &str,
+    json: &str,
+) -> Option<&'a serde_json::Value> {
+    value.get(proto).or_else(|| value.get(json))
+}
+
+/// Whether a transaction's answer says it succeeded (proto3's JSON leaves
+/// out a `false`).
+fn succeeded(txn: &serde_json::Value) -> bool {
+    txn.get("succeeded").and_then(serde_json::Value::as_bool) == Some(true)
+}
+
+fn responses(txn: &serde_json::Value) -> &[serde_json::Value] {
+    txn.get("responses")
+        .and_then(serde_json::Value::as_array)
+        .map_or(&[], Vec::as_slice)
+}
+
+/// Reads etcd's answer `body` to the [`fenced`] transaction of a `call`.
+pub fn answer(call: Call, body: &[u8]) -> Answer {
+    let unreadable = |why: &str| Answer::Unreadable(why.to_owned());
+    let Ok(outer) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return unreadable("etcd's answer is not JSON");
+    };
+    let header = outer.get("header").cloned();
+    // The branch that ran: the outer one, or the first write's.
+    let ran = if succeeded(&outer) {
+        &outer
+    } else {
+        let Some(nested) = responses(&outer)
+            .first()
+            .and_then(|r| member(r, "response_txn", "responseTxn"))
+        else {
+            return unreadable("etcd's answer has no nested transaction");
+        };
+        if !succeeded(nested) {
+            let stored = responses(nested)
+                .first()
+                .and_then(|r| member(r, "response_range", "responseRange"))
+                .and_then(|r| r.get("kvs"))
+                .and_then(|kvs| kvs.get(0))
+                .and_then(|kv| kv.get("value"))
+                .and_then(serde_json::Value::as_str)
+                .and_then(|v| base64::engine::general_purpose::STANDARD.decode(v).ok())
+                .and_then(|v| String::from_utf8(v).ok())
+                .and_then(|v| v.parse().ok());
+            return Answer::Refused { stored };
+        }
+        nested
+    };
+    let Some(write) = responses(ran).get(1) else {
+        return unreadable("etcd's answer has no answer to the write");
+    };
+    let (proto, json) = match call {
+        Call::Put => ("response_put", "responsePut"),
+        Call::DeleteRange => ("response_delete_range", "responseDeleteRange"),
+        _ => ("response_txn", "responseTxn"),
+    };
+    let Some(serde_json::Value::Object(fields)) = member(write, proto, json) else {
+        return unreadable("etcd's answer to the write is not the call's");
+    };
+    let mut shaped = serde_json::Map::new();
+    if let Some(header) = header {
+        shaped.insert("header".into(), header);
+    }
+    shaped.extend(
+        fields
+            .iter()
+            .filter(|(k, _)| *k != "header")
+            .map(|(k, v)| (k.clone(), v.clone())),
+    );
+    Answer::Applied(serde_json::Value::Object(shaped).to_string().into_bytes())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -291,6 +464,86 @@ mod tests {
 
     fn key(s: &str) -> Touched {
         Touched::Key(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn a_write_becomes_a_transaction_on_the_fence_key() {
+        let fk = b64("fencegate/fence/orders");
+        let body = format!(r#"{{"key": "{}", "value": "{}"}}"#, b64("o/1"), b64("v"));
+        let txn: serde_json::Value = serde_json::from_slice(
+            &fenced(Call::Put, body.as_bytes(), b"fencegate/fence/orders", 7).unwrap(),
+        )
+        .unwrap();
+        let set =
+            serde_json::json!({"request_put": {"key": fk, "value": b64("00000000000000000007")}});
+        let write = serde_json::json!({"request_put": {"key": b64("o/1"), "value": b64("v")}});
+        assert_eq!(
+            txn,
+            serde_json::json!({
+                "compare": [{"key": fk, "target": "VALUE", "result": "LESS", "value": b64("00000000000000000008")}],
+                "success": [set, write],
+                "failure": [{"request_txn": {
+                    "compare": [{"key": fk, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+                    "success": [set, write],
+                    "failure": [{"request_range": {"key": fk}}],
+                }}],
+            })
+        );
+        // Text order is number order, up to the largest token.
+        assert!(token_text(9) < token_text(10));
+        assert!(token_text(u64::MAX.into()) < token_text(u128::from(u64::MAX) + 1));
+        assert_eq!(token_text(u128::from(u64::MAX) + 1).len(), 20);
+        assert_eq!(txn_path("/v3beta/kv/put"), "/v3beta/kv/txn");
+        assert_eq!(txn_path("/%763/kv/put"), "/v3/kv/txn");
+    }
+
+    #[test]
+    fn etcds_answer_is_shaped_as_the_call_made() {
+        let header = r#"{"revision": "9", "raft_term": "2"}"#;
+        // Applied by the outer branch.
+        let outer = format!(
+            r#"{{"header": {header}, "succeeded": true, "responses": [
+                {{"response_put": {{"header": {{"revision": "9"}}}}}},
+                {{"response_put": {{"header": {{"revision": "9"}}, "prev_kv": {{"key": "bw=="}}}}}}]}}"#
+        );
+        let shaped = |a: Answer| match a {
+            Answer::Applied(b) => serde_json::from_slice::<serde_json::Value>(&b).unwrap(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            shaped(answer(Call::Put, outer.as_bytes())),
+            serde_json::json!({"header": {"revision": "9", "raft_term": "2"}, "prev_kv": {"key": "bw=="}})
+        );
+        // A lease's first write: the nested branch; a client's transaction
+        // whose own compare failed (proto3 leaves out the false).
+        let first = format!(
+            r#"{{"header": {header}, "responses": [{{"response_txn": {{"succeeded": true, "responses": [
+                {{"response_put": {{}}}},
+                {{"response_txn": {{"responses": [{{"response_range": {{"count": "1"}}}}]}}}}]}}}}]}}"#
+        );
+        assert_eq!(
+            shaped(answer(Call::Txn, first.as_bytes())),
+            serde_json::json!({"header": {"revision": "9", "raft_term": "2"}, "responses": [{"response_range": {"count": "1"}}]})
+        );
+        // Refused: the fence key names token 12.
+        let refused = format!(
+            r#"{{"header": {header}, "responses": [{{"response_txn": {{"responses": [
+                {{"response_range": {{"kvs": [{{"value": "{}"}}]}}}}]}}}}]}}"#,
+            b64("00000000000000000012")
+        );
+        assert_eq!(
+            answer(Call::Put, refused.as_bytes()),
+            Answer::Refused { stored: Some(12) }
+        );
+        for unreadable in ["", "[]", r#"{"header": {}}"#, r#"{"succeeded": true}"#] {
+            assert!(
+                matches!(
+                    answer(Call::Put, unreadable.as_bytes()),
+                    Answer::Unreadable(_)
+                ),
+                "{unreadable}"
+            );
+        }
     }
 
     #[test]

@@ -133,6 +133,9 @@ impl KeyPattern {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct KeyRoutes {
     patterns: Vec<KeyPattern>,
+    /// The keys under this prefix are fencegate's own (the fence keys):
+    /// no write of a client may touch them. Empty: none.
+    reserved: Vec<u8>,
 }
 
 /// The lease that fences a write, and the route (its index among the
@@ -152,13 +155,47 @@ pub enum Refusal {
     SpansLeases(String, String),
     /// A range that reaches past one lease's keys (shown, lossily).
     RangeSpansLeases(String, String),
+    /// A key, or a range that reaches a key, that is fencegate's own
+    /// (described).
+    Reserved(String),
     /// It touches nothing (a transaction of reads only): not a write.
     NoKey,
 }
 
 impl KeyRoutes {
     pub fn new(patterns: Vec<KeyPattern>) -> Self {
-        Self { patterns }
+        Self {
+            patterns,
+            reserved: Vec::new(),
+        }
+    }
+
+    /// The same routes, with the keys under `prefix` fencegate's own.
+    pub fn with_reserved(mut self, prefix: &[u8]) -> Self {
+        self.reserved = prefix.to_vec();
+        self
+    }
+
+    /// Whether `t` touches a key under the reserved prefix.
+    fn reaches_reserved(&self, t: &Touched) -> bool {
+        let prefix = self.reserved.as_slice();
+        if prefix.is_empty() {
+            return false;
+        }
+        // The first key after every key under the prefix: the prefix with
+        // its last byte below 0xff raised by one (none: the keyspace's end).
+        let end = prefix.iter().rposition(|b| *b < 0xff).map(|i| {
+            let mut end = prefix[..=i].to_vec();
+            end[i] += 1;
+            end
+        });
+        let below_end = |k: &[u8]| end.as_deref().is_none_or(|e| k < e);
+        match t {
+            Touched::Key(k) => k.starts_with(prefix),
+            Touched::Range { from, to } => below_end(from) && to.as_slice() > prefix,
+            // Refused whatever it reaches: no lease's keys run to the end.
+            Touched::From(_) => false,
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -186,6 +223,15 @@ impl KeyRoutes {
         let show = |k: &[u8]| String::from_utf8_lossy(k).into_owned();
         let mut found: Option<(Fenced, String)> = None;
         for t in touched {
+            if self.reaches_reserved(t) {
+                return Err(Refusal::Reserved(match t {
+                    Touched::Key(k) => format!("the key {:?}", show(k)),
+                    Touched::Range { from, to } => {
+                        format!("the range from {:?} to {:?}", show(from), show(to))
+                    }
+                    Touched::From(from) => format!("the range from {:?} on", show(from)),
+                }));
+            }
             let (lease, route, shown) = match t {
                 Touched::Key(key) => {
                     let (lease, route, _) = self
@@ -338,6 +384,26 @@ mod tests {
             lease(&[range("/app/users/", "/app/users0")]),
             Ok("users".into())
         );
+    }
+
+    #[test]
+    fn no_write_reaches_the_reserved_keys() {
+        let r = KeyRoutes::new(vec![KeyPattern::new("{lease}", None).unwrap()])
+            .with_reserved(b"fencegate/fence/");
+        let reserved = |t: Touched| matches!(r.one_lease(&[t]), Err(Refusal::Reserved(_)));
+        assert!(reserved(key("fencegate/fence/orders")));
+        assert!(reserved(range("fencegate/", "fencegate0")));
+        assert!(reserved(range("fencegate/fence/a", "fencegate/fence/b")));
+        assert!(reserved(range("a", "fencegate/fence/\0")));
+        // Beside the prefix: keys of lease "fencegate" like any other.
+        for t in [
+            key("fencegate/fencf"),
+            key("fencegate/fence"),
+            range("fencegate/a", "fencegate/fence/"),
+            range("fencegate/fence0", "fencegate0"),
+        ] {
+            assert!(!reserved(t.clone()), "{t:?}");
+        }
     }
 
     #[test]
