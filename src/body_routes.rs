@@ -8,8 +8,10 @@
 //! ([`fencegate_core::body_keys::etcd`]) and the one lease that guards
 //! them all. Then the write is fenced as a write on a path route is (§4):
 //! the term's token and lease id in its headers, admitted on the proxy's
-//! clock, the body forwarded as it came. What cannot be fenced by one
-//! lease is refused with nothing sent.
+//! clock; and it goes to etcd as a transaction that compares and sets the
+//! lease's fence key ([`fenced_request`]), whose answer is reshaped as the
+//! answer to the call the client made ([`reshape`]). What cannot be fenced
+//! by one lease is refused with nothing sent.
 
 use std::time::Duration;
 
@@ -17,7 +19,7 @@ use bytes::Bytes;
 use http::Request;
 
 use crate::body::{self, Body, ReadError};
-use crate::error::Problem;
+use crate::error::{Problem, Reason};
 use crate::names::LeaseName;
 use fencegate_core::body_keys::etcd::{self, Call};
 use fencegate_core::body_keys::KeyRoutes;
@@ -28,15 +30,19 @@ pub struct EtcdRoutes {
     pub keys: KeyRoutes,
     /// Each route's own upstream deadline.
     pub timeouts_ms: Vec<Option<u64>>,
+    /// Where each lease's fence key lives: this prefix, then its name.
+    pub fence_prefix: String,
 }
 
 /// What a write to the gateway touches, once its body is read.
 #[derive(Debug)]
 pub enum Touches {
-    /// Keys of one lease, guarded by a route with this deadline.
+    /// Keys of one lease, guarded by a route with this deadline; the body
+    /// as it came.
     Lease {
         lease: LeaseName,
         timeout_ms: Option<u64>,
+        body: Bytes,
     },
     /// No key: a transaction of reads only.
     Nothing,
@@ -67,11 +73,94 @@ impl EtcdRoutes {
             Ok(fenced) => Touches::Lease {
                 lease: fenced.lease,
                 timeout_ms: self.timeouts_ms.get(fenced.route).copied().flatten(),
+                body: bytes.clone(),
             },
             Err(fencegate_core::body_keys::Refusal::NoKey) if call == Call::Txn => Touches::Nothing,
             Err(refusal) => return Err(Problem::not_one_lease(refusal)),
         };
         Ok((Request::from_parts(parts, body::full(bytes)), touches))
+    }
+}
+
+/// The request that carries out a write of `call` to `lease` under the
+/// term of `token`, as a transaction that etcd runs only if the lease's
+/// fence key names no later term ([`etcd::fenced`]): the same head, sent
+/// to the gateway's `kv/txn`.
+pub fn fenced_request(
+    mut req: Request<Body>,
+    call: Call,
+    body: &[u8],
+    fence_key: &[u8],
+    token: u64,
+) -> Result<Request<Body>, Problem> {
+    let txn = etcd::fenced(call, body, fence_key, token).map_err(|bad| {
+        Problem::invalid_request(format!("{}: nothing was sent to the storage", bad.0))
+    })?;
+    let path = etcd::txn_path(req.uri().path());
+    *req.uri_mut() = http::Uri::from_static(path);
+    let headers = req.headers_mut();
+    headers.remove(http::header::TRANSFER_ENCODING);
+    headers.insert(
+        http::header::CONTENT_LENGTH,
+        http::HeaderValue::from(txn.len()),
+    );
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    *req.body_mut() = body::full(txn);
+    Ok(req)
+}
+
+/// The most of etcd's answer to a fenced write that is read to reshape it
+/// (a transaction's reads are in it).
+pub const MAX_ANSWER_BYTES: usize = 64 << 20;
+
+/// etcd's answer to a fenced write, reshaped as the answer to the call the
+/// client made; a refusal by etcd (a later term wrote) as `412
+/// stale-fencing-token`. An answer that is not a 200 passes as it is.
+pub async fn reshape(
+    res: http::Response<Body>,
+    call: Call,
+    lease: &str,
+    idle: Duration,
+) -> http::Response<Body> {
+    if res.status() != http::StatusCode::OK {
+        return res;
+    }
+    let (mut parts, body) = res.into_parts();
+    let bytes = match body::collect_idle(body, MAX_ANSWER_BYTES, Some(idle)).await {
+        Ok(bytes) => bytes,
+        Err(_) => return Problem::new(
+            Reason::UpstreamError,
+            "etcd's answer to the fenced write could not be read whole; it may have been applied",
+        )
+        .into_response(),
+    };
+    match etcd::answer(call, &bytes) {
+        etcd::Answer::Applied(shaped) => {
+            parts.headers.remove(http::header::TRANSFER_ENCODING);
+            parts.headers.insert(
+                http::header::CONTENT_LENGTH,
+                http::HeaderValue::from(shaped.len()),
+            );
+            http::Response::from_parts(parts, body::full(shaped))
+        }
+        etcd::Answer::Refused { stored } => {
+            Problem::refused_by_storage(lease, stored).into_response()
+        }
+        etcd::Answer::Unreadable(why) => {
+            tracing::warn!(
+                lease,
+                why,
+                "etcd's answer to a fenced write is not one fencegate can read"
+            );
+            Problem::new(
+                Reason::UpstreamError,
+                format!("{why}; the write may have been applied"),
+            )
+            .into_response()
+        }
     }
 }
 

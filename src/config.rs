@@ -344,6 +344,9 @@ pub struct FenceConfig {
     /// The most keys whose state is remembered for routes with
     /// preconditions (per term of primacy: per shard led, in a cluster).
     pub precondition_keys: usize,
+    /// Where etcd-v3 routes keep each lease's fence key in the storage:
+    /// this prefix followed by the lease's name.
+    pub etcd_fence_prefix: String,
 }
 
 /// One route of the config file.
@@ -431,6 +434,7 @@ impl Default for FenceConfig {
             }],
             case_insensitive_paths: false,
             precondition_keys: 100_000,
+            etcd_fence_prefix: "fencegate/fence/".into(),
         }
     }
 }
@@ -826,9 +830,15 @@ impl FenceConfig {
                     .map_err(|bad| setting!("route {:?}: {}", r.pattern, bad.0))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        if self.etcd_fence_prefix.is_empty() {
+            return Err(setting!(
+                "fence.etcd_fence_prefix: the fence keys need a prefix of their own"
+            ));
+        }
         Ok((!patterns.is_empty()).then(|| EtcdRoutes {
-            keys: KeyRoutes::new(patterns),
+            keys: KeyRoutes::new(patterns).with_reserved(self.etcd_fence_prefix.as_bytes()),
             timeouts_ms: etcd.iter().map(|r| r.timeout_ms).collect(),
+            fence_prefix: self.etcd_fence_prefix.clone(),
         }))
     }
 

@@ -430,6 +430,10 @@ impl Problem {
                     "the range from {from:?} to {to:?} reaches past one lease's keys (a range must lie inside one lease's prefix followed by /): nothing was sent to the storage"
                 ),
             ),
+            Refusal::Reserved(what) => Self::new(
+                Reason::UnroutedKey,
+                format!("{what} reaches fencegate's fence keys, which no client writes: nothing was sent to the storage"),
+            ),
             Refusal::NoKey => Self::invalid_request("the write touches no key"),
         }
     }
@@ -464,6 +468,18 @@ impl Problem {
             format!("the request body did not arrive within {timeout_ms} ms"),
         )
         .closing_connection()
+    }
+
+    /// A write the storage itself refused because a later term of `lease`
+    /// wrote first (SPEC §11): the storage's fence names that term's token.
+    pub fn refused_by_storage(lease: &str, stored: Option<u64>) -> Self {
+        let mut p = Self::new(
+            Reason::StaleFencingToken,
+            "the storage refused the write: a later term of this lease has written (its fence key names that term); nothing was applied",
+        )
+        .lease(lease);
+        p.0.current_token = stored;
+        p
     }
 
     pub fn upstream_error() -> Self {

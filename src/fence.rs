@@ -39,7 +39,7 @@ use tower::{Layer, Service};
 use crate::auth::{Caller, Identity};
 use crate::backend::{Exchange, RequestContext, Sent};
 use crate::body::{Body, ResponseFuture};
-use crate::body_routes::{BodyLimits, EtcdRoutes, Touches};
+use crate::body_routes::{fenced_request, reshape, BodyLimits, EtcdRoutes, Touches};
 use crate::error::{Problem, Reason};
 use crate::hosts::{virtual_path, Hosts};
 use crate::lease::{Admission, AdmitError, AdmitOptions, LeaseStore, Primacy, WriteGuard};
@@ -47,7 +47,7 @@ use crate::metrics::Metrics;
 use crate::names::LeaseName;
 use crate::precondition::{self, Key, KeyStateTable, Observed, Plan};
 use crate::route::Routes;
-use fencegate_core::body_keys::etcd::Call;
+use fencegate_core::body_keys::etcd::{self, Call};
 use fencegate_core::precondition::Dialect;
 
 pub use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
@@ -688,8 +688,12 @@ where
                 Ok(read) => read,
                 Err(problem) => return Ok(refused(&policy, problem)),
             };
-            let (lease, timeout_ms) = match touches {
-                Touches::Lease { lease, timeout_ms } => (lease, timeout_ms),
+            let (lease, timeout_ms, body) = match touches {
+                Touches::Lease {
+                    lease,
+                    timeout_ms,
+                    body,
+                } => (lease, timeout_ms, body),
                 Touches::Nothing => {
                     req.headers_mut().remove(&LEASE_ID_NAME);
                     if let Some(refused) = policy.not_primary() {
@@ -702,8 +706,26 @@ where
                 Ok(fenced) => fenced,
                 Err(problem) => return Ok(refused(&policy, problem)),
             };
+            // etcd itself compares the token: the write goes as a
+            // transaction on the lease's fence key.
+            let Some((routes, limits)) = &policy.etcd else {
+                unreachable!("an etcd write is decided by etcd routes")
+            };
+            let fence_key = etcd::fence_key(&routes.fence_prefix, fenced.lease.as_str());
+            let req = match fenced_request(req, call, &body, &fence_key, fenced.token) {
+                Ok(req) => req,
+                Err(problem) => return Ok(refused(&policy, problem)),
+            };
+            let (lease, idle) = (fenced.lease.clone(), limits.idle);
             let options = policy.admit_options(fenced.max_wait_ms);
-            admit_then_exchange(inner, policy, req, fenced, options).await
+            let res = admit_then_exchange(inner, policy, req, fenced, options).await;
+            Ok(reshape(
+                res.unwrap_or_else(|never| match never {}),
+                call,
+                lease.as_str(),
+                idle,
+            )
+            .await)
         }))
     }
 }

@@ -36,7 +36,9 @@
 //!   states of routes with storage-side preconditions (SPEC §10) and adds
 //!   the precondition the core plans for each write; [`body_routes`]
 //!   finds the lease of a write to a store that names its keys in the
-//!   body (etcd's v3 JSON gateway, SPEC §11), by the core's readings.
+//!   body (etcd's v3 JSON gateway, SPEC §11), by the core's readings,
+//!   sends it as the core's transaction on the lease's fence key and
+//!   reshapes etcd's answer.
 //! - [`backend`]: the embedded key-value store and the HTTP(S) upstream client.
 //! - [`lease`]: the core's lease state machine and the concurrent store around
 //!   it (the handover barrier and the acquire rate limit in files of their

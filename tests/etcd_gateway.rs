@@ -441,3 +441,177 @@ fn etcd_routes_are_checked_at_start() {
         assert!(err.contains(says), "{err}");
     }
 }
+
+/// Between fencegate and etcd: passes every request on, except the one
+/// transaction it is armed to hold, which it keeps (the connection it came
+/// on may close) until the test delivers it, late.
+#[derive(Clone, Default)]
+struct HoldingRelay {
+    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    held: std::sync::Arc<std::sync::Mutex<Option<(String, bytes::Bytes)>>>,
+    got: std::sync::Arc<tokio::sync::Notify>,
+}
+
+impl HoldingRelay {
+    async fn start(etcd: &str) -> (Self, support::Running) {
+        use http_body_util::BodyExt as _;
+        let relay = Self::default();
+        let (state, direct) = (relay.clone(), HttpClient::new(etcd));
+        let app = tower::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+            let (state, direct) = (state.clone(), direct.clone());
+            async move {
+                let path = req.uri().path().to_owned();
+                let body = req.into_body().collect().await.unwrap().to_bytes();
+                let hold = path.ends_with("/kv/txn")
+                    && state.armed.swap(false, std::sync::atomic::Ordering::SeqCst);
+                if hold {
+                    *state.held.lock().unwrap() = Some((path.clone(), body.clone()));
+                    state.got.notify_one();
+                    std::future::pending::<()>().await;
+                }
+                let r = direct.send(Req::new("POST", &path).body(body)).await;
+                let mut res = http::Response::new(fencegate::body::full(r.body));
+                *res.status_mut() = r.status;
+                Ok::<_, std::convert::Infallible>(res)
+            }
+        });
+        let running = spawn(app).await;
+        (relay, running)
+    }
+
+    /// Holds the next transaction.
+    fn arm(&self) {
+        self.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Sends the held transaction to etcd now; etcd's answer.
+    async fn deliver(&self, etcd: &str) -> Value {
+        let (path, body) = self.held.lock().unwrap().take().expect("a held request");
+        let r = HttpClient::new(etcd)
+            .send(Req::new("POST", &path).body(body))
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()
+    }
+}
+
+/// What became of a write of an old term that reached etcd after the next
+/// term wrote: etcd's answer to it, and the value etcd kept.
+struct LateWrite {
+    answer: Value,
+    kept: Option<String>,
+}
+
+/// Term 1 writes; a relay holds that write until fencegate gives up on it
+/// (504) and the lease's next term has written; then the relay delivers
+/// it. fencegate is the real binary, so that a run can plant a mutant.
+/// Real time: fencegate's own upstream deadline (1 s) and settle time
+/// (0.5 s) pass; the test waits on events, not on time.
+async fn late_write(mutant: Option<&str>) -> LateWrite {
+    let etcd = etcd_v3(None).await;
+    let (relay, running) = HoldingRelay::start(&etcd.url).await;
+    let dir = support::proc::TempDir::new("etcd-late-write");
+    let config = dir.path().join("fencegate.toml");
+    std::fs::write(
+        &config,
+        "[fence]\nsettle_ms = 500\n\n[[fence.routes]]\nkind = \"etcd-v3\"\npattern = \"/app/{lease}\"\ntimeout_ms = 1000\n",
+    )
+    .unwrap();
+    let relay_url = format!("http://{}", running.addr);
+    let data = dir.path().join("data");
+    let env: Vec<(&str, &str)> = mutant
+        .map(|m| vec![("FENCEGATE_TEST_MUTANT", m)])
+        .unwrap_or_default();
+    let fg = support::proc::Proc::start(
+        &[
+            "serve",
+            "--config",
+            config.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            &relay_url,
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        &dir.path().join("fencegate.log"),
+        &env,
+    );
+    let c = HttpClient::new(&fg.url);
+    let direct = HttpClient::new(&etcd.url);
+    let key = "/app/orders/1";
+    let acquire = |holder: &'static str| {
+        let c = c.clone();
+        async move {
+            let r = c
+                .send(
+                    Req::new("POST", "/_fence/leases/orders")
+                        .json(json!({"holder": holder, "ttl_ms": 60_000})),
+                )
+                .await;
+            assert_eq!(r.status, 201, "{}", r.text());
+            support::held_from(&r)
+        }
+    };
+
+    let a = acquire("A").await;
+    relay.arm();
+    let write = {
+        let (c, a) = (
+            c.clone(),
+            support::Held {
+                token: a.token,
+                lease_id: a.lease_id.clone(),
+            },
+        );
+        tokio::spawn(async move {
+            c.send(
+                Req::new("POST", "/v3/kv/put")
+                    .held(&a)
+                    .json(put(key, "from A")),
+            )
+            .await
+        })
+    };
+    relay.got.notified().await;
+    let r = write.await.unwrap();
+    assert_eq!(r.status, 504, "{}", r.text());
+    let r = c
+        .send(Req::new("DELETE", "/_fence/leases/orders").held(&a))
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    let b = acquire("B").await;
+    let r = c
+        .send(
+            Req::new("POST", "/v3/kv/put")
+                .held(&b)
+                .json(put(key, "from B")),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let answer = relay.deliver(&etcd.url).await;
+    LateWrite {
+        answer,
+        kept: stored(&direct, key).await,
+    }
+}
+
+/// etcd itself refuses a write of an old term that reaches it after the
+/// next term wrote, however late (SPEC §11): its fence key names the later
+/// term. With the comparison dropped (a planted mutant), the same late
+/// write lands over the newer value: what the comparison prevents.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_refuses_a_late_write_of_an_old_term() {
+    let late = late_write(None).await;
+    assert_ne!(late.answer["succeeded"], true, "{}", late.answer);
+    assert_ne!(
+        late.answer["responses"][0]["response_txn"]["succeeded"], true,
+        "{}",
+        late.answer
+    );
+    assert_eq!(late.kept.as_deref(), Some("from B"));
+
+    let late = late_write(Some("etcd-compare-dropped")).await;
+    assert_eq!(late.answer["succeeded"], true, "{}", late.answer);
+    assert_eq!(late.kept.as_deref(), Some("from A"));
+}

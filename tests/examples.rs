@@ -215,6 +215,25 @@ async fn etcd_v3_example_as_shipped() {
             "{path} {body}"
         );
     }
+    // The fence keys are fencegate's, even to the holder of the lease
+    // their names fall under.
+    let f = acquire(&c, "fencegate", "F", None).await;
+    for (path, body) in [
+        (
+            "/v3/kv/put",
+            put("fencegate/fence/orders", "00000000000000000000"),
+        ),
+        (
+            "/v3/kv/deleterange",
+            serde_json::json!({"key": b64("fencegate/"), "range_end": b64("fencegate0")}),
+        ),
+    ] {
+        assert_eq!(
+            status_reason(&c, Req::new("POST", path).held(&f).json(body.clone())).await,
+            (403, "unrouted-key".into()),
+            "{path} {body}"
+        );
+    }
     release(&c, "orders", &a).await;
     let _b = acquire(&c, "orders", "B", None).await;
     assert_eq!(
