@@ -119,8 +119,19 @@ impl<'de> Visitor<'de> for Depth {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Json, A::Error> {
         let mut members: Vec<(String, Json)> = Vec::new();
+        // Names seen, for an object too large to search in a line: a
+        // hostile body of many members costs linear time, not quadratic.
+        let mut seen: std::collections::HashSet<String> = std::collections::HashSet::new();
         while let Some(name) = map.next_key::<String>()? {
-            if members.iter().any(|(n, _)| *n == name) {
+            let twice = if members.len() < 16 {
+                members.iter().any(|(n, _)| *n == name)
+            } else {
+                if seen.is_empty() {
+                    seen.extend(members.iter().map(|(n, _)| n.clone()));
+                }
+                !seen.insert(name.clone())
+            };
+            if twice {
                 return Err(de::Error::custom(format!(
                     "the member {name:?} is named twice"
                 )));
@@ -143,6 +154,12 @@ mod tests {
             v.get("b").and_then(|b| b.get("c")),
             Some(&Json::Number("-2.5".into()))
         );
+        // A name twice among many, found in linear time.
+        let many: Vec<String> = (0..100_000).map(|i| format!(r#""m{i}": 0"#)).collect();
+        let doc = format!("{{{}}}", many.join(","));
+        assert!(Json::parse(doc.as_bytes()).is_ok());
+        let doc = format!(r#"{{{}, "m99999": 1}}"#, many.join(","));
+        assert!(Json::parse(doc.as_bytes()).is_err());
         for bad in [
             &br#"{"a": 1, "a": 2}"#[..],
             br#"{"a": 1} x"#,
