@@ -140,6 +140,11 @@ pub enum Mutant {
     /// ([`Mutant::SHELL_ONLY`]); the tests of the real binary against etcd
     /// plant it.
     EtcdCompareDropped,
+    /// A DynamoDB write is taken without the token in its item and the
+    /// condition on it ([`crate::body_keys::dynamodb::check`]): a late
+    /// write of an old term lands after a later term's. Shell only, as
+    /// [`Mutant::EtcdCompareDropped`].
+    DynamoConditionUnchecked,
 }
 
 impl Mutant {
@@ -180,7 +185,8 @@ impl Mutant {
 
     /// Mutants the simulator does not model yet, planted only by the tests
     /// of the real binary.
-    pub const SHELL_ONLY: [Mutant; 1] = [Mutant::EtcdCompareDropped];
+    pub const SHELL_ONLY: [Mutant; 2] =
+        [Mutant::EtcdCompareDropped, Mutant::DynamoConditionUnchecked];
 
     /// The mutant's name on command lines and in `FENCEGATE_TEST_MUTANT`.
     pub fn name(self) -> &'static str {
@@ -217,6 +223,7 @@ impl Mutant {
             Mutant::OwnPreconditionTrusted => "own-precondition-trusted",
             Mutant::ReadParamsIgnored => "read-params-ignored",
             Mutant::EtcdCompareDropped => "etcd-compare-dropped",
+            Mutant::DynamoConditionUnchecked => "dynamo-condition-unchecked",
         }
     }
 

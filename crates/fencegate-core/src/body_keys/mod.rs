@@ -13,6 +13,7 @@
 //! key with those seven bytes after `orders/`, and a key is split at `/`
 //! only.
 
+pub mod dynamodb;
 pub mod etcd;
 pub mod json;
 
