@@ -282,6 +282,10 @@ fn compose<S>(
     metrics: Metrics,
     key_states: Option<Arc<KeyStateTable>>,
 ) -> Result<App<Fence<S>>, ConfigError> {
+    let body_limits = BodyLimits {
+        max_bytes: usize::try_from(config.limits.max_body_bytes).unwrap_or(usize::MAX),
+        idle: Duration::from_millis(config.limits.body_read_timeout_ms),
+    };
     let policy = FencePolicy {
         metrics: metrics.clone(),
         routes: config.fence.compile_routes()?,
@@ -294,13 +298,14 @@ fn compose<S>(
         key_states: key_states
             .unwrap_or_else(|| Arc::new(KeyStateTable::new(config.fence.precondition_keys))),
         hosts: config.hosts()?,
-        etcd: config.fence.compile_key_routes()?.map(|routes| {
-            let limits = BodyLimits {
-                max_bytes: usize::try_from(config.limits.max_body_bytes).unwrap_or(usize::MAX),
-                idle: Duration::from_millis(config.limits.body_read_timeout_ms),
-            };
-            (routes, limits)
-        }),
+        etcd: config
+            .fence
+            .compile_key_routes()?
+            .map(|routes| (routes, body_limits)),
+        dynamodb: config
+            .fence
+            .compile_dynamodb_routes()?
+            .map(|routes| (routes, body_limits)),
     };
     let data = FenceLayer::new(policy).layer(backend);
     let api = Api::new(leases, config.fence.require_lease_id, draining, metrics)

@@ -1,5 +1,7 @@
 //! Routes of a store that names the key in the body (SPEC §11): etcd's v3
-//! JSON gateway (`kind = "etcd-v3"`).
+//! JSON gateway (`kind = "etcd-v3"`) and DynamoDB's API (`kind =
+//! "dynamodb"`, whose writes the client conditions on the token itself,
+//! since SigV4 signs the body: [`DynamoRoutes::check`]).
 //!
 //! The gateway takes `POST` for every call, reads too, so the fence knows
 //! a call by its path ([`Call::of`]) and, for a write, reads the whole
@@ -21,6 +23,7 @@ use http::Request;
 use crate::body::{self, Body, ReadError};
 use crate::error::{Problem, Reason};
 use crate::names::LeaseName;
+use fencegate_core::body_keys::dynamodb::{self, Op, Table};
 use fencegate_core::body_keys::etcd::{self, Call};
 use fencegate_core::body_keys::KeyRoutes;
 
@@ -32,6 +35,57 @@ pub struct EtcdRoutes {
     pub timeouts_ms: Vec<Option<u64>>,
     /// Where each lease's fence key lives: this prefix, then its name.
     pub fence_prefix: String,
+}
+
+/// The routes of DynamoDB's API, in the order they were configured, and
+/// the tables they name.
+#[derive(Clone, Debug)]
+pub struct DynamoRoutes {
+    pub keys: KeyRoutes,
+    pub tables: Vec<Table>,
+    /// Each route's own upstream deadline.
+    pub timeouts_ms: Vec<Option<u64>>,
+}
+
+impl DynamoRoutes {
+    /// Reads the body of a write `op` and finds the lease of the items it
+    /// writes; the request comes back with the same body, whole.
+    pub async fn read_write(
+        &self,
+        req: Request<Body>,
+        op: Op,
+        limits: BodyLimits,
+    ) -> Result<(Request<Body>, Touches), Problem> {
+        let (parts, body) = req.into_parts();
+        let bytes = read(body, limits).await?;
+        let touched = dynamodb::touched(op, &bytes, &self.tables).map_err(|bad| {
+            Problem::invalid_request(format!("{}: nothing was sent to the storage", bad.0))
+        })?;
+        let touches = match self.keys.one_lease(&touched) {
+            Ok(fenced) => Touches::Lease {
+                lease: fenced.lease,
+                timeout_ms: self.timeouts_ms.get(fenced.route).copied().flatten(),
+                body: bytes.clone(),
+            },
+            // A transaction of condition checks only: it writes nothing.
+            Err(fencegate_core::body_keys::Refusal::NoKey) => Touches::Nothing,
+            Err(refusal) => return Err(Problem::not_one_lease(refusal)),
+        };
+        Ok((Request::from_parts(parts, body::full(bytes)), touches))
+    }
+
+    /// Whether the write `body` of `op` carries `token` as DynamoDB must
+    /// compare it (SPEC §11); `428 precondition-required` saying what to
+    /// add if not.
+    pub fn check(&self, op: Op, body: &[u8], token: u64, lease: &str) -> Result<(), Problem> {
+        dynamodb::check(op, body, &self.tables, token).map_err(|missing| {
+            Problem::new(
+                Reason::PreconditionRequired,
+                format!("{}: nothing was sent to the storage", missing.0),
+            )
+            .lease(lease)
+        })
+    }
 }
 
 /// What a write to the gateway touches, once its body is read.

@@ -16,12 +16,13 @@ use serde::{Deserialize, Serialize};
 use crate::auth::AuthError;
 pub use crate::auth::{AuthConfig, AuthToken};
 use crate::backend::UpstreamOptions;
-use crate::body_routes::EtcdRoutes;
+use crate::body_routes::{DynamoRoutes, EtcdRoutes};
 use crate::clock::ClockKind;
 use crate::lease::{restart, AdmitOptions, LeaseLimits, RestartRule};
 use crate::names::LeaseName;
 use crate::route::{PathRules, Preconditions, Route, RouteError, RouteKind, Routes};
 use crate::server::ServerOptions;
+use fencegate_core::body_keys::dynamodb::Table;
 use fencegate_core::body_keys::{KeyPattern, KeyRoutes};
 
 /// Why a configuration cannot be used. Its message names the settings
@@ -377,6 +378,13 @@ pub struct RouteConfig {
     /// default.
     #[serde(default, skip_serializing_if = "Preconditions::is_off")]
     pub preconditions: Preconditions,
+    /// A `dynamodb` route's table's partition key attribute (a string).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partition_key: Option<String>,
+    /// The attribute a `dynamodb` route's items keep their writer's token
+    /// in (default `fencing_token`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_attribute: Option<String>,
 }
 
 /// Request and connection limits.
@@ -431,6 +439,8 @@ impl Default for FenceConfig {
                 timeout_ms: None,
                 upstream_prefix: None,
                 preconditions: Preconditions::Off,
+                partition_key: None,
+                token_attribute: None,
             }],
             case_insensitive_paths: false,
             precondition_keys: 100_000,
@@ -612,6 +622,21 @@ impl Config {
         self.upstream_target()?;
         self.hosts()?;
         self.fence.compile_routes()?;
+        if self.fence.compile_dynamodb_routes()?.is_some() {
+            if self.upstream_target()? == UpstreamTarget::Embedded {
+                return Err(
+                    "dynamodb routes guard the items of DynamoDB's API: set upstream to its URL"
+                        .into(),
+                );
+            }
+            if self.cluster.shards > 1 {
+                return Err(
+                    "dynamodb routes name their lease in the body, which a member with several \
+                     shards does not read before it forwards: use cluster.shards = 1"
+                        .into(),
+                );
+            }
+        }
         if self.fence.compile_key_routes()?.is_some() {
             if self.upstream_target()? == UpstreamTarget::Embedded {
                 return Err(
@@ -820,7 +845,12 @@ impl FenceConfig {
                     }
                     None => None,
                 };
-                if r.fence_reads || r.upstream_prefix.is_some() || !r.preconditions.is_off() {
+                if r.fence_reads
+                    || r.upstream_prefix.is_some()
+                    || !r.preconditions.is_off()
+                    || r.partition_key.is_some()
+                    || r.token_attribute.is_some()
+                {
                     return Err(setting!(
                         "route {:?}: an etcd-v3 route takes pattern, lease and timeout_ms only",
                         r.pattern
@@ -839,6 +869,94 @@ impl FenceConfig {
             keys: KeyRoutes::new(patterns).with_reserved(self.etcd_fence_prefix.as_bytes()),
             timeouts_ms: etcd.iter().map(|r| r.timeout_ms).collect(),
             fence_prefix: self.etcd_fence_prefix.clone(),
+        }))
+    }
+
+    /// The routes of DynamoDB's API (`kind = "dynamodb"`), if there are
+    /// any: each pattern matched against `/{table}/{partition key value}`
+    /// of every item a write touches; the pattern's first segment names
+    /// the table.
+    pub fn compile_dynamodb_routes(&self) -> Result<Option<DynamoRoutes>, ConfigError> {
+        let routes: Vec<&RouteConfig> = self
+            .routes
+            .iter()
+            .filter(|r| r.kind == RouteKind::DynamoDb)
+            .collect();
+        let mut tables: Vec<Table> = Vec::new();
+        let mut patterns = Vec::new();
+        for r in &routes {
+            if r.fence_reads || r.upstream_prefix.is_some() || !r.preconditions.is_off() {
+                return Err(setting!(
+                    "route {:?}: a dynamodb route takes pattern, lease, timeout_ms, partition_key and token_attribute only",
+                    r.pattern
+                ));
+            }
+            if r.timeout_ms == Some(0) {
+                return Err(setting!(
+                    "route {:?}: timeout_ms must be greater than 0",
+                    r.pattern
+                ));
+            }
+            let table = r
+                .pattern
+                .strip_prefix('/')
+                .and_then(|p| p.split('/').next())
+                .filter(|t| {
+                    !t.is_empty()
+                        && t.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+                })
+                .ok_or_else(|| {
+                    setting!(
+                        "route {:?}: a dynamodb pattern starts with /, then the table's name (/jobs/{{lease}})",
+                        r.pattern
+                    )
+                })?;
+            let partition_key = r.partition_key.clone().ok_or_else(|| {
+                setting!(
+                    "route {:?}: a dynamodb route names its table's partition_key",
+                    r.pattern
+                )
+            })?;
+            let token_attribute = r
+                .token_attribute
+                .clone()
+                .unwrap_or_else(|| "fencing_token".into());
+            if token_attribute.is_empty() || token_attribute == partition_key {
+                return Err(setting!(
+                    "route {:?}: token_attribute must be an attribute of its own, not the partition key",
+                    r.pattern
+                ));
+            }
+            let this = Table {
+                name: table.to_owned(),
+                partition_key,
+                token_attribute,
+            };
+            match tables.iter().find(|t| t.name == this.name) {
+                Some(known) if *known != this => {
+                    return Err(setting!(
+                        "route {:?}: the routes of table {:?} name different partition_key or token_attribute",
+                        r.pattern,
+                        this.name
+                    ));
+                }
+                Some(_) => {}
+                None => tables.push(this),
+            }
+            let fixed = match r.lease.as_deref().map(LeaseName::new) {
+                Some(Ok(l)) => Some(l),
+                Some(Err(e)) => return Err(setting!("route {:?}: lease: {e}", r.pattern)),
+                None => None,
+            };
+            patterns.push(
+                KeyPattern::new(&r.pattern, fixed)
+                    .map_err(|bad| setting!("route {:?}: {}", r.pattern, bad.0))?,
+            );
+        }
+        Ok((!patterns.is_empty()).then(|| DynamoRoutes {
+            keys: KeyRoutes::new(patterns),
+            tables,
+            timeouts_ms: routes.iter().map(|r| r.timeout_ms).collect(),
         }))
     }
 

@@ -39,7 +39,7 @@ use tower::{Layer, Service};
 use crate::auth::{Caller, Identity};
 use crate::backend::{Exchange, RequestContext, Sent};
 use crate::body::{Body, ResponseFuture};
-use crate::body_routes::{fenced_request, reshape, BodyLimits, EtcdRoutes, Touches};
+use crate::body_routes::{fenced_request, reshape, BodyLimits, DynamoRoutes, EtcdRoutes, Touches};
 use crate::error::{Problem, Reason};
 use crate::hosts::{virtual_path, Hosts};
 use crate::lease::{Admission, AdmitError, AdmitOptions, LeaseStore, Primacy, WriteGuard};
@@ -47,6 +47,7 @@ use crate::metrics::Metrics;
 use crate::names::LeaseName;
 use crate::precondition::{self, Key, KeyStateTable, Observed, Plan};
 use crate::route::Routes;
+use fencegate_core::body_keys::dynamodb::Op;
 use fencegate_core::body_keys::etcd::{self, Call};
 use fencegate_core::precondition::Dialect;
 
@@ -88,6 +89,9 @@ pub struct FencePolicy {
     /// of the bodies read to find a write's keys: every gateway call
     /// (`/v3/…`) is decided by them, not by the path routes.
     pub etcd: Option<(EtcdRoutes, BodyLimits)>,
+    /// The routes of DynamoDB's API (SPEC §11), with the bounds on the
+    /// bodies read.
+    pub dynamodb: Option<(DynamoRoutes, BodyLimits)>,
 }
 
 /// Whether `method` changes state at the backend. Everything but the safe
@@ -174,6 +178,9 @@ fn presented(
     Ok((token, sent, lease_id))
 }
 
+/// DynamoDB's operation header (`DynamoDB_20120810.PutItem`).
+const AMZ_TARGET: HeaderName = HeaderName::from_static("x-amz-target");
+
 /// What the fence decided before any waiting.
 enum Decision {
     /// Not fenced (a read, or an allowed unrouted write): forward as it is,
@@ -187,6 +194,8 @@ enum Decision {
     /// A write to an etcd gateway: its body names the keys, and so the
     /// lease (SPEC §11).
     EtcdWrite(Call, Option<Caller>),
+    /// A write to DynamoDB: its body names the items, and so the lease.
+    DynamoWrite(Op, Option<Caller>),
 }
 
 /// A request on a route with preconditions: the key, whether it writes
@@ -234,6 +243,19 @@ impl FencePolicy {
         }
         if let Some(call) = self.etcd.as_ref().and_then(|_| Call::of(req.uri().path())) {
             return self.decide_etcd(req, call, caller);
+        }
+        if self.dynamodb.is_some() {
+            let mut targets = req.headers().get_all(AMZ_TARGET).iter();
+            if let Some(target) = targets.next() {
+                if targets.next().is_some() {
+                    return Decision::Reject(Problem::invalid_request(
+                        "a request names X-Amz-Target twice",
+                    ));
+                }
+                if let Some(op) = target.to_str().ok().and_then(Op::of) {
+                    return self.decide_dynamodb(req, op, caller);
+                }
+            }
         }
         let write = is_write(req.method());
         // A virtual-hosted request's path at the storage: its bucket first.
@@ -361,6 +383,27 @@ impl FencePolicy {
                 }
             }
             Call::Put | Call::DeleteRange | Call::Txn => Decision::EtcdWrite(call, caller),
+        }
+    }
+
+    fn decide_dynamodb(&self, req: &mut Request<Body>, op: Op, caller: Option<Caller>) -> Decision {
+        match op {
+            Op::Read => {
+                req.headers_mut().remove(&LEASE_ID_NAME);
+                Decision::Pass(None)
+            }
+            Op::Unfenced => {
+                req.headers_mut().remove(&LEASE_ID_NAME);
+                if self.allow_unrouted_writes {
+                    Decision::Pass(None)
+                } else {
+                    Decision::Reject(Problem::new(
+                        Reason::UnroutedWrite,
+                        "this DynamoDB operation can change data and names no item a route can fence, and unrouted writes are not allowed",
+                    ))
+                }
+            }
+            _ => Decision::DynamoWrite(op, caller),
         }
     }
 
@@ -597,6 +640,7 @@ where
             }
             Decision::Fenced(fenced) => fenced,
             Decision::EtcdWrite(call, caller) => return self.etcd_write(req, call, caller),
+            Decision::DynamoWrite(op, caller) => return self.dynamodb_write(req, op, caller),
         };
         let options = self.policy.admit_options(fenced.max_wait_ms);
         // The common case decides without waiting or allocating.
@@ -726,6 +770,59 @@ where
                 idle,
             )
             .await)
+        }))
+    }
+}
+
+impl<S> Fence<S>
+where
+    S: Exchange + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    /// A write to DynamoDB: its body read, its items' one lease found, its
+    /// token checked in its headers and in the body (the item's token
+    /// attribute and the condition on it), then admitted; the body goes
+    /// as it came (SigV4 signed it), and DynamoDB's answer passes as it is.
+    fn dynamodb_write(
+        &mut self,
+        req: Request<Body>,
+        op: Op,
+        caller: Option<Caller>,
+    ) -> FenceFuture<S::Future> {
+        let fresh = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, fresh);
+        let policy = self.policy.clone();
+        FenceFuture::boxed(Box::pin(async move {
+            let Some((routes, limits)) = &policy.dynamodb else {
+                unreachable!("a DynamoDB write is decided by dynamodb routes")
+            };
+            let (mut req, touches) = match routes.read_write(req, op, *limits).await {
+                Ok(read) => read,
+                Err(problem) => return Ok(refused(&policy, problem)),
+            };
+            let (lease, timeout_ms, body) = match touches {
+                Touches::Lease {
+                    lease,
+                    timeout_ms,
+                    body,
+                } => (lease, timeout_ms, body),
+                Touches::Nothing => {
+                    req.headers_mut().remove(&LEASE_ID_NAME);
+                    if let Some(refused) = policy.not_primary() {
+                        return Ok(refused);
+                    }
+                    return boxed_call(&mut inner, req).await;
+                }
+            };
+            let fenced = match policy.fenced_by(&mut req, lease, timeout_ms, caller) {
+                Ok(fenced) => fenced,
+                Err(problem) => return Ok(refused(&policy, problem)),
+            };
+            if let Err(problem) = routes.check(op, &body, fenced.token, fenced.lease.as_str()) {
+                return Ok(refused(&policy, problem));
+            }
+            let options = policy.admit_options(fenced.max_wait_ms);
+            admit_then_exchange(inner, policy, req, fenced, options).await
         }))
     }
 }

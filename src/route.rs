@@ -185,6 +185,8 @@ pub enum RouteKind {
     Path,
     #[serde(rename = "etcd-v3")]
     EtcdV3,
+    #[serde(rename = "dynamodb")]
+    DynamoDb,
 }
 
 impl RouteKind {

@@ -592,6 +592,8 @@ async fn fixed_lease_routes_and_fenced_reads() {
             timeout_ms: None,
             upstream_prefix: None,
             preconditions: Default::default(),
+            partition_key: None,
+            token_attribute: None,
         },
     );
     let h = Harness::with_config(config);

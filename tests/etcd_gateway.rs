@@ -18,6 +18,7 @@ use fencegate::clock::ClockKind;
 use fencegate::config::{Config, RouteConfig};
 use fencegate::route::RouteKind;
 use serde_json::{json, Value};
+use support::holding::HoldingRelay;
 use support::servers::etcd_v3;
 use support::{spawn, Harness, HttpClient, Req};
 
@@ -34,6 +35,8 @@ fn etcd_route(pattern: &str, lease: Option<&str>) -> RouteConfig {
         timeout_ms: None,
         upstream_prefix: None,
         preconditions: Default::default(),
+        partition_key: None,
+        token_attribute: None,
     }
 }
 
@@ -442,59 +445,6 @@ fn etcd_routes_are_checked_at_start() {
     }
 }
 
-/// Between fencegate and etcd: passes every request on, except the one
-/// transaction it is armed to hold, which it keeps (the connection it came
-/// on may close) until the test delivers it, late.
-#[derive(Clone, Default)]
-struct HoldingRelay {
-    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    held: std::sync::Arc<std::sync::Mutex<Option<(String, bytes::Bytes)>>>,
-    got: std::sync::Arc<tokio::sync::Notify>,
-}
-
-impl HoldingRelay {
-    async fn start(etcd: &str) -> (Self, support::Running) {
-        use http_body_util::BodyExt as _;
-        let relay = Self::default();
-        let (state, direct) = (relay.clone(), HttpClient::new(etcd));
-        let app = tower::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-            let (state, direct) = (state.clone(), direct.clone());
-            async move {
-                let path = req.uri().path().to_owned();
-                let body = req.into_body().collect().await.unwrap().to_bytes();
-                let hold = path.ends_with("/kv/txn")
-                    && state.armed.swap(false, std::sync::atomic::Ordering::SeqCst);
-                if hold {
-                    *state.held.lock().unwrap() = Some((path.clone(), body.clone()));
-                    state.got.notify_one();
-                    std::future::pending::<()>().await;
-                }
-                let r = direct.send(Req::new("POST", &path).body(body)).await;
-                let mut res = http::Response::new(fencegate::body::full(r.body));
-                *res.status_mut() = r.status;
-                Ok::<_, std::convert::Infallible>(res)
-            }
-        });
-        let running = spawn(app).await;
-        (relay, running)
-    }
-
-    /// Holds the next transaction.
-    fn arm(&self) {
-        self.armed.store(true, std::sync::atomic::Ordering::SeqCst);
-    }
-
-    /// Sends the held transaction to etcd now; etcd's answer.
-    async fn deliver(&self, etcd: &str) -> Value {
-        let (path, body) = self.held.lock().unwrap().take().expect("a held request");
-        let r = HttpClient::new(etcd)
-            .send(Req::new("POST", &path).body(body))
-            .await;
-        assert_eq!(r.status, 200, "{}", r.text());
-        r.json()
-    }
-}
-
 /// What became of a write of an old term that reached etcd after the next
 /// term wrote: etcd's answer to it, and the value etcd kept.
 struct LateWrite {
@@ -509,7 +459,8 @@ struct LateWrite {
 /// (0.5 s) pass; the test waits on events, not on time.
 async fn late_write(mutant: Option<&str>) -> LateWrite {
     let etcd = etcd_v3(None).await;
-    let (relay, running) = HoldingRelay::start(&etcd.url).await;
+    let (relay, running) =
+        HoldingRelay::start(&etcd.url, |held| held.path.ends_with("/kv/txn")).await;
     let dir = support::proc::TempDir::new("etcd-late-write");
     let config = dir.path().join("fencegate.toml");
     std::fs::write(
@@ -589,7 +540,9 @@ async fn late_write(mutant: Option<&str>) -> LateWrite {
         )
         .await;
     assert_eq!(r.status, 200, "{}", r.text());
-    let answer = relay.deliver(&etcd.url).await;
+    let answer = relay.deliver().await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    let answer = answer.json();
     LateWrite {
         answer,
         kept: stored(&direct, key).await,

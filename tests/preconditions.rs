@@ -156,6 +156,8 @@ fn config(preconditions: Preconditions) -> Config {
         timeout_ms: None,
         upstream_prefix: None,
         preconditions,
+        partition_key: None,
+        token_attribute: None,
     }];
     c
 }

@@ -189,6 +189,8 @@ async fn stack_with(
         timeout_ms: None,
         upstream_prefix: None,
         preconditions,
+        partition_key: None,
+        token_attribute: None,
     }];
     tune(&mut config);
     let up = Upstream::new(&url.parse().unwrap(), &config.upstream_options()).unwrap();

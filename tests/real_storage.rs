@@ -32,6 +32,8 @@ fn route(pattern: &str, upstream_prefix: Option<&str>) -> RouteConfig {
         timeout_ms: None,
         upstream_prefix: upstream_prefix.map(str::to_owned),
         preconditions: Default::default(),
+        partition_key: None,
+        token_attribute: None,
     }
 }
 
