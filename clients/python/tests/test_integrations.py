@@ -118,6 +118,86 @@ def test_the_boto3_zombie_s_put_object_is_refused(s3: tuple[Server, Server]) -> 
     a.release()
 
 
+DYNAMODB_CONFIG = """
+upstream = "{upstream}"
+[proxy]
+preserve_host = true
+[[fence.routes]]
+kind = "dynamodb"
+pattern = "/jobs/{{lease}}"
+partition_key = "pk"
+"""
+
+
+def dynamodb_client(url: str) -> Any:
+    return boto3.client(
+        "dynamodb",
+        endpoint_url=url,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        config=botocore.config.Config(retries={"mode": "standard", "max_attempts": 1}),
+    )
+
+
+def test_boto3_dynamodb_writes_carry_the_token_and_dynamodb_compares_it(
+    servers: Servers,
+) -> None:
+    moto = servers.moto()
+    direct = dynamodb_client(moto.url)
+    direct.create_table(
+        TableName="jobs",
+        KeySchema=[{"AttributeName": "pk", "KeyType": "HASH"}],
+        AttributeDefinitions=[{"AttributeName": "pk", "AttributeType": "S"}],
+        BillingMode="PAY_PER_REQUEST",
+    )
+    fg = servers.fencegate(config=DYNAMODB_CONFIG.format(upstream=moto.url))
+    client = fencegate.Client(fg.url)
+    clock = ManualClock()
+    key = {"pk": {"S": "orders/42"}}
+    a = Term._start(client, "orders", "A", 3.0, 0.0, None, None, clock=clock)
+    zombie = fencegate.boto3.fence(dynamodb_client(fg.url), a)
+    zombie.put_item(TableName="jobs", Item={**key, "v": {"S": "A's"}})
+    # The client's own condition and update are kept beside fencegate's.
+    zombie.update_item(
+        TableName="jobs",
+        Key=key,
+        UpdateExpression="SET v = :v",
+        ConditionExpression="attribute_exists(pk)",
+        ExpressionAttributeValues={":v": {"S": "A's, updated"}},
+    )
+    item = direct.get_item(TableName="jobs", Key=key)["Item"]
+    assert item["v"] == {"S": "A's, updated"}
+    assert item["fencing_token"] == {"N": str(a.token)}
+    with pytest.raises(zombie.exceptions.ClientError) as refused:
+        zombie.delete_item(TableName="jobs", Key=key)
+    assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 428
+
+    advance(fg.url, 3000)
+    with client.hold("orders", holder="B", ttl=30.0) as b:
+        fencegate.boto3.fence(dynamodb_client(fg.url), b).put_item(
+            TableName="jobs", Item={**key, "v": {"S": "B's"}}
+        )
+        a.check()  # A cannot know yet
+        with pytest.raises(zombie.exceptions.ClientError) as refused:
+            zombie.put_item(TableName="jobs", Item={**key, "v": {"S": "A, late"}})
+        assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+        # A's write, as if delivered late past fencegate: DynamoDB refuses it.
+        late = fencegate.boto3.fence(dynamodb_client(moto.url), a)
+        with pytest.raises(late.exceptions.ConditionalCheckFailedException):
+            late.put_item(TableName="jobs", Item={**key, "v": {"S": "A, later"}})
+        # Reads need no term.
+        got = zombie.get_item(TableName="jobs", Key=key)["Item"]
+        assert got["v"] == {"S": "B's"}
+        assert got["fencing_token"] == {"N": str(b.token)}
+    # A's renewer wakes and is refused: from now on nothing is sent.
+    clock.advance(1.0, a._thread)
+    assert a.lost.is_set()
+    with pytest.raises(fencegate.LeaseLost):
+        zombie.put_item(TableName="jobs", Item={**key, "v": {"S": "A, lost"}})
+    a.release()
+
+
 DAV_CONFIG = """
 upstream = "{upstream}"
 [[fence.routes]]

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from conftest import Servers, raw
-from test_integrations import s3_client
+from test_integrations import DYNAMODB_CONFIG, dynamodb_client, s3_client
 
 
 def readme_block(marker: str) -> str:
@@ -59,9 +59,20 @@ def test_the_client_readme_examples_as_written(servers: Servers) -> None:
     }
     s3_client(moto.url).create_bucket(Bucket="orders-bucket")
     s3 = servers.fencegate(config=S3.format(upstream=moto.url), manual=False, name="s3")
+    dynamodb_client(moto.url).create_table(
+        TableName="jobs",
+        KeySchema=[{"AttributeName": "pk", "KeyType": "HASH"}],
+        AttributeDefinitions=[{"AttributeName": "pk", "AttributeType": "S"}],
+        BillingMode="PAY_PER_REQUEST",
+    )
+    dynamodb = servers.fencegate(
+        config=DYNAMODB_CONFIG.format(upstream=moto.url), manual=False, name="dynamodb"
+    )
     for block in blocks:
-        script = block.replace("http://127.0.0.1:8080", fg.url).replace(
-            "http://127.0.0.1:8280", s3.url
+        script = (
+            block.replace("http://127.0.0.1:8080", fg.url)
+            .replace("http://127.0.0.1:8280", s3.url)
+            .replace("http://127.0.0.1:8380", dynamodb.url)
         )
         out = subprocess.run(
             [sys.executable, "-c", script],
@@ -74,3 +85,5 @@ def test_the_client_readme_examples_as_written(servers: Servers) -> None:
     assert raw("GET", f"{fg.url}/kv/orders/42")[1] == b"shipped"
     got = s3_client(moto.url).get_object(Bucket="orders-bucket", Key="orders/42")
     assert got["Body"].read() == b"shipped"
+    item = dynamodb_client(moto.url).get_item(TableName="jobs", Key={"pk": {"S": "orders/42"}})
+    assert "fencing_token" in item["Item"]

@@ -1,4 +1,4 @@
-"""Fencing boto3: ``fence(s3, term)``.
+"""Fencing boto3: ``fence(s3, term)``, ``fence(dynamodb, term)``.
 
 ::
 
@@ -13,11 +13,29 @@ write. Reads pass as they are. A write that
 fencegate answers ``428 precondition-required`` (a route with storage-side
 preconditions whose key it has not seen) makes it read the key once
 (``head_object``) and send the write again.
+
+A DynamoDB client (or a resource: its ``meta.client``) gets more, since
+SigV4 signs the body fencegate must not change: before the request is
+built (the ``before-parameter-build`` event, ahead of signing) each
+``PutItem``, ``UpdateItem`` and each ``Put`` and ``Update`` of a
+``TransactWriteItems`` gets the term's token in the item's token attribute
+and the condition that makes DynamoDB refuse it once a later term wrote
+the item (SPEC section 11)::
+
+    dynamodb = fencegate.boto3.fence(boto3.client("dynamodb", endpoint_url=FENCEGATE), term)
+    dynamodb.put_item(TableName="jobs", Item={"pk": {"S": "orders/42"}, ...})
+    # DynamoDB refuses a late one with ConditionalCheckFailedException.
+
+Your own ``ConditionExpression`` is kept, ANDed with fencegate's; your own
+``UpdateExpression`` gets one more ``SET`` action. ``DeleteItem`` and
+``BatchWriteItem`` cannot be fenced by DynamoDB (a deleted item keeps no
+token; a batch takes no condition): fencegate refuses them with 428.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from .term import AsyncTerm, Term
@@ -27,11 +45,77 @@ _READ = "fencegate_read_first"
 _READS = frozenset({"GET", "HEAD"})
 
 
-def fence(client: Any, term: Term | AsyncTerm) -> Any:
-    """Fences every write of ``client`` (a boto3 S3 client) under
-    ``term``; returns ``client``. Requires path-style addressing, as any S3
-    client in front of fencegate does."""
+_NAME = "#fencegate_token"
+_VALUE = ":fencegate_token"
+_CONDITION = "attribute_not_exists(#fencegate_token) OR #fencegate_token <= :fencegate_token"
+_SET = "#fencegate_token = :fencegate_token"
+_DYNAMODB_WRITES = frozenset(
+    {"PutItem", "UpdateItem", "DeleteItem", "BatchWriteItem", "TransactWriteItems"}
+)
+_SET_CLAUSE = re.compile(r"\bSET\b", re.IGNORECASE)
+
+
+def _carry_token(write: dict[str, Any], token: int, attribute: str, put: bool) -> None:
+    """Adds the token and its condition to one item write (a ``PutItem``'s
+    or ``UpdateItem``'s parameters, or a transaction's ``Put`` or
+    ``Update``), in DynamoDB's JSON."""
+    if "Expected" in write or "AttributeUpdates" in write or "ConditionalOperator" in write:
+        raise ValueError(
+            "fencegate conditions the write with an expression: use ConditionExpression "
+            "and UpdateExpression, not Expected, AttributeUpdates or ConditionalOperator"
+        )
+    number = {"N": str(token)}
+    write["ExpressionAttributeNames"] = {
+        **write.get("ExpressionAttributeNames", {}),
+        _NAME: attribute,
+    }
+    write["ExpressionAttributeValues"] = {
+        **write.get("ExpressionAttributeValues", {}),
+        _VALUE: number,
+    }
+    own = write.get("ConditionExpression")
+    write["ConditionExpression"] = f"({own}) AND ({_CONDITION})" if own else _CONDITION
+    if put:
+        write["Item"] = {**write.get("Item", {}), attribute: number}
+        return
+    update = write.get("UpdateExpression", "")
+    if _SET_CLAUSE.search(update):
+        write["UpdateExpression"] = _SET_CLAUSE.sub(f"SET {_SET},", update, count=1)
+    else:
+        write["UpdateExpression"] = f"{update} SET {_SET}".strip()
+
+
+def _fence_dynamodb(client: Any, term: Term | AsyncTerm, token_attribute: str) -> None:
+    def add_token(params: dict[str, Any], model: Any, **_: Any) -> None:
+        name = model.name
+        if name not in ("PutItem", "UpdateItem", "TransactWriteItems"):
+            return
+        term.headers()  # raises LeaseLost once the term is lost
+        token = term.token
+        if name == "TransactWriteItems":
+            for item in params.get("TransactItems", []):
+                if "Put" in item:
+                    _carry_token(item["Put"], token, token_attribute, put=True)
+                elif "Update" in item:
+                    _carry_token(item["Update"], token, token_attribute, put=False)
+            return
+        _carry_token(params, token, token_attribute, put=name == "PutItem")
+
+    client.meta.events.register("before-parameter-build.dynamodb", add_token)
+
+
+def fence(client: Any, term: Term | AsyncTerm, token_attribute: str = "fencing_token") -> Any:
+    """Fences every write of ``client`` (a boto3 S3 or DynamoDB client, or
+    a resource) under ``term``. An S3 client needs
+    path-style addressing, as any S3 client in front of fencegate does; a
+    DynamoDB client's items keep the token in ``token_attribute`` (the
+    route's). Returns what it was given."""
+    given = client
+    if not hasattr(client.meta, "events"):  # a resource
+        client = client.meta.client
     events = client.meta.events
+    if client.meta.service_model.service_name == "dynamodb":
+        _fence_dynamodb(client, term, token_attribute)
 
     def keep_params(params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
         context[_PARAMS] = {k: params[k] for k in ("Bucket", "Key") if k in params}
@@ -66,7 +150,20 @@ def fence(client: Any, term: Term | AsyncTerm) -> Any:
                 return None
         return 0  # send it again, at once
 
+    def add_dynamodb_headers(request: Any, **_: Any) -> None:
+        # Every DynamoDB call is a POST: the operation says what writes.
+        target = request.headers.get("X-Amz-Target", b"")
+        if isinstance(target, bytes):
+            target = target.decode("ascii", "replace")
+        if target.rpartition(".")[2] not in _DYNAMODB_WRITES:
+            return
+        for name, value in term.headers().items():
+            request.headers[name] = value
+
+    if client.meta.service_model.service_name == "dynamodb":
+        events.register("before-send.dynamodb", add_dynamodb_headers)
+        return given
     events.register("before-parameter-build.s3", keep_params)
     events.register("before-send.s3", add_headers)
     events.register_first("needs-retry.s3", read_first)
-    return client
+    return given
