@@ -146,10 +146,11 @@ pub fn fenced_request(
     body: &[u8],
     fence_key: &[u8],
     token: u64,
-) -> Result<Request<Body>, Problem> {
+) -> Result<(Request<Body>, Bytes), Problem> {
     let txn = etcd::fenced(call, body, fence_key, token).map_err(|bad| {
         Problem::invalid_request(format!("{}: nothing was sent to the storage", bad.0))
     })?;
+    let txn = Bytes::from(txn);
     let path = etcd::txn_path(req.uri().path());
     *req.uri_mut() = http::Uri::from_static(path);
     let headers = req.headers_mut();
@@ -162,8 +163,16 @@ pub fn fenced_request(
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static("application/json"),
     );
-    *req.body_mut() = body::full(txn);
-    Ok(req)
+    *req.body_mut() = body::full(txn.clone());
+    Ok((req, txn))
+}
+
+/// etcd's answer to a fenced write, for the client; or word that it only
+/// made the lease's fence key, and the write must go again.
+#[derive(Debug)]
+pub enum Reshaped {
+    Answer(http::Response<Body>),
+    FenceCreated,
 }
 
 /// The most of etcd's answer to a fenced write that is read to reshape it
@@ -178,20 +187,24 @@ pub async fn reshape(
     call: Call,
     lease: &str,
     idle: Duration,
-) -> http::Response<Body> {
+) -> Reshaped {
     if res.status() != http::StatusCode::OK {
-        return res;
+        return Reshaped::Answer(res);
     }
     let (mut parts, body) = res.into_parts();
     let bytes = match body::collect_idle(body, MAX_ANSWER_BYTES, Some(idle)).await {
         Ok(bytes) => bytes,
-        Err(_) => return Problem::new(
-            Reason::UpstreamError,
-            "etcd's answer to the fenced write could not be read whole; it may have been applied",
-        )
-        .into_response(),
+        Err(_) => {
+            return Reshaped::Answer(
+                Problem::new(
+                    Reason::UpstreamError,
+                    "etcd's answer to the fenced write could not be read whole; it may have been applied",
+                )
+                .into_response(),
+            )
+        }
     };
-    match etcd::answer(call, &bytes) {
+    Reshaped::Answer(match etcd::answer(call, &bytes) {
         etcd::Answer::Applied(shaped) => {
             parts.headers.remove(http::header::TRANSFER_ENCODING);
             parts.headers.insert(
@@ -203,6 +216,7 @@ pub async fn reshape(
         etcd::Answer::Refused { stored } => {
             Problem::refused_by_storage(lease, stored).into_response()
         }
+        etcd::Answer::FenceCreated => return Reshaped::FenceCreated,
         etcd::Answer::Unreadable(why) => {
             tracing::warn!(
                 lease,
@@ -215,7 +229,7 @@ pub async fn reshape(
             )
             .into_response()
         }
-    }
+    })
 }
 
 /// The whole body, within the limits.

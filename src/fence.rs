@@ -39,7 +39,9 @@ use tower::{Layer, Service};
 use crate::auth::{Caller, Identity};
 use crate::backend::{Exchange, RequestContext, Sent};
 use crate::body::{Body, ResponseFuture};
-use crate::body_routes::{fenced_request, reshape, BodyLimits, DynamoRoutes, EtcdRoutes, Touches};
+use crate::body_routes::{
+    fenced_request, reshape, BodyLimits, DynamoRoutes, EtcdRoutes, Reshaped, Touches,
+};
 use crate::error::{Problem, Reason};
 use crate::hosts::{virtual_path, Hosts};
 use crate::lease::{Admission, AdmitError, AdmitOptions, LeaseStore, Primacy, WriteGuard};
@@ -220,6 +222,19 @@ struct Fenced {
 }
 
 impl Fenced {
+    /// The same write, to be admitted once more (an etcd write that only
+    /// made its lease's fence key). No key state rides along.
+    fn again(&self) -> Fenced {
+        Fenced {
+            lease: self.lease.clone(),
+            token: self.token,
+            lease_id: self.lease_id.clone(),
+            caller: self.caller.clone(),
+            max_wait_ms: self.max_wait_ms,
+            conditioned: None,
+        }
+    }
+
     /// The lease id presented.
     fn presented(&self) -> Option<&[u8]> {
         self.lease_id.as_ref().map(HeaderValue::as_bytes)
@@ -756,20 +771,32 @@ where
                 unreachable!("an etcd write is decided by etcd routes")
             };
             let fence_key = etcd::fence_key(&routes.fence_prefix, fenced.lease.as_str());
-            let req = match fenced_request(req, call, &body, &fence_key, fenced.token) {
-                Ok(req) => req,
+            let (req, txn) = match fenced_request(req, call, &body, &fence_key, fenced.token) {
+                Ok(sent) => sent,
                 Err(problem) => return Ok(refused(&policy, problem)),
             };
-            let (lease, idle) = (fenced.lease.clone(), limits.idle);
-            let options = policy.admit_options(fenced.max_wait_ms);
-            let res = admit_then_exchange(inner, policy, req, fenced, options).await;
-            Ok(reshape(
-                res.unwrap_or_else(|never| match never {}),
-                call,
-                lease.as_str(),
-                idle,
+            let idle = limits.idle;
+            let (parts, _) = req.into_parts();
+            let lease = fenced.lease.clone();
+            // At most twice: a lease's first write only makes its fence
+            // key, and goes again (admitted again: its term may have ended).
+            for _ in 0..2 {
+                let req = Request::from_parts(parts.clone(), crate::body::full(txn.clone()));
+                let fenced = fenced.again();
+                let options = policy.admit_options(fenced.max_wait_ms);
+                let res =
+                    admit_then_exchange(inner.clone(), policy.clone(), req, fenced, options).await;
+                let res = res.unwrap_or_else(|never| match never {});
+                match reshape(res, call, lease.as_str(), idle).await {
+                    Reshaped::Answer(res) => return Ok(res),
+                    Reshaped::FenceCreated => {}
+                }
+            }
+            Ok(Problem::new(
+                Reason::UpstreamError,
+                "etcd made the lease's fence key twice and applied nothing: is something deleting it?",
             )
-            .await)
+            .into_response())
         }))
     }
 }

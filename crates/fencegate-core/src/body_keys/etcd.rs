@@ -3,9 +3,11 @@
 //!
 //! The gateway takes `POST` for everything, reads too, so a call is known
 //! by its path ([`Call::of`]): `/v3/kv/put`, `/v3/kv/deleterange` and
-//! `/v3/kv/txn` write keys (under `/v3beta/` and `/v3alpha/` as well, as
-//! etcd 3.4 still serves them); `/v3/kv/range`, watches and the lease
-//! calls that touch no key (grant, keep-alive, time-to-live, listing) read;
+//! `/v3/kv/txn` write keys (under `/v3beta/` as well, which etcd 3.4
+//! still serves, and `/v3alpha/`, which older ones did; a trailing `:`, an
+//! empty custom verb, is the same call); `/v3/kv/range`, watches and the
+//! lease calls that touch no key (grant, keep-alive, time-to-live,
+//! listing) read;
 //! any other call (a lease's revocation, which deletes every key attached
 //! to it; compaction; authentication; maintenance; locks and elections,
 //! which write keys of their own) is one no key route can fence.
@@ -54,6 +56,9 @@ impl Call {
         let rest = [&b"/v3/"[..], b"/v3beta/", b"/v3alpha/"]
             .iter()
             .find_map(|prefix| decoded.strip_prefix(*prefix))?;
+        // The gateway reads a trailing `:` as an empty custom verb: `put:`
+        // is a put. Any other `:` is a call fencegate does not know.
+        let rest = rest.strip_suffix(b":").unwrap_or(rest);
         Some(match rest {
             b"kv/put" => Call::Put,
             b"kv/deleterange" => Call::DeleteRange,
@@ -316,18 +321,22 @@ fn b64(bytes: &[u8]) -> String {
 /// than `token`, and sets the fence key to `token` with it:
 ///
 /// ```text
-/// compare: fence key's value < token + 1             (a term this late or later: none wrote)
+/// compare: fence key's value < token + 1             (no later term wrote)
 /// success: put fence key = token, the client's write
-/// failure: txn { compare: fence key's create_revision == 0   (no term wrote yet)
-///                success: put fence key = token, the client's write
+/// failure: txn { compare: fence key's create_revision == 0   (no fence key yet)
+///                success: put fence key = token      (the write is not done:
+///                                                     the caller sends it again)
 ///                failure: range fence key }          (the later term, for the answer)
 /// ```
 ///
 /// The client's write is its put or range delete as an operation, or its
 /// transaction nested whole, its own compares kept. etcd evaluates a
 /// value comparison on a missing key as false, hence the nested
-/// transaction for a lease's first write (or one after its fence key was
-/// deleted by hand, which makes the next write of any term the first).
+/// transaction that only creates the fence key ([`Answer::FenceCreated`]):
+/// the client's write is in the transaction once (etcd's request size
+/// limit counts it once), and a write that meets no fence key is never
+/// applied by that transaction, so a late one of an old term after the
+/// fence key was deleted by hand does not land either.
 pub fn fenced(call: Call, body: &[u8], fence_key: &[u8], token: u64) -> Result<Vec<u8>, Malformed> {
     let client: serde_json::Value = serde_json::from_slice(body)
         .map_err(|e| bad(format!("the body is not JSON etcd takes: {e}")))?;
@@ -352,10 +361,10 @@ pub fn fenced(call: Call, body: &[u8], fence_key: &[u8], token: u64) -> Result<V
     } else {
         serde_json::json!({
             "compare": [no_later],
-            "success": [set.clone(), write.clone()],
+            "success": [set.clone(), write],
             "failure": [{"request_txn": {
                 "compare": [first],
-                "success": [set, write],
+                "success": [set],
                 "failure": [{"request_range": {"key": key}}],
             }}],
         })
@@ -373,6 +382,10 @@ pub enum Answer {
     /// etcd refused it: the fence key names a later term (its token, if
     /// readable).
     Refused { stored: Option<u64> },
+    /// The lease had no fence key: etcd created it, naming this write's
+    /// term, and applied nothing else. The same transaction, sent again,
+    /// carries the write out.
+    FenceCreated,
     /// Not an answer to that transaction.
     Unreadable(String),
 }
@@ -428,7 +441,7 @@ pub fn answer(call: Call, body: &[u8]) -> Answer {
                 .and_then(|v| v.parse().ok());
             return Answer::Refused { stored };
         }
-        nested
+        return Answer::FenceCreated;
     };
     let Some(write) = responses(ran).get(1) else {
         return unreadable("etcd's answer has no answer to the write");
@@ -484,7 +497,7 @@ mod tests {
                 "success": [set, write],
                 "failure": [{"request_txn": {
                     "compare": [{"key": fk, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
-                    "success": [set, write],
+                    "success": [set],
                     "failure": [{"request_range": {"key": fk}}],
                 }}],
             })
@@ -514,17 +527,23 @@ mod tests {
             shaped(answer(Call::Put, outer.as_bytes())),
             serde_json::json!({"header": {"revision": "9", "raft_term": "2"}, "prev_kv": {"key": "bw=="}})
         );
-        // A lease's first write: the nested branch; a client's transaction
-        // whose own compare failed (proto3 leaves out the false).
-        let first = format!(
-            r#"{{"header": {header}, "responses": [{{"response_txn": {{"succeeded": true, "responses": [
+        // A client's transaction whose own compare failed (proto3 leaves
+        // out the false).
+        let own_failed = format!(
+            r#"{{"header": {header}, "succeeded": true, "responses": [
                 {{"response_put": {{}}}},
-                {{"response_txn": {{"responses": [{{"response_range": {{"count": "1"}}}}]}}}}]}}}}]}}"#
+                {{"response_txn": {{"responses": [{{"response_range": {{"count": "1"}}}}]}}}}]}}"#
         );
         assert_eq!(
-            shaped(answer(Call::Txn, first.as_bytes())),
+            shaped(answer(Call::Txn, own_failed.as_bytes())),
             serde_json::json!({"header": {"revision": "9", "raft_term": "2"}, "responses": [{"response_range": {"count": "1"}}]})
         );
+        // A lease's first write: the fence key made, nothing else done.
+        let first = format!(
+            r#"{{"header": {header}, "responses": [{{"response_txn": {{"succeeded": true, "responses": [
+                {{"response_put": {{}}}}]}}}}]}}"#
+        );
+        assert_eq!(answer(Call::Put, first.as_bytes()), Answer::FenceCreated);
         // Refused: the fence key names token 12.
         let refused = format!(
             r#"{{"header": {header}, "responses": [{{"response_txn": {{"responses": [
@@ -564,6 +583,11 @@ mod tests {
             ("/v3/lock/lock", Some(Call::Unfenced)),
             ("/v3/kv/put/", Some(Call::Unfenced)),
             ("/v3/kv/%70ut", Some(Call::Put)),
+            ("/v3/kv/put:", Some(Call::Put)),
+            ("/v3beta/kv/txn%3A", Some(Call::Txn)),
+            ("/v3/kv/deleterange:", Some(Call::DeleteRange)),
+            ("/v3/kv/put::", Some(Call::Unfenced)),
+            ("/v3/kv/put:x", Some(Call::Unfenced)),
             ("/%763/kv/txn", Some(Call::Txn)),
             ("/v3/kv%2Fdeleterange", Some(Call::DeleteRange)),
             ("/v2/keys/a", None),
