@@ -87,3 +87,31 @@ def test_the_client_readme_examples_as_written(servers: Servers) -> None:
     assert got["Body"].read() == b"shipped"
     item = dynamodb_client(moto.url).get_item(TableName="jobs", Key={"pk": {"S": "orders/42"}})
     assert "fencing_token" in item["Item"]
+
+
+def test_the_readme_dynamodb_example_as_printed(servers: Servers) -> None:
+    block = readme_block("<!-- dynamodb-example -->")
+    moto = servers.moto()
+    dynamodb_client(moto.url).create_table(
+        TableName="jobs",
+        KeySchema=[{"AttributeName": "pk", "KeyType": "HASH"}],
+        AttributeDefinitions=[{"AttributeName": "pk", "AttributeType": "S"}],
+        BillingMode="PAY_PER_REQUEST",
+    )
+    fg = servers.fencegate(config=DYNAMODB_CONFIG.format(upstream=moto.url), manual=False)
+    aws = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    script = block.replace("http://127.0.0.1:8380", fg.url)
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **aws},
+    )
+    assert out.returncode == 0, out.stderr
+    item = dynamodb_client(moto.url).get_item(TableName="jobs", Key={"pk": {"S": "orders/42"}})
+    assert item["Item"]["fencing_token"] == {"N": "1"}
