@@ -577,3 +577,72 @@ async fn etcd_refuses_a_late_write_of_an_old_term() {
     assert_eq!(late.answer["succeeded"], true, "{}", late.answer);
     assert_eq!(late.kept.as_deref(), Some("from A"));
 }
+
+/// The Rust client's etcd calls (`LeaseGuard::etcd_put`, `etcd_delete`,
+/// `etcd_txn`) through fencegate in front of etcd: written under the term,
+/// read back straight from etcd; a guard whose term ended is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rust_client_writes_to_etcd_under_its_term() {
+    let etcd = etcd_v3(None).await;
+    let h = proxy(&etcd.url, |_| {});
+    let direct = HttpClient::new(&etcd.url);
+    let server = spawn(h.app.clone()).await;
+    let client = fencegate::client::LeaseClient::new(&server.url());
+    let a = client
+        .hold("orders", "A", 60_000, 0, Default::default())
+        .await
+        .unwrap();
+    let w = a.etcd_put(b"/app/orders/1", b"a-1").await.unwrap();
+    assert_eq!(w.status, 200, "{w:?}");
+    let w = a.etcd_put(b"/app/orders/2", b"a-2").await.unwrap();
+    assert_eq!(w.status, 200, "{w:?}");
+    assert_eq!(
+        stored(&direct, "/app/orders/1").await.as_deref(),
+        Some("a-1")
+    );
+    let w = a
+        .etcd_delete(b"/app/orders/2", Some(b"/app/orders/3"))
+        .await
+        .unwrap();
+    assert_eq!(w.status, 200, "{w:?}");
+    let answer: Value = serde_json::from_slice(&w.body).unwrap();
+    assert_eq!(answer["deleted"], "1", "{answer}");
+    assert_eq!(stored(&direct, "/app/orders/2").await, None);
+    let w = a
+        .etcd_txn(json!({
+            "compare": [{"key": b64("/app/orders/1"), "target": "VALUE", "result": "EQUAL", "value": b64("a-1")}],
+            "success": [{"request_put": put("/app/orders/1", "a-2")}],
+        }))
+        .await
+        .unwrap();
+    assert_eq!(w.status, 200, "{w:?}");
+    assert_eq!(
+        stored(&direct, "/app/orders/1").await.as_deref(),
+        Some("a-2")
+    );
+    // Another lease's key: refused by fencegate, etcd untouched.
+    let w = a.etcd_put(b"/app/users/1", b"x").await.unwrap();
+    assert_eq!(w.status, 412, "{w:?}");
+    assert_eq!(stored(&direct, "/app/users/1").await, None);
+
+    // A's term ends and B's begins: A's put is refused.
+    h.advance(60_000);
+    let b = h.acquire("orders", "B", 60_000).await;
+    let w = a.etcd_put(b"/app/orders/1", b"zombie").await;
+    match w {
+        Ok(w) => assert_eq!(w.status, 412, "{w:?}"),
+        Err(e) => assert!(matches!(e, fencegate::client::ClientError::Lost(_)), "{e}"),
+    }
+    assert_eq!(
+        stored(&direct, "/app/orders/1").await.as_deref(),
+        Some("a-2")
+    );
+    let r = h
+        .send(
+            Req::new("POST", "/v3/kv/put")
+                .held(&b)
+                .json(put("/app/orders/1", "b-1")),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+}

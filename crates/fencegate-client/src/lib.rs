@@ -1030,6 +1030,12 @@ impl LeaseClient {
     }
 }
 
+/// Bytes as etcd's JSON gateway takes them: standard base64, padded.
+fn b64(bytes: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
 /// An answer to a write sent through fencegate ([`LeaseGuard::write`]): the
 /// storage's, or a problem fencegate answered itself.
 #[derive(Clone, Debug)]
@@ -1261,6 +1267,50 @@ impl LeaseGuard {
             .await?;
         self.check_held()?;
         self.client.exchange(lease, method, path, &all, body).await
+    }
+
+    /// Puts `value` at `key` in the etcd behind fencegate (an `etcd-v3`
+    /// route, SPEC §11), under this term: `POST /v3/kv/put`, the key and
+    /// value in base64 as etcd's JSON gateway takes them. fencegate sends
+    /// it as a transaction that etcd itself refuses once a later term of
+    /// the lease wrote (a `412 stale-fencing-token` here), however late it
+    /// arrives. Never sent once the term is lost.
+    pub async fn etcd_put(&self, key: &[u8], value: &[u8]) -> Result<Written, ClientError> {
+        let body = serde_json::json!({"key": b64(key), "value": b64(value)});
+        self.etcd_call("/v3/kv/put", body).await
+    }
+
+    /// Deletes `key` in the etcd behind fencegate, or with `range_end`
+    /// every key from `key` up to it (inside this term's lease's keys), as
+    /// [`Self::etcd_put`] puts.
+    pub async fn etcd_delete(
+        &self,
+        key: &[u8],
+        range_end: Option<&[u8]>,
+    ) -> Result<Written, ClientError> {
+        let mut body = serde_json::json!({"key": b64(key)});
+        if let Some(end) = range_end {
+            body["range_end"] = b64(end).into();
+        }
+        self.etcd_call("/v3/kv/deleterange", body).await
+    }
+
+    /// Runs the etcd transaction `txn` (the gateway's JSON: `compare`,
+    /// `success`, `failure`, keys in base64) behind fencegate, under this
+    /// term; its own compares are kept, beside fencegate's.
+    pub async fn etcd_txn(&self, txn: serde_json::Value) -> Result<Written, ClientError> {
+        self.etcd_call("/v3/kv/txn", txn).await
+    }
+
+    async fn etcd_call(&self, path: &str, body: serde_json::Value) -> Result<Written, ClientError> {
+        let body = Bytes::from(body.to_string());
+        self.write(
+            Method::POST,
+            path,
+            &[("content-type", "application/json")],
+            body,
+        )
+        .await
     }
 
     /// `Err` once the term is lost (its local deadline read from the clock
