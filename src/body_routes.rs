@@ -74,6 +74,33 @@ impl DynamoRoutes {
         Ok((Request::from_parts(parts, body::full(bytes)), touches))
     }
 
+    /// An operation that changes data and names no item (PartiQL, a table
+    /// deleted, a TTL set), allowed as an unrouted write: only if its body
+    /// names no table a route guards, anywhere (a statement's text
+    /// included; a name that merely contains one counts too).
+    pub async fn unrouted(
+        &self,
+        req: Request<Body>,
+        limits: BodyLimits,
+    ) -> Result<Request<Body>, Problem> {
+        let (parts, body) = req.into_parts();
+        let bytes = read(body, limits).await?;
+        if let Some(table) = self
+            .tables
+            .iter()
+            .find(|t| bytes.windows(t.name.len()).any(|w| w == t.name.as_bytes()))
+        {
+            return Err(Problem::new(
+                Reason::UnroutedWrite,
+                format!(
+                    "this DynamoDB operation changes data and names the table {:?}, which a route guards: it is refused even though unrouted writes are allowed",
+                    table.name
+                ),
+            ));
+        }
+        Ok(Request::from_parts(parts, body::full(bytes)))
+    }
+
     /// Whether the write `body` of `op` carries `token` as DynamoDB must
     /// compare it (SPEC §11); `428 precondition-required` saying what to
     /// add if not.

@@ -397,6 +397,10 @@ impl FencePolicy {
                     ))
                 }
             }
+            Call::Unfenceable => Decision::Reject(Problem::new(
+                Reason::UnroutedWrite,
+                "this etcd call may write or delete keys fencegate cannot see (a lease's revocation, a lock, an election, a call fencegate does not know), guarded ones among them: it is refused even where unrouted writes are allowed",
+            )),
             Call::Put | Call::DeleteRange | Call::Txn => Decision::EtcdWrite(call, caller),
         }
     }
@@ -410,7 +414,9 @@ impl FencePolicy {
             Op::Unfenced => {
                 req.headers_mut().remove(&LEASE_ID_NAME);
                 if self.allow_unrouted_writes {
-                    Decision::Pass(None)
+                    // Allowed only if it names no table a route guards:
+                    // its body is read first.
+                    Decision::DynamoWrite(op, caller)
                 } else {
                     Decision::Reject(Problem::new(
                         Reason::UnroutedWrite,
@@ -823,6 +829,12 @@ where
             let Some((routes, limits)) = &policy.dynamodb else {
                 unreachable!("a DynamoDB write is decided by dynamodb routes")
             };
+            if op == Op::Unfenced {
+                return match routes.unrouted(req, *limits).await {
+                    Ok(req) => boxed_call(&mut inner, req).await,
+                    Err(problem) => Ok(refused(&policy, problem)),
+                };
+            }
             let (mut req, touches) = match routes.read_write(req, op, *limits).await {
                 Ok(read) => read,
                 Err(problem) => return Ok(refused(&policy, problem)),

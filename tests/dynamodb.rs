@@ -96,12 +96,17 @@ fn put(pk: &str, v: &str, token: u64) -> Value {
 }
 
 fn proxy(url: &str) -> Harness {
+    proxy_with(url, |_| {})
+}
+
+fn proxy_with(url: &str, tweak: impl FnOnce(&mut Config)) -> Harness {
     let mut config = Config {
         clock: ClockKind::Manual,
         upstream: url.to_owned(),
         ..Config::default()
     };
     config.fence.routes = vec![route("/jobs/{lease}")];
+    tweak(&mut config);
     config.validate().expect("a valid configuration");
     let up = Upstream::new(&url.parse().unwrap(), &config.upstream_options()).unwrap();
     Harness::with_backend(config, Backend::Upstream(up), EmbeddedStore::new())
@@ -254,6 +259,54 @@ async fn a_write_is_fenced_by_its_items_lease_and_carries_its_token() {
         .await;
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["Item"]["v"]["S"], "b-1");
+}
+
+/// With unrouted writes allowed, an operation that names no item passes
+/// only if it names no table a route guards: a PartiQL statement could
+/// delete a guarded item (and its token) with no term at all (found by a
+/// review).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allowed_unrouted_writes_reach_no_routed_table() {
+    let moto = moto().await;
+    let direct = HttpClient::new(&moto.url);
+    tables(&direct).await;
+    let h = proxy_with(&moto.url, |c| c.fence.allow_unrouted_writes = true);
+    let a = h.acquire("orders", "A", 5000).await;
+    let r = h
+        .send(call("PutItem", put("orders/1", "a-1", a.token)).held(&a))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    for (op, body) in [
+        (
+            "ExecuteStatement",
+            json!({"Statement": "DELETE FROM jobs WHERE pk = 'orders/1'"}),
+        ),
+        (
+            "ExecuteStatement",
+            json!({"Statement": "UPDATE \"jobs\" SET fencing_token = 99 WHERE pk = 'orders/1'"}),
+        ),
+        ("DeleteTable", json!({"TableName": "jobs"})),
+        (
+            "UpdateTimeToLive",
+            json!({"TableName": "jobs", "TimeToLiveSpecification": {"Enabled": true, "AttributeName": "ttl"}}),
+        ),
+    ] {
+        let r = h.send(call(op, body.clone())).await;
+        assert_eq!(
+            (r.status.as_u16(), r.reason().as_str()),
+            (403, "unrouted-write"),
+            "{op} {body}"
+        );
+    }
+    assert_eq!(value(&direct, "orders/1").await.as_deref(), Some("a-1"));
+    // The same on a table no route guards: passed on, as allowed.
+    let r = h
+        .send(call(
+            "ExecuteStatement",
+            json!({"Statement": "INSERT INTO \"other\" VALUE {'pk': 'x'}"}),
+        ))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
 }
 
 /// What became of a write of an old term that reached DynamoDB after the

@@ -384,10 +384,28 @@ async fn bodies_are_bounded_and_unrouted_calls_may_be_allowed() {
         .await;
     assert_eq!(r.status, 200, "{}", r.text());
     let id = r.json()["ID"].as_str().unwrap().to_owned();
+    // A call that changes no key's value passes; one that may delete or
+    // write keys fencegate cannot see does not, allowed or not (a review
+    // found a revocation deleting the guarded keys attached to a lease).
     let r = h
-        .send(Req::new("POST", "/v3/lease/revoke").json(json!({"ID": id})))
+        .send(Req::new("POST", "/v3/maintenance/status").json(json!({})))
         .await;
     assert_eq!(r.status, 200, "{}", r.text());
+    for (path, body) in [
+        ("/v3/lease/revoke", json!({"ID": id})),
+        ("/v3/lock/lock", json!({"name": b64("/app/orders/lock")})),
+        (
+            "/v3/election/campaign",
+            json!({"name": b64("/app/orders/e"), "value": b64("x")}),
+        ),
+    ] {
+        let r = h.send(Req::new("POST", path).json(body)).await;
+        assert_eq!(
+            (r.status.as_u16(), r.reason().as_str()),
+            (403, "unrouted-write"),
+            "{path}"
+        );
+    }
 }
 
 /// curl, as a user at a shell would write: the term's headers and a JSON

@@ -166,8 +166,23 @@ def test_boto3_dynamodb_writes_carry_the_token_and_dynamodb_compares_it(
         ConditionExpression="attribute_exists(pk)",
         ExpressionAttributeValues={":v": {"S": "A's, updated"}},
     )
+    # A placeholder named like the clause is not the clause (found by a
+    # review: `#set` was taken for SET).
+    zombie.update_item(
+        TableName="jobs",
+        Key=key,
+        UpdateExpression="ADD #set :one SET v = :v",
+        ExpressionAttributeNames={"#set": "set_count"},
+        ExpressionAttributeValues={":one": {"N": "1"}, ":v": {"S": "A's, updated"}},
+    )
+    # A transaction's items are the caller's: sent twice, the same.
+    items = [{"Put": {"TableName": "jobs", "Item": {"pk": {"S": "orders/43"}}}}]
+    zombie.transact_write_items(TransactItems=items)
+    zombie.transact_write_items(TransactItems=items)
+    assert items == [{"Put": {"TableName": "jobs", "Item": {"pk": {"S": "orders/43"}}}}]
     item = direct.get_item(TableName="jobs", Key=key)["Item"]
     assert item["v"] == {"S": "A's, updated"}
+    assert item["set_count"] == {"N": "1"}
     assert item["fencing_token"] == {"N": str(a.token)}
     with pytest.raises(zombie.exceptions.ClientError) as refused:
         zombie.delete_item(TableName="jobs", Key=key)

@@ -52,7 +52,9 @@ _SET = "#fencegate_token = :fencegate_token"
 _DYNAMODB_WRITES = frozenset(
     {"PutItem", "UpdateItem", "DeleteItem", "BatchWriteItem", "TransactWriteItems"}
 )
-_SET_CLAUSE = re.compile(r"\bSET\b", re.IGNORECASE)
+# The SET clause's keyword: not a placeholder (`#set`, `:set`) nor part of
+# a name.
+_SET_CLAUSE = re.compile(r"(?<![#:\w])SET(?!\w)", re.IGNORECASE)
 
 
 def _carry_token(write: dict[str, Any], token: int, attribute: str, put: bool) -> None:
@@ -93,11 +95,17 @@ def _fence_dynamodb(client: Any, term: Term | AsyncTerm, token_attribute: str) -
         term.headers()  # raises LeaseLost once the term is lost
         token = term.token
         if name == "TransactWriteItems":
+            # Copies: the caller's own items stay as they were, so that the
+            # same list can be sent again.
+            items = []
             for item in params.get("TransactItems", []):
-                if "Put" in item:
-                    _carry_token(item["Put"], token, token_attribute, put=True)
-                elif "Update" in item:
-                    _carry_token(item["Update"], token, token_attribute, put=False)
+                item = dict(item)
+                for kind in ("Put", "Update"):
+                    if kind in item:
+                        item[kind] = dict(item[kind])
+                        _carry_token(item[kind], token, token_attribute, put=kind == "Put")
+                items.append(item)
+            params["TransactItems"] = items
             return
         _carry_token(params, token, token_attribute, put=name == "PutItem")
 

@@ -43,8 +43,16 @@ pub enum Call {
     Txn,
     /// A read: `kv/range`, a watch, a lease call that touches no key.
     Read,
-    /// A call no key route can fence.
+    /// A call that changes no key's value and that no key route can fence
+    /// (`kv/compaction`, `auth/…`, `maintenance/…`, `cluster/…`): an
+    /// unrouted write.
     Unfenced,
+    /// A call that may write or delete keys fencegate cannot see (a lease's
+    /// revocation deletes the keys attached to it; locks and elections
+    /// write keys of their own; a call fencegate does not know): refused
+    /// even where unrouted writes are allowed, since those keys may be
+    /// guarded ones.
+    Unfenceable,
 }
 
 impl Call {
@@ -71,7 +79,14 @@ impl Call {
             | b"lease/leases"
             | b"kv/lease/timetolive"
             | b"kv/lease/leases" => Call::Read,
-            _ => Call::Unfenced,
+            b"kv/compaction" => Call::Unfenced,
+            _ if ["auth/", "maintenance/", "cluster/"]
+                .iter()
+                .any(|p| rest.starts_with(p.as_bytes())) =>
+            {
+                Call::Unfenced
+            }
+            _ => Call::Unfenceable,
         })
     }
 }
@@ -95,7 +110,7 @@ pub fn touched(call: Call, body: &[u8]) -> Result<Vec<Touched>, Malformed> {
         Call::Put => put(&doc, &mut out)?,
         Call::DeleteRange => delete_range(&doc, &mut out)?,
         Call::Txn => txn(&doc, 1, &mut ops, &mut out)?,
-        Call::Read | Call::Unfenced => {}
+        Call::Read | Call::Unfenced | Call::Unfenceable => {}
     }
     Ok(out)
 }
@@ -347,7 +362,7 @@ pub fn fenced(call: Call, body: &[u8], fence_key: &[u8], token: u64) -> Result<V
         Call::Put => "request_put",
         Call::DeleteRange => "request_delete_range",
         Call::Txn => "request_txn",
-        Call::Read | Call::Unfenced => return Err(bad("not a write")),
+        Call::Read | Call::Unfenced | Call::Unfenceable => return Err(bad("not a write")),
     };
     // Base64 and decimal digits: nothing in them needs escaping.
     let key = b64(fence_key);
@@ -582,19 +597,21 @@ mod tests {
             ("/v3/kv/range", Some(Call::Read)),
             ("/v3/watch", Some(Call::Read)),
             ("/v3/lease/grant", Some(Call::Read)),
-            ("/v3/lease/revoke", Some(Call::Unfenced)),
-            ("/v3/kv/lease/revoke", Some(Call::Unfenced)),
+            ("/v3/lease/revoke", Some(Call::Unfenceable)),
+            ("/v3/kv/lease/revoke", Some(Call::Unfenceable)),
             ("/v3/kv/compaction", Some(Call::Unfenced)),
             ("/v3/auth/enable", Some(Call::Unfenced)),
             ("/v3/maintenance/defragment", Some(Call::Unfenced)),
-            ("/v3/lock/lock", Some(Call::Unfenced)),
-            ("/v3/kv/put/", Some(Call::Unfenced)),
+            ("/v3/election/campaign", Some(Call::Unfenceable)),
+            ("/v3/kv/unknown", Some(Call::Unfenceable)),
+            ("/v3/lock/lock", Some(Call::Unfenceable)),
+            ("/v3/kv/put/", Some(Call::Unfenceable)),
             ("/v3/kv/%70ut", Some(Call::Put)),
             ("/v3/kv/put:", Some(Call::Put)),
             ("/v3beta/kv/txn%3A", Some(Call::Txn)),
             ("/v3/kv/deleterange:", Some(Call::DeleteRange)),
-            ("/v3/kv/put::", Some(Call::Unfenced)),
-            ("/v3/kv/put:x", Some(Call::Unfenced)),
+            ("/v3/kv/put::", Some(Call::Unfenceable)),
+            ("/v3/kv/put:x", Some(Call::Unfenceable)),
             ("/%763/kv/txn", Some(Call::Txn)),
             ("/v3/kv%2Fdeleterange", Some(Call::DeleteRange)),
             ("/v2/keys/a", None),
