@@ -973,6 +973,86 @@ async fn late_writes_in_front_of_moto_are_refused() {
     assert_eq!(late["relay"]["late_stale_applied"], 0, "{stdout}");
 }
 
+/// `fencegate serve` with an etcd-v3 route `/lt/{lease}` in front of
+/// `upstream`, a settle time of 300 ms, and `mutant` planted.
+fn etcd_proxy(dir: &TempDir, name: &str, upstream: &str, mutant: Option<&str>) -> Proc {
+    let config = dir.path().join(format!("{name}.toml"));
+    std::fs::write(
+        &config,
+        "[fence]\nsettle_ms = 300\n[[fence.routes]]\nkind = \"etcd-v3\"\npattern = \"/lt/{lease}\"\n",
+    )
+    .unwrap();
+    let data = dir.path().join(format!("data-{name}"));
+    let env: Vec<(&str, &str)> = mutant
+        .map(|m| vec![("FENCEGATE_TEST_MUTANT", m)])
+        .unwrap_or_default();
+    Proc::start(
+        &[
+            "serve",
+            "--config",
+            config.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            upstream,
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        &dir.path().join(format!("{name}.log")),
+        &env,
+    )
+}
+
+/// `--store etcd-v3` in front of etcd's v3 JSON gateway: etcd itself
+/// refuses every late write of an old term (the lease's fence key), and
+/// the run is SAFE; with the comparison dropped (the etcd-compare-dropped
+/// mutant planted in fencegate), late writes of old terms land and the run
+/// is UNSAFE (the test's second half).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_writes_in_front_of_etcd_v3_are_refused_by_etcd() {
+    let dir = TempDir::new("loadtest-late-etcd");
+    let etcd = support::servers::etcd_v3(None).await;
+    let port = support::servers::free_port();
+    let relay = format!("http://127.0.0.1:{port}");
+    let layout = ["--store", "etcd-v3", "--path", "/lt/{lease}/{key}"];
+    let run = |proxy: &Proc, name: &str| {
+        let (url, storage, json) = (
+            proxy.url.clone(),
+            etcd.url.clone(),
+            dir.path().join(format!("{name}.json")),
+        );
+        tokio::task::spawn_blocking(move || {
+            late_loadtest(&url, &storage, port, &layout, &json, &[])
+        })
+    };
+    let on = etcd_proxy(&dir, "on", &relay, None);
+    let (code, r, stdout) = run(&on, "on").await.unwrap();
+    let late = &r["late_writes"];
+    assert_eq!(code, 0, "{stdout}");
+    assert_eq!(late["store"], "etcd-v3", "{stdout}");
+    assert_eq!(late["relay"]["late_stale_applied"], 0, "{stdout}");
+    assert!(
+        late["relay"]["late_stale_refused"].as_u64().unwrap() > 0,
+        "{stdout}"
+    );
+    assert_eq!(late["relay"]["writes_without_precondition"], 0, "{stdout}");
+    assert!(stdout.lines().any(|l| l.starts_with("SAFE:")), "{stdout}");
+    drop(on);
+
+    let off = etcd_proxy(&dir, "off", &relay, Some("etcd-compare-dropped"));
+    let (code, r, stdout) = run(&off, "off").await.unwrap();
+    assert_eq!(code, 1, "{stdout}");
+    assert!(
+        r["late_writes"]["relay"]["late_stale_applied"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{stdout}"
+    );
+    assert!(stdout.contains("UNSAFE:"), "{stdout}");
+    assert!(stdout.contains("without the comparison"), "{stdout}");
+}
+
 /// `fencegate loadtest` with `args` (and `--json json`), killed if it has
 /// not ended within `limit`: (exit code, stdout, stderr). Real time: a run
 /// bounded by its own deadlines ends well within it.

@@ -172,6 +172,7 @@ async fn stack_with(
         &storage.server.url,
         client,
         hold,
+        fencegate::cli::loadtest::store::Store::Http,
     )
     .await
     .unwrap();

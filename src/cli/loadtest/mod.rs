@@ -30,6 +30,7 @@ pub mod layout;
 mod readback;
 pub mod relay;
 pub mod sigv4;
+pub mod store;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{IsTerminal, Write};
@@ -77,6 +78,11 @@ pub struct LoadtestArgs {
     /// `/bucket/{lease}/{key}` for S3).
     #[arg(long, default_value = "/kv/{lease}/{key}")]
     pub path: String,
+    /// What the storage takes: `http` (the key in the path: PUT, GET and
+    /// DELETE of it) or `etcd-v3` (etcd's v3 JSON gateway behind an etcd-v3
+    /// route: the rendered path is the key, in the body).
+    #[arg(long, value_enum, default_value = "http")]
+    pub store: store::Store,
     /// The body of a write, with `{value}` where the write's value goes
     /// (e.g. `value={value}` for etcd's v2 keys API).
     #[arg(long, default_value = "{value}")]
@@ -325,6 +331,8 @@ pub struct Report {
 /// What `--late-writes` found.
 #[derive(Debug, Serialize)]
 pub struct LateWrites {
+    /// What the storage takes (`--store`).
+    pub store: store::Store,
     pub fraction: f64,
     pub late_by_ms: u64,
     pub relay: relay::RelayReport,
@@ -926,7 +934,11 @@ async fn write(
         2 => layout::handoff_key(&shared.run_id, &term.lease, term.previous),
         _ => layout::handoff_key(&shared.run_id, &term.lease, term.token),
     };
-    let path = shared.path.render(&term.lease, &key);
+    let request = shared.args.store.write(
+        &shared.path.render(&term.lease, &key),
+        shared.body.render(&layout::value(write_id, term.token)),
+    );
+    let path = request.path;
     let to = match &shared.args.direct {
         Some(direct) => To::Url(format!("{direct}{path}")),
         None => To::Lease(term.lease.clone(), path),
@@ -937,17 +949,16 @@ async fn write(
         (WRITER_HEADER, writer),
         (WRITE_ID_HEADER, write_id),
     ];
-    if let Some(content_type) = &shared.args.content_type {
+    if let Some(content_type) = request.content_type.or(shared.args.content_type.as_deref()) {
         headers.push(("content-type", content_type));
     }
     // The lease id is a credential for fencegate: never sent to the storage.
     if matches!(to, To::Lease(..)) {
         headers.push((FENCING_LEASE_ID, &term.lease_id));
     }
-    let body = shared.body.render(&layout::value(write_id, term.token));
     let at_us = shared.started.elapsed_us();
     let watch = Stopwatch::start();
-    let answer = write_reading_first(shared, Method::PUT, to, &headers, Bytes::from(body)).await;
+    let answer = write_reading_first(shared, request.method, to, &headers, request.body).await;
     let latency_us = watch.elapsed_us();
     let outcome = match answer {
         Ok(a) if a.status.is_success() => Outcome::Acknowledged,
@@ -1215,9 +1226,14 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), LoadtestError> 
                     None,
                     "not probed: a request got no answer within --request-timeout".to_owned(),
                 ),
+                None if args.store == store::Store::EtcdV3 => (
+                    None,
+                    "not probed: an etcd-v3 route makes etcd compare the lease's fence key in a transaction (SPEC §11)".to_owned(),
+                ),
                 None => probe_preconditions(&shared).await,
             };
             Some(LateWrites {
+                store: args.store,
                 fraction: args.late_writes.unwrap_or(0.0),
                 late_by_ms: args.late_by,
                 relay: report,
@@ -1340,6 +1356,16 @@ fn check_args(args: &mut LoadtestArgs) -> Result<Vec<&'static str>, LoadtestErro
     }
     PathTemplate::parse(&args.path)?;
     BodyTemplate::parse(&args.body)?;
+    if args.store == store::Store::EtcdV3
+        && (args.s3_region.is_some()
+            || args.history.is_some()
+            || matches!(args.verify, Some(Verify::History | Verify::Both)))
+    {
+        return Err(usage(
+            "--store etcd-v3 reads the keys back from etcd: it takes no --s3-region, \
+             --history or --verify history",
+        ));
+    }
     let verify = match (args.verify, &args.history) {
         (Some(Verify::ReadBack), Some(_)) => {
             return Err(usage(
@@ -1524,7 +1550,7 @@ async fn start_relay(
             relay::Hold::Pass
         }
     });
-    relay::Relay::start(listen, to, client, hold)
+    relay::Relay::start(listen, to, client, hold, args.store)
         .await
         .map(Some)
         .map_err(|e| failed(format!("the relay cannot listen on {listen}: {e}")))
@@ -1539,6 +1565,7 @@ fn late_verdict(late: Option<&LateWrites>) -> Option<(bool, String, u8)> {
     if r.late_stale_applied > 0 {
         let why = match late.storage_evaluates_if_match {
             Some(false) => "the storage ignores preconditions (a PUT whose If-Match named no state of its key was applied), so it takes a write of an old term however late it comes; only fence.settle_ms bounds that",
+            _ if r.writes_without_precondition > 0 && late.store == store::Store::EtcdV3 => "writes reached etcd without the comparison of their lease's fence key",
             _ if r.writes_without_precondition > 0 => "writes reached the storage without a precondition: set preconditions (\"s3\", \"azure\" or \"etag\") on the route (docs/preconditions.md)",
             _ => "their keys had returned to the state their preconditions named (the same bytes written again under an entity tag that names the content, or deleted again: docs/preconditions.md)",
         };
@@ -1862,10 +1889,16 @@ pub fn summary(r: &Report) -> String {
         ));
         rows.push((
             "writes w/o precondition",
-            format!(
-                "{} of {} reached the storage with neither If-Match nor If-None-Match",
-                relay.writes_without_precondition, relay.writes
-            ),
+            match late.store {
+                store::Store::Http => format!(
+                    "{} of {} reached the storage with neither If-Match nor If-None-Match",
+                    relay.writes_without_precondition, relay.writes
+                ),
+                store::Store::EtcdV3 => format!(
+                    "{} of {} reached etcd without their fence key's comparison",
+                    relay.writes_without_precondition, relay.writes
+                ),
+            },
         ));
         rows.push((
             "storage preconditions",

@@ -19,7 +19,8 @@ use serde::Serialize;
 use serde_json::json;
 
 use super::check::{self, ClientWrite, Read};
-use super::{call, layout, LoadtestError, Shared, To};
+use super::store::ReadAnswer;
+use super::{call, LoadtestError, Shared, To};
 use crate::clock::Stopwatch;
 use crate::wire::{FENCING_LEASE_ID, FENCING_TOKEN};
 
@@ -197,24 +198,37 @@ pub(super) async fn read_keys(
 /// ran out of time first (the key was not read).
 async fn read_one(shared: &Shared, reading: &Reading, lease: &str, key: &str) -> Option<Read> {
     let path = shared.path.render(lease, key);
+    let store = shared.args.store;
+    let request = store.read(&path);
+    let headers: Vec<(&str, &str)> = request
+        .content_type
+        .map(|ct| ("content-type", ct))
+        .into_iter()
+        .collect();
     let mut why = String::new();
     for attempt in 0..READ_TRIES {
         if attempt > 0 {
             tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
         }
-        let to = read_url(shared, path.clone());
-        let read = call(shared, Method::GET, to, &[], Bytes::new());
+        let to = read_url(shared, request.path.clone());
+        let read = call(
+            shared,
+            request.method.clone(),
+            to,
+            &headers,
+            request.body.clone(),
+        );
         // Past the read-back's end, the read is abandoned.
         let answer = match reading.time_left(shared) {
             Some(left) => tokio::time::timeout(left, read).await.ok()?,
             None => read.await,
         };
         match answer {
-            Ok(a) if a.status.is_success() => {
-                return Some(Read::Holds(layout::find_value(&a.body)))
-            }
-            Ok(a) if a.status == StatusCode::NOT_FOUND => return Some(Read::Absent),
-            Ok(a) => why = format!("{path} answered {}", a.status),
+            Ok(a) => match store.read_answer(a.status, &a.body) {
+                ReadAnswer::Holds(value) => return Some(Read::Holds(value)),
+                ReadAnswer::Absent => return Some(Read::Absent),
+                ReadAnswer::Error => why = format!("{path} answered {}", a.status),
+            },
             Err(e @ LoadtestError::NoAnswer(_)) => {
                 return Some(Read::Failed(format!("{path}: {e}")))
             }
@@ -458,17 +472,39 @@ async fn hold<'a>(
     Err(LoadtestError::Failed(last))
 }
 
-/// A DELETE: done if the key is gone (2xx, or 404: it was never there).
+/// A delete: done if the key is gone (with `http`: 2xx, or 404: it was
+/// never there).
 async fn delete(shared: &Shared, to: To, headers: &[(&str, &str)]) -> Result<(), LoadtestError> {
+    let store = shared.args.store;
+    let (to, request) = match to {
+        To::Url(url) => {
+            // `--direct`: the storage's base URL and the key's path.
+            let base = shared.args.direct.clone().unwrap_or_default();
+            let request = store.delete(url.strip_prefix(&base).unwrap_or(&url));
+            (To::Url(format!("{base}{}", request.path)), request)
+        }
+        To::Target(path) => {
+            let request = store.delete(&path);
+            (To::Target(request.path.clone()), request)
+        }
+        To::Lease(lease, path) => {
+            let request = store.delete(&path);
+            (To::Lease(lease, request.path.clone()), request)
+        }
+    };
     let shown = match &to {
         To::Url(url) | To::Target(url) | To::Lease(_, url) => url.clone(),
     };
+    let mut all = headers.to_vec();
+    if let Some(ct) = request.content_type {
+        all.push(("content-type", ct));
+    }
     // On a route with preconditions a key not seen since a restart is read
     // first (428).
-    match super::write_reading_first(shared, Method::DELETE, to, headers, Bytes::new()).await {
-        Ok(a) if a.status.is_success() || a.status == StatusCode::NOT_FOUND => Ok(()),
+    match super::write_reading_first(shared, request.method, to, &all, request.body).await {
+        Ok(a) if store.deleted(a.status) => Ok(()),
         Ok(a) => Err(LoadtestError::Failed(format!(
-            "DELETE {shown} answered {}",
+            "deleting {shown} answered {}",
             a.status
         ))),
         Err(e @ LoadtestError::NoAnswer(_)) => {

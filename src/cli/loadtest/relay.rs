@@ -30,8 +30,8 @@ use serde::Serialize;
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 
+use super::store::Store;
 use crate::client::HttpsClient;
-use crate::fence::is_write;
 use crate::wire::FENCING_TOKEN;
 
 /// What the relay does with a request.
@@ -87,15 +87,18 @@ pub struct RelayReport {
     pub examples: Vec<Delivered>,
 }
 
-/// A held write.
+/// A held write, and the key it writes.
 struct Pending {
     req: Request<Bytes>,
+    key: String,
 }
 
 struct Shared {
     upstream: String,
     client: HttpsClient,
     hold: HoldFn,
+    /// How the storage's requests and answers read.
+    store: Store,
     max_body_bytes: usize,
     /// Per key, the highest token of a write the storage applied (answered
     /// 2xx).
@@ -131,6 +134,7 @@ impl Relay {
         upstream: &str,
         client: HttpsClient,
         hold: HoldFn,
+        store: Store,
     ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
@@ -138,6 +142,7 @@ impl Relay {
             upstream: upstream.trim_end_matches('/').to_owned(),
             client,
             hold,
+            store,
             max_body_bytes: 64 << 20,
             applied: Mutex::default(),
             released: Mutex::default(),
@@ -165,7 +170,7 @@ impl Relay {
         let held = std::mem::take(&mut *lock(&self.shared.released));
         let mut out = Vec::new();
         for pending in held {
-            if let Some(d) = deliver(&self.shared, pending.req).await {
+            if let Some(d) = deliver(&self.shared, pending.req, pending.key).await {
                 out.push(d);
             }
         }
@@ -221,19 +226,6 @@ async fn relay(
     req: Request<Incoming>,
 ) -> Result<Response<http_body_util::combinators::BoxBody<Bytes, hyper::Error>>, HeldBack> {
     let (parts, body) = req.into_parts();
-    let hold = if is_write(&parts.method) {
-        let conditioned = parts.headers.contains_key(http::header::IF_MATCH)
-            || parts.headers.contains_key(http::header::IF_NONE_MATCH);
-        let mut report = lock(&shared.report);
-        report.writes += 1;
-        if !conditioned {
-            report.writes_without_precondition += 1;
-        }
-        drop(report);
-        (shared.hold)(&parts)
-    } else {
-        Hold::Pass
-    };
     let body = match Limited::new(body, shared.max_body_bytes).collect().await {
         Ok(b) => b.to_bytes(),
         Err(_) => {
@@ -243,11 +235,33 @@ async fn relay(
             ))
         }
     };
+    let if_header = parts.headers.contains_key(http::header::IF_MATCH)
+        || parts.headers.contains_key(http::header::IF_NONE_MATCH);
+    let written = shared
+        .store
+        .relayed_write(&parts.method, parts.uri.path(), &body, if_header);
+    let hold = match &written {
+        Some((_, compared)) => {
+            let mut report = lock(&shared.report);
+            report.writes += 1;
+            if !compared {
+                report.writes_without_precondition += 1;
+            }
+            drop(report);
+            (shared.hold)(&parts)
+        }
+        None => Hold::Pass,
+    };
     let req = Request::from_parts(parts, body);
+    let key = match (hold, written) {
+        (Hold::Pass, written) => return Ok(forward(&shared, req, written.map(|w| w.0)).await),
+        (_, Some((key, _))) => key,
+        (_, None) => unreachable!("only writes are held"),
+    };
     match hold {
-        Hold::Pass => Ok(forward(&shared, req).await),
+        Hold::Pass => unreachable!("passed above"),
         Hold::UntilReleased => {
-            lock(&shared.released).push(Pending { req });
+            lock(&shared.released).push(Pending { req, key });
             Err(HeldBack)
         }
         Hold::Late(after) => {
@@ -256,7 +270,7 @@ async fn relay(
             tokio::spawn(async move {
                 tokio::time::sleep(after).await;
                 if !shared.stopping.load(Ordering::Relaxed) {
-                    deliver(&shared, req).await;
+                    deliver(&shared, req, key).await;
                 }
                 shared.outstanding.fetch_sub(1, Ordering::SeqCst);
                 shared.delivered.notify_waiters();
@@ -291,11 +305,6 @@ fn plain(
     res
 }
 
-/// The key a request writes: its path.
-fn key_of(req: &Request<Bytes>) -> String {
-    req.uri().path().to_owned()
-}
-
 fn token_of(req: &Request<Bytes>) -> Option<u64> {
     req.headers()
         .get(FENCING_TOKEN)
@@ -303,22 +312,40 @@ fn token_of(req: &Request<Bytes>) -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
-/// Sends `req` to the storage now, noting what a write's answer shows.
+/// Sends `req` to the storage now, noting what a write's answer shows
+/// (`written`: the key it writes).
 async fn forward(
     shared: &Shared,
     req: Request<Bytes>,
+    written: Option<String>,
 ) -> Response<http_body_util::combinators::BoxBody<Bytes, hyper::Error>> {
-    let write = is_write(req.method());
-    let (key, token) = (key_of(&req), token_of(&req));
-    match send(shared, req).await {
-        Ok(res) => {
-            if write && res.status().is_success() {
-                note_applied(shared, &key, token);
-            }
-            res.map(BodyExt::boxed)
-        }
-        Err(_) => plain(StatusCode::BAD_GATEWAY, "relay: the storage did not answer"),
+    let token = token_of(&req);
+    let res = match send(shared, req).await {
+        Ok(res) => res,
+        Err(_) => return plain(StatusCode::BAD_GATEWAY, "relay: the storage did not answer"),
+    };
+    let Some(key) = written else {
+        return res.map(BodyExt::boxed);
+    };
+    // A write's answer is read whole, to see whether it was applied (etcd
+    // answers 200 to a refused transaction too).
+    let (parts, body) = res.into_parts();
+    let Ok(body) = Limited::new(body, shared.max_body_bytes).collect().await else {
+        return plain(
+            StatusCode::BAD_GATEWAY,
+            "relay: the storage's answer broke off",
+        );
+    };
+    let body = body.to_bytes();
+    if shared.store.delivered(parts.status, &body).0 {
+        note_applied(shared, &key, token);
     }
+    Response::from_parts(
+        parts,
+        Full::new(body)
+            .map_err(|never: Infallible| match never {})
+            .boxed(),
+    )
 }
 
 async fn send(shared: &Shared, req: Request<Bytes>) -> Result<Response<Incoming>, String> {
@@ -339,24 +366,32 @@ fn note_applied(shared: &Shared, key: &str, token: Option<u64>) {
     }
 }
 
-/// Delivers a held write to the storage: what it answered.
-async fn deliver(shared: &Shared, req: Request<Bytes>) -> Option<Delivered> {
-    let (key, token) = (key_of(&req), token_of(&req));
+/// Delivers a held write (of `key`) to the storage: what it answered.
+async fn deliver(shared: &Shared, req: Request<Bytes>, key: String) -> Option<Delivered> {
+    let token = token_of(&req);
     let method = req.method().to_string();
     let newer_applied =
         token.is_some_and(|t| lock(&shared.applied).get(&key).is_some_and(|&max| max > t));
     let answer = send(shared, req).await;
-    let mut report = lock(&shared.report);
-    report.late_writes += 1;
+    lock(&shared.report).late_writes += 1;
     let res = match answer {
         Ok(res) => res,
         Err(_) => {
-            report.late_failed += 1;
+            lock(&shared.report).late_failed += 1;
             return None;
         }
     };
     let status = res.status().as_u16();
-    let applied = res.status().is_success();
+    let code = res.status();
+    let body = match Limited::new(res.into_body(), shared.max_body_bytes)
+        .collect()
+        .await
+    {
+        Ok(b) => b.to_bytes(),
+        Err(_) => Bytes::new(),
+    };
+    let (applied, refused) = shared.store.delivered(code, &body);
+    let mut report = lock(&shared.report);
     let delivered = Delivered {
         method,
         path: key.clone(),
@@ -371,7 +406,7 @@ async fn deliver(shared: &Shared, req: Request<Bytes>) -> Option<Delivered> {
             if report.examples.len() < 5 {
                 report.examples.push(delivered.clone());
             }
-        } else if matches!(status, 409 | 412) {
+        } else if refused {
             report.late_stale_refused += 1;
         }
     }
@@ -379,7 +414,5 @@ async fn deliver(shared: &Shared, req: Request<Bytes>) -> Option<Delivered> {
     if applied {
         note_applied(shared, &key, token);
     }
-    // The body is not needed; dropping it closes or frees the connection.
-    drop(res);
     Some(delivered)
 }
