@@ -42,6 +42,12 @@
 //!   its writes and to its clients' reads taught a table that outlives its
 //!   terms of primacy, and answers 428 (the client then reads the key)
 //!   where it knows nothing or no precondition would protect the write;
+//! - an etcd behind an `etcd-v3` route (SPEC §11, [`etcd_store`]) for one
+//!   lease: each of its writes goes there too, as the transaction the core
+//!   builds (`fencegate_core::body_keys::etcd::fenced`) on the lease's
+//!   fence key, run as etcd runs it when the storage applies the write,
+//!   however late (a lease's first write only makes the fence key, and the
+//!   shell's sending it again is played);
 //! - crashes and power cuts at any step, and restarts;
 //! - the lease store's sweep, forgetting by the core's rule
 //!   (`fencegate_core::lease::retention`) leases quiet for the retention
@@ -123,6 +129,9 @@
 //!   learns of a key is a state the key held while the exchange ran; and a
 //!   precondition names a state the key held since the member's term of
 //!   primacy began (a new primary starts knowing none);
+//! - the etcd behind the etcd-v3 route never applies a write of a term
+//!   after one of a later term of the lease, however late (rogue writes
+//!   too);
 //! - tokens granted to clients strictly increase per lease (so none is
 //!   issued twice), across every restart and loss;
 //! - no term that ended (released with an answer, superseded by a granted
@@ -149,6 +158,7 @@
 #![forbid(unsafe_code)]
 
 pub mod disk;
+pub mod etcd_store;
 pub mod storage;
 pub mod world;
 

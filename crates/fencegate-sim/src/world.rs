@@ -20,6 +20,7 @@ use fencegate_core::lease::retention::{self, Named};
 use fencegate_core::precondition::{self, Dialect, KeyStates, Operation, Own, Plan, Sent};
 
 use crate::disk::File;
+use crate::etcd_store::EtcdStore;
 use crate::storage::{self as s3, KeyWrite, Keys, Outcome, State, TagKind};
 
 /// The wall clock's Unix time at the simulation's start.
@@ -97,6 +98,11 @@ pub struct Config {
     /// it is applied, and is checked however late it is applied (their
     /// rogue writes included).
     pub precondition_leases: usize,
+    /// The lease whose writes also go to a simulated etcd behind an
+    /// `etcd-v3` route (SPEC §11, [`crate::etcd_store`]): each as the
+    /// transaction the core builds on the lease's fence key, run when the
+    /// storage applies the write, rogue writes included.
+    pub etcd_lease: Option<usize>,
     pub keys_per_lease: usize,
     /// How the storage names its keys' states (see [`crate::storage`]).
     pub tag_kind: TagKind,
@@ -156,6 +162,7 @@ impl Config {
             member_skew_ppm: 5_000,
             pause_every_ms: 3_000,
             precondition_leases: 2,
+            etcd_lease: Some(2),
             keys_per_lease: 2,
             // Each kind with both modes: seeds 1, 2 version tags, 3, 4
             // content tags, and so on.
@@ -230,6 +237,10 @@ pub struct Stats {
     /// because the key returned to the state they named (the documented
     /// bound: deleted again, or, with content tags, the same bytes again).
     pub returned_states: u64,
+    /// Writes the simulated etcd applied, and refused because a later
+    /// term of their lease had written (rogue or late).
+    pub etcd_applied: u64,
+    pub etcd_refused: u64,
 }
 
 /// A run's outcome.
@@ -797,6 +808,10 @@ struct World {
     /// The storage's keys on the routes with preconditions.
     keys: Keys,
     reads: Vec<Read>,
+    /// The etcd behind the etcd-v3 route, and the highest token of a write
+    /// it applied.
+    etcd_store: EtcdStore,
+    etcd_applied_max: u64,
 }
 
 /// The key `k` of lease `lease`.
@@ -850,6 +865,8 @@ impl World {
             etcd: Etcd::default(),
             keys: Keys::new(cfg_tag_kind),
             reads: Vec::new(),
+            etcd_store: EtcdStore::default(),
+            etcd_applied_max: 0,
         };
         let skew = world.cfg.member_skew_ppm;
         for _ in 0..world.cfg.members.max(1) {
@@ -1773,6 +1790,9 @@ impl World {
     }
 
     fn apply(&mut self, w: usize) {
+        if Some(self.writes[w].lease) == self.cfg.etcd_lease {
+            self.apply_to_etcd(w);
+        }
         let write = &mut self.writes[w];
         write.applied = true;
         if let Some(cond) = &mut write.cond {
@@ -1809,6 +1829,44 @@ impl World {
         }
         let truth = &mut self.truth[lease];
         truth.applied_max = truth.applied_max.max(token);
+    }
+
+    /// Write `w` reaches the etcd behind the etcd-v3 route: the core's
+    /// transaction around a put of its key, run as etcd runs it, however
+    /// late. A lease's first write only makes its fence key, and the shell
+    /// sends it again at once (a rogue write got no answer: not sent
+    /// again). etcd must never apply a write of a term after one of a
+    /// later term of the lease.
+    fn apply_to_etcd(&mut self, w: usize) {
+        use fencegate_core::body_keys::etcd::{fenced, Call};
+        let write = &self.writes[w];
+        let (lease, token, rogue) = (write.lease, write.token, write.rogue);
+        let key = key_name(lease, 0);
+        let b64 = |s: &str| {
+            use base64::Engine as _;
+            base64::engine::general_purpose::STANDARD.encode(s)
+        };
+        let body = format!(r#"{{"key": "{}", "value": "{}"}}"#, b64(&key), b64("v"));
+        let fence_key = format!("fencegate/fence/{}", lease_name(lease));
+        let txn = fenced(Call::Put, body.as_bytes(), fence_key.as_bytes(), token)
+            .expect("a put the core reads");
+        let mut ran = self.etcd_store.run(&txn);
+        if !rogue && ran.puts == [fence_key.as_bytes().to_vec()] {
+            ran = self.etcd_store.run(&txn);
+        }
+        if !ran.puts.contains(&key.into_bytes()) {
+            self.stats.etcd_refused += 1;
+            return;
+        }
+        self.stats.etcd_applied += 1;
+        if token < self.etcd_applied_max {
+            let max = self.etcd_applied_max;
+            self.fail(format!(
+                "etcd applied a write of lease l{lease} term {token} after one of term {max} \
+                 (rogue: {rogue})"
+            ));
+        }
+        self.etcd_applied_max = self.etcd_applied_max.max(token);
     }
 
     fn live_write(&self, w: usize) -> bool {
