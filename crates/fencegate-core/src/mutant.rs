@@ -140,15 +140,13 @@ pub enum Mutant {
     EtcdCompareDropped,
     /// A DynamoDB write is taken without the token in its item and the
     /// condition on it ([`crate::body_keys::dynamodb::check`]): a late
-    /// write of an old term lands after a later term's. Not modelled by the
-    /// simulator ([`Mutant::SHELL_ONLY`]): the tests of the real binary
-    /// against moto plant it.
+    /// write of an old term lands after a later term's.
     DynamoConditionUnchecked,
 }
 
 impl Mutant {
     /// Every mutant, in the order the tests try them.
-    pub const ALL: [Mutant; 32] = [
+    pub const ALL: [Mutant; 33] = [
         Mutant::BarrierOff,
         Mutant::RestartWindowSkipped,
         Mutant::HeaderBeforeSync,
@@ -181,11 +179,8 @@ impl Mutant {
         Mutant::OwnPreconditionTrusted,
         Mutant::ReadParamsIgnored,
         Mutant::EtcdCompareDropped,
+        Mutant::DynamoConditionUnchecked,
     ];
-
-    /// Mutants the simulator does not model yet, planted only by the tests
-    /// of the real binary.
-    pub const SHELL_ONLY: [Mutant; 1] = [Mutant::DynamoConditionUnchecked];
 
     /// The mutant's name on command lines and in `FENCEGATE_TEST_MUTANT`.
     pub fn name(self) -> &'static str {
@@ -228,17 +223,13 @@ impl Mutant {
 
     /// The mutant of that name.
     pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL
-            .into_iter()
-            .chain(Self::SHELL_ONLY)
-            .find(|m| m.name() == name)
+        Self::ALL.into_iter().find(|m| m.name() == name)
     }
 
     #[cfg(feature = "mutants")]
     fn code(self) -> u8 {
         Self::ALL
             .iter()
-            .chain(&Self::SHELL_ONLY)
             .position(|m| *m == self)
             .map_or(0, |i| i as u8 + 1)
     }

@@ -47,7 +47,12 @@
 //!   builds (`fencegate_core::body_keys::etcd::fenced`) on the lease's
 //!   fence key, run as etcd runs it when the storage applies the write,
 //!   however late (a lease's first write only makes the fence key, and the
-//!   shell's sending it again is played);
+//!   shell's sending it again is played); and a DynamoDB table behind a
+//!   `dynamodb` route ([`dynamo_store`]) for the same lease: each write as
+//!   a client's `PutItem`, every fourth without the token and its
+//!   condition, let through only if the core's check
+//!   (`fencegate_core::body_keys::dynamodb::check`) passes it, its
+//!   condition evaluated when the storage applies it;
 //! - crashes and power cuts at any step, and restarts;
 //! - the lease store's sweep, forgetting by the core's rule
 //!   (`fencegate_core::lease::retention`) leases quiet for the retention
@@ -130,8 +135,8 @@
 //!   precondition names a state the key held since the member's term of
 //!   primacy began (a new primary starts knowing none);
 //! - the etcd behind the etcd-v3 route never applies a write of a term
-//!   after one of a later term of the lease, however late (rogue writes
-//!   too);
+//!   after one of a later term of the lease, nor the DynamoDB table one to
+//!   its item, however late (rogue writes too);
 //! - tokens granted to clients strictly increase per lease (so none is
 //!   issued twice), across every restart and loss;
 //! - no term that ended (released with an answer, superseded by a granted
@@ -158,6 +163,7 @@
 #![forbid(unsafe_code)]
 
 pub mod disk;
+pub mod dynamo_store;
 pub mod etcd_store;
 pub mod storage;
 pub mod world;

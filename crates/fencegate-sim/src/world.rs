@@ -20,6 +20,7 @@ use fencegate_core::lease::retention::{self, Named};
 use fencegate_core::precondition::{self, Dialect, KeyStates, Operation, Own, Plan, Sent};
 
 use crate::disk::File;
+use crate::dynamo_store::DynamoStore;
 use crate::etcd_store::EtcdStore;
 use crate::storage::{self as s3, KeyWrite, Keys, Outcome, State, TagKind};
 
@@ -103,6 +104,12 @@ pub struct Config {
     /// transaction the core builds on the lease's fence key, run when the
     /// storage applies the write, rogue writes included.
     pub etcd_lease: Option<usize>,
+    /// The lease whose writes also go to a simulated DynamoDB table behind
+    /// a `dynamodb` route ([`crate::dynamo_store`]): each as a client's
+    /// `PutItem` (every fourth without the token and its condition), let
+    /// through if the core's check passes it, applied when the storage
+    /// applies the write, rogue writes included.
+    pub dynamo_lease: Option<usize>,
     pub keys_per_lease: usize,
     /// How the storage names its keys' states (see [`crate::storage`]).
     pub tag_kind: TagKind,
@@ -163,6 +170,7 @@ impl Config {
             pause_every_ms: 3_000,
             precondition_leases: 2,
             etcd_lease: Some(2),
+            dynamo_lease: Some(2),
             keys_per_lease: 2,
             // Each kind with both modes: seeds 1, 2 version tags, 3, 4
             // content tags, and so on.
@@ -241,6 +249,12 @@ pub struct Stats {
     /// term of their lease had written (rogue or late).
     pub etcd_applied: u64,
     pub etcd_refused: u64,
+    /// Writes the simulated DynamoDB table applied, refused (a later term
+    /// had written the item), and that fencegate did not let through (no
+    /// token or condition).
+    pub dynamo_applied: u64,
+    pub dynamo_refused: u64,
+    pub dynamo_unsent: u64,
 }
 
 /// A run's outcome.
@@ -812,6 +826,10 @@ struct World {
     /// it applied.
     etcd_store: EtcdStore,
     etcd_applied_max: u64,
+    /// The DynamoDB table behind the dynamodb route, and the highest token
+    /// of a write it applied.
+    dynamo_store: DynamoStore,
+    dynamo_applied_max: u64,
 }
 
 /// The key `k` of lease `lease`.
@@ -867,6 +885,8 @@ impl World {
             reads: Vec::new(),
             etcd_store: EtcdStore::default(),
             etcd_applied_max: 0,
+            dynamo_store: DynamoStore::default(),
+            dynamo_applied_max: 0,
         };
         let skew = world.cfg.member_skew_ppm;
         for _ in 0..world.cfg.members.max(1) {
@@ -1793,6 +1813,9 @@ impl World {
         if Some(self.writes[w].lease) == self.cfg.etcd_lease {
             self.apply_to_etcd(w);
         }
+        if Some(self.writes[w].lease) == self.cfg.dynamo_lease {
+            self.apply_to_dynamo(w);
+        }
         let write = &mut self.writes[w];
         write.applied = true;
         if let Some(cond) = &mut write.cond {
@@ -1867,6 +1890,33 @@ impl World {
             ));
         }
         self.etcd_applied_max = self.etcd_applied_max.max(token);
+    }
+
+    /// Write `w` reaches the DynamoDB table behind the dynamodb route, as
+    /// a client's `PutItem` of the lease's item (every fourth without the
+    /// token and its condition, which fencegate must not let through),
+    /// however late. The table must never apply a write of a term to the
+    /// item after one of a later term.
+    fn apply_to_dynamo(&mut self, w: usize) {
+        let write = &self.writes[w];
+        let (lease, token, rogue) = (write.lease, write.token, write.rogue);
+        let conditioned = !w.is_multiple_of(4);
+        let pk = format!("l{lease}/k0");
+        match self.dynamo_store.put(&pk, token, conditioned) {
+            None => self.stats.dynamo_unsent += 1,
+            Some(false) => self.stats.dynamo_refused += 1,
+            Some(true) => {
+                self.stats.dynamo_applied += 1;
+                if token < self.dynamo_applied_max {
+                    let max = self.dynamo_applied_max;
+                    self.fail(format!(
+                        "DynamoDB applied a write of item {pk} term {token} after one of term \
+                         {max} (rogue: {rogue}, conditioned: {conditioned})"
+                    ));
+                }
+                self.dynamo_applied_max = self.dynamo_applied_max.max(token);
+            }
+        }
     }
 
     fn live_write(&self, w: usize) -> bool {
