@@ -56,22 +56,10 @@ impl DynamoRoutes {
         op: Op,
         limits: BodyLimits,
     ) -> Result<(Request<Body>, Touches), Problem> {
-        let (parts, body) = req.into_parts();
-        let bytes = read(body, limits).await?;
-        let touched = dynamodb::touched(op, &bytes, &self.tables).map_err(|bad| {
-            Problem::invalid_request(format!("{}: nothing was sent to the storage", bad.0))
-        })?;
-        let touches = match self.keys.one_lease(&touched) {
-            Ok(fenced) => Touches::Lease {
-                lease: fenced.lease,
-                timeout_ms: self.timeouts_ms.get(fenced.route).copied().flatten(),
-                body: bytes.clone(),
-            },
-            // A transaction of condition checks only: it writes nothing.
-            Err(fencegate_core::body_keys::Refusal::NoKey) => Touches::Nothing,
-            Err(refusal) => return Err(Problem::not_one_lease(refusal)),
-        };
-        Ok((Request::from_parts(parts, body::full(bytes)), touches))
+        read_lease(req, limits, &self.keys, &self.timeouts_ms, |bytes| {
+            dynamodb::touched(op, bytes, &self.tables).map_err(|bad| bad.0)
+        })
+        .await
     }
 
     /// An operation that changes data and names no item (PartiQL, a table
@@ -145,22 +133,40 @@ impl EtcdRoutes {
         call: Call,
         limits: BodyLimits,
     ) -> Result<(Request<Body>, Touches), Problem> {
-        let (parts, body) = req.into_parts();
-        let bytes = read(body, limits).await?;
-        let touched = etcd::touched(call, &bytes).map_err(|bad| {
-            Problem::invalid_request(format!("{}: nothing was sent to the storage", bad.0))
-        })?;
-        let touches = match self.keys.one_lease(&touched) {
-            Ok(fenced) => Touches::Lease {
-                lease: fenced.lease,
-                timeout_ms: self.timeouts_ms.get(fenced.route).copied().flatten(),
-                body: bytes.clone(),
-            },
-            Err(fencegate_core::body_keys::Refusal::NoKey) if call == Call::Txn => Touches::Nothing,
-            Err(refusal) => return Err(Problem::not_one_lease(refusal)),
-        };
-        Ok((Request::from_parts(parts, body::full(bytes)), touches))
+        read_lease(req, limits, &self.keys, &self.timeouts_ms, |bytes| {
+            etcd::touched(call, bytes).map_err(|bad| bad.0)
+        })
+        .await
     }
+}
+
+/// Reads the body of a write whole and finds, by `touched` (what the
+/// store's module reads in it), the one lease of `keys` that guards every
+/// key it touches; the request comes back with the same body. A write that
+/// touches no key (a transaction of reads or condition checks only) is
+/// [`Touches::Nothing`].
+async fn read_lease(
+    req: Request<Body>,
+    limits: BodyLimits,
+    keys: &KeyRoutes,
+    timeouts_ms: &[Option<u64>],
+    touched: impl FnOnce(&[u8]) -> Result<Vec<fencegate_core::body_keys::Touched>, String>,
+) -> Result<(Request<Body>, Touches), Problem> {
+    let (parts, body) = req.into_parts();
+    let bytes = read(body, limits).await?;
+    let touched = touched(&bytes).map_err(|why| {
+        Problem::invalid_request(format!("{why}: nothing was sent to the storage"))
+    })?;
+    let touches = match keys.one_lease(&touched) {
+        Ok(fenced) => Touches::Lease {
+            lease: fenced.lease,
+            timeout_ms: timeouts_ms.get(fenced.route).copied().flatten(),
+            body: bytes.clone(),
+        },
+        Err(fencegate_core::body_keys::Refusal::NoKey) => Touches::Nothing,
+        Err(refusal) => return Err(Problem::not_one_lease(refusal)),
+    };
+    Ok((Request::from_parts(parts, body::full(bytes)), touches))
 }
 
 /// The request that carries out a write of `call` to `lease` under the

@@ -749,27 +749,10 @@ where
                 Some((routes, limits)) => routes.read_write(req, call, *limits).await,
                 None => unreachable!("an etcd write is decided by etcd routes"),
             };
-            let (mut req, touches) = match read {
-                Ok(read) => read,
-                Err(problem) => return Ok(refused(&policy, problem)),
-            };
-            let (lease, timeout_ms, body) = match touches {
-                Touches::Lease {
-                    lease,
-                    timeout_ms,
-                    body,
-                } => (lease, timeout_ms, body),
-                Touches::Nothing => {
-                    req.headers_mut().remove(&LEASE_ID_NAME);
-                    if let Some(refused) = policy.not_primary() {
-                        return Ok(refused);
-                    }
-                    return boxed_call(&mut inner, req).await;
-                }
-            };
-            let fenced = match policy.fenced_by(&mut req, lease, timeout_ms, caller) {
+            let (req, fenced, body) = match fenced_by_body(&policy, &mut inner, read, caller).await
+            {
                 Ok(fenced) => fenced,
-                Err(problem) => return Ok(refused(&policy, problem)),
+                Err(answer) => return answer,
             };
             // etcd itself compares the token: the write goes as a
             // transaction on the lease's fence key.
@@ -835,27 +818,11 @@ where
                     Err(problem) => Ok(refused(&policy, problem)),
                 };
             }
-            let (mut req, touches) = match routes.read_write(req, op, *limits).await {
-                Ok(read) => read,
-                Err(problem) => return Ok(refused(&policy, problem)),
-            };
-            let (lease, timeout_ms, body) = match touches {
-                Touches::Lease {
-                    lease,
-                    timeout_ms,
-                    body,
-                } => (lease, timeout_ms, body),
-                Touches::Nothing => {
-                    req.headers_mut().remove(&LEASE_ID_NAME);
-                    if let Some(refused) = policy.not_primary() {
-                        return Ok(refused);
-                    }
-                    return boxed_call(&mut inner, req).await;
-                }
-            };
-            let fenced = match policy.fenced_by(&mut req, lease, timeout_ms, caller) {
+            let read = routes.read_write(req, op, *limits).await;
+            let (req, fenced, body) = match fenced_by_body(&policy, &mut inner, read, caller).await
+            {
                 Ok(fenced) => fenced,
-                Err(problem) => return Ok(refused(&policy, problem)),
+                Err(answer) => return answer,
             };
             if let Err(problem) = routes.check(op, &body, fenced.token, fenced.lease.as_str()) {
                 return Ok(refused(&policy, problem));
@@ -864,6 +831,41 @@ where
             admit_then_exchange(inner, policy, req, fenced, options).await
         }))
     }
+}
+
+/// A write to a store that names its keys in the body, its body read
+/// (`read`): fenced by the term its headers name of the lease its keys
+/// belong to, with the body as it came; or already answered (refused, or
+/// passed on as a transaction that writes nothing).
+async fn fenced_by_body<S>(
+    policy: &FencePolicy,
+    inner: &mut S,
+    read: Result<(Request<Body>, Touches), Problem>,
+    caller: Option<Caller>,
+) -> Result<(Request<Body>, Fenced, bytes::Bytes), Result<Response<Body>, Infallible>>
+where
+    S: Exchange,
+    S::Future: Send + 'static,
+{
+    let (mut req, touches) = read.map_err(|problem| Ok(refused(policy, problem)))?;
+    let (lease, timeout_ms, body) = match touches {
+        Touches::Lease {
+            lease,
+            timeout_ms,
+            body,
+        } => (lease, timeout_ms, body),
+        Touches::Nothing => {
+            req.headers_mut().remove(&LEASE_ID_NAME);
+            if let Some(refused) = policy.not_primary() {
+                return Err(Ok(refused));
+            }
+            return Err(boxed_call(inner, req).await);
+        }
+    };
+    let fenced = policy
+        .fenced_by(&mut req, lease, timeout_ms, caller)
+        .map_err(|problem| Ok(refused(policy, problem)))?;
+    Ok((req, fenced, body))
 }
 
 /// `inner`'s answer to `req`, boxed (an async block that awaited

@@ -489,31 +489,12 @@ async fn late_write(mutant: Option<&str>) -> LateWrite {
     let (relay, running) =
         HoldingRelay::start(&etcd.url, |held| held.path.ends_with("/kv/txn")).await;
     let dir = support::proc::TempDir::new("etcd-late-write");
-    let config = dir.path().join("fencegate.toml");
-    std::fs::write(
-        &config,
+    let fg = support::proc::serve_config(
+        &dir,
+        "fencegate",
         "[fence]\nsettle_ms = 500\n\n[[fence.routes]]\nkind = \"etcd-v3\"\npattern = \"/app/{lease}\"\ntimeout_ms = 1000\n",
-    )
-    .unwrap();
-    let relay_url = format!("http://{}", running.addr);
-    let data = dir.path().join("data");
-    let env: Vec<(&str, &str)> = mutant
-        .map(|m| vec![("FENCEGATE_TEST_MUTANT", m)])
-        .unwrap_or_default();
-    let fg = support::proc::Proc::start(
-        &[
-            "serve",
-            "--config",
-            config.to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:0",
-            "--upstream",
-            &relay_url,
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
-        &dir.path().join("fencegate.log"),
-        &env,
+        &format!("http://{}", running.addr),
+        mutant,
     );
     let c = HttpClient::new(&fg.url);
     let direct = HttpClient::new(&etcd.url);

@@ -976,30 +976,12 @@ async fn late_writes_in_front_of_moto_are_refused() {
 /// `fencegate serve` with an etcd-v3 route `/lt/{lease}` in front of
 /// `upstream`, a settle time of 300 ms, and `mutant` planted.
 fn etcd_proxy(dir: &TempDir, name: &str, upstream: &str, mutant: Option<&str>) -> Proc {
-    let config = dir.path().join(format!("{name}.toml"));
-    std::fs::write(
-        &config,
+    support::proc::serve_config(
+        dir,
+        name,
         "[fence]\nsettle_ms = 300\n[[fence.routes]]\nkind = \"etcd-v3\"\npattern = \"/lt/{lease}\"\n",
-    )
-    .unwrap();
-    let data = dir.path().join(format!("data-{name}"));
-    let env: Vec<(&str, &str)> = mutant
-        .map(|m| vec![("FENCEGATE_TEST_MUTANT", m)])
-        .unwrap_or_default();
-    Proc::start(
-        &[
-            "serve",
-            "--config",
-            config.to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:0",
-            "--upstream",
-            upstream,
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
-        &dir.path().join(format!("{name}.log")),
-        &env,
+        upstream,
+        mutant,
     )
 }
 

@@ -171,3 +171,37 @@ pub fn proxy_to(dir: &TempDir, upstream: &str, env: &[(&str, &str)]) -> Proc {
         env,
     )
 }
+
+/// `fencegate serve` with the config file `config` (written as `{name}.toml`
+/// in `dir`) on a free loopback port in front of `upstream`, its data
+/// directory and log (`{name}.log`) in `dir`, and `mutant` planted
+/// (`FENCEGATE_TEST_MUTANT`).
+pub fn serve_config(
+    dir: &TempDir,
+    name: &str,
+    config: &str,
+    upstream: &str,
+    mutant: Option<&str>,
+) -> Proc {
+    let file = dir.path().join(format!("{name}.toml"));
+    std::fs::write(&file, config).unwrap();
+    let data = dir.path().join(format!("data-{name}"));
+    let env: Vec<(&str, &str)> = mutant
+        .map(|m| vec![("FENCEGATE_TEST_MUTANT", m)])
+        .unwrap_or_default();
+    Proc::start(
+        &[
+            "serve",
+            "--config",
+            file.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            upstream,
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        &dir.path().join(format!("{name}.log")),
+        &env,
+    )
+}
