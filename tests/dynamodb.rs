@@ -211,6 +211,22 @@ async fn a_write_is_fenced_by_its_items_lease_and_carries_its_token() {
         (r.status.as_u16(), r.reason().as_str()),
         (400, "invalid-request")
     );
+    // A body that is not JSON, and one over the body limit (1 MiB by
+    // default): refused, nothing sent.
+    let not_json = call("PutItem", json!(null)).body("{\"TableName\": \"jobs\", ");
+    let huge = call("PutItem", put("orders/1", &"x".repeat(1 << 20), a.token));
+    for (req, want) in [
+        (not_json, (400, "invalid-request")),
+        (huge, (413, "payload-too-large")),
+    ] {
+        let r = h.send(req.held(&a)).await;
+        assert_eq!(
+            (r.status.as_u16(), r.reason().as_str()),
+            want,
+            "{}",
+            r.text()
+        );
+    }
     assert_eq!(value(&direct, "orders/1").await.as_deref(), Some("a-2"));
     assert!(item(&direct, "orders/2").await.is_none());
 

@@ -1,6 +1,7 @@
 //! Every shipped example configuration (`config/examples/`), run as shipped
 //! by the real binary in front of the storage it is written for (nginx
-//! WebDAV, etcd's v2 keys API and its v3 JSON gateway, Garage's S3 API, the embedded store); only the addresses and
+//! WebDAV, etcd's v2 keys API and its v3 JSON gateway, DynamoDB as moto
+//! serves it, Garage's S3 API, the embedded store); only the addresses and
 //! the data directory are given on the command line, as a user would. Each
 //! is attacked the ways the path model and the reach check guard against.
 
@@ -254,6 +255,87 @@ async fn etcd_v3_example_as_shipped() {
         .send(Req::new("POST", "/v3/kv/range").json(serde_json::json!({"key": b64("payments/1")})))
         .await;
     assert_eq!(r.json()["count"], serde_json::Value::Null, "{}", r.text());
+}
+
+/// The DynamoDB example in front of moto's server: item `orders/42` of
+/// table `jobs` under lease `orders`, its token carried in the item and in
+/// the condition DynamoDB evaluates; without them, or as a delete, 428.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamodb_example_as_shipped() {
+    let call = |op: &str, body: serde_json::Value| {
+        Req::new("POST", "/")
+            .header("x-amz-target", &format!("DynamoDB_20120810.{op}"))
+            .header("content-type", "application/x-amz-json-1.0")
+            .header(
+                "authorization",
+                "AWS4-HMAC-SHA256 Credential=test/20261207/us-east-1/dynamodb/aws4_request, SignedHeaders=host, Signature=00",
+            )
+            .body(body.to_string())
+    };
+    let put = |token: u64, conditioned: bool| {
+        let mut body = serde_json::json!({
+            "TableName": "jobs",
+            "Item": {"pk": {"S": "orders/42"}, "fencing_token": {"N": token.to_string()}},
+        });
+        if conditioned {
+            body["ConditionExpression"] =
+                "attribute_not_exists(#fencegate_token) OR #fencegate_token <= :fencegate_token"
+                    .into();
+            body["ExpressionAttributeNames"] =
+                serde_json::json!({"#fencegate_token": "fencing_token"});
+            body["ExpressionAttributeValues"] =
+                serde_json::json!({":fencegate_token": {"N": token.to_string()}});
+        }
+        body
+    };
+    let moto = support::servers::moto().await;
+    let direct = HttpClient::new(&moto.url);
+    let r = direct
+        .send(call(
+            "CreateTable",
+            serde_json::json!({
+                "TableName": "jobs",
+                "KeySchema": [{"AttributeName": "pk", "KeyType": "HASH"}],
+                "AttributeDefinitions": [{"AttributeName": "pk", "AttributeType": "S"}],
+                "BillingMode": "PAY_PER_REQUEST",
+            }),
+        ))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let dir = TempDir::new("example-dynamodb");
+    let fg = serve_example(&dir, "dynamodb.toml", Some(&moto.url));
+    let c = HttpClient::new(&fg.url);
+    let a = acquire(&c, "orders", "A", None).await;
+    let r = c.send(call("PutItem", put(a.token, true)).held(&a)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    for (op, body) in [
+        ("PutItem", put(a.token, false)),
+        (
+            "DeleteItem",
+            serde_json::json!({"TableName": "jobs", "Key": {"pk": {"S": "orders/42"}}}),
+        ),
+    ] {
+        assert_eq!(
+            status_reason(&c, call(op, body).held(&a)).await,
+            (428, "precondition-required".into()),
+            "{op}"
+        );
+    }
+    release(&c, "orders", &a).await;
+    let b = acquire(&c, "orders", "B", None).await;
+    assert_eq!(
+        status_reason(&c, call("PutItem", put(a.token, true)).held(&a)).await,
+        (412, "stale-fencing-token".into())
+    );
+    let r = c.send(call("PutItem", put(b.token, true)).held(&b)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = direct
+        .send(call(
+            "GetItem",
+            serde_json::json!({"TableName": "jobs", "Key": {"pk": {"S": "orders/42"}}}),
+        ))
+        .await;
+    assert_eq!(r.json()["Item"]["fencing_token"]["N"], b.token.to_string());
 }
 
 /// The lease-per-key example fences reads: no read around the rewrite
