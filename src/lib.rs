@@ -83,7 +83,7 @@
 //! - `server` → `backend`, `body`, `framing`, `rt`
 //! - `app` → `api`, `auth`, `backend`, `body`, `body_routes`, `config`, `error`, `fence`, `lease`, `metrics`, `precondition`, `wire`
 //! - `api` → `auth`, `backend`, `body`, `clock`, `error`, `fence`, `lease`, `metrics`, `names`, `route`, `wire`
-//! - `cli` → `backend`, `client`, `clock`, `fence`, `hex`, `names`, `wire`
+//! - `cli` → `backend`, `client`, `clock`, `hex`, `names`, `wire`
 //! - `fence` → `auth`, `backend`, `body`, `body_routes`, `error`, `hosts`, `lease`, `metrics`, `names`, `precondition`, `route`, `wire`
 //! - `backend` → `auth`, `body`, `clock`, `error`, `h1`, `metrics`, `names`, `rt`, `tls`, `wire`
 //! - `etcd` → `error`, `rt`, `tls`
