@@ -25,6 +25,7 @@ use crate::error::{Problem, Reason};
 use crate::names::LeaseName;
 use fencegate_core::body_keys::dynamodb::{self, Op, Table};
 use fencegate_core::body_keys::etcd::{self, Call};
+use fencegate_core::body_keys::json::Json;
 use fencegate_core::body_keys::KeyRoutes;
 
 /// The key routes of an etcd gateway, in the order they were configured.
@@ -55,9 +56,11 @@ impl DynamoRoutes {
         req: Request<Body>,
         op: Op,
         limits: BodyLimits,
-    ) -> Result<(Request<Body>, Touches), Problem> {
+    ) -> Result<(Request<Body>, Touches, Json), Problem> {
         read_lease(req, limits, &self.keys, &self.timeouts_ms, |bytes| {
-            dynamodb::touched(op, bytes, &self.tables).map_err(|bad| bad.0)
+            let doc = dynamodb::parse(bytes).map_err(|bad| bad.0)?;
+            let touched = dynamodb::touched_in(op, &doc, &self.tables).map_err(|bad| bad.0)?;
+            Ok((touched, doc))
         })
         .await
     }
@@ -89,11 +92,11 @@ impl DynamoRoutes {
         Ok(Request::from_parts(parts, body::full(bytes)))
     }
 
-    /// Whether the write `body` of `op` carries `token` as DynamoDB must
-    /// compare it (SPEC §11); `428 precondition-required` saying what to
-    /// add if not.
-    pub fn check(&self, op: Op, body: &[u8], token: u64, lease: &str) -> Result<(), Problem> {
-        dynamodb::check(op, body, &self.tables, token).map_err(|missing| {
+    /// Whether the write of `op` (its body as [`Self::read_write`] read
+    /// it) carries `token` as DynamoDB must compare it (SPEC §11); `428
+    /// precondition-required` saying what to add if not.
+    pub fn check(&self, op: Op, doc: &Json, token: u64, lease: &str) -> Result<(), Problem> {
+        dynamodb::check_in(op, doc, &self.tables, token).map_err(|missing| {
             Problem::new(
                 Reason::PreconditionRequired,
                 format!("{}: nothing was sent to the storage", missing.0),
@@ -134,27 +137,28 @@ impl EtcdRoutes {
         limits: BodyLimits,
     ) -> Result<(Request<Body>, Touches), Problem> {
         read_lease(req, limits, &self.keys, &self.timeouts_ms, |bytes| {
-            etcd::touched(call, bytes).map_err(|bad| bad.0)
+            Ok((etcd::touched(call, bytes).map_err(|bad| bad.0)?, ()))
         })
         .await
+        .map(|(req, touches, ())| (req, touches))
     }
 }
 
 /// Reads the body of a write whole and finds, by `touched` (what the
-/// store's module reads in it), the one lease of `keys` that guards every
-/// key it touches; the request comes back with the same body. A write that
-/// touches no key (a transaction of reads or condition checks only) is
-/// [`Touches::Nothing`].
-async fn read_lease(
+/// store's module reads in it, and what it keeps of its reading), the one
+/// lease of `keys` that guards every key it touches; the request comes
+/// back with the same body. A write that touches no key (a transaction of
+/// reads or condition checks only) is [`Touches::Nothing`].
+async fn read_lease<T>(
     req: Request<Body>,
     limits: BodyLimits,
     keys: &KeyRoutes,
     timeouts_ms: &[Option<u64>],
-    touched: impl FnOnce(&[u8]) -> Result<Vec<fencegate_core::body_keys::Touched>, String>,
-) -> Result<(Request<Body>, Touches), Problem> {
+    touched: impl FnOnce(&[u8]) -> Result<(Vec<fencegate_core::body_keys::Touched>, T), String>,
+) -> Result<(Request<Body>, Touches, T), Problem> {
     let (parts, body) = req.into_parts();
     let bytes = read(body, limits).await?;
-    let touched = touched(&bytes).map_err(|why| {
+    let (touched, kept) = touched(&bytes).map_err(|why| {
         Problem::invalid_request(format!("{why}: nothing was sent to the storage"))
     })?;
     let touches = match keys.one_lease(&touched) {
@@ -166,7 +170,7 @@ async fn read_lease(
         Err(fencegate_core::body_keys::Refusal::NoKey) => Touches::Nothing,
         Err(refusal) => return Err(Problem::not_one_lease(refusal)),
     };
-    Ok((Request::from_parts(parts, body::full(bytes)), touches))
+    Ok((Request::from_parts(parts, body::full(bytes)), touches, kept))
 }
 
 /// The request that carries out a write of `call` to `lease` under the

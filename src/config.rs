@@ -860,7 +860,7 @@ impl FenceConfig {
                     .map_err(|bad| setting!("route {:?}: {}", r.pattern, bad.0))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        if self.etcd_fence_prefix.is_empty() {
+        if !patterns.is_empty() && self.etcd_fence_prefix.is_empty() {
             return Err(setting!(
                 "fence.etcd_fence_prefix: the fence keys need a prefix of their own"
             ));

@@ -818,13 +818,21 @@ where
                     Err(problem) => Ok(refused(&policy, problem)),
                 };
             }
-            let read = routes.read_write(req, op, *limits).await;
-            let (req, fenced, body) = match fenced_by_body(&policy, &mut inner, read, caller).await
-            {
+            // The body is read once: what it touches, then what it carries.
+            let mut doc = None;
+            let read = routes
+                .read_write(req, op, *limits)
+                .await
+                .map(|(req, touches, read)| {
+                    doc = Some(read);
+                    (req, touches)
+                });
+            let (req, fenced, _) = match fenced_by_body(&policy, &mut inner, read, caller).await {
                 Ok(fenced) => fenced,
                 Err(answer) => return answer,
             };
-            if let Err(problem) = routes.check(op, &body, fenced.token, fenced.lease.as_str()) {
+            let doc = doc.expect("a write fenced by its body was read");
+            if let Err(problem) = routes.check(op, &doc, fenced.token, fenced.lease.as_str()) {
                 return Ok(refused(&policy, problem));
             }
             let options = policy.admit_options(fenced.max_wait_ms);

@@ -327,6 +327,13 @@ async fn forward(
     let Some(key) = written else {
         return res.map(BodyExt::boxed);
     };
+    if !shared.store.answer_says_applied() {
+        // The status says it: the answer streams through as it comes.
+        if shared.store.delivered(res.status(), &[]).0 {
+            note_applied(shared, &key, token);
+        }
+        return res.map(BodyExt::boxed);
+    }
     // A write's answer is read whole, to see whether it was applied (etcd
     // answers 200 to a refused transaction too).
     let (parts, body) = res.into_parts();

@@ -188,6 +188,12 @@ impl Store {
         }
     }
 
+    /// For the relay: whether only a write's answer body, not its status,
+    /// says whether the storage applied it.
+    pub fn answer_says_applied(self) -> bool {
+        self == Store::EtcdV3
+    }
+
     /// For the relay: whether the storage applied a late write, and
     /// whether it refused it for a later term's write.
     pub fn delivered(self, status: StatusCode, body: &[u8]) -> (bool, bool) {

@@ -431,29 +431,42 @@ impl ItemWrite<'_> {
     }
 }
 
+/// A body read as DynamoDB's JSON, once, for [`touched_in`] and
+/// [`check_in`].
+pub fn parse(body: &[u8]) -> Result<Json, Malformed> {
+    Json::parse(body).map_err(|e| bad(format!("the body is not JSON DynamoDB takes: {e}")))
+}
+
 /// What a write of `op` with `body` touches: the key of every item it
 /// writes (none for a read).
 pub fn touched(op: Op, body: &[u8], tables: &[Table]) -> Result<Vec<Touched>, Malformed> {
     if !op.writes() {
         return Ok(Vec::new());
     }
-    let doc =
-        Json::parse(body).map_err(|e| bad(format!("the body is not JSON DynamoDB takes: {e}")))?;
-    writes(op, &doc, tables)?
+    touched_in(op, &parse(body)?, tables)
+}
+
+/// [`touched`], of a body already [`parse`]d.
+pub fn touched_in(op: Op, doc: &Json, tables: &[Table]) -> Result<Vec<Touched>, Malformed> {
+    writes(op, doc, tables)?
         .iter()
         .map(|w| w.key().map(Touched::Key))
         .collect()
 }
 
 /// Whether every item write of `op` in `body` carries `token` as
-/// DynamoDB must compare it; if not, what to add. `body` is one
-/// [`touched`] read.
+/// DynamoDB must compare it; if not, what to add.
 pub fn check(op: Op, body: &[u8], tables: &[Table], token: u64) -> Result<(), Unfenced> {
+    let doc = parse(body).map_err(|m| Unfenced(m.0))?;
+    check_in(op, &doc, tables, token)
+}
+
+/// [`check`], of a body already [`parse`]d (one [`touched_in`] read).
+pub fn check_in(op: Op, doc: &Json, tables: &[Table], token: u64) -> Result<(), Unfenced> {
     if crate::mutant::planted(crate::mutant::Mutant::DynamoConditionUnchecked) {
         return Ok(());
     }
-    let doc = Json::parse(body).map_err(|e| Unfenced(e.to_string()))?;
-    let writes = writes(op, &doc, tables).map_err(|m| Unfenced(m.0))?;
+    let writes = writes(op, doc, tables).map_err(|m| Unfenced(m.0))?;
     let token = token.to_string();
     for w in &writes {
         match w.kind {
