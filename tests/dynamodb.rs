@@ -13,12 +13,10 @@ use fencegate::clock::ClockKind;
 use fencegate::config::{Config, RouteConfig};
 use fencegate::route::RouteKind;
 use serde_json::{json, Value};
+use support::dynamodb::{self, call, create_table, item, CONDITION};
 use support::holding::HoldingRelay;
 use support::servers::moto;
 use support::{Harness, Held, HttpClient, Req};
-
-const CONDITION: &str =
-    "attribute_not_exists(#fencegate_token) OR #fencegate_token <= :fencegate_token";
 
 fn route(pattern: &str) -> RouteConfig {
     RouteConfig {
@@ -34,47 +32,11 @@ fn route(pattern: &str) -> RouteConfig {
     }
 }
 
-/// A DynamoDB call as boto3 sends it (moto reads the service and region
-/// from the credential scope; it checks no signature).
-fn call(op: &str, body: Value) -> Req {
-    Req::new("POST", "/")
-        .header("x-amz-target", &format!("DynamoDB_20120810.{op}"))
-        .header("content-type", "application/x-amz-json-1.0")
-        .header(
-            "authorization",
-            "AWS4-HMAC-SHA256 Credential=test/20261207/us-east-1/dynamodb/aws4_request, SignedHeaders=host;x-amz-date, Signature=00",
-        )
-        .body(body.to_string())
-}
-
 /// Creates the tables `jobs` and `other` straight at moto.
 async fn tables(direct: &HttpClient) {
     for name in ["jobs", "other"] {
-        let r = direct
-            .send(call(
-                "CreateTable",
-                json!({
-                    "TableName": name,
-                    "KeySchema": [{"AttributeName": "pk", "KeyType": "HASH"}],
-                    "AttributeDefinitions": [{"AttributeName": "pk", "AttributeType": "S"}],
-                    "BillingMode": "PAY_PER_REQUEST",
-                }),
-            ))
-            .await;
-        assert_eq!(r.status, 200, "{}", r.text());
+        create_table(direct, name).await;
     }
-}
-
-/// The item `pk` of `jobs` as moto holds it.
-async fn item(direct: &HttpClient, pk: &str) -> Option<Value> {
-    let r = direct
-        .send(call(
-            "GetItem",
-            json!({"TableName": "jobs", "Key": {"pk": {"S": pk}}}),
-        ))
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.json().get("Item").cloned()
 }
 
 /// The value `v` of item `pk`, as moto holds it.
@@ -86,13 +48,7 @@ async fn value(direct: &HttpClient, pk: &str) -> Option<String> {
 
 /// A PutItem of `pk` with value `v`, carrying `token` as fencegate needs.
 fn put(pk: &str, v: &str, token: u64) -> Value {
-    json!({
-        "TableName": "jobs",
-        "Item": {"pk": {"S": pk}, "v": {"S": v}, "fencing_token": {"N": token.to_string()}},
-        "ConditionExpression": CONDITION,
-        "ExpressionAttributeNames": {"#fencegate_token": "fencing_token"},
-        "ExpressionAttributeValues": {":fencegate_token": {"N": token.to_string()}},
-    })
+    dynamodb::put(pk, json!({"v": {"S": v}}), token, true)
 }
 
 fn proxy(url: &str) -> Harness {

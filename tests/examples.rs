@@ -262,46 +262,13 @@ async fn etcd_v3_example_as_shipped() {
 /// the condition DynamoDB evaluates; without them, or as a delete, 428.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dynamodb_example_as_shipped() {
-    let call = |op: &str, body: serde_json::Value| {
-        Req::new("POST", "/")
-            .header("x-amz-target", &format!("DynamoDB_20120810.{op}"))
-            .header("content-type", "application/x-amz-json-1.0")
-            .header(
-                "authorization",
-                "AWS4-HMAC-SHA256 Credential=test/20261207/us-east-1/dynamodb/aws4_request, SignedHeaders=host, Signature=00",
-            )
-            .body(body.to_string())
-    };
+    use support::dynamodb::{call, create_table, item};
     let put = |token: u64, conditioned: bool| {
-        let mut body = serde_json::json!({
-            "TableName": "jobs",
-            "Item": {"pk": {"S": "orders/42"}, "fencing_token": {"N": token.to_string()}},
-        });
-        if conditioned {
-            body["ConditionExpression"] =
-                "attribute_not_exists(#fencegate_token) OR #fencegate_token <= :fencegate_token"
-                    .into();
-            body["ExpressionAttributeNames"] =
-                serde_json::json!({"#fencegate_token": "fencing_token"});
-            body["ExpressionAttributeValues"] =
-                serde_json::json!({":fencegate_token": {"N": token.to_string()}});
-        }
-        body
+        support::dynamodb::put("orders/42", serde_json::json!({}), token, conditioned)
     };
     let moto = support::servers::moto().await;
     let direct = HttpClient::new(&moto.url);
-    let r = direct
-        .send(call(
-            "CreateTable",
-            serde_json::json!({
-                "TableName": "jobs",
-                "KeySchema": [{"AttributeName": "pk", "KeyType": "HASH"}],
-                "AttributeDefinitions": [{"AttributeName": "pk", "AttributeType": "S"}],
-                "BillingMode": "PAY_PER_REQUEST",
-            }),
-        ))
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text());
+    create_table(&direct, "jobs").await;
     let dir = TempDir::new("example-dynamodb");
     let fg = serve_example(&dir, "dynamodb.toml", Some(&moto.url));
     let c = HttpClient::new(&fg.url);
@@ -329,13 +296,8 @@ async fn dynamodb_example_as_shipped() {
     );
     let r = c.send(call("PutItem", put(b.token, true)).held(&b)).await;
     assert_eq!(r.status, 200, "{}", r.text());
-    let r = direct
-        .send(call(
-            "GetItem",
-            serde_json::json!({"TableName": "jobs", "Key": {"pk": {"S": "orders/42"}}}),
-        ))
-        .await;
-    assert_eq!(r.json()["Item"]["fencing_token"]["N"], b.token.to_string());
+    let stored = item(&direct, "orders/42").await.unwrap();
+    assert_eq!(stored["fencing_token"]["N"], b.token.to_string());
 }
 
 /// The lease-per-key example fences reads: no read around the rewrite

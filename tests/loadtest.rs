@@ -1035,6 +1035,90 @@ async fn late_writes_in_front_of_etcd_v3_are_refused_by_etcd() {
     assert!(stdout.contains("without the comparison"), "{stdout}");
 }
 
+/// `--store dynamodb` in front of moto's DynamoDB: every write carries its
+/// term's token in the item and the condition on it, DynamoDB refuses
+/// every late write of an old term, and the run is SAFE; with the writes
+/// sent without the condition and fencegate's check of it switched off
+/// (the dynamo-condition-unchecked mutant), late writes of old terms land
+/// and the run is UNSAFE (the test's second half).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_writes_in_front_of_dynamodb_are_refused_by_dynamodb() {
+    let dir = TempDir::new("loadtest-late-dynamodb");
+    let moto = support::servers::moto().await;
+    support::dynamodb::create_table(&support::HttpClient::new(&moto.url), "jobs").await;
+    let port = support::servers::free_port();
+    let relay = format!("http://127.0.0.1:{port}");
+    let proxy = |name: &str, mutant: Option<&str>| {
+        support::proc::serve_config(
+            &dir,
+            name,
+            "[proxy]\npreserve_host = true\n[fence]\nsettle_ms = 300\n[[fence.routes]]\n\
+             kind = \"dynamodb\"\npattern = \"/jobs/{lease}\"\npartition_key = \"pk\"\n",
+            &relay,
+            mutant,
+        )
+    };
+    // Signed as for AWS: moto reads the region from the signature and
+    // checks nothing else of it.
+    let env = [
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+    ];
+    let run = |proxy: &Proc, name: &str, extra: &'static [&'static str]| {
+        let (url, storage, json) = (
+            proxy.url.clone(),
+            moto.url.clone(),
+            dir.path().join(format!("{name}.json")),
+        );
+        tokio::task::spawn_blocking(move || {
+            let layout = [
+                &[
+                    "--store",
+                    "dynamodb",
+                    "--path",
+                    "/jobs/{lease}/{key}",
+                    "--aws-region",
+                    "us-east-1",
+                ][..],
+                extra,
+            ]
+            .concat();
+            late_loadtest(&url, &storage, port, &layout, &json, &env)
+        })
+    };
+    let on = proxy("on", None);
+    let (code, r, stdout) = run(&on, "on", &[]).await.unwrap();
+    let late = &r["late_writes"];
+    assert_eq!(code, 0, "{stdout}");
+    assert_eq!(late["store"], "dynamodb", "{stdout}");
+    assert_eq!(late["relay"]["late_stale_applied"], 0, "{stdout}");
+    assert!(
+        late["relay"]["late_stale_refused"].as_u64().unwrap() > 0,
+        "{stdout}"
+    );
+    assert_eq!(late["relay"]["writes_without_precondition"], 0, "{stdout}");
+    assert_eq!(r["findings"]["reads_failed"], 0, "{stdout}");
+    assert!(r["findings"]["keys_read"].as_u64().unwrap() > 0, "{stdout}");
+    assert_eq!(r["cleanup"], serde_json::Value::Null, "{stdout}");
+    assert!(stdout.lines().any(|l| l.starts_with("SAFE:")), "{stdout}");
+    drop(on);
+
+    let off = proxy("off", Some("dynamo-condition-unchecked"));
+    let (code, r, stdout) = run(&off, "off", &["--dynamodb-without-condition"])
+        .await
+        .unwrap();
+    assert_eq!(code, 1, "{stdout}");
+    assert!(
+        r["late_writes"]["relay"]["late_stale_applied"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{stdout}"
+    );
+    assert!(stdout.contains("UNSAFE:"), "{stdout}");
+    assert!(stdout.contains("without the condition"), "{stdout}");
+}
+
 /// `fencegate loadtest` with `args` (and `--json json`), killed if it has
 /// not ended within `limit`: (exit code, stdout, stderr). Real time: a run
 /// bounded by its own deadlines ends well within it.

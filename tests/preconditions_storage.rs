@@ -20,7 +20,7 @@ use std::sync::Arc;
 use base64::Engine as _;
 use fencegate::backend::{Backend, EmbeddedStore, Upstream};
 use fencegate::cli::loadtest::relay::{Hold, Relay};
-use fencegate::cli::loadtest::sigv4::S3Signer;
+use fencegate::cli::loadtest::sigv4::Signer;
 use fencegate::client::http_client;
 use fencegate::clock::ClockKind;
 use fencegate::config::{Config, RouteConfig};
@@ -41,7 +41,7 @@ struct Storage {
     /// Headers every write carries.
     write_headers: Vec<(&'static str, &'static str)>,
     /// Signs S3 requests (moto takes conditional writes only signed).
-    signer: Option<S3Signer>,
+    signer: Option<Signer>,
 }
 
 impl Storage {
@@ -67,7 +67,7 @@ impl Storage {
         }
         if let Some(signer) = &self.signer {
             let unix_s = fencegate::clock::unix_now_ms() / 1000;
-            let signed = signer.sign(method, host, &path, body.as_bytes(), unix_s);
+            let signed = signer.sign(method, host, &path, None, body.as_bytes(), unix_s);
             r = r
                 .header("host", host)
                 .header("authorization", &signed.authorization)
@@ -86,7 +86,7 @@ async fn s3() -> Storage {
         key: "/orders-bucket/orders/42".into(),
         query: String::new(),
         write_headers: vec![],
-        signer: Some(S3Signer::new("testing", "testing", "us-east-1")),
+        signer: Some(Signer::new("testing", "testing", "us-east-1", "s3")),
     };
     let direct = HttpClient::new(&s.server.url);
     let r = direct.send(s.req("PUT", "/orders-bucket", "")).await;
@@ -172,7 +172,7 @@ async fn stack_with(
         &storage.server.url,
         client,
         hold,
-        fencegate::cli::loadtest::store::Store::Http,
+        fencegate::cli::loadtest::store::Storage::new(fencegate::cli::loadtest::store::Store::Http),
     )
     .await
     .unwrap();

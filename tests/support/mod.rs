@@ -6,6 +6,7 @@
 
 pub mod browser;
 pub mod cluster;
+pub mod dynamodb;
 pub mod holding;
 pub mod lazyfs;
 pub mod proc;

@@ -81,6 +81,16 @@ impl PathTemplate {
         Ok(Self(template.to_owned()))
     }
 
+    /// Whether the path begins with a fixed first segment (a DynamoDB
+    /// table's name), has more after it, and no query.
+    pub fn names_a_table(&self) -> bool {
+        let path = &self.0[1..];
+        !path.contains('?')
+            && path.split_once('/').is_some_and(|(table, rest)| {
+                !table.is_empty() && !table.contains('{') && !rest.is_empty()
+            })
+    }
+
     /// The path of `key` of `lease`.
     pub fn render(&self, lease: &str, key: &str) -> String {
         self.0.replace("{lease}", lease).replace("{key}", key)

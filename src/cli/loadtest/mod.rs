@@ -22,7 +22,10 @@
 //! (`--verify history`, [`check::check`]) or reads of every key the run
 //! wrote (`--verify read-back`, [`check::read_back`], which any storage
 //! that serves back what was written can answer); then the run's keys are
-//! deleted unless `--keep`.
+//! deleted unless `--keep` (or, through fencegate, on DynamoDB, whose
+//! `DeleteItem` fencegate refuses). `--store` ([`store`]) says how a write,
+//! a read and a delete are sent: in the path, or in a JSON body to etcd's
+//! v3 gateway or DynamoDB.
 
 pub mod check;
 pub mod html;
@@ -79,10 +82,25 @@ pub struct LoadtestArgs {
     #[arg(long, default_value = "/kv/{lease}/{key}")]
     pub path: String,
     /// What the storage takes: `http` (the key in the path: PUT, GET and
-    /// DELETE of it) or `etcd-v3` (etcd's v3 JSON gateway behind an etcd-v3
-    /// route: the rendered path is the key, in the body).
+    /// DELETE of it), `etcd-v3` (etcd's v3 JSON gateway behind an etcd-v3
+    /// route: the rendered path is the key, in the body) or `dynamodb`
+    /// (DynamoDB's API behind a dynamodb route: the rendered path is
+    /// `/{table}/{partition key}`, e.g. `/jobs/{lease}/{key}`; the run's
+    /// items are left in the table, since fencegate refuses DeleteItem).
     #[arg(long, value_enum, default_value = "http")]
     pub store: store::Store,
+    /// `--store dynamodb`: the table's partition key attribute (a string).
+    #[arg(long, default_value = "pk")]
+    pub dynamodb_partition_key: String,
+    /// `--store dynamodb`: the item attribute that holds the token (the
+    /// route's `token_attribute`).
+    #[arg(long, default_value = "fencing_token")]
+    pub dynamodb_token_attribute: String,
+    /// `--store dynamodb`: send writes without the condition on the token
+    /// (fencegate refuses them with 428; with its check switched off, the
+    /// storage applies late writes of old terms: the run is UNSAFE).
+    #[arg(long)]
+    pub dynamodb_without_condition: bool,
     /// The body of a write, with `{value}` where the write's value goes
     /// (e.g. `value={value}` for etcd's v2 keys API).
     #[arg(long, default_value = "{value}")]
@@ -160,14 +178,15 @@ pub struct LoadtestArgs {
     /// with a private CA or a self-signed certificate.
     #[arg(long, env = "FENCEGATE_CACERT")]
     pub cacert: Option<std::path::PathBuf>,
-    /// Sign the storage requests (writes, reads, deletes) for S3 in this
-    /// region (AWS Signature V4), with AWS_ACCESS_KEY_ID and
-    /// AWS_SECRET_ACCESS_KEY from the environment; fencegate must pass
-    /// `Host` on unchanged (`proxy.preserve_host = true`). A flag only (not
-    /// read from AWS_REGION), so a shell set up for AWS does not sign a
-    /// run against other storage.
-    #[arg(long)]
-    pub s3_region: Option<String>,
+    /// Sign the storage requests (writes, reads, deletes) for S3 (or, with
+    /// `--store dynamodb`, DynamoDB) in this region (AWS Signature V4),
+    /// with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY from the
+    /// environment; fencegate must pass `Host` on unchanged
+    /// (`proxy.preserve_host = true`). A flag only (not read from
+    /// AWS_REGION), so a shell set up for AWS does not sign a run against
+    /// other storage.
+    #[arg(long, visible_alias = "s3-region")]
+    pub aws_region: Option<String>,
     /// Make this fraction of the writes (0 to 1) reach the storage late: a
     /// relay the load tester runs at `--relay-listen` (point fencegate's
     /// upstream at it) forwards to `--relay-to`; a write it holds gets no
@@ -302,12 +321,15 @@ pub struct Report {
     pub verify: Vec<&'static str>,
     /// The `--path` template the writes went to.
     pub path: String,
+    /// What the storage takes (`--store`).
+    pub store: store::Store,
     pub log_truncated: bool,
     /// The checkers' findings as one (the worst of each safety figure).
     pub findings: Findings,
     /// Each checker's own findings.
     pub by_checker: BTreeMap<&'static str, Findings>,
-    /// What the cleanup did (absent with `--keep`).
+    /// What the cleanup did (absent with `--keep`, and for DynamoDB
+    /// through fencegate, which refuses `DeleteItem`).
     pub cleanup: Option<readback::Cleanup>,
     /// With `--late-writes`: what the relay saw, and whether the storage
     /// evaluates preconditions.
@@ -345,9 +367,11 @@ pub struct LateWrites {
 
 struct Shared {
     client: HttpsClient,
-    /// Signs storage requests for S3 (`--s3-region`).
-    s3: Option<sigv4::S3Signer>,
+    /// Signs storage requests for S3 or DynamoDB (`--aws-region`).
+    signer: Option<sigv4::Signer>,
     args: LoadtestArgs,
+    /// The storage the writes go to (`--store`).
+    storage: store::Storage,
     path: PathTemplate,
     body: BodyTemplate,
     /// The fencegate (or the cluster's members) under test.
@@ -587,8 +611,8 @@ async fn send(
     if let Some(bearer) = bearer {
         req = req.header(http::header::AUTHORIZATION, bearer.clone());
     }
-    if let Some(s3) = &shared.s3 {
-        req = sign_s3(s3, req, &body).map_err(|e| (e, false))?;
+    if let Some(signer) = &shared.signer {
+        req = sign(signer, req, &body);
     }
     let client = &shared.client;
     let req = req.body(Full::new(body)).map_err(|e| (failed(e), false))?;
@@ -636,32 +660,37 @@ async fn exchange(
     Ok(Answer { status, json, body })
 }
 
-/// Adds an S3 signature to a storage request (not to fencegate's own API
-/// under `/_fence/`). With a bearer secret for fencegate as well, S3's
-/// `Authorization` would take its place: the two cannot be combined.
-fn sign_s3(
-    s3: &sigv4::S3Signer,
+/// Adds an AWS signature to a storage request (not to fencegate's own API
+/// under `/_fence/`). With a bearer secret for fencegate as well, the
+/// signature's `Authorization` would take its place: the two cannot be
+/// combined.
+fn sign(
+    signer: &sigv4::Signer,
     req: http::request::Builder,
     body: &Bytes,
-) -> Result<http::request::Builder, LoadtestError> {
+) -> http::request::Builder {
     let uri = req.uri_ref().cloned().unwrap_or_default();
     let path_and_query = uri.path_and_query().map_or("/", |pq| pq.as_str());
     if path_and_query.starts_with("/_fence/") {
-        return Ok(req);
+        return req;
     }
     let host = uri.authority().map(|a| a.as_str()).unwrap_or_default();
     let method = req.method_ref().cloned().unwrap_or_default();
-    let signed = s3.sign(
+    let target = req
+        .headers_ref()
+        .and_then(|h| h.get("x-amz-target"))
+        .and_then(|v| v.to_str().ok());
+    let signed = signer.sign(
         method.as_str(),
         host,
         path_and_query,
+        target,
         body,
         crate::clock::unix_now_ms() / 1000,
     );
-    Ok(req
-        .header(http::header::AUTHORIZATION, signed.authorization)
+    req.header(http::header::AUTHORIZATION, signed.authorization)
         .header("x-amz-date", signed.amz_date)
-        .header("x-amz-content-sha256", signed.content_sha256))
+        .header("x-amz-content-sha256", signed.content_sha256)
 }
 
 /// A term as the writer sees it.
@@ -934,11 +963,12 @@ async fn write(
         2 => layout::handoff_key(&shared.run_id, &term.lease, term.previous),
         _ => layout::handoff_key(&shared.run_id, &term.lease, term.token),
     };
-    let request = shared.args.store.write(
+    let request = shared.storage.write(
         &shared.path.render(&term.lease, &key),
         shared.body.render(&layout::value(write_id, term.token)),
+        term.token,
     );
-    let path = request.path;
+    let path = request.path.clone();
     let to = match &shared.args.direct {
         Some(direct) => To::Url(format!("{direct}{path}")),
         None => To::Lease(term.lease.clone(), path),
@@ -949,7 +979,8 @@ async fn write(
         (WRITER_HEADER, writer),
         (WRITE_ID_HEADER, write_id),
     ];
-    if let Some(content_type) = request.content_type.or(shared.args.content_type.as_deref()) {
+    headers.extend(request.headers());
+    if let (None, Some(content_type)) = (request.content_type, &shared.args.content_type) {
         headers.push(("content-type", content_type));
     }
     // The lease id is a credential for fencegate: never sent to the storage.
@@ -967,9 +998,9 @@ async fn write(
                 Outcome::Unknown(reason.to_owned())
             }
             Some(reason) => Outcome::Rejected(reason.to_owned()),
-            // The storage's own refusal of a precondition (SPEC §10): it
-            // changed nothing.
-            None if matches!(a.status.as_u16(), 409 | 412) => {
+            // The storage's own refusal of a precondition (SPEC §10) or of
+            // a condition (§11): it changed nothing.
+            None if shared.storage.delivered(a.status, &a.body).1 => {
                 Outcome::Rejected(STORAGE_PRECONDITION_FAILED.to_owned())
             }
             None => Outcome::Failed(format!("status {}", a.status)),
@@ -1206,7 +1237,7 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), LoadtestError> 
     if verify.contains(&HISTORY) {
         read_history(&shared, history_url).await?;
     }
-    let relay = start_relay(&args, seed).await?;
+    let relay = start_relay(&args, &shared.storage, seed).await?;
     drive(&shared, total, seed).await?;
     let duration_ms = shared.started.elapsed_ms().max(1);
     let writes_stopped = shared
@@ -1226,11 +1257,11 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), LoadtestError> 
                     None,
                     "not probed: a request got no answer within --request-timeout".to_owned(),
                 ),
-                None if args.store == store::Store::EtcdV3 => (
-                    None,
-                    "not probed: an etcd-v3 route makes etcd compare the lease's fence key in a transaction (SPEC §11)".to_owned(),
-                ),
-                None => probe_preconditions(&shared).await,
+                None => match args.store {
+                    store::Store::Http => probe_preconditions(&shared).await,
+                    store::Store::EtcdV3 => (None, "not probed: an etcd-v3 route makes etcd compare the lease's fence key in a transaction (SPEC §11)".to_owned()),
+                    store::Store::DynamoDb => (None, "not probed: a dynamodb route makes DynamoDB compare the item's token in the write's condition (SPEC §11)".to_owned()),
+                },
             };
             Some(LateWrites {
                 store: args.store,
@@ -1297,11 +1328,12 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), LoadtestError> 
             n => format!("; the storage refused all {n} late writes of an old term"),
         });
     }
-    let cleanup = if args.keep {
-        None
-    } else {
-        Some(readback::clean_up(&shared, &writes, reads).await)
-    };
+    let cleanup =
+        if args.keep || (args.direct.is_none() && !shared.storage.deletes_through_fencegate()) {
+            None
+        } else {
+            Some(readback::clean_up(&shared, &writes, reads).await)
+        };
     let report = Report {
         target: args.target.clone(),
         direct: args.direct.clone(),
@@ -1318,6 +1350,7 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), LoadtestError> 
         latency_us: latency_quantiles(&writes)?,
         verify,
         path: args.path.clone(),
+        store: args.store,
         log_truncated: truncated,
         findings,
         by_checker,
@@ -1356,15 +1389,30 @@ fn check_args(args: &mut LoadtestArgs) -> Result<Vec<&'static str>, LoadtestErro
     }
     PathTemplate::parse(&args.path)?;
     BodyTemplate::parse(&args.body)?;
-    if args.store == store::Store::EtcdV3
-        && (args.s3_region.is_some()
-            || args.history.is_some()
-            || matches!(args.verify, Some(Verify::History | Verify::Both)))
-    {
-        return Err(usage(
-            "--store etcd-v3 reads the keys back from etcd: it takes no --s3-region, \
-             --history or --verify history",
-        ));
+    match args.store {
+        store::Store::Http => {}
+        store::Store::EtcdV3 | store::Store::DynamoDb
+            if args.history.is_some()
+                || matches!(args.verify, Some(Verify::History | Verify::Both)) =>
+        {
+            return Err(usage(
+                "--store etcd-v3 and dynamodb read the keys back from the storage: they \
+                 take no --history or --verify history",
+            ))
+        }
+        store::Store::EtcdV3 if args.aws_region.is_some() => {
+            return Err(usage("--store etcd-v3 takes no --aws-region"))
+        }
+        store::Store::EtcdV3 => {}
+        store::Store::DynamoDb => {
+            let path = PathTemplate::parse(&args.path)?;
+            if !path.names_a_table() {
+                return Err(usage(
+                    "--store dynamodb: --path must begin with the table's name, then the \
+                     item's partition key: e.g. /jobs/{lease}/{key}",
+                ));
+            }
+        }
     }
     let verify = match (args.verify, &args.history) {
         (Some(Verify::ReadBack), Some(_)) => {
@@ -1447,22 +1495,33 @@ fn prepare(args: &LoadtestArgs, total: Option<u64>) -> Result<Arc<Shared>, Loadt
         }
         None => None,
     };
-    let s3 = match &args.s3_region {
+    let service = match args.store {
+        store::Store::DynamoDb => "dynamodb",
+        _ => "s3",
+    };
+    let signer = match &args.aws_region {
         Some(_) if bearer.is_some() => {
             return Err(LoadtestError::Usage(
-                "--s3-region: S3's signature takes the Authorization header, so a \
+                "--aws-region: an AWS signature takes the Authorization header, so a \
                         bearer secret for fencegate cannot go with it"
                     .into(),
             ))
         }
-        Some(region) => Some(sigv4::S3Signer::from_env(region)?),
+        Some(region) => Some(sigv4::Signer::from_env(region, service)?),
         None => None,
+    };
+    let storage = store::Storage {
+        partition_key: args.dynamodb_partition_key.clone(),
+        token_attribute: args.dynamodb_token_attribute.clone(),
+        condition: !args.dynamodb_without_condition,
+        ..store::Storage::new(args.store)
     };
     Ok(Arc::new(Shared {
         client,
-        s3,
+        signer,
         bearer,
         args: args.clone(),
+        storage,
         path: PathTemplate::parse(&args.path)?,
         body: BodyTemplate::parse(&args.body)?,
         newest_token: Mutex::new(HashMap::new()),
@@ -1526,6 +1585,7 @@ fn latency_quantiles(writes: &[ClientWrite]) -> Result<BTreeMap<String, u64>, Lo
 /// the writers' writes (seeded with the run) for `--late-by`.
 async fn start_relay(
     args: &LoadtestArgs,
+    storage: &store::Storage,
     seed: u64,
 ) -> Result<Option<relay::Relay>, LoadtestError> {
     let Some(fraction) = args.late_writes else {
@@ -1550,7 +1610,7 @@ async fn start_relay(
             relay::Hold::Pass
         }
     });
-    relay::Relay::start(listen, to, client, hold, args.store)
+    relay::Relay::start(listen, to, client, hold, storage.clone())
         .await
         .map(Some)
         .map_err(|e| failed(format!("the relay cannot listen on {listen}: {e}")))
@@ -1566,6 +1626,7 @@ fn late_verdict(late: Option<&LateWrites>) -> Option<(bool, String, u8)> {
         let why = match late.storage_evaluates_if_match {
             Some(false) => "the storage ignores preconditions (a PUT whose If-Match named no state of its key was applied), so it takes a write of an old term however late it comes; only fence.settle_ms bounds that",
             _ if r.writes_without_precondition > 0 && late.store == store::Store::EtcdV3 => "writes reached etcd without the comparison of their lease's fence key",
+            _ if r.writes_without_precondition > 0 && late.store == store::Store::DynamoDb => "writes reached DynamoDB without the condition on their item's token",
             _ if r.writes_without_precondition > 0 => "writes reached the storage without a precondition: set preconditions (\"s3\", \"azure\" or \"etag\") on the route (docs/preconditions.md)",
             _ => "their keys had returned to the state their preconditions named (the same bytes written again under an entity tag that names the content, or deleted again: docs/preconditions.md)",
         };
@@ -1864,6 +1925,10 @@ pub fn summary(r: &Report) -> String {
     rows.push((
         "keys cleaned up",
         match &r.cleanup {
+            None if r.store == store::Store::DynamoDb && r.direct.is_none() => {
+                "none: fencegate refuses DeleteItem (the run's items are left in the table)"
+                    .to_owned()
+            }
             None => "none (--keep)".to_owned(),
             Some(c) if c.failed == 0 => c.deleted.to_string(),
             Some(c) => format!(
@@ -1896,6 +1961,10 @@ pub fn summary(r: &Report) -> String {
                 ),
                 store::Store::EtcdV3 => format!(
                     "{} of {} reached etcd without their fence key's comparison",
+                    relay.writes_without_precondition, relay.writes
+                ),
+                store::Store::DynamoDb => format!(
+                    "{} of {} reached DynamoDB without the condition on their item's token",
                     relay.writes_without_precondition, relay.writes
                 ),
             },

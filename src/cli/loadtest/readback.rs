@@ -198,13 +198,9 @@ pub(super) async fn read_keys(
 /// ran out of time first (the key was not read).
 async fn read_one(shared: &Shared, reading: &Reading, lease: &str, key: &str) -> Option<Read> {
     let path = shared.path.render(lease, key);
-    let store = shared.args.store;
+    let store = &shared.storage;
     let request = store.read(&path);
-    let headers: Vec<(&str, &str)> = request
-        .content_type
-        .map(|ct| ("content-type", ct))
-        .into_iter()
-        .collect();
+    let headers = request.headers();
     let mut why = String::new();
     for attempt in 0..READ_TRIES {
         if attempt > 0 {
@@ -475,7 +471,7 @@ async fn hold<'a>(
 /// A delete: done if the key is gone (with `http`: 2xx, or 404: it was
 /// never there).
 async fn delete(shared: &Shared, to: To, headers: &[(&str, &str)]) -> Result<(), LoadtestError> {
-    let store = shared.args.store;
+    let store = &shared.storage;
     let (to, request) = match to {
         To::Url(url) => {
             // `--direct`: the storage's base URL and the key's path.
@@ -496,9 +492,7 @@ async fn delete(shared: &Shared, to: To, headers: &[(&str, &str)]) -> Result<(),
         To::Url(url) | To::Target(url) | To::Lease(_, url) => url.clone(),
     };
     let mut all = headers.to_vec();
-    if let Some(ct) = request.content_type {
-        all.push(("content-type", ct));
-    }
+    all.extend(request.headers());
     // On a route with preconditions a key not seen since a restart is read
     // first (428).
     match super::write_reading_first(shared, request.method, to, &all, request.body).await {

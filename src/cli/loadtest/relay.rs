@@ -30,7 +30,7 @@ use serde::Serialize;
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 
-use super::store::Store;
+use super::store::Storage;
 use crate::client::HttpsClient;
 use crate::wire::FENCING_TOKEN;
 
@@ -98,7 +98,7 @@ struct Shared {
     client: HttpsClient,
     hold: HoldFn,
     /// How the storage's requests and answers read.
-    store: Store,
+    store: Storage,
     max_body_bytes: usize,
     /// Per key, the highest token of a write the storage applied (answered
     /// 2xx).
@@ -134,7 +134,7 @@ impl Relay {
         upstream: &str,
         client: HttpsClient,
         hold: HoldFn,
-        store: Store,
+        store: Storage,
     ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
@@ -237,9 +237,17 @@ async fn relay(
     };
     let if_header = parts.headers.contains_key(http::header::IF_MATCH)
         || parts.headers.contains_key(http::header::IF_NONE_MATCH);
-    let written = shared
-        .store
-        .relayed_write(&parts.method, parts.uri.path(), &body, if_header);
+    let amz_target = parts
+        .headers
+        .get("x-amz-target")
+        .and_then(|v| v.to_str().ok());
+    let written = shared.store.relayed_write(
+        &parts.method,
+        parts.uri.path(),
+        amz_target,
+        &body,
+        if_header,
+    );
     let hold = match &written {
         Some((_, compared)) => {
             let mut report = lock(&shared.report);
