@@ -51,7 +51,6 @@ use super::committer::Committer;
 use crate::hex;
 use crate::journal::record::{GRANTED_QUIET, RELEASED_QUIET};
 use crate::journal::{GrantRecord, Journal, JournalError, JournalFuture, LeaseRecord};
-use crate::lease::id::text_digest;
 
 pub use fencegate_core::journal::stored::{StoredGrant, StoredLease, StoredState, StoredTerm};
 
@@ -640,17 +639,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Journal for EtcdJournal {
     fn persist_grant(&self, record: GrantRecord) -> JournalFuture {
         let (ack, done) = oneshot::channel();
-        let digest = text_digest(&record.lease_id);
-        let queued = self.queue(&record.lease, Some(ack), |stored| {
-            stored.grant(StoredGrant {
-                token: record.token,
-                holder: &record.holder,
-                ttl_ms: record.ttl_ms,
-                lease_id_sha256: digest,
-                quiet: record.quiet,
-                wall_ms: record.wall_ms,
-            })
-        });
+        let lease = record.lease.clone();
+        let record = crate::journal::record::Record::from(record);
+        let queued = self.queue(&lease, Some(ack), |stored| stored.record(&record));
         Box::pin(async move {
             queued?;
             done.await

@@ -23,22 +23,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 pub use file::{FileJournal, FileJournalOptions, Recovered};
 pub use record::{LeaseRecord, TermRecord};
 
-/// What must survive a restart for one grant.
-#[derive(Clone, Debug)]
-pub struct GrantRecord {
-    pub lease: String,
-    pub token: u64,
-    pub holder: String,
-    pub ttl_ms: u64,
-    /// The lease id's text form, so the holder can renew after a restart.
-    pub lease_id: [u8; 32],
-    /// No write of an earlier term could still be unfinished at the storage
-    /// (after a restart, this term's writes have nothing to wait for).
-    pub quiet: bool,
-    /// The wall clock at the grant (Unix ms), a hint used only to end the
-    /// term early after a restart.
-    pub wall_ms: u64,
-}
+/// A grant's record, as the core's [`fencegate_core::lease::slot::Slot::grant`]
+/// makes it.
+pub use fencegate_core::journal::record::GrantRecord;
 
 /// Why a record could not be persisted.
 #[derive(Debug)]

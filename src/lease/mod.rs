@@ -3,10 +3,11 @@
 //! the core's decisions (from `fencegate-core`, re-exported here): the
 //! state machine ([`machine`]), lease ids ([`id`]), writes in flight by
 //! term ([`inflight`]), the admission decision ([`admission`]), the
-//! restart rule ([`restart`]) and when a lease may be forgotten
-//! ([`retention`]).
+//! restart rule ([`restart`]), when a lease may be forgotten
+//! ([`retention`]), and one lease with every procedure on it ([`slot`]),
+//! which the store calls under the lease's lock.
 
-pub use fencegate_core::lease::{admission, id, inflight, machine, restart, retention};
+pub use fencegate_core::lease::{admission, id, inflight, machine, restart, retention, slot};
 pub mod primacy;
 pub mod store;
 

@@ -14,8 +14,11 @@
 //!   it settles ([`lease::inflight`]), the admission decision with the
 //!   handover barrier and its wait limit ([`lease::admission`]), the restart
 //!   rule and window and the restore of the recovered leases
-//!   ([`lease::restart`]), and when a lease may be forgotten
-//!   ([`lease::retention`]).
+//!   ([`lease::restart`]), when a lease may be forgotten
+//!   ([`lease::retention`]), and one lease as the lease store keeps it with
+//!   every procedure on it ([`lease::slot`]: grant, renew, release, admit a
+//!   write, forget, each returning the record or decision to carry out),
+//!   which the store and the simulator both drive.
 //! - [`journal`]: the journal's on-disk format ([`journal::record`]: header
 //!   slots, checksummed frames, the records and how they fold into a lease's
 //!   state), the order of a batch's writes and syncs ([`journal::append`]),

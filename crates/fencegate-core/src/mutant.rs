@@ -142,11 +142,25 @@ pub enum Mutant {
     /// condition on it ([`crate::body_keys::dynamodb::check`]): a late
     /// write of an old term lands after a later term's.
     DynamoConditionUnchecked,
+    /// A grant is recorded as quiet without looking at the lease's writes
+    /// in flight ([`crate::lease::slot::Slot::grant`]): after a restart
+    /// the new term's writes do not wait for the older term's.
+    GrantQuietOverOlderWrites,
+    /// A renewal keeps its wall-clock hint before the journal took its
+    /// record ([`crate::lease::slot::Slot::renew`]): a record dropped by a
+    /// full queue is not due again, and a start ends the live term by the
+    /// older hint.
+    HintKeptUntaken,
+    /// The sweep takes a term for ended one sweep
+    /// ([`crate::lease::retention::SWEEP_EVERY_MS`]) before its deadline
+    /// ([`crate::lease::slot::Slot::forget`]): a lease forgotten then is
+    /// granted again while its term is live.
+    SweepEndsTermEarly,
 }
 
 impl Mutant {
     /// Every mutant, in the order the tests try them.
-    pub const ALL: [Mutant; 33] = [
+    pub const ALL: [Mutant; 36] = [
         Mutant::BarrierOff,
         Mutant::RestartWindowSkipped,
         Mutant::HeaderBeforeSync,
@@ -180,6 +194,9 @@ impl Mutant {
         Mutant::ReadParamsIgnored,
         Mutant::EtcdCompareDropped,
         Mutant::DynamoConditionUnchecked,
+        Mutant::GrantQuietOverOlderWrites,
+        Mutant::HintKeptUntaken,
+        Mutant::SweepEndsTermEarly,
     ];
 
     /// The mutant's name on command lines and in `FENCEGATE_TEST_MUTANT`.
@@ -218,6 +235,9 @@ impl Mutant {
             Mutant::ReadParamsIgnored => "read-params-ignored",
             Mutant::EtcdCompareDropped => "etcd-compare-dropped",
             Mutant::DynamoConditionUnchecked => "dynamo-condition-unchecked",
+            Mutant::GrantQuietOverOlderWrites => "grant-quiet-over-older-writes",
+            Mutant::HintKeptUntaken => "hint-kept-untaken",
+            Mutant::SweepEndsTermEarly => "sweep-ends-term-early",
         }
     }
 

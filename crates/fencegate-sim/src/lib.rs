@@ -5,7 +5,12 @@
 //! what a start makes of the files it finds and the lease state a member
 //! loads from etcd) through a world that goes wrong at every step, and
 //! checks the guarantees after each one. The rules it plays are the ones
-//! the shell runs, called, not copied.
+//! the shell runs, called, not copied; and so are the lease store's
+//! procedures: each lease of the proxy here is the core's
+//! `fencegate_core::lease::slot::Slot`, the type the lease store keeps,
+//! whose grant, renewal, release, admission and forgetting return the
+//! records and decisions the world then carries out with its own disk,
+//! network and clock, as the store does with its own.
 //!
 //! The world ([`world`]), all in one thread on one simulated clock, seeded:
 //! - writers that acquire, write, renew and release, each on a clock of its
@@ -112,9 +117,10 @@
 //! count their writes ended (each is the end plus `settle_ms`, on a
 //! monotonic clock), which the world does not play. What the world writes
 //! itself is the shell's plumbing in simulated time: its messages and their
-//! order (an awaited record answered once its batch is written, a write
-//! counted in flight once admitted), each marked as the shell's where it is
-//! done. Where the order differs: a member checks its primacy before each
+//! order (an awaited record answered once its batch is written, a renewal's
+//! hint kept once the journal's queue took its record: a standalone
+//! proxy's queue holds `Config::journal_queue` records and drops a lazy one
+//! that finds it full), each marked as the shell's where it is done. Where the order differs: a member checks its primacy before each
 //! keepalive here, after it in the shell (whose late confirmation may
 //! revive a lapsed primacy: not played); the sweep forgets nothing on a
 //! member that is not primary (the shell's then fails to journal it); room

@@ -9,14 +9,15 @@ use fencegate_core::cluster;
 use fencegate_core::journal::append::{self, Step};
 use fencegate_core::journal::record::{self, Header, LeaseRecord, Record};
 use fencegate_core::journal::recovery::{self, Meta, MetaFile};
-use fencegate_core::journal::stored::{StoredGrant, StoredState};
+use fencegate_core::journal::stored::StoredState;
 use fencegate_core::journal::writer::{self, Health, IdentityStep};
-use fencegate_core::lease::admission::{self, Decision, TermChange, WriteCheck};
+use fencegate_core::lease::admission::{self, Decision, WriteCheck};
 use fencegate_core::lease::id::LeaseId;
 use fencegate_core::lease::inflight::{self, Inflight, WriteLife};
-use fencegate_core::lease::machine::{AcquireRefused, Grant, LeaseState, Term};
+use fencegate_core::lease::machine::{AcquireRefused, Grant, Term};
 use fencegate_core::lease::restart::{self, RestartRule};
-use fencegate_core::lease::retention::{self, Named};
+use fencegate_core::lease::retention;
+use fencegate_core::lease::slot;
 use fencegate_core::precondition::{self, Dialect, KeyStates, Operation, Own, Plan, Sent};
 
 use crate::disk::File;
@@ -116,6 +117,11 @@ pub struct Config {
     /// The most keys a member remembers the state of (fewer than there are
     /// keys, so some are forgotten).
     pub key_states: usize,
+    /// Standalone: the file journal's queue holds this many records; a
+    /// lazy record (a renewal's hint, a forgetting) that finds it full is
+    /// dropped, as the store's bounded queue drops it. (In cluster mode the
+    /// etcd journal's cache keeps what its queue cannot take.)
+    pub journal_queue: usize,
     /// Print every event to stderr (the `simulate` example's `--trace`).
     pub trace: bool,
 }
@@ -180,6 +186,7 @@ impl Config {
                 TagKind::Version
             },
             key_states: 3,
+            journal_queue: 1,
             trace: false,
         }
     }
@@ -232,6 +239,9 @@ pub struct Stats {
     pub stops: u64,
     /// Leases forgotten (retention, or room made).
     pub forgotten: u64,
+    /// Standalone: renewals' and forgettings' records dropped by a full
+    /// journal queue.
+    pub lazy_records_dropped: u64,
     /// Routes with preconditions: writes answered 428 (no state known).
     pub preconditions_required: u64,
     /// Reads of a key through the proxy.
@@ -520,17 +530,25 @@ impl Client {
 // ---------------------------------------------------------------------------
 // The proxy: a thin shell around the core, as the lease store is.
 
+/// One lease: the core's slot, which the lease store keeps too, and what
+/// the store keeps beside it (its writes in flight, its waiters).
 #[derive(Debug)]
 struct Slot {
-    state: LeaseState,
+    lease: slot::Slot,
     inflight: Inflight,
-    unsettled_from: u64,
-    wall_deadline_ms: u64,
-    /// When a request last named the lease (the proxy's clock).
-    touched_ms: u64,
     /// Writes waiting at the barrier: as the shell's waiters hold the
     /// lease's cell, the sweep does not forget it meanwhile.
     waiting: u32,
+}
+
+impl Slot {
+    fn new(lease: slot::Slot) -> Self {
+        Self {
+            lease,
+            inflight: Inflight::default(),
+            waiting: 0,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -747,6 +765,9 @@ struct TermTruth {
     /// differ (a record lost with a failed sync or a crash).
     hint_queued_step: u64,
     hint_durable_step: u64,
+    /// The journal's queue dropped the record of its last due hint: the
+    /// next renewal must record one (`restart::renewal_recorded`).
+    hint_dropped: bool,
     /// A start may have ended the term before its promise: records were
     /// lost, its release may have reached the journal, or the hint of its
     /// last renewal may not have (a documented, safe loss).
@@ -1399,14 +1420,8 @@ impl World {
             return;
         }
         self.open.insert(req.id, (req.client, inc));
-        // As the lease store: renewals and releases name the lease as they
-        // arrive, an acquire once its entry exists, a write once the fence
-        // decides (a read is forwarded without the lease store).
-        match req.op {
-            Op::Renew => self.named(req.lease, Named::Renew),
-            Op::Release => self.named(req.lease, Named::Release),
-            Op::Acquire { .. } | Op::Write { .. } | Op::Read { .. } => {}
-        }
+        // Each procedure of the core's slot names the lease as the lease
+        // store's does (a read is forwarded without the lease store).
         match req.op {
             Op::Acquire { ttl_ms } => self.acquire(req, ttl_ms),
             Op::Renew => self.renew(req),
@@ -1424,47 +1439,30 @@ impl World {
         let holder = self.clients[req.client].holder.clone();
         let proxy = self.proxy.as_mut().expect("arrive checked");
         let rule = proxy.rule;
-        proxy.slots.entry(req.lease).or_insert_with(|| {
-            let (state, unsettled_from) = restart::new_lease(&rule);
-            Slot {
-                state,
-                inflight: Inflight::default(),
-                unsettled_from,
-                wall_deadline_ms: 0,
-                touched_ms: 0,
-                waiting: 0,
-            }
-        });
-        self.named(req.lease, Named::Acquire);
-        let proxy = self.proxy.as_mut().expect("arrive checked");
-        let slot = proxy.slots.get_mut(&req.lease).expect("made above");
-        let previous = slot.state.term().cloned();
+        let slot = proxy
+            .slots
+            .entry(req.lease)
+            .or_insert_with(|| Slot::new(slot::Slot::new(&rule)));
         let lease_id = LeaseId::from_bytes(raw);
-        match slot.state.acquire(p, &holder, ttl_ms, lease_id.clone()) {
-            Ok(grant) => {
-                let quiet = admission::quiet(
-                    TermChange::Granted(grant.token),
-                    Some(&mut slot.inflight),
-                    slot.unsettled_from,
-                    proxy.unsettled_until_ms,
-                    p,
-                );
-                slot.wall_deadline_ms = restart::wall_deadline(wall, ttl_ms);
-                // etcd keeps a digest of each id, never the id.
-                let stored_id = if proxy.primacy.is_some() {
-                    lease_id.sha256()
-                } else {
-                    lease_id.to_text()
-                };
-                let record = Record::Grant {
-                    lease: lease_name(req.lease),
-                    token: grant.token,
-                    holder,
-                    ttl_ms,
-                    lease_id: stored_id,
-                    quiet,
-                    wall_ms: wall,
-                };
+        let name = lease_name(req.lease);
+        let ask = slot::GrantAsk {
+            lease: &name,
+            holder: &holder,
+            ttl_ms,
+            now_ms: p,
+            wall_ms: wall,
+            unsettled_until_ms: proxy.unsettled_until_ms,
+        };
+        match slot
+            .lease
+            .grant(ask, lease_id.clone(), Some(&mut slot.inflight))
+        {
+            Ok(slot::Granted {
+                grant,
+                previous,
+                record,
+            }) => {
+                let record = Record::from(record);
                 let token = grant.token;
                 self.check_primacy("a grant");
                 let before = self.truth[req.lease].max_acked;
@@ -1487,6 +1485,7 @@ impl World {
                         promised_until_ms: 0,
                         hint_queued_step: 0,
                         hint_durable_step: 0,
+                        hint_dropped: false,
                         may_end_early: false,
                         acked: false,
                         release_acked: false,
@@ -1534,22 +1533,13 @@ impl World {
             self.reply(&req, Answer::Refused);
             return;
         };
-        let previous_ttl_ms = slot.state.term().map_or(0, |t| t.ttl_ms);
-        match slot
-            .state
-            .renew(p, req.token, Some(&req.lease_id), None, None)
-        {
-            Ok(grant) => {
-                let hint = restart::renewal_hint(
-                    previous_ttl_ms,
-                    grant.ttl_ms,
-                    slot.wall_deadline_ms,
-                    wall,
-                );
-                let due = hint.is_some();
-                if let Some(hint) = hint {
-                    slot.wall_deadline_ms = hint;
-                }
+        let presented = slot::Presented {
+            token: req.token,
+            lease_id: Some(&req.lease_id),
+            holder: None,
+        };
+        match slot.lease.renew(p, wall, presented, None) {
+            Ok(slot::Renewed { grant, hint }) => {
                 let expires_in_ms = grant.expires_in_ms(p);
                 self.stats.renewals += 1;
                 self.check_primacy("a renewal");
@@ -1565,14 +1555,33 @@ impl World {
                     t.live_until_ms = t.live_until_ms.max(self.now + expires_in);
                     t.promised_until_ms = t.promised_until_ms.max(self.now + promised_in);
                 }
-                if due {
-                    let record = Record::Renew {
-                        lease: lease_name(req.lease),
-                        token: req.token,
-                        ttl_ms: grant.ttl_ms,
-                        wall_ms: wall,
-                    };
-                    self.queue(record, Ack::None);
+                let dropped = self.truth[req.lease]
+                    .terms
+                    .get(&req.token)
+                    .is_some_and(|t| t.hint_dropped);
+                match hint {
+                    None if dropped => self.fail(format!(
+                        "lease l{} term {} renewed after its last hint was dropped, with no \
+                         record of a new one",
+                        req.lease, req.token
+                    )),
+                    None => {}
+                    Some(hint) => {
+                        let record = Record::Renew {
+                            lease: lease_name(req.lease),
+                            token: hint.token,
+                            ttl_ms: hint.ttl_ms,
+                            wall_ms: hint.wall_ms,
+                        };
+                        // As the lease store: the hint is kept only once
+                        // the journal took its record.
+                        if self.queue_lazy(record) {
+                            let proxy = self.proxy.as_mut().expect("arrive checked");
+                            if let Some(slot) = proxy.slots.get_mut(&req.lease) {
+                                slot.lease.hint_taken(&hint);
+                            }
+                        }
+                    }
                 }
                 self.reply(&req, Answer::Renewed { expires_in_ms });
             }
@@ -1587,15 +1596,19 @@ impl World {
             self.reply(&req, Answer::Refused);
             return;
         };
-        match slot.state.release(p, req.token, Some(&req.lease_id), None) {
-            Ok(()) => {
-                let quiet = admission::quiet(
-                    TermChange::Released(req.token),
-                    Some(&mut slot.inflight),
-                    slot.unsettled_from,
-                    proxy.unsettled_until_ms,
-                    p,
-                );
+        let presented = slot::Presented {
+            token: req.token,
+            lease_id: Some(&req.lease_id),
+            holder: None,
+        };
+        let released = slot.lease.release(
+            p,
+            presented,
+            Some(&mut slot.inflight),
+            proxy.unsettled_until_ms,
+        );
+        match released {
+            Ok(quiet) => {
                 if let Some(t) = self.truth[req.lease].terms.get_mut(&req.token) {
                     t.release_issued = true;
                 }
@@ -1643,17 +1656,11 @@ impl World {
             margin_ms: 0,
             barrier: true,
         };
-        let decision = admission::decide(
-            &slot.state,
-            &mut slot.inflight,
-            slot.unsettled_from,
-            proxy.unsettled_until_ms,
-            p,
-            check,
-        );
+        let decision = slot
+            .lease
+            .admit(p, proxy.unsettled_until_ms, &check, || &mut slot.inflight);
         match decision {
             Decision::Admit(_) => {
-                self.named(req.lease, Named::AdmittedWrite);
                 self.stats.writes_admitted += 1;
                 self.check_primacy("a write");
                 if let Some(why) = self.truth[req.lease].ended(req.token, self.now) {
@@ -1667,16 +1674,18 @@ impl World {
                 let cond = match self.plan_condition(&req, inc) {
                     Ok(cond) => cond,
                     Err(key) => {
+                        // Nothing was sent: the write holds nothing back.
+                        let settle_ms = self.cfg.settle_ms;
+                        let proxy = self.proxy.as_mut().expect("arrive checked");
+                        if let Some(slot) = proxy.slots.get_mut(&req.lease) {
+                            WriteLife::new(req.token, settle_ms).finish(&mut slot.inflight);
+                        }
                         self.stats.preconditions_required += 1;
                         let lease = req.lease;
                         self.reply(&req, Answer::PreconditionRequired { lease, key });
                         return;
                     }
                 };
-                let proxy = self.proxy.as_mut().expect("arrive checked");
-                if let Some(slot) = proxy.slots.get_mut(&req.lease) {
-                    slot.inflight.add(req.token);
-                }
                 self.forward(req, inc, cond);
             }
             Decision::Wait { until_ms, .. } => {
@@ -1720,7 +1729,6 @@ impl World {
                 self.after(retry, Ev::Retry { inc, req });
             }
             Decision::Refuse(_) => {
-                self.named(req.lease, Named::RefusedWrite);
                 self.stats.writes_refused += 1;
                 self.reply(&req, Answer::Refused);
             }
@@ -2243,53 +2251,55 @@ impl World {
         } else {
             retention::Sweep::idle(now_ms, self.cfg.retention_ms, proxy.unsettled_until_ms)
         };
-        let gone: Vec<usize> = proxy
+        let gone: Vec<(usize, u64)> = proxy
             .slots
             .iter_mut()
             .filter_map(|(&lease, slot)| {
                 let Slot {
-                    state,
+                    lease: kept,
                     inflight,
-                    unsettled_from,
-                    touched_ms,
                     waiting,
-                    ..
                 } = slot;
-                sweep
-                    .may_forget(state, *touched_ms, *unsettled_from, *waiting > 0, || {
-                        Some(inflight)
-                    })
-                    .then_some(lease)
+                let mark = kept.forget(&sweep, *waiting > 0, || Some(inflight))?;
+                Some((lease, mark))
             })
             .take(sweep.most)
             .collect();
-        for lease in gone {
+        for (lease, mark) in gone {
             let proxy = self.proxy.as_mut().expect("checked above");
-            let Some(slot) = proxy.slots.remove(&lease) else {
-                continue;
-            };
-            let mark = retention::forgotten_mark(&slot.state);
+            proxy.slots.remove(&lease);
             proxy.rule.forgotten_above = record::forgotten_above(proxy.rule.forgotten_above, mark);
             self.stats.forgotten += 1;
             let record = Record::Forget {
                 lease: lease_name(lease),
                 last_token: mark,
             };
-            self.queue(record, Ack::None);
+            self.queue_lazy(record);
         }
     }
 
-    /// A request named `lease` (as the lease store's `Slot::named`): its
-    /// last use, if the core's rule counts it as one.
-    fn named(&mut self, lease: usize, by: Named) {
-        if !retention::refreshes_last_use(by) {
-            return;
+    /// Queues a record nobody waits for: dropped, as the store's bounded
+    /// queue drops it, if a standalone proxy's queue is full. Whether it
+    /// was queued.
+    fn queue_lazy(&mut self, record: Record) -> bool {
+        let proxy = self.proxy.as_ref().expect("only a running proxy queues");
+        let dropped = proxy.primacy.is_none() && proxy.queue.len() >= self.cfg.journal_queue;
+        if let Record::Renew { token, .. } = record {
+            let lease = record.lease().and_then(lease_index);
+            if let Some(t) = lease.and_then(|l| self.truth[l].terms.get_mut(&token)) {
+                t.hint_dropped = dropped;
+                if dropped {
+                    // Lost: a start may end the term by an older hint.
+                    t.hint_queued_step = self.step;
+                }
+            }
         }
-        let p = self.proxy_now();
-        let proxy = self.proxy.as_mut().expect("only a running proxy is asked");
-        if let Some(slot) = proxy.slots.get_mut(&lease) {
-            slot.touched_ms = retention::last_use(slot.touched_ms, p);
+        if dropped {
+            self.stats.lazy_records_dropped += 1;
+            return false;
         }
+        self.queue(record, Ack::None);
+        true
     }
 
     fn queue(&mut self, record: Record, ack: Ack) {
@@ -2482,7 +2492,7 @@ impl World {
             // A term that ran out while it was persisted may have been
             // forgotten meanwhile (the mark is above its token already).
             if let Some(slot) = proxy.slots.get_mut(&req.lease) {
-                slot.state.abandon(token, previous);
+                slot.lease.abandon(token, previous);
             }
             self.reply(&req, Answer::Failed);
             return;
@@ -2786,7 +2796,7 @@ impl World {
         let tol = self.cfg.tolerance_ms;
         if self.cfg.trace {
             for (lease, slot) in &proxy.slots {
-                if let Some(t) = slot.state.term() {
+                if let Some(t) = slot.lease.state().term() {
                     eprintln!(
                         "  start: l{lease} term {} live for {} ms more, released {}",
                         t.token,
@@ -2830,7 +2840,7 @@ impl World {
                     let held = proxy
                         .slots
                         .get(&lease)
-                        .and_then(|s| s.state.term())
+                        .and_then(|s| s.lease.state().term())
                         .is_some_and(|term| term.token == *token && term.is_live(now_ms));
                     if !held {
                         ended_early.push((lease, *token, t.promised_until_ms));
@@ -2849,7 +2859,7 @@ impl World {
             let slot = proxy.slots.get(&lease);
             let last = slot.map_or_else(
                 || restart::new_lease(&proxy.rule).0.last_token(),
-                |s| s.state.last_token(),
+                |s| s.lease.state().last_token(),
             );
             if last < truth.max_acked {
                 let what = format!(
@@ -2859,7 +2869,7 @@ impl World {
                 self.fail(what);
                 return;
             }
-            let current = slot.and_then(|s| s.state.term());
+            let current = slot.and_then(|s| s.lease.state().term());
             if let (Some(term), Some(t)) = (current, truth.terms.get(&truth.max_acked)) {
                 if term.token == truth.max_acked && t.release_acked && !term.released {
                     let what = format!(
@@ -2892,7 +2902,8 @@ impl World {
                 let lease = lease_index(&record.lease).expect("checked at the start");
                 let may_live =
                     t.wall_deadline_ms == 0 || t.wall_deadline_ms + t.ttl_ms / 2 + tol > wall_ms;
-                let Some(term) = proxy.slots.get(&lease).and_then(|s| s.state.term()) else {
+                let Some(term) = proxy.slots.get(&lease).and_then(|s| s.lease.state().term())
+                else {
                     continue;
                 };
                 if may_live && !term.is_live(now_ms) {
@@ -2955,17 +2966,9 @@ impl World {
                 ));
                 return None;
             };
-            proxy.slots.insert(
-                lease,
-                Slot {
-                    state: restored.state,
-                    inflight: Inflight::default(),
-                    unsettled_from: restored.unsettled_from,
-                    wall_deadline_ms: restored.wall_deadline_ms,
-                    touched_ms: 0,
-                    waiting: 0,
-                },
-            );
+            proxy
+                .slots
+                .insert(lease, Slot::new(slot::Slot::from(restored)));
         }
         Some(endings)
     }
@@ -3416,34 +3419,7 @@ impl World {
                 },
             };
             let mut state = self.etcd.state.lease(lease);
-            let changed = match &q.record {
-                Record::Grant {
-                    token,
-                    holder,
-                    ttl_ms,
-                    lease_id,
-                    quiet,
-                    wall_ms,
-                    ..
-                } => state.grant(StoredGrant {
-                    token: *token,
-                    holder,
-                    ttl_ms: *ttl_ms,
-                    lease_id_sha256: *lease_id,
-                    quiet: *quiet,
-                    wall_ms: *wall_ms,
-                }),
-                Record::Renew {
-                    token,
-                    ttl_ms,
-                    wall_ms,
-                    ..
-                } => state.renew(*token, *ttl_ms, *wall_ms),
-                Record::Release { token, quiet, .. } => state.release(*token, *quiet),
-                Record::Forget { last_token, .. } => state.forget(*last_token),
-                _ => false,
-            };
-            if changed {
+            if state.record(&q.record) {
                 self.etcd.state.apply(lease.to_owned(), state);
             }
         }

@@ -43,7 +43,7 @@ fn seeds_hold_every_guarantee() {
     eprintln!(
         "simulator: {seeds} seeds, {steps} steps in {secs:.0} s ({:.0} steps/s); {} crashes \
          ({} during a start), {} of them power cuts ({} torn writes), {} damaged logs, {} failed syncs, {} grants, \
-         {} writes applied, {} leases forgotten, {} stale or late writes refused, {} barrier waits, {} rogue \
+         {} writes applied, {} leases forgotten, {} lazy records dropped by a full queue, {} stale or late writes refused, {} barrier waits, {} rogue \
          writes left out; cluster mode: {} takeovers, {} stops, {} pauses, {} members cut off from \
          etcd, {} step-downs, {} clean handovers ({} found clean by the next primary); \
          preconditions: {} writes answered 428, {} key reads, {} \
@@ -59,6 +59,7 @@ fn seeds_hold_every_guarantee() {
         totals.grants,
         totals.writes_applied,
         totals.forgotten,
+        totals.lazy_records_dropped,
         totals.writes_refused,
         totals.barrier_waits,
         totals.rogue_writes,
@@ -78,6 +79,7 @@ fn seeds_hold_every_guarantee() {
     // The world did go wrong: a run that never crashed would prove little.
     assert!(totals.power_cuts > 0 && totals.damaged_logs > 0 && totals.failed_syncs > 0);
     assert!(totals.start_crashes > 0 && totals.forgotten > 0);
+    assert!(totals.lazy_records_dropped > 0);
     assert!(totals.barrier_waits > 0 && totals.rogue_writes > 0);
     assert!(totals.takeovers > 0 && totals.pauses > 0 && totals.partitions > 0);
     assert!(totals.clean_takeovers > 0 && totals.clean_takeovers < totals.takeovers);
@@ -91,6 +93,7 @@ fn add(totals: &mut fencegate_sim::Stats, s: &fencegate_sim::Stats) {
     totals.grants += s.grants;
     totals.writes_applied += s.writes_applied;
     totals.forgotten += s.forgotten;
+    totals.lazy_records_dropped += s.lazy_records_dropped;
     totals.writes_refused += s.writes_refused;
     totals.barrier_waits += s.barrier_waits;
     totals.rogue_writes += s.rogue_writes;

@@ -12,7 +12,6 @@ use super::{LeaseCell, LeaseStore};
 use crate::lease::admission::{self, Decision, WriteCheck};
 use crate::lease::inflight::{Ended, WriteLife};
 use crate::lease::machine::Reject;
-use crate::lease::retention::Named;
 
 /// Counters of the handover barrier, for metrics.
 #[derive(Debug, Default)]
@@ -187,53 +186,38 @@ impl LeaseStore {
             margin_ms: options.margin_ms,
             barrier: options.barrier,
         };
-        let admit = match admission::check(&slot.state, now_ms, &write) {
-            Ok(admit) => {
-                // Whether an admitted write counts as the lease's use is
-                // the core's rule (today it does not: its live term keeps
-                // the lease, and the call does nothing).
-                slot.named(Named::AdmittedWrite, now_ms);
-                admit
-            }
-            Err(reject) => {
-                slot.named(Named::RefusedWrite, now_ms);
-                return Admission::Refused(reject);
-            }
-        };
         // The term cannot change meanwhile: that takes the map shard's
-        // write lock, and `slot` holds it for reading.
-        let cell = slot.cell();
-        let mut inflight = cell.inflight();
-        let unsettled_until_ms = self.shared.unsettled_until_ms;
-        if let Decision::Wait {
-            older_token,
-            until_ms,
-            deadline_ms,
-        } = admission::barrier(
-            &mut inflight,
-            slot.unsettled_from,
-            unsettled_until_ms,
-            now_ms,
-            &write,
-            admit,
-        ) {
-            inflight.note_waiter();
-            return Admission::MustWait(MustWait {
+        // write lock, and `slot` holds it for reading. The cell is made, and
+        // its writes locked, only once the lease's checks passed.
+        let mut cell = None;
+        let decision = slot
+            .lease
+            .admit(now_ms, self.shared.unsettled_until_ms, &write, || {
+                cell.insert(slot.cell()).inflight()
+            });
+        match decision {
+            Decision::Refuse(reject) => Admission::Refused(reject),
+            Decision::Wait {
+                older_token,
+                until_ms,
+                deadline_ms,
+            } => Admission::MustWait(MustWait {
                 older_token,
                 deadline_ms,
                 until_ms,
                 now_ms,
-                cell: cell.clone(),
-            });
+                cell: cell.expect("a write told to wait was looked at").clone(),
+            }),
+            Decision::Admit(_) => {
+                let cell = cell.expect("an admitted write was counted");
+                self.count_admitted(cell);
+                Admission::Admitted(WriteGuard {
+                    store: self.clone(),
+                    cell: cell.clone(),
+                    life: WriteLife::new(token, options.settle_ms),
+                })
+            }
         }
-        inflight.add(token);
-        drop(inflight);
-        self.count_admitted(cell);
-        Admission::Admitted(WriteGuard {
-            store: self.clone(),
-            cell: cell.clone(),
-            life: WriteLife::new(token, options.settle_ms),
-        })
     }
 
     /// [`LeaseStore::try_admit_write`], waiting as long as it allows.

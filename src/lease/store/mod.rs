@@ -30,15 +30,15 @@ use bucket::ClientBuckets;
 pub use bucket::Requester;
 use gauges::{InflightCount, LiveTerms};
 
-use super::admission::{self, TermChange};
 use super::id::LeaseId;
 use super::inflight::{self, Inflight};
 use super::machine::{AcquireRefused, Grant, Held, LeaseState, Reject, Term, View};
-use super::restart::{self, RestartRule, SETTLED};
+use super::restart::{self, RestartRule};
 use super::retention::{self, Named};
+use super::slot;
 use crate::clock::Clock;
 use crate::journal::record::{self, Kind};
-use crate::journal::{GrantRecord, Journal, JournalError, JournalFuture, LeaseRecord};
+use crate::journal::{Journal, JournalError, JournalFuture, LeaseRecord};
 use crate::names::{Holder, LeaseName};
 
 /// Bounds the store enforces on every acquire and renew (the config's
@@ -134,82 +134,39 @@ pub enum RenewError {
     InvalidTtl { min_ttl_ms: u64, max_ttl_ms: u64 },
 }
 
-/// One lease's entry in the map.
+/// One lease's entry in the map: the core's slot (its state, and every
+/// procedure on it) and the cell its waiters and writes in flight share.
 struct Slot {
-    state: LeaseState,
-    /// Writes forwarded before the restart with this token or a later one
-    /// may still be on their way to the backend ([`SETTLED`]: none may): a
-    /// write of a later term waits for the restart window.
-    unsettled_from: u64,
-    /// The current term's end on the wall clock as the journal last heard
-    /// it (Unix ms; 0: unknown): see [`restart::wall_hint_due`].
-    wall_deadline_ms: u64,
+    lease: slot::Slot,
     /// Shared with the guards of the lease's writes in flight, so finishing a
     /// write touches only this cell, not the map. Made on the lease's first
     /// write or first waiting acquire: most held leases never need one.
     cell: OnceLock<Arc<LeaseCell>>,
-    /// When a request last named the lease (the core's
-    /// `retention::refreshes_last_use`), on the store's clock: retention
-    /// counts from the later of this and the end of its last term.
-    touched_ms: AtomicU64,
-}
-
-impl Default for Slot {
-    fn default() -> Self {
-        Self {
-            state: LeaseState::default(),
-            unsettled_from: SETTLED,
-            wall_deadline_ms: 0,
-            cell: OnceLock::new(),
-            touched_ms: AtomicU64::new(0),
-        }
-    }
 }
 
 impl Slot {
-    /// A request named the lease at `now_ms`: its last use, if the core's
-    /// rule counts it as one.
-    #[inline]
-    fn named(&self, by: Named, now_ms: u64) {
-        if retention::refreshes_last_use(by) {
-            let _ = self
-                .touched_ms
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| {
-                    Some(retention::last_use(t, now_ms))
-                });
+    fn new(lease: slot::Slot) -> Self {
+        Self {
+            lease,
+            cell: OnceLock::new(),
         }
     }
 
-    /// Whether the lease may be forgotten in `sweep` (the core's rule): its
-    /// cell, if it has one, held by nobody else (a waiting acquire or
-    /// write) and its writes looked at under their lock.
-    fn may_forget(&self, sweep: &retention::Sweep) -> bool {
+    fn state(&self) -> &LeaseState {
+        self.lease.state()
+    }
+
+    /// Whether the sweep may forget the lease (the core's
+    /// [`slot::Slot::forget`]), and the mark it leaves: its cell, if it has
+    /// one, held by nobody else (a waiting acquire or write) and its writes
+    /// looked at under their lock.
+    fn forget(&self, sweep: &retention::Sweep) -> Option<u64> {
         let cell = self.cell.get();
-        sweep.may_forget(
-            &self.state,
-            self.touched_ms.load(Ordering::Relaxed),
-            self.unsettled_from,
+        self.lease.forget(
+            sweep,
             cell.is_some_and(|cell| Arc::strong_count(cell) != 1),
             || cell.map(|cell| cell.inflight()),
         )
-    }
-
-    /// Whether `change` is quiet at `now_ms` ([`admission::quiet`]): no
-    /// write it covers may still be unfinished at the storage.
-    fn quiet(&self, change: TermChange, now_ms: u64, unsettled_until_ms: u64) -> bool {
-        let quiet = |inflight| {
-            admission::quiet(
-                change,
-                inflight,
-                self.unsettled_from,
-                unsettled_until_ms,
-                now_ms,
-            )
-        };
-        match self.cell.get() {
-            None => quiet(None),
-            Some(cell) => quiet(Some(&mut cell.inflight())),
-        }
     }
 
     /// The lease's cell, made now if it has none yet.
@@ -384,25 +341,15 @@ impl LeaseStore {
                 ending.quiet(),
             ));
         }
-        for restart::Restored {
-            name,
-            state,
-            unsettled_from,
-            wall_deadline_ms,
-            ..
-        } in leases
-        {
-            store.shared.live_terms.track(None, live_deadline(&state));
-            lock(&store.shared.names).insert(name.as_str().into());
-            store.shared.leases.insert(
-                name.as_str().into(),
-                Box::new(Slot {
-                    state,
-                    unsettled_from,
-                    wall_deadline_ms,
-                    ..Slot::default()
-                }),
-            );
+        for restored in leases {
+            let name: CompactString = restored.name.as_str().into();
+            let lease = slot::Slot::from(restored);
+            store
+                .shared
+                .live_terms
+                .track(None, live_deadline(lease.state()));
+            lock(&store.shared.names).insert(name.clone());
+            store.shared.leases.insert(name, Box::new(Slot::new(lease)));
         }
         if !endings.is_empty() {
             tracing::info!(
@@ -477,7 +424,6 @@ impl LeaseStore {
                     Box::new(self.new_slot())
                 });
             let now_ms = clock.now_ms();
-            slot.named(Named::Acquire, now_ms);
             let held = match self.attempt(&mut slot, name, holder, ttl_ms, lease_id, now_ms) {
                 Ok(pending) => {
                     drop(slot);
@@ -563,42 +509,36 @@ impl LeaseStore {
         lease_id: LeaseId,
         now_ms: u64,
     ) -> Result<Pending, AcquireRefused> {
-        let previous = slot.state.term().cloned();
-        let before = live_deadline(&slot.state);
-        let grant = slot
-            .state
-            .acquire(now_ms, holder, ttl_ms, lease_id.clone())?;
+        let before = live_deadline(slot.state());
+        let ask = slot::GrantAsk {
+            lease: name.as_str(),
+            holder: holder.as_str(),
+            ttl_ms,
+            now_ms,
+            wall_ms: self.shared.clock.wall_ms(),
+            unsettled_until_ms: self.shared.unsettled_until_ms,
+        };
+        let mut inflight = slot.cell.get().map(|cell| cell.inflight());
+        let granted = slot
+            .lease
+            .grant(ask, lease_id.clone(), inflight.as_deref_mut())?;
+        drop(inflight);
         self.shared
             .live_terms
-            .track(before, live_deadline(&slot.state));
+            .track(before, live_deadline(slot.state()));
         self.index_holder(
-            previous.as_ref().map(|t| t.holder.as_str()),
+            granted.previous.as_ref().map(|t| t.holder.as_str()),
             Some(holder.as_str()),
             name.as_str(),
         );
-        let quiet = slot.quiet(
-            TermChange::Granted(grant.token),
-            now_ms,
-            self.shared.unsettled_until_ms,
-        );
-        let wall_ms = self.shared.clock.wall_ms();
-        slot.wall_deadline_ms = restart::wall_deadline(wall_ms, ttl_ms);
         let persisted = awaited(
             Kind::Grant,
-            self.shared.journal.persist_grant(GrantRecord {
-                lease: name.as_str().to_owned(),
-                token: grant.token,
-                holder: holder.as_str().to_owned(),
-                ttl_ms,
-                lease_id: lease_id.to_text(),
-                quiet,
-                wall_ms,
-            }),
+            self.shared.journal.persist_grant(granted.record),
         );
         Ok(Pending {
-            grant,
+            grant: granted.grant,
             lease_id,
-            previous,
+            previous: granted.previous,
             persisted,
         })
     }
@@ -638,27 +578,22 @@ impl LeaseStore {
 
     /// The entry of a lease not in the store yet.
     fn new_slot(&self) -> Slot {
-        let (state, unsettled_from) = restart::new_lease(&RestartRule {
+        Slot::new(slot::Slot::new(&RestartRule {
             token_floor: self.shared.token_floor,
             forgotten_above: self.shared.forgotten_above.load(Ordering::Acquire),
             lost_records: self.shared.lost_records,
             ..RestartRule::default()
-        });
-        Slot {
-            state,
-            unsettled_from,
-            ..Slot::default()
-        }
+        }))
     }
 
     fn abandon(&self, name: &str, holder: &str, token: u64, previous: Option<Term>) {
         if let Some(mut slot) = self.shared.leases.get_mut(name) {
             let before = previous.as_ref().map(|t| t.holder.clone());
-            let live_before = live_deadline(&slot.state);
-            let abandoned = slot.state.abandon(token, previous);
+            let live_before = live_deadline(slot.state());
+            let abandoned = slot.lease.abandon(token, previous);
             self.shared
                 .live_terms
-                .track(live_before, live_deadline(&slot.state));
+                .track(live_before, live_deadline(slot.state()));
             if abandoned {
                 self.index_holder(Some(holder), before.as_deref(), name);
                 slot.notify_waiters();
@@ -710,7 +645,7 @@ impl LeaseStore {
                 .shared
                 .leases
                 .iter()
-                .filter_map(|e| Some((e.value().state.term()?.holder.clone(), e.key().clone())))
+                .filter_map(|e| Some((e.value().state().term()?.holder.clone(), e.key().clone())))
                 .collect();
             for batch in pairs.chunks(4096) {
                 if let Some(index) = lock(&self.shared.by_holder).as_mut() {
@@ -744,17 +679,21 @@ impl LeaseStore {
             .leases
             .get_mut(name)
             .ok_or(RenewError::Rejected(Reject::UnknownToken { current: 0 }))?;
-        slot.named(Named::Renew, now_ms);
-        let previous_ttl_ms = slot.state.term().map_or(0, |t| t.ttl_ms);
-        let before = live_deadline(&slot.state);
-        let grant = slot
-            .state
-            .renew(now_ms, token, lease_id, holder, ttl_ms)
+        let before = live_deadline(slot.state());
+        let presented = slot::Presented {
+            token,
+            lease_id,
+            holder,
+        };
+        let wall_ms = self.shared.clock.wall_ms();
+        let slot::Renewed { grant, hint } = slot
+            .lease
+            .renew(now_ms, wall_ms, presented, ttl_ms)
             .map_err(RenewError::Rejected)?;
         self.shared
             .live_terms
-            .track(before, live_deadline(&slot.state));
-        let term = slot.state.term().expect("renewed term exists");
+            .track(before, live_deadline(slot.state()));
+        let term = slot.state().term().expect("renewed term exists");
         let renewed = Acquired {
             holder: term.holder.to_string(),
             token,
@@ -763,26 +702,14 @@ impl LeaseStore {
             expires_in_ms: grant.expires_in_ms(now_ms),
         };
         // After a restart the term is held for a full TTL, or less if the
-        // wall-clock hint says it had ended: which renewals are recorded is
-        // the core's rule (`restart::renewal_hint`). Queued
-        // under the guard, like every record of a lease, so records keep
-        // the order of events.
-        let wall_ms = self.shared.clock.wall_ms();
-        let hint = restart::renewal_hint(
-            previous_ttl_ms,
-            grant.ttl_ms,
-            slot.wall_deadline_ms,
-            wall_ms,
-        );
+        // wall-clock hint says it had ended: a renewal records a new hint
+        // when the core says one is due. Queued under the guard, like every
+        // record of a lease, so records keep the order of events; kept only
+        // once the journal took it.
         if let Some(hint) = hint {
-            // Only a hint the journal took: a dropped one is due again at
-            // the next renewal.
-            if self
-                .shared
-                .journal
-                .record_renew(name, token, renewed.ttl_ms, wall_ms)
-            {
-                slot.wall_deadline_ms = hint;
+            let journal = &self.shared.journal;
+            if journal.record_renew(name, hint.token, hint.ttl_ms, hint.wall_ms) {
+                slot.lease.hint_taken(&hint);
             }
         }
         drop(slot);
@@ -807,15 +734,22 @@ impl LeaseStore {
             .leases
             .get_mut(name)
             .ok_or(Reject::UnknownToken { current: 0 })?;
-        slot.named(Named::Release, now_ms);
-        let before = live_deadline(&slot.state);
-        slot.state.release(now_ms, token, lease_id, holder)?;
-        self.shared.live_terms.track(before, None);
-        let quiet = slot.quiet(
-            TermChange::Released(token),
+        let before = live_deadline(slot.state());
+        let presented = slot::Presented {
+            token,
+            lease_id,
+            holder,
+        };
+        let entry: &mut Slot = &mut slot;
+        let mut inflight = entry.cell.get().map(|cell| cell.inflight());
+        let quiet = entry.lease.release(
             now_ms,
+            presented,
+            inflight.as_deref_mut(),
             self.shared.unsettled_until_ms,
-        );
+        )?;
+        drop(inflight);
+        self.shared.live_terms.track(before, None);
         let persisted = awaited(
             Kind::Release,
             self.shared.journal.persist_release(name, token, quiet),
@@ -834,7 +768,7 @@ impl LeaseStore {
             .leases
             .get(name)
             .ok_or(Reject::UnknownToken { current: 0 })?;
-        slot.state
+        slot.state()
             .check_write(now_ms, margin_ms, token, None, None)
             .map(|_| ())
     }
@@ -847,15 +781,15 @@ impl LeaseStore {
     /// The current term's token and holder of `name`, if it was ever granted.
     pub fn holder(&self, name: &str) -> Option<(u64, String)> {
         let slot = self.shared.leases.get(name)?;
-        slot.state.term().map(|t| (t.token, t.holder.to_string()))
+        slot.state().term().map(|t| (t.token, t.holder.to_string()))
     }
 
     /// What inspection shows of `name`; `None` if it was never granted.
     pub fn inspect(&self, name: &str) -> Option<View> {
         let now_ms = self.shared.clock.now_ms();
         let slot = self.shared.leases.get(name)?;
-        slot.named(Named::Inspect, now_ms);
-        slot.state.view(now_ms)
+        slot.lease.named(Named::Inspect, now_ms);
+        slot.state().view(now_ms)
     }
 
     /// Forgets, of the next `budget` leases in name order (going on from
@@ -917,12 +851,11 @@ impl LeaseStore {
         let mut forgotten = 0;
         for name in names {
             let removed = shared.leases.remove_if(name.as_str(), |_, slot| {
-                if !slot.may_forget(sweep) {
+                let Some(mark) = slot.forget(sweep) else {
                     return false;
-                }
+                };
                 // Under the lease's lock: no grant of this name can come
                 // between the mark, the journal's record and the removal.
-                let mark = retention::forgotten_mark(&slot.state);
                 let _ = shared.forgotten_above.fetch_update(
                     Ordering::AcqRel,
                     Ordering::Acquire,
@@ -930,7 +863,7 @@ impl LeaseStore {
                 );
                 shared.journal.record_forget(&name, mark);
                 lock(&shared.names).remove(name.as_str());
-                let holder = slot.state.term().map(|t| t.holder.as_str());
+                let holder = slot.state().term().map(|t| t.holder.as_str());
                 self.index_holder(holder, None, &name);
                 true
             });
@@ -956,7 +889,8 @@ impl LeaseStore {
         }
         let store = Arc::downgrade(&self.shared);
         tokio::spawn(async move {
-            let mut every = tokio::time::interval(std::time::Duration::from_millis(100));
+            let mut every =
+                tokio::time::interval(std::time::Duration::from_millis(retention::SWEEP_EVERY_MS));
             every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 every.tick().await;
@@ -1043,7 +977,7 @@ impl LeaseStore {
                     .shared
                     .leases
                     .get(name.as_str())
-                    .and_then(|slot| slot.state.view(now_ms));
+                    .and_then(|slot| slot.state().view(now_ms));
                 // The term may have changed hands since the index was read.
                 let theirs = |v: &View| holder.is_none_or(|h| v.holder == h);
                 if let Some(view) = view.filter(theirs) {
@@ -1366,7 +1300,10 @@ mod tests {
     }
 
     impl Journal for LockProbe {
-        fn persist_grant(&self, record: GrantRecord) -> crate::journal::JournalFuture {
+        fn persist_grant(
+            &self,
+            record: crate::journal::GrantRecord,
+        ) -> crate::journal::JournalFuture {
             let store = self.store.get().expect("store set");
             let locked = store
                 .shared
@@ -1628,7 +1565,7 @@ mod tests {
                 .leases
                 .iter()
                 .filter_map(|e| {
-                    let deadline = live_deadline(&e.value().state)?;
+                    let deadline = live_deadline(e.value().state())?;
                     (deadline / precision >= now_bucket).then_some(())
                 })
                 .count()

@@ -164,6 +164,38 @@ pub struct LeaseRecord {
     pub term: Option<TermRecord>,
 }
 
+/// A grant as the lease store hands it to its journal
+/// ([`crate::lease::slot::Slot::grant`]): [`Record::Grant`]'s fields.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GrantRecord {
+    pub lease: String,
+    pub token: u64,
+    pub holder: String,
+    pub ttl_ms: u64,
+    /// The lease id's text form, so the holder can renew after a restart.
+    pub lease_id: [u8; 32],
+    /// No write of an earlier term could still be unfinished at the storage
+    /// (after a restart, this term's writes have nothing to wait for).
+    pub quiet: bool,
+    /// The wall clock at the grant (Unix ms), a hint used only to end the
+    /// term early after a restart.
+    pub wall_ms: u64,
+}
+
+impl From<GrantRecord> for Record {
+    fn from(g: GrantRecord) -> Self {
+        Record::Grant {
+            lease: g.lease,
+            token: g.token,
+            holder: g.holder,
+            ttl_ms: g.ttl_ms,
+            lease_id: g.lease_id,
+            quiet: g.quiet,
+            wall_ms: g.wall_ms,
+        }
+    }
+}
+
 /// One entry of the journal.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Record {

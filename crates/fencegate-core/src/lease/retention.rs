@@ -11,6 +11,9 @@ use crate::lease::machine::LeaseState;
 use crate::lease::restart::SETTLED;
 use crate::mutant::{planted, Mutant};
 
+/// How often the store's sweeper runs a pass.
+pub const SWEEP_EVERY_MS: u64 = 100;
+
 /// One pass of the sweep, at `now_ms` on the store's clock.
 #[derive(Clone, Copy, Debug)]
 pub struct Sweep {
