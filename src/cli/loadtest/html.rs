@@ -202,29 +202,8 @@ fn timeline(
             ly = top + LANE - 2.0,
         );
         for t in terms {
-            let (x1, x2) = (x(t.from_ms as f64), x(t.until_ms as f64));
             let hue = hues.get(t.writer.as_str()).copied().unwrap_or(0);
-            let _ = write!(
-                page,
-                "<g class=\"term\"><title>token {tok}, held by {who} from {a} ms to {b} ms</title>\
-                 <rect x=\"{x1:.1}\" y=\"{y:.1}\" width=\"{w:.1}\" height=\"18\" rx=\"3\" fill=\"hsl({hue},55%,80%)\" stroke=\"hsl({hue},45%,45%)\"/>",
-                tok = t.token,
-                who = esc(&t.writer),
-                a = t.from_ms,
-                b = t.until_ms,
-                y = top + 6.0,
-                w = (x2 - x1).max(1.0),
-            );
-            if x2 - x1 > 28.0 {
-                let _ = write!(
-                    page,
-                    "<text x=\"{tx:.1}\" y=\"{y:.1}\" class=\"term-label\">{tok}</text>",
-                    tx = x1 + 3.0,
-                    y = top + 19.0,
-                    tok = t.token
-                );
-            }
-            page.push_str("</g>");
+            term_bar(page, t, top, hue, x);
         }
         let mut seen = 0usize;
         for w in writes {
@@ -235,50 +214,88 @@ fn timeline(
                     continue;
                 }
             }
-            let (class, colour) = mark(w, is_landed);
-            let cx = x(w.at_us as f64 / 1000.0);
-            let cy = top + 36.0;
-            let what = match &w.outcome {
-                Outcome::Acknowledged if is_landed => "APPLIED STALE".to_owned(),
-                Outcome::Acknowledged => "acknowledged".to_owned(),
-                Outcome::Rejected(r) => format!("rejected: {r}"),
-                Outcome::Unknown(r) => format!("outcome unknown: {r}"),
-                Outcome::Failed(e) => format!("failed: {e}"),
-            };
-            let title = format!(
-                "{} by {} with token {}{}: {what}",
-                w.write_id,
-                w.writer,
-                w.token,
-                if w.stale { " (stale attempt)" } else { "" }
-            );
-            if is_landed {
-                let _ = write!(
-                    page,
-                    "<g class=\"{class}\"><title>{t}</title><line x1=\"{cx:.1}\" x2=\"{cx:.1}\" y1=\"{y1:.1}\" y2=\"{y2:.1}\" stroke=\"{colour}\" stroke-width=\"2\"/>\
-                     <circle cx=\"{cx:.1}\" cy=\"{cy:.1}\" r=\"7\" fill=\"{colour}\" stroke=\"#742a2a\" stroke-width=\"1.5\"/></g>",
-                    t = esc(&title),
-                    y1 = top + 2.0,
-                    y2 = top + LANE - 4.0,
-                );
-            } else {
-                let stroke = if w.stale {
-                    " stroke=\"#1a202c\" stroke-width=\"1.5\""
-                } else {
-                    ""
-                };
-                let _ = write!(
-                    page,
-                    "<circle class=\"{class}{s}\" cx=\"{cx:.1}\" cy=\"{cy:.1}\" r=\"{r}\" fill=\"{colour}\"{stroke}><title>{t}</title></circle>",
-                    s = if w.stale { " w-stale" } else { "" },
-                    r = if w.stale { 4.5 } else { 3.0 },
-                    t = esc(&title),
-                );
-            }
+            write_mark(page, w, is_landed, top, x);
         }
         page.push_str("</g>");
     }
     page.push_str("</svg></section>\n");
+}
+
+/// A term as a bar in its lease's lane (at `top`), in its writer's `hue`.
+fn term_bar(page: &mut String, t: &TermSpan, top: f64, hue: usize, x: &dyn Fn(f64) -> f64) {
+    let (x1, x2) = (x(t.from_ms as f64), x(t.until_ms as f64));
+    let _ = write!(
+        page,
+        "<g class=\"term\"><title>token {tok}, held by {who} from {a} ms to {b} ms</title>\
+         <rect x=\"{x1:.1}\" y=\"{y:.1}\" width=\"{w:.1}\" height=\"18\" rx=\"3\" fill=\"hsl({hue},55%,80%)\" stroke=\"hsl({hue},45%,45%)\"/>",
+        tok = t.token,
+        who = esc(&t.writer),
+        a = t.from_ms,
+        b = t.until_ms,
+        y = top + 6.0,
+        w = (x2 - x1).max(1.0),
+    );
+    if x2 - x1 > 28.0 {
+        let _ = write!(
+            page,
+            "<text x=\"{tx:.1}\" y=\"{y:.1}\" class=\"term-label\">{tok}</text>",
+            tx = x1 + 3.0,
+            y = top + 19.0,
+            tok = t.token
+        );
+    }
+    page.push_str("</g>");
+}
+
+/// A write as a mark in its lease's lane (at `top`): a stale write that
+/// landed as a line through the lane.
+fn write_mark(
+    page: &mut String,
+    w: &ClientWrite,
+    is_landed: bool,
+    top: f64,
+    x: &dyn Fn(f64) -> f64,
+) {
+    let (class, colour) = mark(w, is_landed);
+    let cx = x(w.at_us as f64 / 1000.0);
+    let cy = top + 36.0;
+    let what = match &w.outcome {
+        Outcome::Acknowledged if is_landed => "APPLIED STALE".to_owned(),
+        Outcome::Acknowledged => "acknowledged".to_owned(),
+        Outcome::Rejected(r) => format!("rejected: {r}"),
+        Outcome::Unknown(r) => format!("outcome unknown: {r}"),
+        Outcome::Failed(e) => format!("failed: {e}"),
+    };
+    let title = format!(
+        "{} by {} with token {}{}: {what}",
+        w.write_id,
+        w.writer,
+        w.token,
+        if w.stale { " (stale attempt)" } else { "" }
+    );
+    if is_landed {
+        let _ = write!(
+            page,
+            "<g class=\"{class}\"><title>{t}</title><line x1=\"{cx:.1}\" x2=\"{cx:.1}\" y1=\"{y1:.1}\" y2=\"{y2:.1}\" stroke=\"{colour}\" stroke-width=\"2\"/>\
+             <circle cx=\"{cx:.1}\" cy=\"{cy:.1}\" r=\"7\" fill=\"{colour}\" stroke=\"#742a2a\" stroke-width=\"1.5\"/></g>",
+            t = esc(&title),
+            y1 = top + 2.0,
+            y2 = top + LANE - 4.0,
+        );
+    } else {
+        let stroke = if w.stale {
+            " stroke=\"#1a202c\" stroke-width=\"1.5\""
+        } else {
+            ""
+        };
+        let _ = write!(
+            page,
+            "<circle class=\"{class}{s}\" cx=\"{cx:.1}\" cy=\"{cy:.1}\" r=\"{r}\" fill=\"{colour}\"{stroke}><title>{t}</title></circle>",
+            s = if w.stale { " w-stale" } else { "" },
+            r = if w.stale { 4.5 } else { 3.0 },
+            t = esc(&title),
+        );
+    }
 }
 
 /// Time ticks along the bottom of a chart at `y`.

@@ -34,6 +34,9 @@ mod readback;
 pub mod relay;
 pub mod sigv4;
 pub mod store;
+mod summary;
+
+pub use summary::{checkers, summary};
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{IsTerminal, Write};
@@ -1216,11 +1219,8 @@ impl From<super::SecretError> for LoadtestError {
 /// Runs the load test; returns the report and the process exit status.
 pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), LoadtestError> {
     let verify = check_args(&mut args)?;
-    let total = match (args.writes, args.duration) {
-        (Some(n), _) => Some(n),
-        (None, Some(_)) => None,
-        (None, None) => Some(2000),
-    };
+    // 2000 writes unless a number or a duration is given.
+    let total = args.writes.or(args.duration.is_none().then_some(2000));
     let seed = args.seed.unwrap_or_else(|| {
         let mut b = [0u8; 8];
         let _ = getrandom::fill(&mut b);
@@ -1244,74 +1244,18 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), LoadtestError> 
         .stopped_writing_early()
         .then_some(readback::NO_ANSWER);
     let late_writes = match &relay {
-        Some(relay) => {
-            // Every held write reaches the storage before anything is read:
-            // each is delivered `--late-by` after it came, and its answer
-            // has a request timeout.
-            let limit = Duration::from_millis(args.late_by.saturating_add(args.request_timeout));
-            let report = relay.finish(limit).await;
-            // A storage that has left a request unanswered would keep the
-            // probe's few requests waiting too, and the run cannot pass.
-            let (evaluates, probe) = match shared.unanswered_since_ms() {
-                Some(_) => (
-                    None,
-                    "not probed: a request got no answer within --request-timeout".to_owned(),
-                ),
-                None => match args.store {
-                    store::Store::Http => probe_preconditions(&shared).await,
-                    store::Store::EtcdV3 => (None, "not probed: an etcd-v3 route makes etcd compare the lease's fence key in a transaction (SPEC §11)".to_owned()),
-                    store::Store::DynamoDb => (None, "not probed: a dynamodb route makes DynamoDB compare the item's token in the write's condition (SPEC §11)".to_owned()),
-                },
-            };
-            Some(LateWrites {
-                store: args.store,
-                fraction: args.late_writes.unwrap_or(0.0),
-                late_by_ms: args.late_by,
-                relay: report,
-                storage_evaluates_if_match: evaluates,
-                probe,
-            })
-        }
+        Some(relay) => Some(late_writes(&shared, relay).await),
         None => None,
     };
-
     let mut writes = std::mem::take(&mut *lock(&shared.log));
     let terms = std::mem::take(&mut *lock(&shared.terms));
     check::mark_superseded(&mut writes, &terms);
-    let mut by_checker = BTreeMap::new();
-    let mut truncated = false;
-    if verify.contains(&HISTORY) {
-        let history = read_history(&shared, history_url).await?;
-        truncated = history.truncated;
-        let prefix = format!("{}-", shared.run_id);
-        let log: Vec<_> = history
-            .entries
-            .into_iter()
-            .filter(|e| e.writer.as_deref().is_some_and(|w| w.starts_with(&prefix)))
-            .collect();
-        by_checker.insert(HISTORY, check::check(&log, &writes));
-    }
-    let read_back = if verify.contains(&READ_BACK) {
-        // Proven before a key is read: the verdict is UNSAFE whatever the
-        // keys hold.
-        let mut known = Findings::default();
-        check::issued_twice(&mut known, &terms);
-        let proven = by_checker
-            .values()
-            .chain([&known])
-            .any(|f| f.violations() > 0);
-        let proven = proven.then_some(readback::VIOLATION_FOUND);
-        Some(readback::read_keys(&shared, &writes, proven).await)
-    } else {
-        None
-    };
+    let Checked {
+        by_checker,
+        truncated,
+        read_back,
+    } = check_writes(&shared, &verify, history_url, &writes, &terms).await?;
     let reads = read_back.as_ref().map(|r| &r.reads);
-    if let Some(reads) = reads {
-        by_checker.insert(READ_BACK, check::read_back(reads, &writes));
-    }
-    for f in by_checker.values_mut() {
-        check::issued_twice(f, &terms);
-    }
     let all: Vec<Findings> = by_checker.values().cloned().collect();
     let findings = Findings::merge(&all);
     let timed_out = shared.timed_out.load(Ordering::Relaxed);
@@ -1372,6 +1316,94 @@ pub async fn run(mut args: LoadtestArgs) -> Result<(Report, u8), LoadtestError> 
         std::fs::write(path, page).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     }
     Ok((report, status))
+}
+
+/// Once the writers stopped: waits for every write the relay held to reach
+/// the storage (each is delivered `--late-by` after it came, and its answer
+/// has a request timeout), then says what the relay saw and whether the
+/// storage evaluates preconditions.
+async fn late_writes(shared: &Shared, relay: &relay::Relay) -> LateWrites {
+    let args = &shared.args;
+    let limit = Duration::from_millis(args.late_by.saturating_add(args.request_timeout));
+    let report = relay.finish(limit).await;
+    // A storage that has left a request unanswered would keep the probe's
+    // few requests waiting too, and the run cannot pass.
+    let (evaluates, probe) = match shared.unanswered_since_ms() {
+        Some(_) => (
+            None,
+            "not probed: a request got no answer within --request-timeout".to_owned(),
+        ),
+        None => match args.store {
+            store::Store::Http => probe_preconditions(shared).await,
+            store::Store::EtcdV3 => (None, "not probed: an etcd-v3 route makes etcd compare the lease's fence key in a transaction (SPEC §11)".to_owned()),
+            store::Store::DynamoDb => (None, "not probed: a dynamodb route makes DynamoDB compare the item's token in the write's condition (SPEC §11)".to_owned()),
+        },
+    };
+    LateWrites {
+        store: args.store,
+        fraction: args.late_writes.unwrap_or(0.0),
+        late_by_ms: args.late_by,
+        relay: report,
+        storage_evaluates_if_match: evaluates,
+        probe,
+    }
+}
+
+/// What the checkers found.
+struct Checked {
+    by_checker: BTreeMap<&'static str, Findings>,
+    /// The apply log was cut short.
+    truncated: bool,
+    read_back: Option<readback::ReadBack>,
+}
+
+/// Runs the checkers `verify` names over the run's `writes` and `terms`:
+/// the apply log at `history_url`, the keys read back.
+async fn check_writes(
+    shared: &Arc<Shared>,
+    verify: &[&'static str],
+    history_url: Option<&str>,
+    writes: &[ClientWrite],
+    terms: &[TermSpan],
+) -> Result<Checked, LoadtestError> {
+    let mut by_checker = BTreeMap::new();
+    let mut truncated = false;
+    if verify.contains(&HISTORY) {
+        let history = read_history(shared, history_url).await?;
+        truncated = history.truncated;
+        let prefix = format!("{}-", shared.run_id);
+        let log: Vec<_> = history
+            .entries
+            .into_iter()
+            .filter(|e| e.writer.as_deref().is_some_and(|w| w.starts_with(&prefix)))
+            .collect();
+        by_checker.insert(HISTORY, check::check(&log, writes));
+    }
+    let read_back = if verify.contains(&READ_BACK) {
+        // Proven before a key is read: the verdict is UNSAFE whatever the
+        // keys hold.
+        let mut known = Findings::default();
+        check::issued_twice(&mut known, terms);
+        let proven = by_checker
+            .values()
+            .chain([&known])
+            .any(|f| f.violations() > 0);
+        let proven = proven.then_some(readback::VIOLATION_FOUND);
+        Some(readback::read_keys(shared, writes, proven).await)
+    } else {
+        None
+    };
+    if let Some(read_back) = &read_back {
+        by_checker.insert(READ_BACK, check::read_back(&read_back.reads, writes));
+    }
+    for f in by_checker.values_mut() {
+        check::issued_twice(f, terms);
+    }
+    Ok(Checked {
+        by_checker,
+        truncated,
+        read_back,
+    })
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -1784,210 +1816,6 @@ async fn read_history(
 /// Entries of the apply log asked for at once (a page of them stays well
 /// under the most one answer may hold).
 const HISTORY_PAGE: usize = 2_000;
-
-/// Which checkers ran, for people.
-pub fn checkers(r: &Report) -> String {
-    let names: Vec<&str> = r
-        .verify
-        .iter()
-        .map(|name| match *name {
-            HISTORY => "the storage's apply log",
-            _ => "reading back every key",
-        })
-        .collect();
-    names.join(" and ")
-}
-
-/// The summary table people read.
-pub fn summary(r: &Report) -> String {
-    let f = &r.findings;
-    let via = match &r.direct {
-        Some(d) => format!("straight to {d} (no fencing)"),
-        None => format!("through {}", r.target),
-    };
-    let reasons: Vec<String> = f
-        .rejected_by_reason
-        .iter()
-        .map(|(k, v)| format!("{k} {v}"))
-        .collect();
-    let unknown: Vec<String> = f
-        .outcome_unknown_by_reason
-        .iter()
-        .map(|(k, v)| format!("{k} {v}"))
-        .collect();
-    let ms = |us: u64| us as f64 / 1000.0;
-    let mut out = format!(
-        "fencegate loadtest {}: {} writers, {} leases, ttl {} ms, pause p={} ({} ms), skew {} ms, seed {}\n\
-         writes {via} to {}, checked by {}\n",
-        r.run_id,
-        r.writers,
-        r.leases,
-        r.ttl_ms,
-        r.pause_prob,
-        r.pause_ms,
-        r.skew_ms,
-        r.seed,
-        r.path,
-        checkers(r)
-    );
-    // A safety figure, with each checker's own when they differ.
-    let safety = |figure: fn(&Findings) -> u64| {
-        let each: Vec<String> = r
-            .by_checker
-            .iter()
-            .map(|(name, f)| format!("{name} {}", figure(f)))
-            .collect();
-        let values: Vec<u64> = r.by_checker.values().map(figure).collect();
-        if values.windows(2).all(|w| w[0] == w[1]) {
-            figure(f).to_string()
-        } else {
-            format!("{} ({})", figure(f), each.join(", "))
-        }
-    };
-    let rows = [
-        (
-            "writes attempted",
-            match &r.writes_stopped {
-                Some(why) => format!("{} (stopped once {why})", f.writes_attempted),
-                None => f.writes_attempted.to_string(),
-            },
-        ),
-        ("acknowledged", f.acknowledged.to_string()),
-        (
-            "rejected",
-            if reasons.is_empty() {
-                f.rejected.to_string()
-            } else {
-                format!("{} ({})", f.rejected, reasons.join(", "))
-            },
-        ),
-        (
-            "outcome unknown",
-            if unknown.is_empty() {
-                f.outcome_unknown.to_string()
-            } else {
-                format!("{} ({})", f.outcome_unknown, unknown.join(", "))
-            },
-        ),
-        ("failed (no answer)", f.failed.to_string()),
-        (
-            "stale attempts",
-            format!(
-                "{} ({} rejected)",
-                f.stale_attempts, f.stale_attempts_rejected
-            ),
-        ),
-        ("stale writes applied", safety(|f| f.stale_writes_applied)),
-        ("acked writes missing", safety(|f| f.acknowledged_missing)),
-        ("rejected but applied", safety(|f| f.rejected_present)),
-        ("tokens issued twice", f.tokens_issued_twice.to_string()),
-        (
-            "latency p50/p99/p99.9",
-            format!(
-                "{:.2} / {:.2} / {:.2} ms",
-                ms(r.latency_us["p50"]),
-                ms(r.latency_us["p99"]),
-                ms(r.latency_us["p99.9"])
-            ),
-        ),
-        (
-            "throughput",
-            format!(
-                "{:.0} writes/s over {:.1} s",
-                r.throughput_per_s,
-                r.duration_ms as f64 / 1000.0
-            ),
-        ),
-    ];
-    let mut rows = rows.to_vec();
-    if r.by_checker.contains_key(READ_BACK) {
-        let at = rows.len() - 2;
-        rows.insert(
-            at,
-            (
-                "shared keys out of order",
-                format!("{} of {}", f.shared_key_regressions, f.shared_keys_checked),
-            ),
-        );
-        let stopped = match (&r.read_back_stopped, f.keys_not_read) {
-            (_, 0) => String::new(),
-            (Some(why), left) => format!(", {left} not read: stopped once {why}"),
-            (None, left) => format!(", {left} not read"),
-        };
-        rows.insert(
-            at + 1,
-            (
-                "keys read back",
-                format!("{} ({} failed{stopped})", f.keys_read, f.reads_failed),
-            ),
-        );
-    }
-    rows.push((
-        "keys cleaned up",
-        match &r.cleanup {
-            None if r.store == store::Store::DynamoDb && r.direct.is_none() => {
-                "none: fencegate refuses DeleteItem (the run's items are left in the table)"
-                    .to_owned()
-            }
-            None => "none (--keep)".to_owned(),
-            Some(c) if c.failed == 0 => c.deleted.to_string(),
-            Some(c) => format!(
-                "{} ({} failed: {})",
-                c.deleted,
-                c.failed,
-                c.error.as_deref().unwrap_or("")
-            ),
-        },
-    ));
-    if let Some(late) = &r.late_writes {
-        let relay = &late.relay;
-        rows.push((
-            "late writes (relay)",
-            format!(
-                "{} held {} ms; {} arrived after a later term's write to their key: {} refused by the storage, {} applied",
-                relay.late_writes,
-                late.late_by_ms,
-                relay.late_stale,
-                relay.late_stale_refused,
-                relay.late_stale_applied
-            ),
-        ));
-        rows.push((
-            "writes w/o precondition",
-            match late.store {
-                store::Store::Http => format!(
-                    "{} of {} reached the storage with neither If-Match nor If-None-Match",
-                    relay.writes_without_precondition, relay.writes
-                ),
-                store::Store::EtcdV3 => format!(
-                    "{} of {} reached etcd without their fence key's comparison",
-                    relay.writes_without_precondition, relay.writes
-                ),
-                store::Store::DynamoDb => format!(
-                    "{} of {} reached DynamoDB without the condition on their item's token",
-                    relay.writes_without_precondition, relay.writes
-                ),
-            },
-        ));
-        rows.push((
-            "storage preconditions",
-            match late.storage_evaluates_if_match {
-                Some(true) => format!("evaluated: {}", late.probe),
-                Some(false) => format!("IGNORED: {}", late.probe),
-                None => format!("unknown: {}", late.probe),
-            },
-        ));
-    }
-    for (k, v) in rows {
-        out.push_str(&format!("  {k:<26}{v}\n"));
-    }
-    for e in &f.examples {
-        out.push_str(&format!("  ! {e}\n"));
-    }
-    out.push_str(&r.verdict);
-    out.push('\n');
-    out
-}
 
 #[cfg(test)]
 mod tests {
