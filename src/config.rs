@@ -545,6 +545,28 @@ impl Config {
         let addr = self.listen_addr()?;
         crate::auth::Authenticator::from_config(&self.auth)?;
         let admin = self.admin_addr()?;
+        self.validate_listeners(addr, admin)?;
+        self.cluster.validate()?;
+        if self.cluster.enabled() {
+            self.validate_cluster(addr, admin)?;
+        }
+        self.validate_unsafe_settings()?;
+        self.tls.files()?;
+        self.upstream_target()?;
+        self.hosts()?;
+        self.fence.compile_routes()?;
+        self.validate_body_routes()?;
+        self.validate_limits()
+    }
+
+    /// Where it listens: never beyond loopback without authentication (or
+    /// the explicit opt-out) or with the manual clock, and the admin
+    /// listener apart from the main one.
+    fn validate_listeners(
+        &self,
+        addr: SocketAddr,
+        admin: Option<SocketAddr>,
+    ) -> Result<(), ConfigError> {
         for addr in std::iter::once(addr).chain(admin) {
             if !self.auth.enabled
                 && !addr.ip().is_loopback()
@@ -572,34 +594,43 @@ impl Config {
                 "admin.listen: {addr} is the main listener's address too"
             ));
         }
-        self.cluster.validate()?;
-        if self.cluster.enabled() {
-            if self.clock == ClockKind::Manual {
-                return Err(
-                    "cluster mode needs the system clock: a primary's right to admit is \
-                     measured on it"
-                        .into(),
-                );
-            }
-            if admin.is_some() {
-                return Err(
-                    "admin.listen is not supported in cluster mode yet; leave it empty".into(),
-                );
-            }
-            if self.upstream_target()? == UpstreamTarget::Embedded {
-                return Err(
-                    "cluster mode needs an upstream every member reaches (--upstream URL): \
-                     each member's embedded store is its own, so a failover would switch data"
-                        .into(),
-                );
-            }
-            if self.cluster.advertise.is_empty() && addr.ip().is_unspecified() {
-                return Err(setting!(
-                    "cluster.advertise: listening on {addr}, so say which URL clients reach \
-                     this member at (--advertise)"
-                ));
-            }
+        Ok(())
+    }
+
+    /// What cluster mode needs beside its own section.
+    fn validate_cluster(
+        &self,
+        addr: SocketAddr,
+        admin: Option<SocketAddr>,
+    ) -> Result<(), ConfigError> {
+        if self.clock == ClockKind::Manual {
+            return Err(
+                "cluster mode needs the system clock: a primary's right to admit is \
+                 measured on it"
+                    .into(),
+            );
         }
+        if admin.is_some() {
+            return Err("admin.listen is not supported in cluster mode yet; leave it empty".into());
+        }
+        if self.upstream_target()? == UpstreamTarget::Embedded {
+            return Err(
+                "cluster mode needs an upstream every member reaches (--upstream URL): \
+                 each member's embedded store is its own, so a failover would switch data"
+                    .into(),
+            );
+        }
+        if self.cluster.advertise.is_empty() && addr.ip().is_unspecified() {
+            return Err(setting!(
+                "cluster.advertise: listening on {addr}, so say which URL clients reach \
+                 this member at (--advertise)"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Settings that void a guarantee, refused unless asked for by name.
+    fn validate_unsafe_settings(&self) -> Result<(), ConfigError> {
         let unsafe_settings: Vec<&str> = [
             (!self.fence.drain_barrier, "fence.drain_barrier = false"),
             (self.fence.settle_ms == 0, "fence.settle_ms = 0"),
@@ -618,41 +649,41 @@ impl Config {
                 unsafe_settings.join(" and ")
             ));
         }
-        self.tls.files()?;
-        self.upstream_target()?;
-        self.hosts()?;
-        self.fence.compile_routes()?;
-        if self.fence.compile_dynamodb_routes()?.is_some() {
+        Ok(())
+    }
+
+    /// Routes that find their keys in the body (SPEC §11) guard a store
+    /// reached over HTTP, and read the body before they know the lease.
+    fn validate_body_routes(&self) -> Result<(), ConfigError> {
+        let kinds = [
+            (
+                self.fence.compile_dynamodb_routes()?.is_some(),
+                "dynamodb routes guard the items of DynamoDB's API: set upstream to its URL",
+                "dynamodb",
+            ),
+            (
+                self.fence.compile_key_routes()?.is_some(),
+                "etcd-v3 routes guard the keys of an etcd's v3 JSON gateway: set upstream \
+                 to its URL (http://127.0.0.1:2379)",
+                "etcd-v3",
+            ),
+        ];
+        for (_, needs_upstream, kind) in kinds.into_iter().filter(|(used, ..)| *used) {
             if self.upstream_target()? == UpstreamTarget::Embedded {
-                return Err(
-                    "dynamodb routes guard the items of DynamoDB's API: set upstream to its URL"
-                        .into(),
-                );
+                return Err(needs_upstream.into());
             }
             if self.cluster.shards > 1 {
-                return Err(
-                    "dynamodb routes name their lease in the body, which a member with several \
+                return Err(setting!(
+                    "{kind} routes name their lease in the body, which a member with several \
                      shards does not read before it forwards: use cluster.shards = 1"
-                        .into(),
-                );
+                ));
             }
         }
-        if self.fence.compile_key_routes()?.is_some() {
-            if self.upstream_target()? == UpstreamTarget::Embedded {
-                return Err(
-                    "etcd-v3 routes guard the keys of an etcd's v3 JSON gateway: set upstream \
-                     to its URL (http://127.0.0.1:2379)"
-                        .into(),
-                );
-            }
-            if self.cluster.shards > 1 {
-                return Err(
-                    "etcd-v3 routes name their lease in the body, which a member with several \
-                     shards does not read before it forwards: use cluster.shards = 1"
-                        .into(),
-                );
-            }
-        }
+        Ok(())
+    }
+
+    /// The leases' bounds, the retention time, and limits that must not be 0.
+    fn validate_limits(&self) -> Result<(), ConfigError> {
         let l = &self.leases;
         if l.min_ttl_ms == 0 || l.min_ttl_ms > l.max_ttl_ms {
             return Err(setting!(

@@ -260,16 +260,10 @@ impl FencePolicy {
             return self.decide_etcd(req, call, caller);
         }
         if self.dynamodb.is_some() {
-            let mut targets = req.headers().get_all(AMZ_TARGET).iter();
-            if let Some(target) = targets.next() {
-                if targets.next().is_some() {
-                    return Decision::Reject(Problem::invalid_request(
-                        "a request names X-Amz-Target twice",
-                    ));
-                }
-                if let Some(op) = target.to_str().ok().and_then(Op::of) {
-                    return self.decide_dynamodb(req, op, caller);
-                }
+            match dynamodb_op(req) {
+                Ok(Some(op)) => return self.decide_dynamodb(req, op, caller),
+                Ok(None) => {}
+                Err(problem) => return Decision::Reject(problem),
             }
         }
         let write = is_write(req.method());
@@ -288,35 +282,14 @@ impl FencePolicy {
         };
         let Some(route) = matched else {
             req.headers_mut().remove(&LEASE_ID_NAME);
-            if write && !self.allow_unrouted_writes {
-                return Decision::Reject(Problem::unrouted_write());
-            }
-            if write {
-                let path = vpath.as_deref().unwrap_or(req.uri().path());
-                if let Err(bad) = self.routes.check_unrouted_write(path) {
-                    return Decision::Reject(Problem::invalid_request(bad.0));
-                }
-                if let Err(problem) = self.check_destination(req.headers(), None, virtual_hosted) {
-                    return Decision::Reject(problem);
-                }
-            }
-            return Decision::Pass(None);
+            let path = vpath.as_deref().unwrap_or(req.uri().path());
+            return match self.unrouted(req, write, path, virtual_hosted) {
+                Ok(()) => Decision::Pass(None),
+                Err(problem) => Decision::Reject(problem),
+            };
         };
-        if let Some(path) = route.upstream_path(req.uri().path(), req.uri().query()) {
-            if virtual_hosted {
-                // The prefix is the path's; the bucket is the Host's.
-                return Decision::Reject(Problem::invalid_request(
-                    "a route with an upstream_prefix takes path-style requests only, and this one is virtual-hosted (its Host names the bucket)",
-                ));
-            }
-            match path.parse::<http::Uri>() {
-                Ok(uri) => *req.uri_mut() = uri,
-                Err(_) => {
-                    return Decision::Reject(Problem::invalid_request(
-                        "the rewritten path is not a valid URI",
-                    ))
-                }
-            }
+        if let Err(problem) = rewrite_for_upstream(req, &route, virtual_hosted) {
+            return Decision::Reject(problem);
         }
         if let Some(timeout_ms) = route.timeout_ms {
             RequestContext::of_mut(req).timeout_ms = Some(timeout_ms);
@@ -355,16 +328,10 @@ impl FencePolicy {
                 .lease(&lease),
             );
         }
-        let (token, padded) = match presented(req.headers(), self.require_lease_id) {
-            Ok((token, sent, _)) => (token, sent.len() > 1 && sent.as_bytes()[0] == b'0'),
+        let token = match self.token_of(req) {
+            Ok(token) => token,
             Err(p) => return Decision::Reject(p.lease(&lease)),
         };
-        // The backend gets the number in its one form: `0001` goes on as `1`
-        // (a backend comparing tokens as text would misorder it).
-        if padded {
-            req.headers_mut()
-                .insert(TOKEN_NAME, HeaderValue::from(token));
-        }
         Decision::Fenced(Fenced {
             lease,
             token,
@@ -373,6 +340,39 @@ impl FencePolicy {
             max_wait_ms: timeout_ms,
             conditioned,
         })
+    }
+
+    /// A write no route guards: refused unless `fence.allow_unrouted_writes`,
+    /// and then only where no route could reach it.
+    fn unrouted(
+        &self,
+        req: &Request<Body>,
+        write: bool,
+        path: &str,
+        virtual_hosted: bool,
+    ) -> Result<(), Problem> {
+        if !write {
+            return Ok(());
+        }
+        if !self.allow_unrouted_writes {
+            return Err(Problem::unrouted_write());
+        }
+        self.routes
+            .check_unrouted_write(path)
+            .map_err(|bad| Problem::invalid_request(bad.0))?;
+        self.check_destination(req.headers(), None, virtual_hosted)
+    }
+
+    /// The token a fenced request presents; the backend gets the number in
+    /// its one form: `0001` goes on as `1` (a backend comparing tokens as
+    /// text would misorder it).
+    fn token_of(&self, req: &mut Request<Body>) -> Result<u64, Problem> {
+        let (token, sent, _) = presented(req.headers(), self.require_lease_id)?;
+        if sent.len() > 1 && sent.as_bytes()[0] == b'0' {
+            req.headers_mut()
+                .insert(TOKEN_NAME, HeaderValue::from(token));
+        }
+        Ok(token)
     }
 
     /// A call to an etcd gateway (SPEC §11), by its path whatever its
@@ -839,6 +839,43 @@ where
             admit_then_exchange(inner, policy, req, fenced, options).await
         }))
     }
+}
+
+/// The DynamoDB operation a request names in `X-Amz-Target`, if any (a
+/// request that names two is refused).
+fn dynamodb_op(req: &Request<Body>) -> Result<Option<Op>, Problem> {
+    let mut targets = req.headers().get_all(AMZ_TARGET).iter();
+    let Some(target) = targets.next() else {
+        return Ok(None);
+    };
+    if targets.next().is_some() {
+        return Err(Problem::invalid_request(
+            "a request names X-Amz-Target twice",
+        ));
+    }
+    Ok(target.to_str().ok().and_then(Op::of))
+}
+
+/// The request's path as the storage is to get it, for a route with an
+/// `upstream_prefix` (path-style requests only: the prefix is the path's,
+/// and a virtual-hosted request's bucket is its Host's).
+fn rewrite_for_upstream(
+    req: &mut Request<Body>,
+    route: &crate::route::Matched<'_>,
+    virtual_hosted: bool,
+) -> Result<(), Problem> {
+    let Some(path) = route.upstream_path(req.uri().path(), req.uri().query()) else {
+        return Ok(());
+    };
+    if virtual_hosted {
+        return Err(Problem::invalid_request(
+            "a route with an upstream_prefix takes path-style requests only, and this one is virtual-hosted (its Host names the bucket)",
+        ));
+    }
+    *req.uri_mut() = path
+        .parse::<http::Uri>()
+        .map_err(|_| Problem::invalid_request("the rewritten path is not a valid URI"))?;
+    Ok(())
 }
 
 /// A write to a store that names its keys in the body, its body read

@@ -309,6 +309,43 @@ async fn join(
     tls: bool,
 ) -> Result<Member<app::FencegateApp>, StartError> {
     let c = &config.cluster;
+    let (etcd, options) = cluster_options(config, listener, tls)?;
+    tracing::info!(name = %options.name, advertise = %options.advertise, etcd = ?c.etcd, shards = c.shards, "joining the cluster");
+    let clock = Clock::new(config.clock);
+    let stats = Arc::new(ClusterStats::default());
+    // With several shards, the member's apps share one backend and one set
+    // of metrics; with one, each term of primacy has its own (as before).
+    let shared = if c.shards > 1 {
+        let backend = build_backend(config)?;
+        Some((backend, Metrics::for_shards(stats.clone())))
+    } else {
+        None
+    };
+    let config = Arc::new(config.clone());
+    let make_app = make_app(&config, &clock, &draining, shared.clone());
+    let sharding = match shared {
+        Some((backend, metrics)) => Some(sharding(&config, &clock, draining, backend, metrics)?),
+        None => None,
+    };
+    let member = cluster::start(etcd, options, clock, make_app, sharding, stats)
+        .map_err(StartError::Cluster)?;
+    // A member etcd refuses (another number of shards) does not start. An
+    // etcd out of reach leaves the check to the background: the member
+    // campaigns for nothing until it is done.
+    if let Ok(Err(why)) = tokio::time::timeout(Duration::from_secs(3), member.checked()).await {
+        member.stop();
+        return Err(StartError::Cluster(why));
+    }
+    Ok(member)
+}
+
+/// The member's etcd client and its cluster options, from `config`.
+fn cluster_options(
+    config: &Config,
+    listener: &TcpListener,
+    tls: bool,
+) -> Result<(EtcdClient, ClusterOptions), StartError> {
+    let c = &config.cluster;
     let advertise = if c.advertise.is_empty() {
         let scheme = if tls { "https" } else { "http" };
         format!(
@@ -325,7 +362,6 @@ async fn join(
         timeout_ms: (c.ttl_ms / 4).clamp(500, 5_000),
     };
     let etcd = EtcdClient::new(&c.etcd, &etcd_options).map_err(StartError::Etcd)?;
-    let clock = Clock::new(config.clock);
     let unsettled_ms = config.restart_rule().unsettled_ms;
     let options = ClusterOptions {
         name: c.name.clone(),
@@ -350,122 +386,111 @@ async fn join(
             .read_buffer_bytes
             .max(crate::backend::MIN_READ_BUFFER),
     };
-    tracing::info!(name = %options.name, advertise = %options.advertise, etcd = ?c.etcd, shards = c.shards, "joining the cluster");
-    let stats = Arc::new(ClusterStats::default());
-    // With several shards, the member's apps share one backend and one set
-    // of metrics; with one, each term of primacy has its own (as before).
-    let shared = if c.shards > 1 {
-        let backend = build_backend(config)?;
-        Some((backend, Metrics::for_shards(stats.clone())))
-    } else {
-        None
-    };
-    let config = Arc::new(config.clone());
+    Ok((etcd, options))
+}
+
+/// Builds the app of a term of primacy of a shard, from the lease state
+/// its takeover loaded: with several shards (`shared`), on the member's
+/// one backend and metrics.
+fn make_app(
+    config: &Arc<Config>,
+    clock: &Clock,
+    draining: &Arc<AtomicBool>,
+    shared: Option<(Backend, Metrics)>,
+) -> MakeApp<app::FencegateApp> {
+    let shards = config.cluster.shards;
     // Each shard's key states (SPEC §10) outlive its terms of primacy on
     // this member; each term starts knowing none.
-    let key_states: Arc<[Arc<KeyStateTable>]> = (0..c.shards)
+    let key_states: Arc<[Arc<KeyStateTable>]> = (0..shards)
         .map(|_| {
-            let per_shard = config.fence.precondition_keys.div_ceil(c.shards as usize);
+            let per_shard = config.fence.precondition_keys.div_ceil(shards as usize);
             Arc::new(KeyStateTable::new(per_shard))
         })
         .collect();
-    let make_app: MakeApp<app::FencegateApp> = {
-        let (config, clock, draining, shared) = (
-            config.clone(),
+    let (config, clock, draining) = (config.clone(), clock.clone(), draining.clone());
+    Arc::new(move |takeover: Takeover| {
+        let states = key_states[takeover.shard as usize].clone();
+        states.take_over();
+        let leases = LeaseStore::restore(
             clock.clone(),
-            draining.clone(),
-            shared.clone(),
-        );
-        Arc::new(move |takeover: Takeover| {
-            let states = key_states[takeover.shard as usize].clone();
-            states.take_over();
-            let leases = LeaseStore::restore(
-                clock.clone(),
-                config.lease_limits(),
-                takeover.journal,
-                takeover.leases,
-                takeover.rule,
-            )?;
-            // It ends with this term of primacy's store.
-            leases.start_sweeper();
-            // With one shard, a backend per term: its upstream metrics
-            // belong to this term's app, and nothing of an earlier term
-            // stays pinned.
-            let (backend, metrics) = match &shared {
-                Some((backend, metrics)) => (backend.clone(), Some(metrics.clone())),
-                None => (build_backend(&config)?, None),
-            };
-            let parts = Parts {
-                leases: leases.clone(),
-                backend,
-                draining: draining.clone(),
-                primacy: Some(takeover.primacy.clone()),
-                metrics: metrics.clone(),
-                key_states: Some(states),
-            };
-            let app = app::build(&config, parts)?;
-            if let Some(metrics) = metrics {
-                metrics.add_shard(&leases, &takeover.primacy);
-            }
-            Ok((app, leases))
-        })
-    };
-    let sharding = match shared {
-        Some((backend, metrics)) => {
-            // Serves unfenced reads and fencegate's own endpoints: its store
-            // stays empty (lease requests go to their shard), and its
-            // primacy never ends, as the storage is anyone's to read.
-            let parts = Parts {
-                leases: LeaseStore::new(
-                    clock.clone(),
-                    config.lease_limits(),
-                    Arc::new(MemoryJournal::default()),
-                ),
-                backend,
-                draining,
-                primacy: Some(Arc::new(Primacy::new(clock.clone(), u64::MAX, true))),
-                metrics: Some(metrics),
-                key_states: None,
-            };
-            let reader = app::build(&config, parts).map_err(StartError::Config)?;
-            let routes = config.fence.compile_routes().map_err(StartError::Config)?;
-            let hosts = config.hosts().map_err(StartError::Config)?;
-            let classify: Classify = Arc::new(move |req: &Request<crate::body::Body>| {
-                let write = is_write(req.method());
-                // The path the storage acts on, as the fence reads it (a
-                // Host it cannot read is refused by the reader's fence).
-                let vpath = crate::hosts::virtual_path(req, hosts.as_ref()).ok()?;
-                let path = vpath.as_deref().unwrap_or(req.uri().path());
-                let matched = routes.resolve(path, write).ok()??;
-                // A read on a route with preconditions goes to the member
-                // that knows the key's state: the one that writes it.
-                if !write && !matched.fence_reads && matched.preconditions.is_off() {
-                    return None;
-                }
-                matched.lease.ok().map(|lease| lease.as_str().to_owned())
-            });
-            Some(Sharding {
-                classify,
-                reader,
-                body_read_timeout: Duration::from_millis(config.limits.body_read_timeout_ms),
-                limits: app::RequestLimits::from_config(&config),
-                auth: Authenticator::from_config(&config.auth)
-                    .map_err(|e| StartError::Config(e.into()))?
-                    .map(Arc::new),
-            })
+            config.lease_limits(),
+            takeover.journal,
+            takeover.leases,
+            takeover.rule,
+        )?;
+        // It ends with this term of primacy's store.
+        leases.start_sweeper();
+        // With one shard, a backend per term: its upstream metrics belong
+        // to this term's app, and nothing of an earlier term stays pinned.
+        let (backend, metrics) = match &shared {
+            Some((backend, metrics)) => (backend.clone(), Some(metrics.clone())),
+            None => (build_backend(&config)?, None),
+        };
+        let parts = Parts {
+            leases: leases.clone(),
+            backend,
+            draining: draining.clone(),
+            primacy: Some(takeover.primacy.clone()),
+            metrics: metrics.clone(),
+            key_states: Some(states),
+        };
+        let app = app::build(&config, parts)?;
+        if let Some(metrics) = metrics {
+            metrics.add_shard(&leases, &takeover.primacy);
         }
-        None => None,
+        Ok((app, leases))
+    })
+}
+
+/// With several shards: how a member sends each request to the shard of
+/// its lease, and the app that serves unfenced reads and fencegate's own
+/// endpoints (its store stays empty, as lease requests go to their shard,
+/// and its primacy never ends, as the storage is anyone's to read).
+fn sharding(
+    config: &Config,
+    clock: &Clock,
+    draining: Arc<AtomicBool>,
+    backend: Backend,
+    metrics: Metrics,
+) -> Result<Sharding<app::FencegateApp>, StartError> {
+    let parts = Parts {
+        leases: LeaseStore::new(
+            clock.clone(),
+            config.lease_limits(),
+            Arc::new(MemoryJournal::default()),
+        ),
+        backend,
+        draining,
+        primacy: Some(Arc::new(Primacy::new(clock.clone(), u64::MAX, true))),
+        metrics: Some(metrics),
+        key_states: None,
     };
-    let member = cluster::start(etcd, options, clock, make_app, sharding, stats)
-        .map_err(StartError::Cluster)?;
-    // A member etcd refuses (another number of shards) does not start. An
-    // etcd out of reach leaves the check to the background: the member
-    // campaigns for nothing until it is done.
-    if let Ok(Err(why)) = tokio::time::timeout(Duration::from_secs(3), member.checked()).await {
-        member.stop();
-        return Err(StartError::Cluster(why));
-    }
-    Ok(member)
+    let reader = app::build(config, parts).map_err(StartError::Config)?;
+    let routes = config.fence.compile_routes().map_err(StartError::Config)?;
+    let hosts = config.hosts().map_err(StartError::Config)?;
+    let classify: Classify = Arc::new(move |req: &Request<crate::body::Body>| {
+        let write = is_write(req.method());
+        // The path the storage acts on, as the fence reads it (a Host it
+        // cannot read is refused by the reader's fence).
+        let vpath = crate::hosts::virtual_path(req, hosts.as_ref()).ok()?;
+        let path = vpath.as_deref().unwrap_or(req.uri().path());
+        let matched = routes.resolve(path, write).ok()??;
+        // A read on a route with preconditions goes to the member that
+        // knows the key's state: the one that writes it.
+        if !write && !matched.fence_reads && matched.preconditions.is_off() {
+            return None;
+        }
+        matched.lease.ok().map(|lease| lease.as_str().to_owned())
+    });
+    Ok(Sharding {
+        classify,
+        reader,
+        body_read_timeout: Duration::from_millis(config.limits.body_read_timeout_ms),
+        limits: app::RequestLimits::from_config(config),
+        auth: Authenticator::from_config(&config.auth)
+            .map_err(|e| StartError::Config(e.into()))?
+            .map(Arc::new),
+    })
 }
 
 /// Settings that exist for tests and demos say so at every start.
