@@ -338,110 +338,117 @@ impl EmbeddedStore {
                 .into_response();
         }
         match *req.method() {
-            Method::GET | Method::HEAD => {
-                let Some(value) = self.values.get(&path).map(|v| v.clone()) else {
-                    return no_such_key();
-                };
-                let mut res = if req.method() == Method::HEAD {
-                    let mut res = Response::new(body::empty());
-                    res.headers_mut()
-                        .insert(CONTENT_LENGTH, HeaderValue::from(value.bytes.len()));
-                    res
-                } else {
-                    Response::new(body::full(value.bytes))
-                };
-                res.headers_mut().insert(ETAG, etag(value.version));
-                if let Some(ct) = value.content_type {
-                    res.headers_mut().insert(CONTENT_TYPE, ct);
-                }
-                res
-            }
-            Method::PUT => {
-                let (parts, body) = req.into_parts();
-                let read = body::collect_idle(body, usize::MAX, Some(self.body_read_timeout)).await;
-                let bytes = match read {
-                    Ok(bytes) => bytes,
-                    Err(body::ReadError::Stalled) => {
-                        let timeout_ms = u64::try_from(self.body_read_timeout.as_millis());
-                        return Problem::request_timeout(timeout_ms.unwrap_or(u64::MAX))
-                            .into_response();
-                    }
-                    Err(body::ReadError::TooLarge) => {
-                        return Problem::new(
-                            Reason::PayloadTooLarge,
-                            "the body is over the configured limit",
-                        )
-                        .into_response()
-                    }
-                    Err(_) => {
-                        return Problem::invalid_request("the body could not be read")
-                            .into_response()
-                    }
-                };
-                let value = Value {
-                    bytes,
-                    content_type: parts.headers.get(CONTENT_TYPE).cloned(),
-                    version: self.next_version(),
-                };
-                let tag = value.etag();
-                // The check and the change under the key's entry lock: no
-                // other write of the key comes between them.
-                let store = || match self.values.entry(path.clone()) {
-                    Entry::Occupied(mut e) => {
-                        if !preconditions_hold(&parts.headers, Some(&e.get().etag())) {
-                            return Err(Refused);
-                        }
-                        e.insert(value);
-                        Ok(false)
-                    }
-                    Entry::Vacant(e) => {
-                        if !preconditions_hold(&parts.headers, None) {
-                            return Err(Refused);
-                        }
-                        e.insert(value);
-                        Ok(true)
-                    }
-                };
-                let Ok(created) = self.apply(&parts.method, &path, &parts.headers, store) else {
-                    return precondition_failed();
-                };
-                let mut res = Response::new(body::empty());
-                *res.status_mut() = if created {
-                    StatusCode::CREATED
-                } else {
-                    StatusCode::NO_CONTENT
-                };
-                res.headers_mut().insert(ETAG, tag);
-                res
-            }
-            Method::DELETE => {
-                let headers = req.headers();
-                let remove = || match self.values.entry(path.clone()) {
-                    Entry::Occupied(e) => {
-                        if !preconditions_hold(headers, Some(&e.get().etag())) {
-                            return Err(Refused);
-                        }
-                        e.remove();
-                        Ok(true)
-                    }
-                    Entry::Vacant(_) => {
-                        if !preconditions_hold(headers, None) {
-                            return Err(Refused);
-                        }
-                        Ok(false)
-                    }
-                };
-                match self.apply(req.method(), &path, headers, remove) {
-                    Ok(true) => {
-                        let mut res = Response::new(body::empty());
-                        *res.status_mut() = StatusCode::NO_CONTENT;
-                        res
-                    }
-                    Ok(false) => no_such_key(),
-                    Err(Refused) => precondition_failed(),
-                }
-            }
+            Method::GET | Method::HEAD => self.get_request(&path, req.method() == Method::HEAD),
+            Method::PUT => self.put_request(path, req).await,
+            Method::DELETE => self.delete_request(path, req.headers()),
             _ => Problem::method_not_allowed("GET, HEAD, PUT, DELETE").into_response(),
+        }
+    }
+
+    /// A `GET` (or, `head`, a `HEAD`) of the key at `path`.
+    fn get_request(&self, path: &str, head: bool) -> Response<Body> {
+        let Some(value) = self.values.get(path).map(|v| v.clone()) else {
+            return no_such_key();
+        };
+        let mut res = if head {
+            let mut res = Response::new(body::empty());
+            res.headers_mut()
+                .insert(CONTENT_LENGTH, HeaderValue::from(value.bytes.len()));
+            res
+        } else {
+            Response::new(body::full(value.bytes))
+        };
+        res.headers_mut().insert(ETAG, etag(value.version));
+        if let Some(ct) = value.content_type {
+            res.headers_mut().insert(CONTENT_TYPE, ct);
+        }
+        res
+    }
+
+    /// A `PUT` of the key at `path`: its body read whole, then stored if
+    /// the request's preconditions hold.
+    async fn put_request(&self, path: String, req: Request<Body>) -> Response<Body> {
+        let (parts, body) = req.into_parts();
+        let read = body::collect_idle(body, usize::MAX, Some(self.body_read_timeout)).await;
+        let bytes = match read {
+            Ok(bytes) => bytes,
+            Err(body::ReadError::Stalled) => {
+                let timeout_ms = u64::try_from(self.body_read_timeout.as_millis());
+                return Problem::request_timeout(timeout_ms.unwrap_or(u64::MAX)).into_response();
+            }
+            Err(body::ReadError::TooLarge) => {
+                return Problem::new(
+                    Reason::PayloadTooLarge,
+                    "the body is over the configured limit",
+                )
+                .into_response()
+            }
+            Err(_) => {
+                return Problem::invalid_request("the body could not be read").into_response()
+            }
+        };
+        let value = Value {
+            bytes,
+            content_type: parts.headers.get(CONTENT_TYPE).cloned(),
+            version: self.next_version(),
+        };
+        let tag = value.etag();
+        // The check and the change under the key's entry lock: no other
+        // write of the key comes between them.
+        let store = || match self.values.entry(path.clone()) {
+            Entry::Occupied(mut e) => {
+                if !preconditions_hold(&parts.headers, Some(&e.get().etag())) {
+                    return Err(Refused);
+                }
+                e.insert(value);
+                Ok(false)
+            }
+            Entry::Vacant(e) => {
+                if !preconditions_hold(&parts.headers, None) {
+                    return Err(Refused);
+                }
+                e.insert(value);
+                Ok(true)
+            }
+        };
+        let Ok(created) = self.apply(&parts.method, &path, &parts.headers, store) else {
+            return precondition_failed();
+        };
+        let mut res = Response::new(body::empty());
+        *res.status_mut() = if created {
+            StatusCode::CREATED
+        } else {
+            StatusCode::NO_CONTENT
+        };
+        res.headers_mut().insert(ETAG, tag);
+        res
+    }
+
+    /// A `DELETE` of the key at `path`, if its preconditions hold.
+    fn delete_request(&self, path: String, headers: &http::HeaderMap) -> Response<Body> {
+        let remove = || match self.values.entry(path.clone()) {
+            Entry::Occupied(e) => {
+                if !preconditions_hold(headers, Some(&e.get().etag())) {
+                    return Err(Refused);
+                }
+                e.remove();
+                Ok(true)
+            }
+            Entry::Vacant(_) => {
+                if !preconditions_hold(headers, None) {
+                    return Err(Refused);
+                }
+                Ok(false)
+            }
+        };
+        match self.apply(&Method::DELETE, &path, headers, remove) {
+            Ok(true) => {
+                let mut res = Response::new(body::empty());
+                *res.status_mut() = StatusCode::NO_CONTENT;
+                res
+            }
+            Ok(false) => no_such_key(),
+            Err(Refused) => precondition_failed(),
         }
     }
 }

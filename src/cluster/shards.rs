@@ -535,25 +535,9 @@ where
     /// (not a list, unknown fields, too many leases), goes as it is.
     async fn renew_batch(&self, req: Request<Body>) -> Response<Body> {
         let (parts, body) = req.into_parts();
-        let bytes = match body::collect_idle(
-            body,
-            MAX_BATCH_BODY_BYTES,
-            Some(self.sharded().body_read_timeout),
-        )
-        .await
-        {
+        let bytes = match self.batch_body(body).await {
             Ok(bytes) => bytes,
-            Err(body::ReadError::TooLarge) => {
-                return Problem::payload_too_large(MAX_BATCH_BODY_BYTES as u64).into_response()
-            }
-            Err(body::ReadError::Failed(_) | body::ReadError::Stalled) => {
-                return Problem::new(
-                    Reason::RequestTimeout,
-                    "the request body did not arrive in time",
-                )
-                .closing_connection()
-                .into_response()
-            }
+            Err(problem) => return problem.into_response(),
         };
         let shards = self.shared.options.shards;
         let mut doc = parse_answer(&bytes).unwrap_or_default();
@@ -635,6 +619,23 @@ where
         }
         let results = split.merge(answers, unreadable());
         json_response(StatusCode::OK, &serde_json::json!({ "results": results }))
+    }
+
+    /// A batch renewal's body, read whole within its bound and the body
+    /// read timeout.
+    async fn batch_body(&self, body: Body) -> Result<Bytes, Problem> {
+        let timeout = Some(self.sharded().body_read_timeout);
+        match body::collect_idle(body, MAX_BATCH_BODY_BYTES, timeout).await {
+            Ok(bytes) => Ok(bytes),
+            Err(body::ReadError::TooLarge) => {
+                Err(Problem::payload_too_large(MAX_BATCH_BODY_BYTES as u64))
+            }
+            Err(body::ReadError::Failed(_) | body::ReadError::Stalled) => Err(Problem::new(
+                Reason::RequestTimeout,
+                "the request body did not arrive in time",
+            )
+            .closing_connection()),
+        }
     }
 
     /// Whether this member leads `shard` now.

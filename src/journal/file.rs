@@ -373,6 +373,29 @@ fn write_log_at_start(
     Ok(written.file)
 }
 
+/// Makes `dir` if it is not there and takes its lock (held as long as the
+/// file is open), then removes what an interrupted compaction or meta
+/// write left.
+fn lock_dir(dir: &Path) -> Result<File, JournalError> {
+    create_dir_durably(dir).map_err(|e| err("cannot create data directory", dir, e))?;
+    let lock_path = dir.join(LOCK_FILE);
+    let lock = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| err("cannot open", &lock_path, e))?;
+    lock.try_lock().map_err(|_| {
+        JournalError(format!(
+            "data directory {} is in use by another fencegate",
+            dir.display()
+        ))
+    })?;
+    let _ = std::fs::remove_file(dir.join(COMPACT_TMP));
+    let _ = std::fs::remove_file(dir.join(META_TMP));
+    Ok(lock)
+}
+
 impl FileJournal {
     /// Opens (or creates) the journal in `dir`, replays it, and starts the
     /// writer thread.
@@ -380,23 +403,7 @@ impl FileJournal {
         dir: &Path,
         options: FileJournalOptions,
     ) -> Result<(Self, Recovered), JournalError> {
-        create_dir_durably(dir).map_err(|e| err("cannot create data directory", dir, e))?;
-        let lock_path = dir.join(LOCK_FILE);
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(|e| err("cannot open", &lock_path, e))?;
-        lock.try_lock().map_err(|_| {
-            JournalError(format!(
-                "data directory {} is in use by another fencegate",
-                dir.display()
-            ))
-        })?;
-        let _ = std::fs::remove_file(dir.join(COMPACT_TMP));
-        let _ = std::fs::remove_file(dir.join(META_TMP));
-
+        let lock = lock_dir(dir)?;
         let path = dir.join(JOURNAL_FILE);
         let (bytes, missing) = match std::fs::read(&path) {
             Ok(bytes) => (bytes, false),
