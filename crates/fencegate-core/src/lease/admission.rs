@@ -1,6 +1,8 @@
-//! The admission decision for one write: the lease's checks, then the
-//! handover barrier. The shell calls it under the lease's lock with its
-//! clock's `now_ms`, and counts the write in flight when it is admitted.
+//! The admission decision for one write: the lease's checks ([`check`]),
+//! then the handover barrier ([`barrier`]), which
+//! [`crate::lease::slot::Slot::admit`] runs in that order under the
+//! lease's lock with the store's `now_ms`, counting the write in flight
+//! when it is admitted.
 
 use crate::lease::inflight::Inflight;
 use crate::lease::machine::{Admit, LeaseState, Reject};
@@ -69,30 +71,6 @@ pub fn may_wait(
         waited_ms: now_ms.saturating_sub(started_ms),
         retry_after_ms: hopeless.map(|until| until - now_ms),
     })
-}
-
-/// Decides a write at `now_ms`: the lease's checks (token, lease id, holder,
-/// state, the admission margin, see [`check`]), then, with the barrier on,
-/// whether an older term's write may still be unfinished (see [`barrier`]).
-pub fn decide(
-    state: &LeaseState,
-    inflight: &mut Inflight,
-    unsettled_from: u64,
-    unsettled_until_ms: u64,
-    now_ms: u64,
-    write: WriteCheck<'_>,
-) -> Decision {
-    match check(state, now_ms, &write) {
-        Ok(admit) => barrier(
-            inflight,
-            unsettled_from,
-            unsettled_until_ms,
-            now_ms,
-            &write,
-            admit,
-        ),
-        Err(reject) => Decision::Refuse(reject),
-    }
 }
 
 /// The lease's checks for a write at `now_ms`: token, lease id, holder,
