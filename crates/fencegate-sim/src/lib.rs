@@ -90,8 +90,7 @@
 //! steps of its plan (only during its change of identity); the file
 //! journal's compaction, its changes of identity after growth and at a
 //! clean stop (the same steps as at a start), its probe of the disk every
-//! second while unhealthy, a full write queue that drops a lazy record,
-//! and older copies put back are not played; nor are shards: a clean
+//! second while unhealthy, and older copies put back are not played; nor are shards: a clean
 //! handover happens here when a primary is stopped, not when the
 //! assignment moves its shard (the same rules either way). Admission and
 //! forwarding are one step here: a proxy paused between its last check and

@@ -1455,7 +1455,7 @@ impl World {
         };
         match slot
             .lease
-            .grant(ask, lease_id.clone(), Some(&mut slot.inflight))
+            .grant(ask, lease_id.clone(), || Some(&mut slot.inflight))
         {
             Ok(slot::Granted {
                 grant,
@@ -1604,7 +1604,7 @@ impl World {
         let released = slot.lease.release(
             p,
             presented,
-            Some(&mut slot.inflight),
+            || Some(&mut slot.inflight),
             proxy.unsettled_until_ms,
         );
         match released {
@@ -2828,6 +2828,9 @@ impl World {
             let newest = truth.max_acked;
             for (token, t) in truth.terms.iter_mut() {
                 let hint_lost = t.hint_queued_step > t.hint_durable_step;
+                // The new process owes no record: its slot holds the hint
+                // the journal kept (and its wall clock may read earlier).
+                t.hint_dropped = false;
                 if lost.is_some() || t.release_issued || hint_lost {
                     t.may_end_early = true;
                 }

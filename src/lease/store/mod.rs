@@ -1,4 +1,7 @@
-//! The shared, concurrent handle around the pure lease state machine.
+//! The shared, concurrent shell around the core's lease slots
+//! (`fencegate_core::lease::slot`): each procedure on a lease is the
+//! slot's, called here under the lease's lock; this module carries out
+//! what it returns (records to the journal, wake-ups to waiters, gauges).
 //!
 //! Leases live in a [`DashMap`] keyed by name: a sharded map, so operations on
 //! different leases rarely contend, and the write hot path is one shard read
@@ -518,11 +521,10 @@ impl LeaseStore {
             wall_ms: self.shared.clock.wall_ms(),
             unsettled_until_ms: self.shared.unsettled_until_ms,
         };
-        let mut inflight = slot.cell.get().map(|cell| cell.inflight());
+        let cell = slot.cell.get();
         let granted = slot
             .lease
-            .grant(ask, lease_id.clone(), inflight.as_deref_mut())?;
-        drop(inflight);
+            .grant(ask, lease_id.clone(), || cell.map(|cell| cell.inflight()))?;
         self.shared
             .live_terms
             .track(before, live_deadline(slot.state()));
@@ -741,14 +743,13 @@ impl LeaseStore {
             holder,
         };
         let entry: &mut Slot = &mut slot;
-        let mut inflight = entry.cell.get().map(|cell| cell.inflight());
+        let cell = entry.cell.get();
         let quiet = entry.lease.release(
             now_ms,
             presented,
-            inflight.as_deref_mut(),
+            || cell.map(|cell| cell.inflight()),
             self.shared.unsettled_until_ms,
         )?;
-        drop(inflight);
         self.shared.live_terms.track(before, None);
         let persisted = awaited(
             Kind::Release,

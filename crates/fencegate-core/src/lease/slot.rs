@@ -44,6 +44,10 @@ pub struct Slot {
     /// the end of its last term. Atomic: a request that only reads the
     /// lease names it too.
     touched_ms: AtomicU64,
+    /// A renewal's record was offered and not taken (a full queue): the
+    /// next renewal offers one whether or not its hint is due, so a TTL
+    /// the journal missed is recorded too.
+    record_owed: bool,
 }
 
 /// An acquire, as [`Slot::grant`] takes it.
@@ -110,6 +114,7 @@ impl Slot {
             unsettled_from,
             wall_deadline_ms: 0,
             touched_ms: AtomicU64::new(0),
+            record_owed: false,
         }
     }
 
@@ -143,27 +148,28 @@ impl Slot {
     }
 
     /// A grant: the acquire, whether it is quiet (no write of an earlier
-    /// term may be unfinished: `inflight`, `None` if the lease never had a
-    /// write), the term's end on the wall clock for the journal, and the
-    /// record.
-    pub fn grant(
+    /// term may be unfinished: `writes`, asked for only once the lease is
+    /// granted, `None` if the lease never had a write), the term's end on
+    /// the wall clock for the journal, and the record.
+    pub fn grant<W: DerefMut<Target = Inflight>>(
         &mut self,
         ask: GrantAsk<'_>,
         lease_id: LeaseId,
-        inflight: Option<&mut Inflight>,
+        writes: impl FnOnce() -> Option<W>,
     ) -> Result<Granted, AcquireRefused> {
         self.named(Named::Acquire, ask.now_ms);
         let previous = self.state.term().cloned();
         let grant = self
             .state
             .acquire(ask.now_ms, ask.holder, ask.ttl_ms, lease_id.clone())?;
-        let inflight = inflight.filter(|_| !planted(Mutant::GrantQuietOverOlderWrites));
+        let mut writes = writes().filter(|_| !planted(Mutant::GrantQuietOverOlderWrites));
         let quiet = self.quiet(
             TermChange::Granted(grant.token),
-            inflight,
+            writes.as_deref_mut(),
             ask.unsettled_until_ms,
             ask.now_ms,
         );
+        drop(writes);
         self.wall_deadline_ms = restart::wall_deadline(ask.wall_ms, ask.ttl_ms);
         let record = GrantRecord {
             lease: ask.lease.to_owned(),
@@ -207,37 +213,44 @@ impl Slot {
             presented.holder,
             ttl_ms,
         )?;
-        let hint = restart::renewal_hint(
+        let due = restart::renewal_hint(
             previous_ttl_ms,
             grant.ttl_ms,
             self.wall_deadline_ms,
             wall_ms,
-        )
-        .map(|wall_deadline_ms| Hint {
+        );
+        let owed = self
+            .record_owed
+            .then(|| restart::wall_deadline(wall_ms, grant.ttl_ms));
+        let hint = due.or(owed).map(|wall_deadline_ms| Hint {
             token: presented.token,
             ttl_ms: grant.ttl_ms,
             wall_ms,
             wall_deadline_ms,
         });
+        // Owed until the journal takes it.
+        self.record_owed = hint.is_some();
         if let Some(hint) = hint.filter(|_| planted(Mutant::HintKeptUntaken)) {
-            self.wall_deadline_ms = hint.wall_deadline_ms;
+            self.hint_taken(&hint);
         }
         Ok(Renewed { grant, hint })
     }
 
-    /// The journal took `hint`'s record: the slot keeps the hint.
+    /// The journal took `hint`'s record: the slot keeps the hint, and owes
+    /// no record.
     pub fn hint_taken(&mut self, hint: &Hint) {
         self.wall_deadline_ms = hint.wall_deadline_ms;
+        self.record_owed = false;
     }
 
     /// A release of term `token` at `now_ms`: whether it is quiet (no
-    /// write of it or of an earlier term may be unfinished), for its
-    /// record.
-    pub fn release(
+    /// write of it or of an earlier term may be unfinished: `writes`, asked
+    /// for only once it is released), for its record.
+    pub fn release<W: DerefMut<Target = Inflight>>(
         &mut self,
         now_ms: u64,
         presented: Presented<'_>,
-        inflight: Option<&mut Inflight>,
+        writes: impl FnOnce() -> Option<W>,
         unsettled_until_ms: u64,
     ) -> Result<bool, Reject> {
         self.named(Named::Release, now_ms);
@@ -247,9 +260,10 @@ impl Slot {
             presented.lease_id,
             presented.holder,
         )?;
+        let mut writes = writes();
         Ok(self.quiet(
             TermChange::Released(presented.token),
-            inflight,
+            writes.as_deref_mut(),
             unsettled_until_ms,
             now_ms,
         ))
@@ -349,6 +363,7 @@ impl From<Restored> for Slot {
             unsettled_from: restored.unsettled_from,
             wall_deadline_ms: restored.wall_deadline_ms,
             touched_ms: AtomicU64::new(0),
+            record_owed: false,
         }
     }
 }
@@ -357,6 +372,10 @@ impl From<Restored> for Slot {
 mod tests {
     use super::*;
     use crate::lease::restart::SETTLED;
+
+    fn none() -> Option<&'static mut Inflight> {
+        None
+    }
 
     fn ask(now_ms: u64) -> GrantAsk<'static> {
         GrantAsk {
@@ -384,7 +403,7 @@ mod tests {
         let mut slot = Slot::new(&RestartRule::default());
         let mut writes = Inflight::default();
         let a = slot
-            .grant(ask(0), LeaseId::from_bytes([1; 16]), None)
+            .grant(ask(0), LeaseId::from_bytes([1; 16]), none)
             .unwrap();
         assert!(a.record.quiet);
         assert_eq!(slot.unsettled_from(), SETTLED);
@@ -396,7 +415,9 @@ mod tests {
         // Term 1 ends with its write in flight; term 2's grant is not
         // quiet, and its write waits.
         let b = slot
-            .grant(ask(1000), LeaseId::from_bytes([2; 16]), Some(&mut writes))
+            .grant(ask(1000), LeaseId::from_bytes([2; 16]), || {
+                Some(&mut writes)
+            })
             .unwrap();
         assert!(!b.record.quiet);
         assert!(matches!(
@@ -414,33 +435,39 @@ mod tests {
     fn a_renewal_hint_is_kept_only_once_the_journal_took_it() {
         let mut slot = Slot::new(&RestartRule::default());
         let a = slot
-            .grant(ask(0), LeaseId::from_bytes([1; 16]), None)
+            .grant(ask(0), LeaseId::from_bytes([1; 16]), none)
             .unwrap();
-        let renew = |slot: &mut Slot, at: u64| {
+        let renew = |slot: &mut Slot, at: u64, ttl_ms: Option<u64>| {
             let presented = Presented {
                 token: a.grant.token,
                 lease_id: None,
                 holder: None,
             };
-            slot.renew(at, 1_000_000 + at, presented, None)
+            slot.renew(at, 1_000_000 + at, presented, ttl_ms)
                 .unwrap()
                 .hint
         };
         // Half a TTL on, the hint is due; dropped, it is due again.
-        let hint = renew(&mut slot, 600).expect("due");
+        let hint = renew(&mut slot, 600, None).expect("due");
         assert_eq!(hint.wall_deadline_ms, 1_001_600);
-        let hint = renew(&mut slot, 650).expect("due again: the first was not taken");
+        let hint = renew(&mut slot, 650, None).expect("due again: the first was not taken");
         slot.hint_taken(&hint);
-        assert_eq!(renew(&mut slot, 700), None);
+        assert_eq!(renew(&mut slot, 700, None), None);
+        // A new TTL is recorded; dropped, it is offered again though no
+        // hint is due by the clock.
+        let hint = renew(&mut slot, 710, Some(900)).expect("a new TTL");
+        assert_eq!(hint.ttl_ms, 900);
+        let hint = renew(&mut slot, 720, Some(900)).expect("owed: the first was not taken");
+        slot.hint_taken(&hint);
+        assert_eq!(renew(&mut slot, 730, Some(900)), None);
     }
 
     #[test]
     fn a_lease_is_forgotten_only_once_its_term_ended_and_leaves_its_mark() {
         let mut slot = Slot::new(&RestartRule::default());
         let a = slot
-            .grant(ask(0), LeaseId::from_bytes([1; 16]), None)
+            .grant(ask(0), LeaseId::from_bytes([1; 16]), none)
             .unwrap();
-        let none = || None::<&mut Inflight>;
         assert_eq!(slot.forget(&Sweep::making_room(999, 0), false, none), None);
         assert_eq!(
             slot.forget(&Sweep::making_room(1000, 0), false, none),
