@@ -131,21 +131,8 @@ impl World {
         wall_ms: u64,
         lost: Option<&recovery::Loss>,
     ) {
-        let tol = self.cfg.tolerance_ms;
         if self.cfg.trace {
-            for (lease, slot) in &proxy.slots {
-                if let Some(t) = slot.lease.state().term() {
-                    eprintln!(
-                        "  start: l{lease} term {} live for {} ms more, released {}",
-                        t.token,
-                        t.deadline_ms.saturating_sub(now_ms),
-                        t.released
-                    );
-                }
-            }
-            for r in records {
-                eprintln!("  record: {r:?}");
-            }
+            trace_start(records, proxy, now_ms);
         }
         if let Some(why) = lost {
             if !self.damaged {
@@ -156,9 +143,36 @@ impl World {
                 return;
             }
         }
-        // What the holders were promised survives the start, but where
-        // the start may end a term early: lost records, a release that may
-        // have reached the journal, a renewal whose hint may not have.
+        let broken = self
+            .promises_kept(proxy, now_ms, lost.is_some())
+            .or_else(|| self.leases_restored(proxy, now_ms, lost.is_some()))
+            .or_else(|| match lost {
+                None => self.recovered_terms_held(records, proxy, now_ms, wall_ms),
+                Some(_) => None,
+            });
+        if let Some(what) = broken {
+            self.fail(what);
+            return;
+        }
+        // From here on, a term that may have been live shortly before the
+        // start may be held again for up to a TTL (on the new clock).
+        let tol = self.cfg.tolerance_ms;
+        let skew_ppm = proxy.skew_ppm;
+        for truth in &mut self.truth {
+            for t in truth.terms.values_mut() {
+                if !t.release_acked && t.live_until_ms + t.ttl_ms / 2 + 2 * tol > self.now {
+                    let held = global_ms(t.ttl_ms, skew_ppm);
+                    t.live_until_ms = t.live_until_ms.max(self.now + held);
+                }
+            }
+        }
+    }
+
+    /// What the holders were promised survives the start, but where the
+    /// start may end a term early: lost records, a release that may have
+    /// reached the journal, a renewal whose hint may not have. The first
+    /// promise broken, if any.
+    fn promises_kept(&mut self, proxy: &Proxy, now_ms: u64, lost: bool) -> Option<String> {
         let now = self.now;
         let skew = self.slack_skew_ppm();
         let mut ended_early = Vec::new();
@@ -169,7 +183,7 @@ impl World {
                 // The new process owes no record: its slot holds the hint
                 // the journal kept (and its wall clock may read earlier).
                 t.hint_dropped = false;
-                if lost.is_some() || t.release_issued || hint_lost {
+                if lost || t.release_issued || hint_lost {
                     t.may_end_early = true;
                 }
                 let slack = skew_slack_ms(t.ttl_ms, skew);
@@ -189,13 +203,17 @@ impl World {
                 }
             }
         }
-        if let Some((lease, token, until)) = ended_early.first() {
-            self.fail(format!(
-                "lease l{lease} term {token}, promised until {until} ms, was not held after a \
-                 start at {now} ms"
-            ));
-            return;
-        }
+        let (lease, token, until) = ended_early.first()?;
+        Some(format!(
+            "lease l{lease} term {token}, promised until {until} ms, was not held after a \
+             start at {now} ms"
+        ))
+    }
+
+    /// Every lease's tokens continue above what was granted, a release
+    /// answered stays released, and a start that lost records holds no
+    /// term. The first lease that breaks one, if any.
+    fn leases_restored(&self, proxy: &Proxy, now_ms: u64, lost: bool) -> Option<String> {
         for (lease, truth) in self.truth.iter().enumerate() {
             let slot = proxy.slots.get(&lease);
             let last = slot.map_or_else(
@@ -203,79 +221,65 @@ impl World {
                 |s| s.lease.state().last_token(),
             );
             if last < truth.max_acked {
-                let what = format!(
+                return Some(format!(
                     "lease l{lease} restarted with last token {last}, below the granted {}",
                     truth.max_acked
-                );
-                self.fail(what);
-                return;
+                ));
             }
             let current = slot.and_then(|s| s.lease.state().term());
             if let (Some(term), Some(t)) = (current, truth.terms.get(&truth.max_acked)) {
                 if term.token == truth.max_acked && t.release_acked && !term.released {
-                    let what = format!(
+                    return Some(format!(
                         "lease l{lease} term {} was released with an answer, and a start \
                          brought it back",
                         term.token
-                    );
-                    self.fail(what);
-                    return;
+                    ));
                 }
             }
-            if lost.is_some() {
-                if let Some(term) = current.filter(|t| t.is_live(now_ms)) {
-                    let what = format!(
-                        "lease l{lease} term {} held after a start that lost records",
-                        term.token
-                    );
-                    self.fail(what);
-                    return;
-                }
+            if let Some(term) = current.filter(|t| lost && t.is_live(now_ms)) {
+                return Some(format!(
+                    "lease l{lease} term {} held after a start that lost records",
+                    term.token
+                ));
             }
         }
-        if lost.is_none() {
-            // A recovered term that may still be live (by its hint) is held,
-            // for at most its TTL.
-            for record in records {
-                let Some(t) = record.term.as_ref().filter(|t| !t.released) else {
-                    continue;
-                };
-                let lease = lease_index(&record.lease).expect("checked at the start");
-                let may_live =
-                    t.wall_deadline_ms == 0 || t.wall_deadline_ms + t.ttl_ms / 2 + tol > wall_ms;
-                let Some(term) = proxy.slots.get(&lease).and_then(|s| s.lease.state().term())
-                else {
-                    continue;
-                };
-                if may_live && !term.is_live(now_ms) {
-                    let what = format!(
-                        "lease l{lease} term {} may still be live, and the start ended it",
-                        t.token
-                    );
-                    self.fail(what);
-                    return;
-                }
-                if term.is_live(now_ms) && term.deadline_ms > now_ms + t.ttl_ms {
-                    let what = format!(
-                        "lease l{lease} term {} held for more than its TTL after a start",
-                        t.token
-                    );
-                    self.fail(what);
-                    return;
-                }
+        None
+    }
+
+    /// A recovered term that may still be live (by its hint) is held, for
+    /// at most its TTL. The first that is not, if any.
+    fn recovered_terms_held(
+        &self,
+        records: &[LeaseRecord],
+        proxy: &Proxy,
+        now_ms: u64,
+        wall_ms: u64,
+    ) -> Option<String> {
+        let tol = self.cfg.tolerance_ms;
+        for record in records {
+            let Some(t) = record.term.as_ref().filter(|t| !t.released) else {
+                continue;
+            };
+            let lease = lease_index(&record.lease).expect("checked at the start");
+            let may_live =
+                t.wall_deadline_ms == 0 || t.wall_deadline_ms + t.ttl_ms / 2 + tol > wall_ms;
+            let Some(term) = proxy.slots.get(&lease).and_then(|s| s.lease.state().term()) else {
+                continue;
+            };
+            if may_live && !term.is_live(now_ms) {
+                return Some(format!(
+                    "lease l{lease} term {} may still be live, and the start ended it",
+                    t.token
+                ));
+            }
+            if term.is_live(now_ms) && term.deadline_ms > now_ms + t.ttl_ms {
+                return Some(format!(
+                    "lease l{lease} term {} held for more than its TTL after a start",
+                    t.token
+                ));
             }
         }
-        // From here on, a term that may have been live shortly before the
-        // start may be held again for up to a TTL (on the new clock).
-        let skew_ppm = proxy.skew_ppm;
-        for truth in &mut self.truth {
-            for t in truth.terms.values_mut() {
-                if !t.release_acked && t.live_until_ms + t.ttl_ms / 2 + 2 * tol > self.now {
-                    let held = global_ms(t.ttl_ms, skew_ppm);
-                    t.live_until_ms = t.live_until_ms.max(self.now + held);
-                }
-            }
-        }
+        None
     }
 
     /// Self-fencing: a primary admits nothing once etcd could have let its
@@ -292,5 +296,22 @@ impl World {
                 self.now
             ));
         }
+    }
+}
+
+/// What a start found (the `--trace` of the `simulate` example).
+fn trace_start(records: &[LeaseRecord], proxy: &Proxy, now_ms: u64) {
+    for (lease, slot) in &proxy.slots {
+        if let Some(t) = slot.lease.state().term() {
+            eprintln!(
+                "  start: l{lease} term {} live for {} ms more, released {}",
+                t.token,
+                t.deadline_ms.saturating_sub(now_ms),
+                t.released
+            );
+        }
+    }
+    for r in records {
+        eprintln!("  record: {r:?}");
     }
 }

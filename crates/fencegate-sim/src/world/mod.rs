@@ -7,8 +7,9 @@
 //! loop that plays them, its clock and its faults' dice. Its parts, each a
 //! file: the clients (`clients.rs`), the proxy's lease procedures and its
 //! forwarding (`proxy.rs`), its journal (`journal.rs`), crashes and starts
-//! (`starts.rs`), cluster members and the simulated etcd (`members.rs`),
-//! and the checker (`checker.rs`); the storage models are the crate's
+//! (`starts.rs`), cluster members (`members.rs`) and the simulated etcd
+//! (`etcd.rs`), and the checker (`checker.rs`); the storage models are the
+//! crate's
 //! [`crate::storage`], [`crate::etcd_store`] and [`crate::dynamo_store`].
 
 use std::collections::BTreeMap;
@@ -30,6 +31,7 @@ use fencegate_core::precondition::{self, Dialect, KeyStates, Operation, Own, Pla
 
 mod checker;
 mod clients;
+mod etcd;
 mod journal;
 mod members;
 mod proxy;

@@ -268,10 +268,6 @@ impl World {
     }
 
     pub(super) fn write(&mut self, req: Req) {
-        let first_try_ms = match req.op {
-            Op::Write { first_try_ms, .. } => first_try_ms,
-            _ => None,
-        };
         // Checked again right before a write leaves (after a wait at the
         // barrier too), as the fence's before-send check does.
         if !self.primary_now() {
@@ -279,7 +275,6 @@ impl World {
             return;
         }
         let p = self.proxy_now();
-        let max_wait_ms = self.cfg.upstream_timeout_ms;
         let proxy = self.proxy.as_mut().expect("arrive checked");
         let inc = proxy.inc;
         let Some(slot) = proxy.slots.get_mut(&req.lease) else {
@@ -326,51 +321,58 @@ impl World {
                 };
                 self.forward(req, inc, cond);
             }
-            Decision::Wait { until_ms, .. } => {
-                let first = first_try_ms.unwrap_or(p);
-                if first_try_ms.is_none() {
-                    self.stats.barrier_waits += 1;
-                }
-                if admission::may_wait(first, p, max_wait_ms, until_ms).is_err() {
-                    // The earlier term's writes did not finish in time, or
-                    // will not: 503.
-                    self.reply(&req, Answer::Failed);
-                    return;
-                }
-                // Woken when the clock alone ends the wait, or looked at
-                // again a moment later (a write finishing would wake it).
-                let retry = until_ms
-                    .map_or(u64::MAX, |u| u.saturating_sub(p))
-                    .clamp(1, 3);
-                let op = match req.op {
-                    Op::Write {
-                        key,
-                        delete,
-                        content,
-                        shape,
-                        ..
-                    } => Op::Write {
-                        first_try_ms: Some(first),
-                        key,
-                        delete,
-                        content,
-                        shape,
-                    },
-                    other => other,
-                };
-                let req = Req { op, ..req };
-                let proxy = self.proxy.as_mut().expect("arrive checked");
-                if let Some(slot) = proxy.slots.get_mut(&req.lease) {
-                    slot.waiting += 1;
-                }
-                // It stays at the proxy (open): a crash meanwhile loses it.
-                self.after(retry, Ev::Retry { inc, req });
-            }
+            Decision::Wait { until_ms, .. } => self.wait_at_barrier(req, inc, p, until_ms),
             Decision::Refuse(_) => {
                 self.stats.writes_refused += 1;
                 self.reply(&req, Answer::Refused);
             }
         }
+    }
+
+    /// A write told to wait at the barrier (at `p` on the proxy's clock,
+    /// until `until_ms` by the clock alone): refused once it waited as long
+    /// as it may (503), else looked at again a moment later (a write
+    /// finishing would wake it), the lease held meanwhile.
+    fn wait_at_barrier(&mut self, req: Req, inc: u64, p: u64, until_ms: Option<u64>) {
+        let first_try_ms = match req.op {
+            Op::Write { first_try_ms, .. } => first_try_ms,
+            _ => None,
+        };
+        let first = first_try_ms.unwrap_or(p);
+        if first_try_ms.is_none() {
+            self.stats.barrier_waits += 1;
+        }
+        let max_wait_ms = self.cfg.upstream_timeout_ms;
+        if admission::may_wait(first, p, max_wait_ms, until_ms).is_err() {
+            self.reply(&req, Answer::Failed);
+            return;
+        }
+        let retry = until_ms
+            .map_or(u64::MAX, |u| u.saturating_sub(p))
+            .clamp(1, 3);
+        let op = match req.op {
+            Op::Write {
+                key,
+                delete,
+                content,
+                shape,
+                ..
+            } => Op::Write {
+                first_try_ms: Some(first),
+                key,
+                delete,
+                content,
+                shape,
+            },
+            other => other,
+        };
+        let req = Req { op, ..req };
+        let proxy = self.proxy.as_mut().expect("arrive checked");
+        if let Some(slot) = proxy.slots.get_mut(&req.lease) {
+            slot.waiting += 1;
+        }
+        // It stays at the proxy (open): a crash meanwhile loses it.
+        self.after(retry, Ev::Retry { inc, req });
     }
 
     /// Sends an admitted write to the backend: it answers after a latency
