@@ -88,13 +88,35 @@ def test_boto3_writes_carry_the_term_and_a_new_key_is_read_once(
     assert client.show("orders")["state"] == "released"
 
 
+def test_a_fenced_boto3_client_is_let_go_with_its_term(s3: tuple[Server, Server]) -> None:
+    # One S3 client for a worker's whole life, fenced under each term it
+    # holds in turn: the first term's hooks go with it (else every write
+    # under the second would raise LeaseLost for the first).
+    fg, moto = s3
+    client = fencegate.Client(fg.url)
+    worker = s3_client(fg.url)
+    with client.hold("orders", holder="w1", ttl=30.0) as first:
+        fencegate.boto3.fence(worker, first)
+        worker.put_object(Bucket="orders-bucket", Key="orders/7", Body=b"first")
+    with client.hold("orders", holder="w1", ttl=30.0) as second:
+        fencegate.boto3.fence(worker, second)
+        worker.put_object(Bucket="orders-bucket", Key="orders/7", Body=b"second")
+    got = s3_client(moto.url).get_object(Bucket="orders-bucket", Key="orders/7")
+    assert got["Body"].read() == b"second"
+    # Let go of by both: unfenced again.
+    assert second.token > first.token
+    with pytest.raises(worker.exceptions.ClientError) as refused:
+        worker.put_object(Bucket="orders-bucket", Key="orders/7", Body=b"no term")
+    assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 428
+
+
 def test_the_boto3_zombie_s_put_object_is_refused(s3: tuple[Server, Server]) -> None:
     fg, moto = s3
     client = fencegate.Client(fg.url)
     clock = ManualClock()
     # A's process has stopped running (its clock does not move); fencegate's
     # does, past the TTL, and B takes the lease.
-    a = Term._start(client, "orders", "A", 3.0, 0.0, None, None, clock=clock)
+    a = Term(client, "orders", "A", 3.0, 0.0, None, None, clock=clock).acquire()
     zombie = fencegate.boto3.fence(s3_client(fg.url), a)
     zombie.put_object(Bucket="orders-bucket", Key="orders/42", Body=b"A's")
     advance(fg.url, 3000)
@@ -155,7 +177,7 @@ def test_boto3_dynamodb_writes_carry_the_token_and_dynamodb_compares_it(
     client = fencegate.Client(fg.url)
     clock = ManualClock()
     key = {"pk": {"S": "orders/42"}}
-    a = Term._start(client, "orders", "A", 3.0, 0.0, None, None, clock=clock)
+    a = Term(client, "orders", "A", 3.0, 0.0, None, None, clock=clock).acquire()
     zombie = fencegate.boto3.fence(dynamodb_client(fg.url), a)
     zombie.put_item(TableName="jobs", Item={**key, "v": {"S": "A's"}})
     # The client's own condition and update are kept beside fencegate's.
@@ -225,7 +247,7 @@ def test_requests_writes_are_fenced_reads_are_not(servers: Servers) -> None:
     fg = servers.fencegate(config=DAV_CONFIG.format(upstream=nginx.url))
     client = fencegate.Client(fg.url)
     clock = ManualClock()
-    a = Term._start(client, "orders", "A", 3.0, 0.0, None, None, clock=clock)
+    a = Term(client, "orders", "A", 3.0, 0.0, None, None, clock=clock).acquire()
     http = fencegate.requests.session(a)
     assert http.put(f"{fg.url}/dav/orders/42", data=b"from A").status_code == 201
     assert http.get(f"{fg.url}/dav/orders/42").text == "from A"

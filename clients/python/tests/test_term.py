@@ -79,16 +79,25 @@ class FakeClient:
         self.renewals: list[float] = []
         self.releases = 0
         self.answer: Any = None  # an exception to raise on renew, or None
+        self.acquires = 0
         self.transport = SimpleNamespace(timeout=5.0)
 
     def grant(self) -> Grant:
         return Grant("orders", "w1", 7, "id-7", self.ttl, self.ttl)
 
     def acquire(self, lease: str, holder: str, ttl: float, wait: float) -> Grant:
+        self.acquires += 1
         return self.grant()
 
-    def _renew(
-        self, lease: str, token: int, lease_id: str, ttl: Any, timeout: Any, budget: Any = None
+    def renew(
+        self,
+        lease: str,
+        token: int,
+        lease_id: str,
+        ttl: Any = None,
+        *,
+        timeout: Any = None,
+        budget: Any = None,
     ) -> Grant:
         self.renewals.append(self.clock.monotonic())
         if self.answer is not None:
@@ -100,7 +109,7 @@ class FakeClient:
 
 
 def hold(clock: ManualClock, client: Any, **kw: Any) -> Term:
-    term = Term._start(client, "orders", "w1", client.ttl, 0.0, None, None, clock=clock, **kw)
+    term = Term(client, "orders", "w1", client.ttl, 0.0, None, None, clock=clock, **kw).acquire()
     clock.advance(0, term._thread)
     return term
 
@@ -125,7 +134,7 @@ def test_a_refused_renewal_is_a_loss() -> None:
     clock = ManualClock()
     client = FakeClient(clock)
     seen: list[str] = []
-    term = Term._start(client, "orders", "w1", 9.0, 0.0, None, seen.append, clock=clock)
+    term = Term(client, "orders", "w1", 9.0, 0.0, None, seen.append, clock=clock).acquire()
     clock.advance(0, term._thread)
     client.answer = fencegate.ProblemError(412, "stale-fencing-token", "", None, {})
     clock.advance(3.0, term._thread)
@@ -163,17 +172,17 @@ def test_the_deadline_counts_from_when_the_renewal_was_sent() -> None:
 
     # A renewal that takes 2.5 s to answer: the term's new deadline is 9 s
     # after it was sent (minus the margin), not after it was answered.
-    def slow(*args: Any) -> Grant:
+    def slow(*args: Any, **kwargs: Any) -> Grant:
         client.renewals.append(clock.monotonic())
         with clock.cond:
             clock.now += 2.5
         client.answer = fencegate.Unreachable("down from now on")
         return client.grant()
 
-    client._renew = slow  # type: ignore[method-assign]
+    client.renew = slow  # type: ignore[method-assign]
     clock.advance(3.0, term._thread)
     assert client.renewals == [3.0] and clock.now == 5.5
-    del client._renew
+    del client.renew
     clock.advance(5.5, term._thread)  # 11.0 < 3 + 9 - 0.9
     term.check()
     clock.advance(0.1, term._thread)
@@ -236,7 +245,7 @@ def test_a_renewer_that_returns_is_a_loss() -> None:
     clock = ManualClock()
     client = FakeClient(clock)
     seen: list[str] = []
-    term = Term._start(client, "orders", "w1", 9.0, 0.0, None, seen.append, clock=clock)
+    term = Term(client, "orders", "w1", 9.0, 0.0, None, seen.append, clock=clock).acquire()
     clock.advance(0, term._thread)
     # A wait that wrongly reports the stop signal: the loop ends quietly.
     clock.wait = lambda event, timeout: True  # type: ignore[method-assign]
@@ -251,13 +260,13 @@ def test_a_term_lost_while_a_renewal_is_in_flight_is_never_renewed_again() -> No
     term = hold(clock, client)
     entered, answer = threading.Event(), threading.Event()
 
-    def slow(*args: Any) -> Grant:
+    def slow(*args: Any, **kwargs: Any) -> Grant:
         client.renewals.append(clock.monotonic())
         entered.set()
         assert answer.wait(30)
         return client.grant()
 
-    client._renew = slow  # type: ignore[method-assign]
+    client.renew = slow  # type: ignore[method-assign]
     clock.advance(3.0)
     assert entered.wait(30)
     # The renewal hangs past the deadline; the holder's check finds it.
@@ -279,7 +288,7 @@ def test_a_margin_that_would_outlive_fencegate_s_deadline_is_refused() -> None:
     client = FakeClient(ManualClock())
     for margin in (-0.1, 6.0):
         with pytest.raises(ValueError, match="margin"):
-            Term._start(client, "orders", "w1", 9.0, 0.0, margin, None, clock=ManualClock())
+            Term(client, "orders", "w1", 9.0, 0.0, margin, None, clock=ManualClock())
 
 
 def test_released_once_never_twice() -> None:
@@ -292,6 +301,40 @@ def test_released_once_never_twice() -> None:
             term.check()
     assert client.releases == 1
     assert not term._thread.is_alive()
+
+
+def test_a_term_is_acquired_when_its_block_is_entered() -> None:
+    # As kazoo's Lock and the async flavour: making the term asks nothing
+    # of fencegate; entering the block acquires, leaving it releases.
+    # Nothing listens at port 9: a hold() that acquired would raise.
+    unheld = fencegate.Client("http://127.0.0.1:9").hold("orders", "w1", 9.0)
+    with pytest.raises(fencegate.LeaseLost, match="not held yet"):
+        unheld.headers()
+    clock = ManualClock()
+    client = FakeClient(clock)
+    term = Term(client, "orders", "w1", 9.0, clock=clock)  # type: ignore[arg-type]
+    assert client.acquires == 0
+    with pytest.raises(fencegate.LeaseLost, match="not held yet"):
+        term.check()
+    with term as held:
+        assert client.acquires == 1 and held.token == 7
+        held.check()
+    assert client.releases == 1
+    with pytest.raises(fencegate.FencegateError, match="once"):
+        term.acquire()
+
+
+def test_what_a_term_holds_is_let_go_when_it_is_released() -> None:
+    clock = ManualClock()
+    client = FakeClient(clock)
+    let_go: list[str] = []
+    with hold(clock, client) as term:
+        term.on_release(lambda: let_go.append("hooks"))
+        assert let_go == []
+    assert let_go == ["hooks"]
+    # Added once released: at once.
+    term.on_release(lambda: let_go.append("late"))
+    assert let_go == ["hooks", "late"]
 
 
 # -- the default clock counts suspend -------------------------------------
@@ -328,7 +371,7 @@ def test_a_deadline_that_passed_while_the_machine_was_suspended_has_passed(
     client = FakeClient(ManualClock(), ttl=9.0)
     # The default clock; the renewer waits (real time) for its first
     # renewal, 3 s away, and is released long before.
-    term = Term._start(client, "orders", "w1", 9.0, 0.0, None, None)
+    term = Term(client, "orders", "w1", 9.0, 0.0, None, None).acquire()
     term.check()
     suspend.seconds = 60.0  # past the local deadline, 8.1 s after the acquire
     with pytest.raises(fencegate.LeaseLost, match="deadline"):
@@ -367,7 +410,7 @@ def test_a_held_term_against_fencegate(servers: Servers) -> None:
     fg = servers.fencegate()
     client = fencegate.Client(fg.url)
     clock = ManualClock()
-    term = Term._start(client, "orders", "w1", 3.0, 0.0, None, None, clock=clock)
+    term = Term(client, "orders", "w1", 3.0, 0.0, None, None, clock=clock).acquire()
     clock.advance(0, term._thread)
     status, _ = raw("PUT", f"{fg.url}/kv/orders/1", b"v1", term.headers())
     assert status == 201
@@ -390,7 +433,7 @@ def test_a_term_fencegate_refuses_to_renew_is_lost_and_its_write_refused(
     fg = servers.fencegate()
     client = fencegate.Client(fg.url)
     clock = ManualClock()
-    a = Term._start(client, "orders", "A", 3.0, 0.0, None, None, clock=clock)
+    a = Term(client, "orders", "A", 3.0, 0.0, None, None, clock=clock).acquire()
     clock.advance(0, a._thread)
     stale = a.headers()
     # fencegate's clock runs the term out; B takes the lease.
@@ -503,17 +546,17 @@ def test_async_the_deadline_counts_from_when_the_renewal_was_sent() -> None:
         clock = ManualAsyncClock()
         client = FakeClient(clock, ttl=9.0)
 
-        def slow(*args: Any) -> Grant:
+        def slow(*args: Any, **kwargs: Any) -> Grant:
             client.renewals.append(clock.monotonic())
             clock.now += 2.5
             client.answer = fencegate.Unreachable("down from now on")
             return client.grant()
 
         async with async_hold(clock, client, []) as term:
-            client._renew = slow  # type: ignore[method-assign]
+            client.renew = slow  # type: ignore[method-assign]
             await clock.advance(3.0, term)
             assert client.renewals == [3.0] and clock.now == 5.5
-            del client._renew
+            del client.renew
             await clock.advance(5.5, term)  # 11.0 < 3 + 9 - 0.9
             term.check()
             await clock.advance(0.1, term)
@@ -609,12 +652,12 @@ def test_async_a_term_lost_while_a_renewal_is_in_flight_is_never_renewed_again()
         clock = ManualAsyncClock()
         client = FakeClient(clock, ttl=9.0)
 
-        def slow(*args: Any) -> Grant:
+        def slow(*args: Any, **kwargs: Any) -> Grant:
             client.renewals.append(clock.monotonic())
             assert answer.wait(30)
             return client.grant()
 
-        client._renew = slow  # type: ignore[method-assign]
+        client.renew = slow  # type: ignore[method-assign]
         async with async_hold(clock, client, []) as term:
             await clock.advance(0, term)
             clock.now = 3.0
@@ -677,7 +720,9 @@ def test_a_renewal_gives_up_at_the_local_deadline() -> None:
 
     clock = ManualClock()
     with member(answer) as (url, m):
-        term = Term._start(fencegate.Client(url), "orders", "A", 9.0, 0.0, None, None, clock=clock)
+        term = Term(
+            fencegate.Client(url), "orders", "A", 9.0, 0.0, None, None, clock=clock
+        ).acquire()
         clock.advance(0, term._thread)
         renewals = lambda: sum(1 for hit in m.hits if hit.endswith("/renew"))  # noqa: E731
         clock.advance(3.0)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from .term import AsyncTerm, Term
@@ -87,7 +88,10 @@ def _carry_token(write: dict[str, Any], token: int, attribute: str, put: bool) -
         write["UpdateExpression"] = f"{update} SET {_SET}".strip()
 
 
-def _fence_dynamodb(client: Any, term: Term | AsyncTerm, token_attribute: str) -> None:
+def _fence_dynamodb(term: Term | AsyncTerm, token_attribute: str) -> Callable[..., None]:
+    """The ``before-parameter-build`` hook that adds ``term``'s token and
+    its condition to each item write."""
+
     def add_token(params: dict[str, Any], model: Any, **_: Any) -> None:
         name = model.name
         if name not in ("PutItem", "UpdateItem", "TransactWriteItems"):
@@ -109,7 +113,7 @@ def _fence_dynamodb(client: Any, term: Term | AsyncTerm, token_attribute: str) -
             return
         _carry_token(params, token, token_attribute, put=name == "PutItem")
 
-    client.meta.events.register("before-parameter-build.dynamodb", add_token)
+    return add_token
 
 
 def fence(client: Any, term: Term | AsyncTerm, token_attribute: str = "fencing_token") -> Any:
@@ -117,13 +121,12 @@ def fence(client: Any, term: Term | AsyncTerm, token_attribute: str = "fencing_t
     a resource) under ``term``. An S3 client needs
     path-style addressing, as any S3 client in front of fencegate does; a
     DynamoDB client's items keep the token in ``token_attribute`` (the
-    route's). Returns what it was given."""
+    route's). The hooks go when the term is released: the client may then
+    be fenced under the next term. Returns what it was given."""
     given = client
     if not hasattr(client.meta, "events"):  # a resource
         client = client.meta.client
     events = client.meta.events
-    if client.meta.service_model.service_name == "dynamodb":
-        _fence_dynamodb(client, term, token_attribute)
 
     def keep_params(params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
         context[_PARAMS] = {k: params[k] for k in ("Bucket", "Key") if k in params}
@@ -168,10 +171,27 @@ def fence(client: Any, term: Term | AsyncTerm, token_attribute: str = "fencing_t
         for name, value in term.headers().items():
             request.headers[name] = value
 
+    hooks: list[tuple[str, Callable[..., Any]]]
     if client.meta.service_model.service_name == "dynamodb":
-        events.register("before-send.dynamodb", add_dynamodb_headers)
-        return given
-    events.register("before-parameter-build.s3", keep_params)
-    events.register("before-send.s3", add_headers)
-    events.register_first("needs-retry.s3", read_first)
+        hooks = [
+            ("before-parameter-build.dynamodb", _fence_dynamodb(term, token_attribute)),
+            ("before-send.dynamodb", add_dynamodb_headers),
+        ]
+        for event, hook in hooks:
+            events.register(event, hook)
+    else:
+        hooks = [
+            ("before-parameter-build.s3", keep_params),
+            ("before-send.s3", add_headers),
+            ("needs-retry.s3", read_first),
+        ]
+        events.register("before-parameter-build.s3", keep_params)
+        events.register("before-send.s3", add_headers)
+        events.register_first("needs-retry.s3", read_first)
+
+    def unregister() -> None:
+        for event, hook in hooks:
+            events.unregister(event, hook)
+
+    term.on_release(unregister)
     return given

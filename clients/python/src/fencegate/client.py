@@ -95,19 +95,21 @@ class Client:
             raise problem(reply)
         return Grant._from(reply.json())
 
-    def renew(self, lease: str, token: int, lease_id: str, ttl: float | None = None) -> Grant:
-        """Moves the term's deadline to now plus its TTL (or ``ttl``)."""
-        return self._renew(lease, token, lease_id, ttl, None)
-
-    def _renew(
+    def renew(
         self,
         lease: str,
         token: int,
         lease_id: str,
-        ttl: float | None,
-        timeout: float | None,
+        ttl: float | None = None,
+        *,
+        timeout: float | None = None,
         budget: Callable[[], float] | None = None,
     ) -> Grant:
+        """Moves the term's deadline to now plus its TTL (or ``ttl``).
+        ``timeout`` bounds each try (default: the client's); ``budget``, if
+        given, says how many seconds are left for all of them (a term's
+        renewer gives up at its local deadline, whichever member it
+        tries)."""
         body = json.dumps({"ttl_ms": _ms(ttl)}).encode() if ttl is not None else None
         headers = {FENCING_TOKEN: str(token), FENCING_LEASE_ID: lease_id}
         if body is not None:
@@ -155,10 +157,11 @@ class Client:
         margin: float | None = None,
         on_lost: Callable[[str], None] | None = None,
     ) -> Term:
-        """Acquires ``lease`` and keeps the term renewed in a background
-        thread until released; use it in a ``with`` block (leaving it
-        releases). See :class:`~fencegate.Term`."""
-        return Term._start(self, lease, holder, ttl, wait, margin, on_lost)
+        """A term of ``lease``, acquired when a ``with`` block is entered
+        (or by :meth:`Term.acquire`) and then renewed in a background thread
+        until released, as leaving the block does. See
+        :class:`~fencegate.Term`."""
+        return Term(self, lease, holder, ttl, wait, margin, on_lost)
 
     def hold_async(
         self,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -118,8 +119,13 @@ def _margin(ttl: float, margin: float | None) -> float | None:
     return margin
 
 
+#: Why a term whose local deadline passed is lost.
+_PAST_DEADLINE = "no renewal succeeded before the local deadline"
+
+
 class _Schedule:
-    """When to renew next and when the term ends locally."""
+    """When to renew next and when the term ends locally: the renewal
+    rules, which the thread's renewer and the asyncio task both follow."""
 
     def __init__(self, grant: Grant, sent: float, margin: float) -> None:
         self.ttl = grant.ttl
@@ -128,9 +134,46 @@ class _Schedule:
         self.next_renew = 0.0
         self.renewed(grant, sent)
 
+    @staticmethod
+    def fresh_start(grant: Grant, sent: float, now: float) -> bool:
+        """Whether an acquire sent at ``sent`` and answered by ``now`` waited
+        long enough (a tenth of the TTL) that its send time says nothing of
+        when the term began: a renewal then gives the local deadline a
+        fresh start."""
+        return now - sent >= grant.ttl / 10
+
     def renewed(self, grant: Grant, sent: float) -> None:
+        """A renewal sent at ``sent`` succeeded."""
         self.deadline = sent + grant.expires_in - self.margin
         self.next_renew = sent + self.ttl / 3
+
+    def wait(self, now: float) -> float:
+        """Seconds from ``now`` until the renewer has something to do."""
+        return min(self.deadline, self.next_renew) - now
+
+    def due(self, now: float) -> str | None:
+        """At ``now``: the loss if the local deadline passed, ``""`` if a
+        renewal is due, ``None`` if nothing is yet."""
+        if now >= self.deadline:
+            return _PAST_DEADLINE
+        return "" if now >= self.next_renew else None
+
+    def timeout(self, sent: float) -> float:
+        """How long a renewal sent at ``sent`` may take: until the local
+        deadline."""
+        return max(0.01, self.deadline - sent)
+
+    def failed(self, error: FencegateError, now: float) -> tuple[str, bool] | None:
+        """A renewal failed at ``now``: ``None`` if it is tried again (a
+        cluster between primaries: 0.1 s on, the deadline decides; out of
+        reach: 0.05 s on), else the loss and whether fencegate refused it."""
+        if isinstance(error, ProblemError):
+            if error.reason == "not-primary":
+                self.next_renew = now + 0.1
+                return None
+            return f"a renewal was refused ({error.reason})", True
+        self.next_renew = now + 0.05
+        return None
 
 
 class _Loss:
@@ -155,8 +198,35 @@ class _Loss:
         return True
 
 
+class _Released:
+    """What is to be done once a term is released (the hooks a fenced
+    client registered for it, taken off), each once."""
+
+    def __init__(self) -> None:
+        self._callbacks: list[Callable[[], None]] = []
+        self._done = False
+        self._lock = threading.Lock()
+
+    def add(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._done:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def run(self) -> None:
+        with self._lock:
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            with contextlib.suppress(Exception):
+                callback()
+
+
 class Term:
-    """A held term of a lease. Use it as a context manager::
+    """A term of a lease, acquired when the ``with`` block is entered
+    (or by :meth:`acquire`) and renewed in a background thread until it is
+    released, as the block is left::
 
         with client.hold("orders", holder="w1", ttl=10.0) as term:
             term.check()                  # LeaseLost once it is lost
@@ -170,58 +240,61 @@ class Term:
     def __init__(
         self,
         client: Client,
-        grant: Grant,
-        sent: float,
-        margin: float | None,
-        on_lost: Callable[[str], None] | None,
-        clock: Clock,
-    ) -> None:
-        self._client = client
-        self.lease = grant.lease
-        self.holder = grant.holder
-        self.token = grant.token
-        self.lease_id = grant.lease_id
-        self.ttl = grant.ttl
-        self.lost = threading.Event()
-        self._loss = _Loss(on_lost)
-        self._clock = clock
-        self._schedule = _Schedule(grant, sent, grant.ttl / 10 if margin is None else margin)
-        self._stop = threading.Event()
-        self._released = False
-        self._release_lock = threading.Lock()
-        self._thread = threading.Thread(
-            target=self._run, name=f"fencegate-renew-{grant.lease}", daemon=True
-        )
-
-    @classmethod
-    def _start(
-        cls,
-        client: Client,
         lease: str,
         holder: str,
         ttl: float,
-        wait: float,
-        margin: float | None,
-        on_lost: Callable[[str], None] | None,
+        wait: float = 0.0,
+        margin: float | None = None,
+        on_lost: Callable[[str], None] | None = None,
         clock: Clock | None = None,
-    ) -> Term:
-        margin = _margin(ttl, margin)
-        clock = clock or SystemClock()
+    ) -> None:
+        self._client = client
+        self._args = (holder, ttl, wait)
+        self._margin = _margin(ttl, margin)
+        self.lease = lease
+        self.holder = holder
+        self.token = 0
+        self.lease_id = ""
+        self.ttl = ttl
+        self.lost = threading.Event()
+        self._loss = _Loss(on_lost)
+        self._clock: Clock = clock or SystemClock()
+        self._schedule: _Schedule | None = None
+        self._stop = threading.Event()
+        self._released = False
+        self._release_lock = threading.Lock()
+        self._on_release = _Released()
+        self._thread = threading.Thread(
+            target=self._run, name=f"fencegate-renew-{lease}", daemon=True
+        )
+
+    def acquire(self) -> Term:
+        """Acquires the lease (waiting up to ``wait``) and starts renewing
+        the term; returns the term. Once only."""
+        if self._schedule is not None or self._released:
+            raise FencegateError("a term is acquired once")
+        client, clock = self._client, self._clock
+        holder, ttl, wait = self._args
         sent = clock.monotonic()
-        grant = client.acquire(lease, holder, ttl, wait)
-        # After a wait, the send time says nothing of when the term began:
-        # a renewal now gives the local deadline a fresh start.
-        if clock.monotonic() - sent >= grant.ttl / 10:
+        grant = client.acquire(self.lease, holder, ttl, wait)
+        if _Schedule.fresh_start(grant, sent, clock.monotonic()):
             sent = clock.monotonic()
             try:
-                grant = client._renew(lease, grant.token, grant.lease_id, None, None)
+                grant = client.renew(self.lease, grant.token, grant.lease_id)
             except BaseException:
                 with contextlib.suppress(Exception):
-                    client.release(lease, grant.token, grant.lease_id)
+                    client.release(self.lease, grant.token, grant.lease_id)
                 raise
-        term = cls(client, grant, sent, margin, on_lost, clock)
-        term._thread.start()
-        return term
+        self.holder, self.token, self.lease_id, self.ttl = (
+            grant.holder,
+            grant.token,
+            grant.lease_id,
+            grant.ttl,
+        )
+        margin = grant.ttl / 10 if self._margin is None else self._margin
+        self._schedule = _Schedule(grant, sent, margin)
+        self._thread.start()
+        return self
 
     # -- what the holder asks --------------------------------------------
 
@@ -232,14 +305,17 @@ class Term:
 
     def check(self) -> None:
         """Raises :class:`~fencegate.LeaseLost` unless the term is held
-        right now: not released, not lost, its local deadline not passed
-        (read from the clock here, whatever the renewer is doing: after a
-        suspend, at once), and its renewer alive."""
+        right now: acquired, not released, not lost, its local deadline not
+        passed (read from the clock here, whatever the renewer is doing:
+        after a suspend, at once), and its renewer alive."""
         if self._released:
             raise LeaseLost("the term was released")
+        s = self._schedule
+        if s is None:
+            raise LeaseLost("the term is not held yet: enter it first (with)")
         if self._loss.reason is None:
-            if self._clock.monotonic() >= self._schedule.deadline:
-                self._lose("no renewal succeeded before the local deadline")
+            if self._clock.monotonic() >= s.deadline:
+                self._lose(_PAST_DEADLINE)
             elif not self._thread.is_alive():
                 self._lose("the renewer stopped")
         reason = self._loss.reason
@@ -252,6 +328,12 @@ class Term:
         self.check()
         return {FENCING_TOKEN: str(self.token), FENCING_LEASE_ID: self.lease_id}
 
+    def on_release(self, callback: Callable[[], None]) -> None:
+        """Calls ``callback`` once the term is released (at once if it
+        was): a client fenced under the term (:func:`fencegate.boto3.fence`)
+        lets go of it then."""
+        self._on_release.add(callback)
+
     def release(self) -> None:
         """Stops renewing and releases the term, once: a second call does
         nothing. A term lost to a refused renewal is over at fencegate and
@@ -261,13 +343,21 @@ class Term:
                 return
             self._released = True
         self._stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            # A renewal in flight gives up at the local deadline.
-            left = self._schedule.deadline - self._clock.monotonic()
-            self._thread.join(timeout=max(0.0, left) + self._client.transport.timeout)
-        _release(self._client, self.lease, self.token, self.lease_id, self._loss)
+        try:
+            s = self._schedule
+            if s is None:
+                return
+            if self._thread.is_alive() and threading.current_thread() is not self._thread:
+                # A renewal in flight gives up at the local deadline.
+                left = s.deadline - self._clock.monotonic()
+                self._thread.join(timeout=max(0.0, left) + self._client.transport.timeout)
+            _release(self._client, self.lease, self.token, self.lease_id, self._loss)
+        finally:
+            self._on_release.run()
 
     def __enter__(self) -> Term:
+        if self._schedule is None:
+            self.acquire()
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -291,38 +381,33 @@ class Term:
 
     def _renew_loop(self) -> None:
         s = self._schedule
+        assert s is not None
         clock = self._clock
         while True:
-            now = clock.monotonic()
-            if clock.wait(self._stop, min(s.deadline, s.next_renew) - now):
+            if clock.wait(self._stop, s.wait(clock.monotonic())):
                 return
-            now = clock.monotonic()
-            if now >= s.deadline:
-                self._lose("no renewal succeeded before the local deadline")
+            sent = clock.monotonic()
+            due = s.due(sent)
+            if due:
+                self._lose(due)
                 return
-            if now < s.next_renew:
+            if due is None:
                 continue
-            sent = now
             try:
-                grant = self._client._renew(
+                grant = self._client.renew(
                     self.lease,
                     self.token,
                     self.lease_id,
-                    None,
-                    max(0.01, s.deadline - sent),
-                    lambda: s.deadline - clock.monotonic(),
+                    timeout=s.timeout(sent),
+                    budget=lambda: s.deadline - clock.monotonic(),
                 )
-            except ProblemError as e:
+            except (ProblemError, Unreachable) as e:
                 if self._stop.is_set():
                     return  # released meanwhile
-                if e.reason == "not-primary":
-                    # A cluster between primaries: the deadline decides.
-                    s.next_renew = clock.monotonic() + 0.1
-                    continue
-                self._lose(f"a renewal was refused ({e.reason})", refused=True)
-                return
-            except Unreachable:
-                s.next_renew = clock.monotonic() + 0.05
+                lost = s.failed(e, clock.monotonic())
+                if lost is not None:
+                    self._lose(*lost)
+                    return
                 continue
             if self._stop.is_set() or self._loss.reason is not None:
                 return  # released, or lost meanwhile (check() saw the deadline)
@@ -360,6 +445,7 @@ class AsyncTerm:
         self.lost = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._released = False
+        self._on_release = _Released()
         self._task: asyncio.Task[None] | None = None
         self._schedule: _Schedule | None = None
         self.lease = lease
@@ -390,12 +476,10 @@ class AsyncTerm:
 
             acquiring.add_done_callback(release)
             raise
-        if clock.monotonic() - sent >= grant.ttl / 10:
+        if _Schedule.fresh_start(grant, sent, clock.monotonic()):
             sent = clock.monotonic()
             try:
-                grant = await asyncio.to_thread(
-                    client._renew, lease, grant.token, grant.lease_id, None, None
-                )
+                grant = await asyncio.to_thread(client.renew, lease, grant.token, grant.lease_id)
             except BaseException:
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(client.release, lease, grant.token, grant.lease_id)
@@ -435,7 +519,7 @@ class AsyncTerm:
             raise LeaseLost("the term is not held yet: enter it first (async with)")
         if self._loss.reason is None:
             if self._clock.monotonic() >= s.deadline:
-                self._lose("no renewal succeeded before the local deadline")
+                self._lose(_PAST_DEADLINE)
             elif self._task is not None and self._task.done():
                 self._lose("the renewer stopped")
         reason = self._loss.reason
@@ -447,20 +531,27 @@ class AsyncTerm:
         self.check()
         return {FENCING_TOKEN: str(self.token), FENCING_LEASE_ID: self.lease_id}
 
+    def on_release(self, callback: Callable[[], None]) -> None:
+        """As :meth:`Term.on_release`."""
+        self._on_release.add(callback)
+
     async def release(self) -> None:
         """As :meth:`Term.release`."""
         if self._released:
             return
         self._released = True
-        if self._task is not None:
-            self._task.cancel()
-            # Waits for the renewer without taking on its cancellation (a
-            # cancellation of the caller still reaches the caller).
-            await asyncio.wait({self._task})
-        if self._schedule is not None:
-            await asyncio.to_thread(
-                _release, self._client, self.lease, self.token, self.lease_id, self._loss
-            )
+        try:
+            if self._task is not None:
+                self._task.cancel()
+                # Waits for the renewer without taking on its cancellation
+                # (a cancellation of the caller still reaches the caller).
+                await asyncio.wait({self._task})
+            if self._schedule is not None:
+                await asyncio.to_thread(
+                    _release, self._client, self.lease, self.token, self.lease_id, self._loss
+                )
+        finally:
+            self._on_release.run()
 
     async def _run(self) -> None:
         try:
@@ -478,32 +569,30 @@ class AsyncTerm:
         assert s is not None
         clock = self._clock
         while True:
-            await clock.sleep(min(s.deadline, s.next_renew) - clock.monotonic())
-            now = clock.monotonic()
-            if now >= s.deadline:
-                self._lose("no renewal succeeded before the local deadline")
+            await clock.sleep(s.wait(clock.monotonic()))
+            sent = clock.monotonic()
+            due = s.due(sent)
+            if due:
+                self._lose(due)
                 return
-            if now < s.next_renew:
+            if due is None:
                 continue
-            sent = now
             try:
                 grant = await asyncio.to_thread(
-                    self._client._renew,
-                    self.lease,
-                    self.token,
-                    self.lease_id,
-                    None,
-                    max(0.01, s.deadline - sent),
-                    lambda: s.deadline - clock.monotonic(),
+                    functools.partial(
+                        self._client.renew,
+                        self.lease,
+                        self.token,
+                        self.lease_id,
+                        timeout=s.timeout(sent),
+                        budget=lambda: s.deadline - clock.monotonic(),
+                    )
                 )
-            except ProblemError as e:
-                if e.reason == "not-primary":
-                    s.next_renew = clock.monotonic() + 0.1
-                    continue
-                self._lose(f"a renewal was refused ({e.reason})", refused=True)
-                return
-            except Unreachable:
-                s.next_renew = clock.monotonic() + 0.05
+            except (ProblemError, Unreachable) as e:
+                lost = s.failed(e, clock.monotonic())
+                if lost is not None:
+                    self._lose(*lost)
+                    return
                 continue
             if self._loss.reason is not None:
                 return  # lost meanwhile (check() saw the deadline)
