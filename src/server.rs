@@ -49,12 +49,14 @@ pub struct ServerOptions {
     /// never). tokio's timer wakes its driver through the I/O driver (an
     /// eventfd write, then one more `epoll_wait`) whenever a timer is set to
     /// fire before every timer it holds; hyper's head deadline, set anew
-    /// for each request on a kept-alive connection, was such a timer once
-    /// per request (it is now moved later, see `rt::TimerSlot`, unless it
-    /// fired), and the upstream exchange's deadline still is. A tick
-    /// shorter than every per-request deadline is always earlier, so those
-    /// are set without waking anything: one `write` and one `epoll_wait`
-    /// fewer per request (strace, 2026-12-03).
+    /// for each request on a kept-alive connection, and the upstream
+    /// exchange's deadline were such timers once per request. Both are now
+    /// timers a connection keeps and moves later (`rt::TimerSlot`,
+    /// `backend::h1::Timed`), which wake the driver only when moved
+    /// earlier. A tick shorter than every such deadline is always earlier,
+    /// so they are set without waking anything: one `write` and one
+    /// `epoll_wait` fewer per request (strace, 2026-12-03, when the
+    /// deadlines were still timers per request).
     pub timer_tick_ms: u64,
 }
 
