@@ -806,6 +806,16 @@ fn late_loadtest(
     loadtest_env(&args, "1500", json, env)
 }
 
+/// A `--late-writes` run in which late writes of old terms landed: it
+/// failed, the report counts them, and the verdict says `why`.
+fn assert_late_writes_landed(code: i32, r: &serde_json::Value, stdout: &str, why: &str) {
+    assert_eq!(code, 1, "{stdout}");
+    let applied = r["late_writes"]["relay"]["late_stale_applied"].as_u64();
+    assert!(applied.unwrap() > 0, "{stdout}");
+    assert!(stdout.contains("UNSAFE:"), "{stdout}");
+    assert!(stdout.contains(why), "{stdout}");
+}
+
 /// `--late-writes` in front of the embedded store (`fencegate backend`,
 /// entity tags that change on every write): with the route's preconditions
 /// on, every write reaches the storage with one, the storage refuses the
@@ -852,16 +862,7 @@ fn late_writes_are_refused_by_the_storage_with_preconditions_on() {
         &dir.path().join("off.json"),
         &[],
     );
-    assert_eq!(code, 1, "{stdout}");
-    assert!(
-        r["late_writes"]["relay"]["late_stale_applied"]
-            .as_u64()
-            .unwrap()
-            > 0,
-        "{stdout}"
-    );
-    assert!(stdout.contains("UNSAFE:"), "{stdout}");
-    assert!(stdout.contains("without a precondition"), "{stdout}");
+    assert_late_writes_landed(code, &r, &stdout, "without a precondition");
 }
 
 /// In front of Garage, which applies a write whose If-Match is false: the
@@ -1023,16 +1024,7 @@ async fn late_writes_in_front_of_etcd_v3_are_refused_by_etcd() {
 
     let off = etcd_proxy(&dir, "off", &relay, Some("etcd-compare-dropped"));
     let (code, r, stdout) = run(&off, "off").await.unwrap();
-    assert_eq!(code, 1, "{stdout}");
-    assert!(
-        r["late_writes"]["relay"]["late_stale_applied"]
-            .as_u64()
-            .unwrap()
-            > 0,
-        "{stdout}"
-    );
-    assert!(stdout.contains("UNSAFE:"), "{stdout}");
-    assert!(stdout.contains("without the comparison"), "{stdout}");
+    assert_late_writes_landed(code, &r, &stdout, "without the comparison");
 }
 
 /// `--store dynamodb` in front of moto's DynamoDB: every write carries its
@@ -1107,16 +1099,7 @@ async fn late_writes_in_front_of_dynamodb_are_refused_by_dynamodb() {
     let (code, r, stdout) = run(&off, "off", &["--dynamodb-without-condition"])
         .await
         .unwrap();
-    assert_eq!(code, 1, "{stdout}");
-    assert!(
-        r["late_writes"]["relay"]["late_stale_applied"]
-            .as_u64()
-            .unwrap()
-            > 0,
-        "{stdout}"
-    );
-    assert!(stdout.contains("UNSAFE:"), "{stdout}");
-    assert!(stdout.contains("without the condition"), "{stdout}");
+    assert_late_writes_landed(code, &r, &stdout, "without the condition");
 }
 
 /// `fencegate loadtest` with `args` (and `--json json`), killed if it has

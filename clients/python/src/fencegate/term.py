@@ -158,10 +158,25 @@ class _Schedule:
             return _PAST_DEADLINE
         return "" if now >= self.next_renew else None
 
-    def timeout(self, sent: float) -> float:
-        """How long a renewal sent at ``sent`` may take: until the local
-        deadline."""
-        return max(0.01, self.deadline - sent)
+    def renewal(
+        self,
+        client: Client,
+        lease: str,
+        token: int,
+        lease_id: str,
+        clock: Clock | AsyncClock,
+        sent: float,
+    ) -> Callable[[], Grant]:
+        """The renewal to send at ``sent``: it may take until the local
+        deadline, whichever members it tries."""
+        return functools.partial(
+            client.renew,
+            lease,
+            token,
+            lease_id,
+            timeout=max(0.01, self.deadline - sent),
+            budget=lambda: self.deadline - clock.monotonic(),
+        )
 
     def failed(self, error: FencegateError, now: float) -> tuple[str, bool] | None:
         """A renewal failed at ``now``: ``None`` if it is tried again (a
@@ -394,13 +409,9 @@ class Term:
             if due is None:
                 continue
             try:
-                grant = self._client.renew(
-                    self.lease,
-                    self.token,
-                    self.lease_id,
-                    timeout=s.timeout(sent),
-                    budget=lambda: s.deadline - clock.monotonic(),
-                )
+                grant = s.renewal(
+                    self._client, self.lease, self.token, self.lease_id, clock, sent
+                )()
             except (ProblemError, Unreachable) as e:
                 if self._stop.is_set():
                     return  # released meanwhile
@@ -579,14 +590,7 @@ class AsyncTerm:
                 continue
             try:
                 grant = await asyncio.to_thread(
-                    functools.partial(
-                        self._client.renew,
-                        self.lease,
-                        self.token,
-                        self.lease_id,
-                        timeout=s.timeout(sent),
-                        budget=lambda: s.deadline - clock.monotonic(),
-                    )
+                    s.renewal(self._client, self.lease, self.token, self.lease_id, clock, sent)
                 )
             except (ProblemError, Unreachable) as e:
                 lost = s.failed(e, clock.monotonic())

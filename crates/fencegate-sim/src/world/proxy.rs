@@ -171,11 +171,7 @@ impl World {
             self.reply(&req, Answer::Refused);
             return;
         };
-        let presented = slot::Presented {
-            token: req.token,
-            lease_id: Some(&req.lease_id),
-            holder: None,
-        };
+        let presented = presented(&req);
         match slot.lease.renew(p, wall, presented, None) {
             Ok(slot::Renewed { grant, hint }) => {
                 let expires_in_ms = grant.expires_in_ms(p);
@@ -234,11 +230,7 @@ impl World {
             self.reply(&req, Answer::Refused);
             return;
         };
-        let presented = slot::Presented {
-            token: req.token,
-            lease_id: Some(&req.lease_id),
-            holder: None,
-        };
+        let presented = presented(&req);
         let released = slot.lease.release(
             p,
             presented,
@@ -832,5 +824,14 @@ impl World {
                 answer,
             },
         );
+    }
+}
+
+/// What a client's renewal or release presents (no authentication here).
+fn presented(req: &Req) -> slot::Presented<'_> {
+    slot::Presented {
+        token: req.token,
+        lease_id: Some(&req.lease_id),
+        holder: None,
     }
 }
