@@ -655,29 +655,40 @@ impl Config {
     /// Routes that find their keys in the body (SPEC §11) guard a store
     /// reached over HTTP, and read the body before they know the lease.
     fn validate_body_routes(&self) -> Result<(), ConfigError> {
-        let kinds = [
-            (
-                self.fence.compile_dynamodb_routes()?.is_some(),
-                "dynamodb routes guard the items of DynamoDB's API: set upstream to its URL",
-                "dynamodb",
-            ),
-            (
-                self.fence.compile_key_routes()?.is_some(),
-                "etcd-v3 routes guard the keys of an etcd's v3 JSON gateway: set upstream \
-                 to its URL (http://127.0.0.1:2379)",
-                "etcd-v3",
-            ),
-        ];
-        for (_, needs_upstream, kind) in kinds.into_iter().filter(|(used, ..)| *used) {
-            if self.upstream_target()? == UpstreamTarget::Embedded {
-                return Err(needs_upstream.into());
-            }
-            if self.cluster.shards > 1 {
-                return Err(setting!(
-                    "{kind} routes name their lease in the body, which a member with several \
-                     shards does not read before it forwards: use cluster.shards = 1"
-                ));
-            }
+        let dynamodb = self.fence.compile_dynamodb_routes()?.is_some();
+        self.validate_body_route_kind(
+            dynamodb,
+            "dynamodb",
+            "dynamodb routes guard the items of DynamoDB's API: set upstream to its URL",
+        )?;
+        let etcd = self.fence.compile_key_routes()?.is_some();
+        self.validate_body_route_kind(
+            etcd,
+            "etcd-v3",
+            "etcd-v3 routes guard the keys of an etcd's v3 JSON gateway: set upstream \
+             to its URL (http://127.0.0.1:2379)",
+        )
+    }
+
+    /// Routes of `kind`, if `used`, need an upstream (`needs_upstream`
+    /// says so) and one shard.
+    fn validate_body_route_kind(
+        &self,
+        used: bool,
+        kind: &str,
+        needs_upstream: &str,
+    ) -> Result<(), ConfigError> {
+        if !used {
+            return Ok(());
+        }
+        if self.upstream_target()? == UpstreamTarget::Embedded {
+            return Err(needs_upstream.into());
+        }
+        if self.cluster.shards > 1 {
+            return Err(setting!(
+                "{kind} routes name their lease in the body, which a member with several \
+                 shards does not read before it forwards: use cluster.shards = 1"
+            ));
         }
         Ok(())
     }

@@ -324,6 +324,38 @@ def test_a_term_is_acquired_when_its_block_is_entered() -> None:
         term.acquire()
 
 
+def test_a_term_released_while_it_is_acquired_gives_the_grant_back() -> None:
+    clock = ManualClock()
+    client = FakeClient(clock)
+    granting, go_on = threading.Event(), threading.Event()
+    grant = client.acquire
+
+    def slow_acquire(*args: Any) -> Grant:
+        granting.set()
+        assert go_on.wait(30)
+        return grant(*args)
+
+    client.acquire = slow_acquire  # type: ignore[method-assign]
+    term = Term(client, "orders", "w1", 9.0, clock=clock)  # type: ignore[arg-type]
+    raised: list[BaseException] = []
+
+    def enter() -> None:
+        try:
+            term.acquire()
+        except BaseException as e:
+            raised.append(e)
+
+    acquiring = threading.Thread(target=enter)
+    acquiring.start()
+    assert granting.wait(30)
+    term.release()
+    go_on.set()
+    acquiring.join(30)
+    assert [type(e) for e in raised] == [fencegate.LeaseLost]
+    assert client.releases == 1, "the grant that came after the release is given back"
+    assert not term._thread.is_alive()
+
+
 def test_what_a_term_holds_is_let_go_when_it_is_released() -> None:
     clock = ManualClock()
     client = FakeClient(clock)

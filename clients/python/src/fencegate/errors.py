@@ -43,7 +43,10 @@ class LeaseLost(FencegateError):
 
     Raised before a write is sent once a renewal was refused, the local
     deadline passed without a renewal, the renewer died, or the term was
-    released. ``reason`` says which.
+    released (by :meth:`~fencegate.Term.check` and ``headers()``, and a
+    fenced ``requests`` session; a fenced boto3 client lets go of a
+    released term instead: its writes go unfenced, which fencegate
+    refuses on a route that guards them). ``reason`` says which.
     """
 
     def __init__(self, reason: str) -> None:

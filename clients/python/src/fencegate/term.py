@@ -276,6 +276,7 @@ class Term:
         self._clock: Clock = clock or SystemClock()
         self._schedule: _Schedule | None = None
         self._stop = threading.Event()
+        self._acquiring = False
         self._released = False
         self._release_lock = threading.Lock()
         self._on_release = _Released()
@@ -285,9 +286,13 @@ class Term:
 
     def acquire(self) -> Term:
         """Acquires the lease (waiting up to ``wait``) and starts renewing
-        the term; returns the term. Once only."""
-        if self._schedule is not None or self._released:
-            raise FencegateError("a term is acquired once")
+        the term; returns the term. Once only; a term released while it
+        was being acquired gives the grant back and raises
+        :class:`~fencegate.LeaseLost`."""
+        with self._release_lock:
+            if self._acquiring or self._released:
+                raise FencegateError("a term is acquired once")
+            self._acquiring = True
         client, clock = self._client, self._clock
         holder, ttl, wait = self._args
         sent = clock.monotonic()
@@ -300,16 +305,20 @@ class Term:
                 with contextlib.suppress(Exception):
                     client.release(self.lease, grant.token, grant.lease_id)
                 raise
-        self.holder, self.token, self.lease_id, self.ttl = (
-            grant.holder,
-            grant.token,
-            grant.lease_id,
-            grant.ttl,
-        )
-        margin = grant.ttl / 10 if self._margin is None else self._margin
-        self._schedule = _Schedule(grant, sent, margin)
-        self._thread.start()
-        return self
+        with self._release_lock:
+            if not self._released:
+                self.holder, self.token, self.lease_id, self.ttl = (
+                    grant.holder,
+                    grant.token,
+                    grant.lease_id,
+                    grant.ttl,
+                )
+                margin = grant.ttl / 10 if self._margin is None else self._margin
+                self._schedule = _Schedule(grant, sent, margin)
+                self._thread.start()
+                return self
+        _quietly(client.release, self.lease, grant.token, grant.lease_id)
+        raise LeaseLost("the term was released while it was being acquired")
 
     # -- what the holder asks --------------------------------------------
 
@@ -371,7 +380,7 @@ class Term:
             self._on_release.run()
 
     def __enter__(self) -> Term:
-        if self._schedule is None:
+        if not self._acquiring:
             self.acquire()
         return self
 
@@ -464,6 +473,8 @@ class AsyncTerm:
         self.lease_id = ""
 
     async def __aenter__(self) -> AsyncTerm:
+        if self._loop is not None or self._released:
+            raise FencegateError("a term is acquired once")
         self._loop = asyncio.get_running_loop()
         clock = self._clock
         client = self._client
