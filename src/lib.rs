@@ -40,9 +40,11 @@
 //!   sends it as the core's transaction on the lease's fence key and
 //!   reshapes etcd's answer.
 //! - [`backend`]: the embedded key-value store and the HTTP(S) upstream client.
-//! - [`lease`]: the core's lease state machine and the concurrent store around
-//!   it (the handover barrier and the acquire rate limit in files of their
-//!   own); [`journal`] makes grants durable (an fsync'd, checksummed log with
+//! - [`lease`]: the core's lease state machine and its lease slot (one
+//!   lease and every procedure on it: grant, renew, release, admit a write,
+//!   forget), and the concurrent store that holds the slots and carries out
+//!   what they return (the handover barrier's waits and the acquire rate
+//!   limit in files of their own); [`journal`] makes grants durable (an fsync'd, checksummed log with
 //!   group commit and a token floor) behind the `Journal` trait, the seam a
 //!   second store fills; [`clock`] is the proxy's clock, the only
 //!   source of the time leases, settle windows and the handover barrier are

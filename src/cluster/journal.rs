@@ -641,7 +641,9 @@ impl Journal for EtcdJournal {
         let (ack, done) = oneshot::channel();
         let lease = record.lease.clone();
         let record = crate::journal::record::Record::from(record);
-        let queued = self.queue(&lease, Some(ack), |stored| stored.record(&record));
+        let queued = self.queue(&lease, Some(ack), |stored| {
+            crate::lease::slot::record_into(stored, &record)
+        });
         Box::pin(async move {
             queued?;
             done.await

@@ -6,8 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::journal::record::{term_flags, wall_deadline, LeaseRecord, Record, TermRecord};
-use crate::lease::id::text_digest;
+use crate::journal::record::{term_flags, wall_deadline, LeaseRecord, TermRecord};
 use crate::mutant::{planted, Mutant};
 
 /// One lease's whole state as the journal keeps it.
@@ -144,39 +143,6 @@ impl StoredLease {
         self.last_token = self.last_token.max(last_token);
         self.forgotten = true;
         true
-    }
-
-    /// A journal record of the lease, applied as the etcd journal applies
-    /// it (a grant's lease id kept as its digest, never the id): whether
-    /// the state changed.
-    pub fn record(&mut self, record: &Record) -> bool {
-        match record {
-            Record::Grant {
-                token,
-                holder,
-                ttl_ms,
-                lease_id,
-                quiet,
-                wall_ms,
-                ..
-            } => self.grant(StoredGrant {
-                token: *token,
-                holder,
-                ttl_ms: *ttl_ms,
-                lease_id_sha256: text_digest(lease_id),
-                quiet: *quiet,
-                wall_ms: *wall_ms,
-            }),
-            Record::Renew {
-                token,
-                ttl_ms,
-                wall_ms,
-                ..
-            } => self.renew(*token, *ttl_ms, *wall_ms),
-            Record::Release { token, quiet, .. } => self.release(*token, *quiet),
-            Record::Forget { last_token, .. } => self.forget(*last_token),
-            Record::State(_) | Record::Noop | Record::Identity { .. } => false,
-        }
     }
 }
 

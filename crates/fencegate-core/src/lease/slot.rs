@@ -18,8 +18,10 @@
 use std::ops::DerefMut;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::journal::record::GrantRecord;
+use crate::journal::record::{GrantRecord, Record};
+use crate::journal::stored::{StoredGrant, StoredLease};
 use crate::lease::admission::{self, Decision, TermChange, WriteCheck};
+use crate::lease::id::text_digest;
 use crate::lease::id::LeaseId;
 use crate::lease::inflight::Inflight;
 use crate::lease::machine::{AcquireRefused, Grant, LeaseState, Reject, Term};
@@ -365,6 +367,40 @@ impl From<Restored> for Slot {
             touched_ms: AtomicU64::new(0),
             record_owed: false,
         }
+    }
+}
+
+/// A journal record of a lease, applied to the lease's state as the etcd
+/// journal keeps it (a grant's lease id kept as its digest, never the id):
+/// whether the state changed. The etcd journal and the simulator's etcd
+/// both record through it.
+pub fn record_into(stored: &mut StoredLease, record: &Record) -> bool {
+    match record {
+        Record::Grant {
+            token,
+            holder,
+            ttl_ms,
+            lease_id,
+            quiet,
+            wall_ms,
+            ..
+        } => stored.grant(StoredGrant {
+            token: *token,
+            holder,
+            ttl_ms: *ttl_ms,
+            lease_id_sha256: text_digest(lease_id),
+            quiet: *quiet,
+            wall_ms: *wall_ms,
+        }),
+        Record::Renew {
+            token,
+            ttl_ms,
+            wall_ms,
+            ..
+        } => stored.renew(*token, *ttl_ms, *wall_ms),
+        Record::Release { token, quiet, .. } => stored.release(*token, *quiet),
+        Record::Forget { last_token, .. } => stored.forget(*last_token),
+        Record::State(_) | Record::Noop | Record::Identity { .. } => false,
     }
 }
 

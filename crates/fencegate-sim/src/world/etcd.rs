@@ -1,7 +1,7 @@
 //! The simulated etcd of cluster mode: members' sessions (etcd leases)
 //! that expire, the election, and the lease state a primary's batches
 //! commit, changed by the etcd journal's rules
-//! (`fencegate_core::journal::stored::StoredLease::record`).
+//! (`fencegate_core::lease::slot::record_into`).
 
 use super::*;
 
@@ -150,7 +150,7 @@ impl World {
                 },
             };
             let mut state = self.etcd.state.lease(lease);
-            if state.record(&q.record) {
+            if slot::record_into(&mut state, &q.record) {
                 self.etcd.state.apply(lease.to_owned(), state);
             }
         }
