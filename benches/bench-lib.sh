@@ -11,14 +11,8 @@
 cargo bench --bench proxy --no-run --quiet 2>/dev/null
 cargo build --release --quiet
 bench=$(ls -t target/release/deps/proxy-* | grep -v '\.d$' | head -1)
-work=$(mktemp -d)
-pids=()
-cleanup() {
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
+# shellcheck source=benches/scratch.sh
+source benches/scratch.sh
 
 "$bench" --kv-backend >"$work/backend.out" &
 pids+=($!)

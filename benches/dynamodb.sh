@@ -19,15 +19,8 @@ moto=$(ls -d "$cache"/venv-s3-*/bin/moto_server 2>/dev/null | head -1)
 [[ -x "$moto" ]] || { echo "no moto_server under $cache: run cargo test first" >&2; exit 1; }
 
 cargo build --release --quiet
-work=$(mktemp -d)
-pids=()
-cleanup() {
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# shellcheck source=benches/scratch.sh
+source benches/scratch.sh
 
 port=$(free_port)
 "$moto" -H 127.0.0.1 -p "$port" >"$work/moto.log" 2>&1 &

@@ -27,16 +27,9 @@ requests=${1:-2000}
 leases=${2:-5000}
 
 cargo build --release --quiet
-work=$(mktemp -d)
-pids=()
-cleanup() {
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
+# shellcheck source=benches/scratch.sh
+source benches/scratch.sh
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 client=$(free_port)
 peer=$(free_port)

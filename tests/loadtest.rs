@@ -747,31 +747,11 @@ fn proxy_with_route(
     preconditions: &str,
     extra: &str,
 ) -> Proc {
-    let config = dir.path().join(format!("{name}.toml"));
-    std::fs::write(
-        &config,
-        format!(
-            "{extra}\n[fence]\nsettle_ms = 300\n[[fence.routes]]\npattern = \"{route}\"\n\
-             preconditions = \"{preconditions}\"\n"
-        ),
-    )
-    .unwrap();
-    let data = dir.path().join(format!("data-{name}"));
-    Proc::start(
-        &[
-            "serve",
-            "--config",
-            config.to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:0",
-            "--upstream",
-            upstream,
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
-        &dir.path().join(format!("{name}.log")),
-        &[],
-    )
+    let config = format!(
+        "{extra}\n[fence]\nsettle_ms = 300\n[[fence.routes]]\npattern = \"{route}\"\n\
+         preconditions = \"{preconditions}\"\n"
+    );
+    support::proc::serve_config(dir, name, &config, upstream, None)
 }
 
 /// A load test whose writes sometimes reach `storage` late, through the
